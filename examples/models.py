@@ -1,0 +1,60 @@
+"""Example models shipped with the repository (no downloads): seeded random weights.
+
+classifier: a small image classifier with BatchNorm buffers and a dynamic batch dimension.
+two_input:  two named inputs (float features, bool mask) and a dict of outputs; its forward
+            creates tensors with `device=` arguments and holds a buffer and a tensor constant,
+            the things field report 001 saw left behind when a program changes GPU.
+"""
+import torch
+from torch import nn
+
+
+class SmallClassifier(nn.Module):
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, image):
+        return self.head(torch.flatten(self.features(image), 1))
+
+
+class TwoInput(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(width, 32)
+        self.score = nn.Linear(32, 1)
+        self.cls = nn.Linear(32, 4)
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, width))
+        self.scale = torch.tensor(0.5)  # a plain tensor attribute: export lifts it as a constant
+        self.width = width
+
+    def forward(self, features, mask):
+        pos = torch.arange(self.width, device=features.device, dtype=features.dtype) / self.width
+        x = torch.where(mask, features + self.offset + pos, torch.zeros_like(features))
+        h = torch.relu(self.proj(x)) * self.scale + torch.ones(1, device=features.device)
+        return {"score": torch.sigmoid(self.score(h)), "probs": torch.softmax(self.cls(h), dim=-1)}
+
+
+def _seeded(module: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+    return module.eval()
+
+
+def classifier() -> nn.Module:
+    return _seeded(SmallClassifier(), 0)
+
+
+def two_input() -> nn.Module:
+    return _seeded(TwoInput(), 1)

@@ -1,0 +1,63 @@
+"""Fit a TorchServe batch of valid requests to the batch range the artifact accepts.
+
+The rows of all requests are laid end to end, cut into chunks of at most `batch_max` rows and
+each chunk padded up to `batch_min` (a fixed-batch artifact has min == max). Padding rows are
+dropped from the outputs and every request gets exactly its own rows back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int  # first row, in the concatenation of all requests
+    rows: int  # real rows
+    run_rows: int  # rows the artifact is called with (real + padding)
+
+
+def plan_chunks(total_rows: int, batch_min: int, batch_max: int) -> list:
+    chunks, start = [], 0
+    while start < total_rows:
+        rows = min(batch_max, total_rows - start)
+        chunks.append(Chunk(start, rows, max(rows, batch_min)))
+        start += rows
+    return chunks
+
+
+def check_request_fits(rows: int, batch_max: int, split_oversized: bool) -> None:
+    if rows > batch_max and not split_oversized:
+        raise RequestError(f"request carries {rows} rows but the artifact accepts at most {batch_max} "
+                           "per call; send at most that many, or enable handler.split_oversized")
+
+
+def offsets(row_counts) -> list:
+    out, at = [], 0
+    for n in row_counts:
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def warmup_sizes(batch_min: int, batch_max: int, configured=()) -> list:
+    """A few buckets across the accepted range: both ends and the powers of two between, at
+    most five sizes, so warm-up stays cheap for wide ranges."""
+    if configured:
+        bad = [b for b in configured if not batch_min <= b <= batch_max]
+        if bad:
+            raise ValueError(f"warmup_batch_sizes {bad} lie outside the artifact's batch range "
+                             f"[{batch_min}, {batch_max}]")
+        return sorted(set(configured))
+    sizes = {batch_min, batch_max}
+    p = 1
+    while p < batch_max:
+        if p > batch_min:
+            sizes.add(p)
+        p *= 2
+    sizes = sorted(sizes)
+    if len(sizes) > 5:
+        keep = [sizes[round(i * (len(sizes) - 1) / 4)] for i in range(5)]
+        sizes = sorted(set(keep))
+    return sizes

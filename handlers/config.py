@@ -1,0 +1,82 @@
+"""Handler configuration, parsed once at load from model-config.yaml into a typed object.
+
+TorchServe hands the whole YAML to the worker as `context.model_yaml_config`; our options
+live under its `handler:` key, next to TorchServe's own `deviceType`/`deviceIds`. Every
+unknown key or wrong type fails the load with a message naming the key and what it takes,
+so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    # TorchServe's own keys (top level of model-config.yaml)
+    device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
+    # Ours (under `handler:`)
+    stream_priority: int = 0  # CUDA stream priority; lower is higher priority (-1 high on most GPUs)
+    warmup: bool = True
+    warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
+    split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
+    max_rows_per_request: int = 1024  # a single request may not carry more rows than this
+    crash_safe_load: bool = True  # try loading in a child process first (catches native crashes)
+    crash_safe_timeout_s: float = 600.0
+    strict_versions: bool = False  # torch major.minor mismatch: fail (True) or warn (False)
+    trt_multi_device_safe_mode: bool = False
+    variant: str = ""  # force one variant directory name (multi-variant archives)
+
+
+_HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
+_TYPES = {
+    "stream_priority": int, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
+    "max_rows_per_request": int, "crash_safe_load": bool, "crash_safe_timeout_s": float,
+    "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
+}
+
+
+def _coerce(key, value, kind):
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif kind is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and v > 0 for v in value):
+            return tuple(value)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                tuple: "a list of positive integers"}[kind]
+    raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected {expected}")
+
+
+def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
+    model_yaml = model_yaml or {}
+    device_type = model_yaml.get("deviceType")
+    if device_type is not None and device_type not in ("cpu", "gpu"):
+        raise ConfigError(f"model-config.yaml deviceType = {device_type!r} is not supported by this "
+                          "handler: use 'cpu' or 'gpu', or leave it out to follow TorchServe's assignment")
+    raw = model_yaml.get("handler") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("model-config.yaml `handler:` must be a mapping of options")
+    unknown = sorted(set(raw) - set(_HANDLER_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "
+                          f"valid options: {', '.join(sorted(_HANDLER_KEYS))}")
+    values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
+    if values.get("max_rows_per_request", 1) < 1:
+        raise ConfigError("model-config.yaml handler.max_rows_per_request must be at least 1")
+    return HandlerConfig(device_type=device_type, **values)

@@ -1,0 +1,103 @@
+"""Which device this worker serves on, decided in one place.
+
+Inputs: TorchServe's `gpu_id` (None on CPU workers), the model-config `deviceType`, what the
+artifact was compiled for, and what the process can see (CUDA, device count,
+CUDA_VISIBLE_DEVICES). A pure function so every combination is unit-tested on CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import IncompatibleArtifact
+
+# Backends whose artifacts can be moved between device kinds after compilation: an
+# ExportedProgram is a graph plus tensors. AOTI and TensorRT artifacts hold compiled kernels
+# for exactly one device kind.
+RELOCATABLE_KINDS = ("export",)
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # "cpu" or "cuda"
+    index: Optional[int]  # logical CUDA index in this process, None on CPU
+    note: str = ""  # why, for the load log
+
+    @property
+    def torch_device(self):
+        import torch
+
+        return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
+
+    def __str__(self):
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+def _logical_index(gpu_id: int, device_count: int, visible: Optional[str]) -> int:
+    """TorchServe counts GPUs itself and may hand out an id that is a physical GPU number
+    (deviceIds in model-config) while CUDA_VISIBLE_DEVICES renumbers what torch sees."""
+    if 0 <= gpu_id < device_count:
+        return gpu_id
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if str(gpu_id) in ids and ids.index(str(gpu_id)) < device_count:
+            return ids.index(str(gpu_id))
+    raise IncompatibleArtifact(
+        f"TorchServe assigned gpu_id {gpu_id}, but this worker sees {device_count} CUDA device(s)"
+        f" (CUDA_VISIBLE_DEVICES={visible!r}). Fix: make deviceIds in model-config.yaml name GPUs "
+        "that CUDA_VISIBLE_DEVICES exposes, or set number_of_gpu in config.properties to the "
+        "visible count.")
+
+
+def resolve_placement(
+    *,
+    gpu_id: Optional[int],
+    device_type: Optional[str],
+    artifact_device: str,
+    backend: str,
+    cuda_available: bool,
+    device_count: int,
+    visible_devices: Optional[str] = None,
+) -> Placement:
+    gpu_ok = cuda_available and device_count > 0 and gpu_id is not None
+    if device_type == "gpu" and not gpu_ok:
+        why = ("CUDA is not available to this worker" if not cuda_available or device_count == 0
+               else "TorchServe assigned no GPU to this worker (number_of_gpu=0?)")
+        raise IncompatibleArtifact(
+            f"model-config.yaml demands deviceType: gpu, but {why}. Fix: run on a host with a "
+            "visible NVIDIA GPU and a CUDA build of torch, or set deviceType: cpu with a CPU artifact.")
+
+    want_gpu = device_type == "gpu" or (device_type is None and gpu_ok)
+    if artifact_device == "cuda":
+        if not want_gpu:
+            reason = ("model-config.yaml says deviceType: cpu" if device_type == "cpu"
+                      else "this worker has no GPU (CUDA available: %s, devices: %d, gpu_id: %s)"
+                      % (cuda_available, device_count, gpu_id))
+            raise IncompatibleArtifact(
+                f"the {backend} artifact was compiled for CUDA and cannot run on the CPU, but {reason}. "
+                "Fix: serve it on a GPU worker, or recompile with scripts/compile.py --device cpu.")
+        idx = _logical_index(gpu_id, device_count, visible_devices)
+        return Placement("cuda", idx, f"TorchServe gpu_id {gpu_id} -> cuda:{idx}")
+
+    # artifact compiled for the CPU
+    if want_gpu and backend in RELOCATABLE_KINDS:
+        idx = _logical_index(gpu_id, device_count, visible_devices)
+        return Placement("cuda", idx, f"CPU-exported program relocated to cuda:{idx}")
+    if device_type == "gpu":
+        raise IncompatibleArtifact(
+            f"model-config.yaml demands deviceType: gpu, but the {backend} artifact was compiled "
+            "for the CPU and holds only CPU kernels. Fix: recompile with scripts/compile.py "
+            "--device cuda, or set deviceType: cpu.")
+    note = "CPU artifact" + (f"; GPU {gpu_id} assigned by TorchServe left unused" if gpu_ok else "")
+    return Placement("cpu", None, note)
+
+
+def placement_for_worker(gpu_id, device_type, artifact_device, backend) -> Placement:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return resolve_placement(
+        gpu_id=gpu_id, device_type=device_type, artifact_device=artifact_device, backend=backend,
+        cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -1,0 +1,98 @@
+"""The safetensors wire format, read and written with torch alone.
+
+The format is an 8-byte little-endian header length, a JSON header
+{name: {dtype, shape, data_offsets: [begin, end]}} and the raw little-endian bytes. We keep
+our own reader so the worker needs no extra package (stock TorchServe + torch) and so every
+offset is bounds-checked before a byte is interpreted: the payload comes from the network.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+import warnings
+
+import torch
+
+from .errors import RequestError
+
+CONTENT_TYPE = "application/x-safetensors"
+
+_TO_TORCH = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+MAX_HEADER = 1 << 20
+
+
+def looks_like(payload) -> bool:
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or len(payload) < 10:
+        return False
+    (n,) = struct.unpack_from("<Q", payload, 0)
+    return 2 <= n <= min(MAX_HEADER, len(payload) - 8) and payload[8:9] == b"{"
+
+
+def loads(payload) -> dict:
+    buf = memoryview(payload)
+    if len(buf) < 8:
+        raise RequestError("safetensors payload shorter than its 8-byte header length")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_HEADER or 8 + n > len(buf):
+        raise RequestError(f"safetensors header length {n} exceeds the payload ({len(buf)} bytes)")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise RequestError("safetensors header must be a JSON object")
+    data = buf[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _TO_TORCH[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise RequestError(f"safetensors entry {name!r} is malformed: expected dtype (one of "
+                               f"{', '.join(_TO_TORCH)}), shape and data_offsets") from None
+        if any(d < 0 for d in shape):
+            raise RequestError(f"safetensors entry {name!r} has a negative dimension {shape}")
+        count = 1
+        for d in shape:
+            count *= d
+        size = count * torch.empty((), dtype=dtype).element_size()
+        if not (0 <= begin <= end <= len(data)) or end - begin != size:
+            raise RequestError(f"safetensors entry {name!r}: data_offsets [{begin}, {end}] do not hold "
+                               f"{shape} {info['dtype']} ({size} bytes) inside the {len(data)}-byte body")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():
+            # The payload is read-only bytes; we only ever read it (it is copied into staging).
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
+        out[name] = t.reshape(shape)
+    return out
+
+
+def dumps(tensors: dict) -> bytes:
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        if t.device.type != "cpu":
+            raise ValueError("safetensors encoding expects CPU tensors")
+        if t.dtype not in _FROM_TORCH:
+            raise ValueError(f"dtype {t.dtype} has no safetensors name")
+        n = t.numel() * t.element_size()
+        # One copy straight from the tensor's memory: no Python lists on the response path.
+        blobs.append(ctypes.string_at(t.data_ptr(), n) if n else b"")
+        header[name] = {"dtype": _FROM_TORCH[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)

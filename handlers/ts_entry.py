@@ -1,0 +1,130 @@
+"""TorchServe entry point: a thin BaseHandler subclass wiring decode -> batch/stage -> run -> encode.
+
+The archive copies this file to the model directory's top level (TorchServe imports the
+handler by file name) next to the `handlers` package, hence the absolute imports.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from ts.torch_handler.base_handler import BaseHandler
+
+from handlers.batch import check_request_fits, warmup_sizes
+from handlers.compat import choose_variant, crash_safe_probe
+from handlers.config import parse_config
+from handlers.decode import decode
+from handlers.encode import encode, encode_error
+from handlers.errors import RequestError, ServingError
+from handlers.load import load_artifact
+from handlers.run import Executor
+
+logger = logging.getLogger(__name__)
+
+
+def _header(context, idx: int, name: str):
+    """Content-Type may arrive per body part (REST) or as a request header, in any case."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return None
+    for part in ("body", "data"):
+        if isinstance(headers.get(part), dict) and headers[part].get(name.lower()):
+            return headers[part][name.lower()]
+    for k, v in headers.items():
+        if isinstance(k, str) and k.lower() == name.lower() and isinstance(v, str):
+            return v
+    return None
+
+
+class CompiledModelHandler(BaseHandler):
+    def __init__(self):
+        super().__init__()
+        self.initialized = False
+
+    def initialize(self, context):
+        t0 = time.perf_counter()
+        props = context.system_properties
+        self.context = context
+        self.config = parse_config(getattr(context, "model_yaml_config", None))
+        self.model_name = context.manifest.get("model", {}).get("modelName", "model")
+        spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
+        for note in notes:
+            logger.warning("%s", note)
+        probe_s = crash_safe_probe(spec, placement, self.config) if self.config.crash_safe_load else 0.0
+        self.spec = spec
+        self.model = load_artifact(spec, placement, self.config)
+        self.device = placement.torch_device
+        self.executor = Executor(self.model, spec, self.device, self.config.stream_priority)
+        load_s = time.perf_counter() - t0
+        warm_s = self._warm_up() if self.config.warmup else 0.0
+        cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
+              if placement.kind == "cuda" else None)
+        logger.info(
+            "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
+            "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]",
+            spec.backend, spec.artifact, self.model.kind, placement, placement.note, cc or "n/a",
+            load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
+            spec.batch_min, spec.batch_max)
+        self._metric("ArtifactLoadTime", load_s * 1000.0)
+        self._metric("ArtifactWarmupTime", warm_s * 1000.0)
+        self.initialized = True  # last: a worker is ready only once everything above succeeded
+
+    def _metric(self, name, ms):
+        try:
+            self.context.metrics.add_time(name, ms, None, "ms")
+        except Exception as e:  # metrics must never fail a load
+            logger.debug("metric %s not recorded: %s", name, e)
+
+    def _warm_up(self) -> float:
+        t0 = time.perf_counter()
+        for size in warmup_sizes(self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes):
+            zeros = {s.name: torch.zeros((size,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype))
+                     for s in self.spec.inputs}
+            with torch.inference_mode():
+                self.executor.run([zeros])
+        return time.perf_counter() - t0
+
+    def _fail(self, context, idx, err: ServingError):
+        context.set_response_status(err.status, err.kind, idx)
+        try:
+            context.set_response_content_type(idx, "application/json")
+        except Exception:
+            pass
+        return encode_error(err)
+
+    def _infer(self, batch: list) -> list:
+        """Runs the batch; if it fails, runs each request alone so one bad request fails alone."""
+        try:
+            with torch.inference_mode():
+                return self.executor.run(batch)
+        except Exception as e:
+            if len(batch) == 1:
+                logger.exception("inference failed")
+                return [ServingError(f"model execution failed: {type(e).__name__}: {e}")]
+            logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
+        return [self._infer([one])[0] for one in batch]
+
+    def handle(self, data, context):
+        self.context = context
+        results = [None] * len(data)
+        valid = []
+        for idx, request in enumerate(data):
+            try:
+                req = decode(request, self.spec, _header(context, idx, "Content-Type"),
+                             self.config.max_rows_per_request, _header(context, idx, "Accept"))
+                check_request_fits(req.rows, self.spec.batch_max, self.config.split_oversized)
+                valid.append((idx, req))
+            except RequestError as e:
+                results[idx] = self._fail(context, idx, e)
+        if valid:
+            outputs = self._infer([req.tensors for _, req in valid])
+            for (idx, req), out in zip(valid, outputs):
+                if isinstance(out, ServingError):
+                    results[idx] = self._fail(context, idx, out)
+                    continue
+                body, content_type = encode(out, req, self.model_name)
+                context.set_response_content_type(idx, content_type)
+                results[idx] = body
+        return results

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Build a self-contained .mar with torch-model-archiver: the handler package, the artifact(s)
+with their artifact.json, and a model-config.yaml. A stock TorchServe with torch serves it;
+nothing is pip-installed per model.
+
+  python scripts/archive.py --artifact DIR --name NAME [--out model_store]
+      [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
+      [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
+      [--handler-option KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from handlers.config import parse_config  # noqa: E402
+from handlers.errors import LoadError  # noqa: E402
+from handlers.metadata import METADATA_FILE, read_spec, sha256_file  # noqa: E402
+
+
+def fail(msg):
+    raise SystemExit(f"archive.py: error: {msg}")
+
+
+def _yaml_value(text: str):
+    return yaml.safe_load(text)
+
+
+def copy_variant(src: str, dest: str):
+    try:
+        spec = read_spec(src)
+    except LoadError as e:
+        fail(str(e))
+    if sha256_file(spec.artifact_path) != spec.sha256:
+        fail(f"{spec.artifact_path} does not match the SHA-256 in {METADATA_FILE}; recompile it")
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy2(os.path.join(src, METADATA_FILE), dest)
+    shutil.copy2(spec.artifact_path, dest)
+    cubins = spec.extra.get("cubin_dir")
+    if cubins:
+        shutil.copytree(os.path.join(src, cubins), os.path.join(dest, cubins))
+    return spec
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", action="append", required=True,
+                   help="directory written by scripts/compile.py; repeat for variants")
+    p.add_argument("--name", required=True)
+    p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
+    p.add_argument("--version", default="1.0")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-batch-delay", type=int, default=5, help="milliseconds")
+    p.add_argument("--response-timeout", type=int, default=120, help="seconds")
+    p.add_argument("--device-type", choices=("cpu", "gpu"))
+    p.add_argument("--device-ids", help="comma-separated GPU ids for this model's workers")
+    p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
+
+    handler_opts = {}
+    for item in args.handler_option:
+        if "=" not in item:
+            fail(f"--handler-option {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        handler_opts[k] = _yaml_value(v)
+    cfg = {"minWorkers": args.workers, "maxWorkers": args.workers, "batchSize": args.batch_size,
+           "maxBatchDelay": args.max_batch_delay, "responseTimeout": args.response_timeout}
+    if args.device_type:
+        cfg["deviceType"] = args.device_type
+    if args.device_ids:
+        cfg["deviceIds"] = [int(x) for x in args.device_ids.split(",")]
+    if handler_opts:
+        cfg["handler"] = handler_opts
+    try:
+        parse_config(cfg)  # the same validation the worker runs: fail here, not at load
+    except LoadError as e:
+        fail(str(e))
+
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = os.path.join(tmp, "stage")
+        shutil.copytree(os.path.join(ROOT, "handlers"), os.path.join(stage, "handlers"),
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        specs = []
+        if len(args.artifact) == 1:
+            specs.append(copy_variant(args.artifact[0], stage))
+        else:
+            for i, src in enumerate(args.artifact):
+                spec = read_spec(src)
+                tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
+                                     else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
+                specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
+        for spec in specs:
+            if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
+                print(f"archive.py: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
+                      f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
+                      "into several calls", file=sys.stderr)
+            elif args.batch_size > spec.batch_max:
+                print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
+                      f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
+                      file=sys.stderr)
+        config_path = os.path.join(tmp, "model-config.yaml")
+        with open(config_path, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        cmd = ["torch-model-archiver", "--model-name", args.name, "--version", args.version,
+               "--handler", os.path.join(stage, "handlers", "ts_entry.py"),
+               "--extra-files", stage, "--config-file", config_path,
+               "--export-path", args.out, "--force"]
+        exe = shutil.which("torch-model-archiver") or os.path.join(os.path.dirname(sys.executable),
+                                                                    "torch-model-archiver")
+        cmd[0] = exe
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"torch-model-archiver failed: {r.stderr.strip() or r.stdout.strip()}")
+    mar = os.path.join(args.out, f"{args.name}.mar")
+    print(f"wrote {mar} ({len(specs)} variant(s); batchSize {args.batch_size}, workers {args.workers})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Compile a model into a servable artifact plus its artifact.json.
+
+  python scripts/compile.py --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
+      [--dynamic-batch MIN:MAX] --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
+
+FACTORY returns an nn.Module in eval mode; SHAPE like 8x3x32x32 (dimension 0 is the batch,
+and the example batch must lie inside MIN:MAX). Input names must be the forward()'s parameter
+names, in order. The artifact is checked against eager before metadata is written.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, dtype_name, sha256_file, write_spec  # noqa: E402
+
+ARTIFACT = "model.pt2"
+
+
+class CompileError(SystemExit):
+    def __init__(self, msg):
+        super().__init__(f"compile.py: error: {msg}")
+
+
+def pick_compiler() -> str:
+    """AOTInductor builds a C++ wrapper. On the GPU image, g++ 13 produces wrappers that segfault
+    in aoti_load_package (std::regex in parse_device_str, libstdc++ not linked); g++-12 works.
+    An explicit CXX wins; otherwise prefer g++-12 where it exists."""
+    if not os.environ.get("CXX") and shutil.which("g++-12"):
+        os.environ["CXX"] = "g++-12"
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return f"{cxx}: {version.splitlines()[0]}" if version else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def parse_input(text: str) -> TensorSpec:
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise CompileError(f"--input {text!r}: expected NAME:SHAPE:DTYPE, e.g. image:8x3x32x32:float32")
+    name, shape, dtype = parts
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+    except ValueError:
+        raise CompileError(f"--input {text!r}: SHAPE must be integers joined by 'x', e.g. 8x3x32x32") from None
+    if not dims or any(d <= 0 for d in dims):
+        raise CompileError(f"--input {text!r}: every dimension must be positive")
+    if dtype not in DTYPES:
+        raise CompileError(f"--input {text!r}: dtype must be one of {', '.join(DTYPES)}")
+    return TensorSpec(name, dtype, dims)
+
+
+def load_factory(ref: str):
+    if ":" not in ref:
+        raise CompileError(f"--model {ref!r}: expected FILE.py:FACTORY")
+    path, factory = ref.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise CompileError(f"--model: file {path!r} not found")
+    spec = importlib.util.spec_from_file_location("user_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, factory):
+        raise CompileError(f"--model: {path} has no {factory!r}")
+    return getattr(mod, factory)
+
+
+def example_inputs(specs, device):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for s in specs:
+        dt = getattr(torch, s.dtype)
+        if dt == torch.bool:
+            t = torch.rand(s.shape, generator=g) > 0.3
+        elif dt.is_floating_point:
+            t = torch.randn(s.shape, generator=g).to(dt)
+        else:
+            t = torch.randint(0, 8, s.shape, generator=g).to(dt)
+        out.append(t.to(device))
+    return out
+
+
+def output_structure(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return "tensor", [("output", out)]
+    if isinstance(out, dict):
+        return "dict", list(out.items())
+    if isinstance(out, (tuple, list)):
+        return "tuple", [(f"output_{i}", t) for i, t in enumerate(out)]
+    raise CompileError(f"model returned {type(out).__name__}; expected a tensor, tuple or dict of tensors")
+
+
+def compile_tensorrt(ep, module, inputs, args, dyn):
+    """Torch-TensorRT dynamo path. Not executed on this project's machines (no TensorRT there);
+    written against torch_tensorrt.dynamo.compile / torch_tensorrt.save."""
+    try:
+        import torch_tensorrt
+    except ImportError:
+        raise CompileError("--backend tensorrt needs torch_tensorrt (pip install torch-tensorrt matching "
+                           "your torch) and NVIDIA TensorRT on a CUDA machine; not available here") from None
+    import torch
+
+    trt_inputs = []
+    for t, s in zip(inputs, args.inputs):
+        if dyn:
+            lo, hi = dyn
+            opt = min(max(s.shape[0], lo), hi)
+            trt_inputs.append(torch_tensorrt.Input(
+                min_shape=(lo,) + s.shape[1:], opt_shape=(opt,) + s.shape[1:],
+                max_shape=(hi,) + s.shape[1:], dtype=t.dtype))
+        else:
+            trt_inputs.append(torch_tensorrt.Input(shape=s.shape, dtype=t.dtype))
+    precisions = {torch.float32} if args.precision == "fp32" else {torch.float16, torch.float32}
+    trt_gm = torch_tensorrt.dynamo.compile(
+        ep, inputs=trt_inputs, enabled_precisions=precisions,
+        hardware_compatible=args.hardware_compatible, device=torch.device(args.device_str))
+    path = os.path.join(args.out, ARTIFACT)
+    torch_tensorrt.save(trt_gm, path, output_format="exported_program", inputs=inputs)
+    import tensorrt
+
+    return {"tensorrt_version": tensorrt.__version__, "torch_tensorrt_version": torch_tensorrt.__version__,
+            "hardware_compatible": bool(args.hardware_compatible), "precision": args.precision,
+            "format": "exported_program"}, trt_gm
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="FILE.py:FACTORY returning an nn.Module in eval mode")
+    p.add_argument("--input", action="append", required=True, dest="raw_inputs",
+                   help="NAME:SHAPE:DTYPE, once per forward() argument, in order")
+    p.add_argument("--dynamic-batch", help="MIN:MAX range of dimension 0; omit for a fixed batch")
+    p.add_argument("--backend", required=True, choices=("aoti", "export", "tensorrt"))
+    p.add_argument("--device", required=True, choices=("cpu", "cuda"))
+    p.add_argument("--device-index", type=int, default=0, help="CUDA device to compile on")
+    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
+                   help="fp16 casts the model and floating inputs to half before compiling")
+    p.add_argument("--hardware-compatible", action="store_true",
+                   help="tensorrt: build Ampere-and-later hardware-compatible engines")
+    p.add_argument("--bare-so", action="store_true",
+                   help="aoti: also extract the bare wrapper .so (+ cubin dir) as an aoti_so variant")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    args = p.parse_args(argv)
+    args.inputs = [parse_input(t) for t in args.raw_inputs]
+    dyn = None
+    if args.dynamic_batch:
+        try:
+            lo, hi = (int(x) for x in args.dynamic_batch.split(":"))
+        except ValueError:
+            raise CompileError(f"--dynamic-batch {args.dynamic_batch!r}: expected MIN:MAX, e.g. 1:32") from None
+        if not 1 <= lo <= hi:
+            raise CompileError(f"--dynamic-batch {args.dynamic_batch!r}: need 1 <= MIN <= MAX")
+        for s in args.inputs:
+            if not lo <= s.shape[0] <= hi:
+                raise CompileError(f"--input {s.name}: example batch {s.shape[0]} lies outside --dynamic-batch {lo}:{hi}")
+        if lo == hi:
+            dyn = None
+        else:
+            dyn = (lo, hi)
+    batches = {s.shape[0] for s in args.inputs}
+    if len(batches) != 1:
+        raise CompileError("all --input shapes must share dimension 0 (the batch)")
+
+    compiler = pick_compiler() if args.backend == "aoti" else ""
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise CompileError("--device cuda but CUDA is not available; use --device cpu or a GPU machine")
+        torch.cuda.set_device(args.device_index)  # field report 004: compile state on one device
+        args.device_str = f"cuda:{args.device_index}"
+    else:
+        args.device_str = "cpu"
+    device = torch.device(args.device_str)
+    module = load_factory(args.model)()
+    if not isinstance(module, torch.nn.Module):
+        raise CompileError("FACTORY must return a torch.nn.Module")
+    module = module.eval().to(device)
+    params = list(inspect.signature(module.forward).parameters)
+    names = [s.name for s in args.inputs]
+    if params[:len(names)] != names:
+        raise CompileError(f"--input names {names} must match forward()'s parameters {params}, in order")
+    inputs = example_inputs(args.inputs, device)
+    if args.precision == "fp16":
+        module = module.half()
+        inputs = [t.half() if t.is_floating_point() else t for t in inputs]
+        args.inputs = [TensorSpec(s.name, "float16" if s.dtype.startswith("float") else s.dtype, s.shape)
+                       for s in args.inputs]
+
+    dynamic_shapes = None
+    if dyn:
+        batch = torch.export.Dim("batch", min=dyn[0], max=dyn[1])
+        dynamic_shapes = {n: {0: batch} for n in names}
+    os.makedirs(args.out, exist_ok=True)
+    with torch.no_grad():
+        eager = module(*inputs)
+        structure, named = output_structure(eager)
+        t0 = time.perf_counter()
+        ep = torch.export.export(module, tuple(inputs), dynamic_shapes=dynamic_shapes)
+    path = os.path.join(args.out, ARTIFACT)
+    extra = {}
+    if args.backend == "export":
+        torch.export.save(ep, path)
+    elif args.backend == "aoti":
+        from torch._inductor import aoti_compile_and_package
+
+        aoti_compile_and_package(ep, package_path=path)
+    else:
+        extra, _ = compile_tensorrt(ep, module, inputs, args, dyn)
+    compile_s = time.perf_counter() - t0
+
+    cc = archs = isa = None
+    if args.device == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        cc, archs = f"{major}.{minor}", [f"sm_{major}{minor}"]
+    if args.backend == "aoti":
+        from handlers.compat import package_metadata
+
+        meta = package_metadata(path)
+        isa = meta.get("AOTI_CPU_ISA") or None
+        if args.device == "cuda" and meta.get("AOTI_COMPUTE_CAPABILITY"):
+            c = meta["AOTI_COMPUTE_CAPABILITY"]
+            cc, archs = f"{c[:-1]}.{c[-1]}", [f"sm_{c}"]
+    lo, hi = dyn if dyn else (batches.pop(),) * 2
+    spec = ArtifactSpec(
+        backend=args.backend, artifact=ARTIFACT, sha256=sha256_file(path), device=args.device,
+        inputs=tuple(TensorSpec(s.name, s.dtype, (None if dyn else s.shape[0],) + s.shape[1:])
+                     for s in args.inputs),
+        outputs=tuple(TensorSpec(n, dtype_name(t.dtype), (None if dyn else t.shape[0],) + tuple(t.shape[1:]))
+                      for n, t in named),
+        output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
+        compute_capability=cc, cuda_archs=tuple(archs or ()), cpu_isa=isa, platform=sys.platform,
+        machine=platform.machine(), compiler=compiler, extra=extra, variant_dir=args.out)
+    write_spec(spec, args.out)
+
+    # Check the artifact against eager before anyone serves it.
+    from handlers.device import Placement
+    from handlers.load import load_artifact
+
+    placement = Placement(args.device, args.device_index if args.device == "cuda" else None)
+    loaded = load_artifact(spec, placement)
+    with torch.no_grad():
+        got = loaded(*inputs)
+    worst = 0.0
+    for n, ref in named:
+        diff = (got[n].float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+        worst = max(worst, diff)
+    tol = 1e-2 if args.precision == "fp16" else 1e-4
+    if worst > tol:
+        raise CompileError(f"compiled artifact differs from eager by {worst:.3g} (> {tol}); not publishing it")
+    if args.bare_so:
+        from handlers.compat import extract_bare_so
+
+        extract_bare_so(spec, os.path.join(args.out, "bare_so"))
+    print(f"wrote {path} ({args.backend}, {args.device}, batch {lo}..{hi}) in {compile_s:.1f}s; "
+          f"max |artifact - eager| = {worst:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent environment setup from the project's own files: a virtual environment in .venv
+# with pinned packages, and a Java 17 runtime for TorchServe's frontend if `java` is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(cat pyproject.toml requirements-cpu.txt | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    # No NVIDIA driver: take torch's CPU build instead of the multi-GB CUDA one.
+    .venv/bin/python -m pip install -q -r requirements-cpu.txt 2>&1 | grep -v "^WARNING: Location" || true
+  fi
+  # Only the dependencies declared in pyproject.toml: the handler package itself is not
+  # installed, so a model archive can only ever run the copy it carries.
+  .venv/bin/python - > .venv/requirements.txt <<'PYEOF'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
+PYEOF
+  .venv/bin/python -m pip install -q -r .venv/requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest" \
+    || { echo "setup: package installation failed" >&2; exit 1; }
+  rm -f .venv/.installed-*; touch "$stamp"
+fi
+if ! command -v java >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing a Java 17 runtime for TorchServe's frontend"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+  else
+    echo "setup: TorchServe needs Java 17 on PATH: install openjdk-17-jre-headless (or set JAVA_HOME)" >&2
+    exit 1
+  fi
+fi

@@ -1,0 +1,219 @@
+"""Shared fixtures: artifacts compiled once per test run, and real TorchServe processes.
+
+Every artifact is built through the public CLI (scripts/compile.py) and cached for the run;
+every archive through scripts/archive.py (torch-model-archiver). Servers are real
+`torchserve --start` processes on loopback, configured from the repository's config.properties
+with only ports and paths changed, so the security settings under test are the shipped ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+BIN = Path(PY).parent
+
+# name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
+ARTIFACTS = {
+    "cls_aoti": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
+                 "--dynamic-batch", "1:16", "--backend", "aoti", "--bare-so"],
+    "cls_export": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
+                   "--dynamic-batch", "1:16", "--backend", "export"],
+    "two_aoti": ["--model", "examples/models.py:two_input", "--input", "features:4x16:float32",
+                 "--input", "mask:4x16:bool", "--dynamic-batch", "1:32", "--backend", "aoti"],
+    "two_export": ["--model", "examples/models.py:two_input", "--input", "features:4x16:float32",
+                   "--input", "mask:4x16:bool", "--dynamic-batch", "1:32", "--backend", "export"],
+    # narrow range: batches of 8 single-row requests must be split; 1 row padded up to 2
+    "two_export_2to4": ["--model", "examples/models.py:two_input", "--input", "features:3x16:float32",
+                        "--input", "mask:3x16:bool", "--dynamic-batch", "2:4", "--backend", "export"],
+    # fixed batch of 4: everything is padded or split to exactly 4 rows
+    "cls_export_fixed4": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
+                          "--backend", "export"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Artifacts:
+    def __init__(self, root: Path, device: str):
+        self.root = root
+        self.device = device
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Path:
+        out = self.root / f"{name}_{self.device}"
+        with self._lock:
+            if not (out / "artifact.json").exists():
+                cmd = [PY, "scripts/compile.py", *ARTIFACTS[name], "--device", self.device, "--out", str(out)]
+                r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"compile {name} failed:\n{r.stdout}\n{r.stderr}")
+        return out
+
+    def copy(self, name: str, dest_name: str) -> Path:
+        """A private copy of an artifact directory, for tests that alter it."""
+        dest = self.root / dest_name
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(self.get(name), dest)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    return Artifacts(tmp_path_factory.mktemp("artifacts"), "cpu")
+
+
+def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
+    if isinstance(artifact_dirs, (str, Path)):
+        artifact_dirs = [artifact_dirs]
+    cmd = [PY, "scripts/archive.py", "--name", name, "--out", str(store), *extra]
+    for d in artifact_dirs:
+        cmd += ["--artifact", str(d)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(f"archive {name} failed:\n{r.stdout}\n{r.stderr}")
+    return store / f"{name}.mar"
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+class TorchServe:
+    """A real TorchServe started with `torchserve --start --foreground` in its own directory."""
+
+    def __init__(self, workdir: Path, store: Path, models: dict, grpc: bool = False):
+        self.workdir = workdir
+        self.store = store
+        self.ports = {k: free_port() for k in ("inf", "mgmt", "metrics", "grpc", "grpc_mgmt")}
+        cfg = (ROOT / "config.properties").read_text()
+        subs = {"8080": self.ports["inf"], "8081": self.ports["mgmt"], "8082": self.ports["metrics"],
+                "7070": self.ports["grpc"], "7071": self.ports["grpc_mgmt"]}
+        for old, new in subs.items():
+            cfg = re.sub(rf"(?m)^(\w+)=(.*){old}$", rf"\g<1>=\g<2>{new}", cfg)
+            cfg = re.sub(rf"(?m)^(grpc_\w+_port)={old}$", rf"\g<1>={new}", cfg)
+        cfg = re.sub(r"(?m)^model_store=.*$", f"model_store={store}", cfg)
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.properties").write_text(cfg)
+        self.base = f"http://127.0.0.1:{self.ports['inf']}"
+        self.mgmt = f"http://127.0.0.1:{self.ports['mgmt']}"
+        self.models = models
+        spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
+        env = _env()
+        env["LOG_LOCATION"] = str(workdir / "logs")
+        env["METRICS_LOCATION"] = str(workdir / "logs")
+        self.proc = subprocess.Popen(
+            [str(BIN / "torchserve"), "--start", "--foreground", "--ncs", "--model-store", str(store),
+             "--models", spec, "--ts-config", str(workdir / "config.properties")],
+            cwd=workdir, env=env, stdout=open(workdir / "stdout.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self._keys = None
+
+    @property
+    def keys(self) -> dict:
+        if self._keys is None:
+            path = self.workdir / "key_file.json"
+            deadline = time.time() + 60
+            while not path.exists() and time.time() < deadline:
+                time.sleep(0.5)
+            self._keys = json.loads(path.read_text())
+        return self._keys
+
+    def auth(self, kind="inference"):
+        return {"Authorization": f"Bearer {self.keys[kind]['key']}"}
+
+    def model_status(self, name):
+        r = requests.get(f"{self.mgmt}/models/{name}", headers=self.auth("management"), timeout=10)
+        if r.status_code != 200:
+            return []
+        return [w.get("status") for w in r.json()[0].get("workers", [])]
+
+    def wait_ready(self, names=None, timeout=300):
+        names = names or list(self.models)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"torchserve exited: {self.log('stdout.log')[-3000:]}")
+            try:
+                if all(s and all(x == "READY" for x in s) for s in map(self.model_status, names)):
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"models {names} not ready: {self.log('logs/model_log.log')[-4000:]}")
+
+    def log(self, rel="logs/model_log.log") -> str:
+        p = self.workdir / rel
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def predict(self, model, body, content_type="application/json", headers=None, auth=True, timeout=120):
+        h = {"Content-Type": content_type}
+        if auth:
+            h.update(self.auth())
+        h.update(headers or {})
+        data = json.dumps(body) if isinstance(body, (dict, list)) else body
+        return requests.post(f"{self.base}/predictions/{model}", data=data, headers=h, timeout=timeout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        # the model workers are python children of the java frontend, in the same session
+        subprocess.run(["pkill", "-9", "-f", f"model-store {self.store}"], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def serve(tmp_path_factory):
+    """Factory: serve({name: mar_path}) -> started TorchServe (stopped at session end)."""
+    servers = []
+
+    def start(models: dict, ready=True, timeout=300) -> TorchServe:
+        stores = {Path(m).parent for m in models.values()}
+        assert len(stores) == 1, "all archives of one server must share a model store"
+        ts = TorchServe(tmp_path_factory.mktemp("ts"), stores.pop(), models)
+        servers.append(ts)
+        if ready:
+            ts.wait_ready(timeout=timeout)
+        return ts
+
+    yield start
+    for ts in servers:
+        ts.stop()
+
+
+def eager(factory: str, *inputs):
+    import torch
+
+    from scripts.compile import load_factory
+
+    model = load_factory(str(ROOT / "examples" / "models.py") + ":" + factory)()
+    with torch.no_grad():
+        out = model(*inputs)
+    return out if isinstance(out, dict) else {"output": out}
