@@ -118,6 +118,10 @@ class CompiledModelHandler(BaseHandler):
                 valid.append((idx, req))
             except RequestError as e:
                 results[idx] = self._fail(context, idx, e)
+        rejected = len(data) - len(valid)
+        if rejected:
+            logger.info("batch of %d: %d of %d request(s) rejected before inference", len(data),
+                        rejected, len(data))
         if valid:
             outputs = self._infer([req.tensors for _, req in valid])
             for (idx, req), out in zip(valid, outputs):

@@ -217,3 +217,27 @@ def eager(factory: str, *inputs):
     with torch.no_grad():
         out = model(*inputs)
     return out if isinstance(out, dict) else {"output": out}
+
+
+# name -> (artifact, extra archive.py arguments)
+MAIN_MODELS = {
+    "cls_aoti": ("cls_aoti", ["--batch-size", "8", "--max-batch-delay", "20"]),
+    "cls_so": ("cls_aoti/bare_so", []),
+    "cls_export": ("cls_export", []),
+    "two_aoti": ("two_aoti", ["--batch-size", "8", "--max-batch-delay", "600"]),
+    "two_export": ("two_export", []),
+    "two_small": ("two_export_2to4", ["--batch-size", "8", "--max-batch-delay", "600"]),
+    "cls_fixed4": ("cls_export_fixed4", ["--batch-size", "8", "--max-batch-delay", "50"]),
+    "cls_nosplit": ("cls_export", ["--handler-option", "split_oversized=false"]),
+}
+
+
+@pytest.fixture(scope="session")
+def main_server(artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    mars = {}
+    for name, (art, extra) in MAIN_MODELS.items():
+        base, _, sub = art.partition("/")
+        path = artifacts.get(base) / sub if sub else artifacts.get(base)
+        mars[name] = build_mar(path, name, store, *extra)
+    return serve(mars)

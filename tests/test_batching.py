@@ -1,0 +1,86 @@
+"""Dynamic batching through real TorchServe (batchSize 8, maxBatchDelay 600 ms): each request
+gets exactly its own rows; one bad request fails alone; oversize batches are split, undersize
+ones padded, refused where configured."""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from conftest import eager
+from test_serving import close, image, two
+
+
+def fire(server, model, bodies):
+    """Send all bodies at once (a barrier lines them up inside one batching window)."""
+    barrier = threading.Barrier(len(bodies))
+
+    def one(body):
+        barrier.wait()
+        return server.predict(model, body)
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(one, bodies))
+
+
+def test_mixed_sizes_get_their_own_rows(main_server):
+    sizes = [1, 3, 2, 5, 1, 4, 2, 6]
+    inputs = [two(n, seed=100 + i) for i, n in enumerate(sizes)]
+    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
+    for r, (f, m) in zip(fire(main_server, "two_aoti", bodies), inputs):
+        assert r.status_code == 200, r.text
+        close(r.json()["outputs"], eager("two_input", f, m))
+
+
+def test_one_bad_request_fails_alone(main_server):
+    inputs = [two(2, seed=200 + i) for i in range(8)]
+    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
+    bodies[5] = {"inputs": {"features": inputs[5][0].tolist(), "mask": torch.randn(2, 16).tolist()}}
+    before = main_server.log().count("request(s) rejected")
+    responses = fire(main_server, "two_aoti", bodies)
+    for i, (r, (f, m)) in enumerate(zip(responses, inputs)):
+        if i == 5:
+            assert r.status_code == 400, r.text
+            assert "input 'mask'" in r.json()["message"] and "bool" in r.json()["message"]
+        else:
+            assert r.status_code == 200, (i, r.text)
+            close(r.json()["outputs"], eager("two_input", f, m))
+    # the bad request really shared a batch with good ones
+    lines = [ln for ln in main_server.log().splitlines() if "request(s) rejected" in ln][before:]
+    assert any("1 of " in ln and "1 of 1 " not in ln for ln in lines), lines
+
+
+def test_batch_larger_than_artifact_max_is_split(main_server):
+    # two_small accepts 2..4 rows per call; 8 concurrent requests of 1..3 rows exceed it
+    sizes = [1, 2, 3, 1, 3, 2, 1, 2]
+    inputs = [two(n, seed=300 + i) for i, n in enumerate(sizes)]
+    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
+    for r, (f, m) in zip(fire(main_server, "two_small", bodies), inputs):
+        assert r.status_code == 200, r.text
+        close(r.json()["outputs"], eager("two_input", f, m))
+    f, m = two(11, seed=399)  # one request of 11 rows: 3 calls (4, 4, 3)
+    r = main_server.predict("two_small", {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+    assert r.status_code == 200
+    close(r.json()["outputs"], eager("two_input", f, m))
+
+
+def test_below_minimum_is_padded(main_server):
+    f, m = two(1, seed=400)  # two_small needs at least 2 rows per call
+    r = main_server.predict("two_small", {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+    assert r.status_code == 200
+    close(r.json()["outputs"], eager("two_input", f, m))
+    x = image(1, seed=401)  # fixed batch 4 artifact
+    r = main_server.predict("cls_fixed4", {"inputs": {"image": x.tolist()}})
+    assert r.status_code == 200
+    close(r.json()["outputs"], eager("classifier", x))
+    x = image(6, seed=402)  # and 6 rows: one call of 4, one of 2 padded to 4
+    r = main_server.predict("cls_fixed4", {"inputs": {"image": x.tolist()}})
+    assert r.status_code == 200
+    close(r.json()["outputs"], eager("classifier", x))
+
+
+def test_oversized_request_refused_when_split_disabled(main_server):
+    r = main_server.predict("cls_nosplit", {"inputs": {"image": image(17).tolist()}})
+    assert r.status_code == 400
+    assert "at most 16" in r.json()["message"]
+    r = main_server.predict("cls_nosplit", {"inputs": {"image": image(16).tolist()}})
+    assert r.status_code == 200

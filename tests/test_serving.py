@@ -1,0 +1,175 @@
+"""End to end through real TorchServe: compiled artifacts served over REST, equal to eager."""
+import json
+
+import pytest
+import torch
+
+from conftest import eager
+from handlers import safetensors_io
+
+TOL = 1e-4
+
+
+def image(n, seed=0):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def two(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.rand(n, 16, generator=g) > 0.3
+
+
+def close(got: dict, ref: dict):
+    assert set(got) == set(ref)
+    for k in ref:
+        t = torch.tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k]
+        assert t.shape == ref[k].shape, k
+        assert (t - ref[k]).abs().max().item() < TOL, k
+
+
+@pytest.mark.parametrize("model", ["cls_aoti", "cls_so", "cls_export"])
+def test_classifier_matches_eager(main_server, model):
+    x = image(3, seed=11)
+    r = main_server.predict(model, {"inputs": {"image": x.tolist()}})
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    close(r.json()["outputs"], eager("classifier", x))
+
+
+@pytest.mark.parametrize("model", ["two_aoti", "two_export"])
+def test_two_inputs_dict_outputs_match_eager(main_server, model):
+    f, m = two(5, seed=3)
+    r = main_server.predict(model, {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+    assert r.status_code == 200, r.text
+    close(r.json()["outputs"], eager("two_input", f, m))
+
+
+def test_token_required(main_server):
+    body = {"inputs": {"image": image(1).tolist()}}
+    assert main_server.predict("cls_export", body, auth=False).status_code in (400, 401)
+    bad = main_server.predict("cls_export", body, auth=False, headers={"Authorization": "Bearer nope"})
+    assert bad.status_code in (400, 401)
+    assert "Token" in bad.text
+    assert main_server.predict("cls_export", body).status_code == 200
+
+
+def test_management_key_is_not_an_inference_key(main_server):
+    r = main_server.predict("cls_export", {"inputs": {"image": image(1).tolist()}}, auth=False,
+                            headers=main_server.auth("management"))
+    assert r.status_code in (400, 401)
+
+
+def test_model_registration_api_is_off(main_server):
+    import requests
+
+    r = requests.post(f"{main_server.mgmt}/models?url=http://example.invalid/x.mar",
+                      headers=main_server.auth("management"), timeout=10)
+    assert r.status_code == 405, r.text  # enable_model_api=false: registration is not a method here
+    assert "not allowed" in r.json()["message"]
+
+
+@pytest.mark.parametrize("model", ["two_aoti", "two_export"])
+def test_bad_requests_get_4xx_and_worker_survives(main_server, model):
+    f, m = two(2)
+    good = {"inputs": {"features": f.tolist(), "mask": m.tolist()}}
+    cases = [
+        (b'{"inputs": {"features": [[1.0, 2.0]', "malformed JSON"),
+        ({"inputs": {"features": f.tolist(), "mask": m.tolist(), "extra": [[1]]}}, "unknown input 'extra'"),
+        ({"inputs": {"features": torch.randn(2, 15).tolist(), "mask": m.tolist()}}, "dimension 1"),
+        ({"inputs": {"features": f.tolist(), "mask": torch.randn(2, 16).tolist()}}, "expected bool"),
+        ({"inputs": {"features": f.tolist()}}, "missing input"),
+        ({"inputs": {"features": [[1.0] * 16, [2.0] * 15], "mask": m.tolist()}}, "rectangular"),
+        ({"inputs": {"features": [["a"] * 16] * 2, "mask": m.tolist()}}, "features"),
+        ({"inputs": {"features": torch.randn(3, 16).tolist(), "mask": m.tolist()}}, "disagree"),
+        ({"something": 1}, "neither `inputs` nor `instances`"),
+    ]
+    for body, needle in cases:
+        r = main_server.predict(model, body)
+        assert 400 <= r.status_code < 500, (needle, r.status_code, r.text)
+        assert needle in r.json()["message"], (needle, r.text)
+        ok = main_server.predict(model, good)
+        assert ok.status_code == 200, (needle, ok.text)
+    close(ok.json()["outputs"], eager("two_input", f, m))
+
+
+def test_unsupported_media_type(main_server):
+    r = main_server.predict("cls_export", b"\x00\x01", content_type="image/png")
+    assert r.status_code == 415
+    assert "application/x-safetensors" in r.json()["message"]
+
+
+def test_kserve_v1(main_server):
+    f, m = two(3, seed=5)
+    inst = [{"features": f[i].tolist(), "mask": m[i].tolist()} for i in range(3)]
+    r = main_server.predict("two_aoti", {"instances": inst})
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    ref = eager("two_input", f, m)
+    assert len(preds) == 3
+    for i, p in enumerate(preds):
+        close({k: torch.tensor(v) for k, v in p.items()}, {k: v[i] for k, v in ref.items()})
+    x = image(2, seed=6)  # single-input model: instances are bare samples
+    r = main_server.predict("cls_aoti", {"instances": x.tolist()})
+    assert r.status_code == 200, r.text
+    close({"output": r.json()["predictions"]}, eager("classifier", x))
+
+
+def test_kserve_v2(main_server):
+    f, m = two(2, seed=7)
+    body = {"id": "req-7", "inputs": [
+        {"name": "features", "shape": [2, 16], "datatype": "FP32", "data": f.reshape(-1).tolist()},
+        {"name": "mask", "shape": [2, 16], "datatype": "BOOL", "data": m.reshape(-1).tolist()}]}
+    r = main_server.predict("two_export", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "req-7" and out["model_name"] == "two_export"
+    ref = eager("two_input", f, m)
+    got = {o["name"]: torch.tensor(o["data"]).reshape(o["shape"]) for o in out["outputs"]}
+    assert {o["datatype"] for o in out["outputs"]} == {"FP32"}
+    close(got, ref)
+    body["inputs"][0]["datatype"] = "FP64"
+    bad = main_server.predict("two_export", body)
+    assert bad.status_code == 400 and "FP64 does not match" in bad.json()["message"]
+    body["inputs"][0]["datatype"], body["inputs"][0]["shape"] = "FP32", [2, 8]
+    bad = main_server.predict("two_export", body)
+    assert bad.status_code == 400 and "needs 16 values" in bad.json()["message"]
+
+
+def test_safetensors_binary(main_server):
+    f, m = two(4, seed=8)
+    payload = safetensors_io.dumps({"features": f, "mask": m})
+    r = main_server.predict("two_aoti", payload, content_type=safetensors_io.CONTENT_TYPE)
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"].startswith(safetensors_io.CONTENT_TYPE)
+    close(safetensors_io.loads(r.content), eager("two_input", f, m))
+    # same payload, JSON answer on request
+    r = main_server.predict("two_aoti", payload, content_type=safetensors_io.CONTENT_TYPE,
+                            headers={"Accept": "application/json"})
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("application/json")
+    close(r.json()["outputs"], eager("two_input", f, m))
+    # wrong dtype in binary: float64 features
+    bad = main_server.predict("two_aoti", safetensors_io.dumps({"features": f.double(), "mask": m}),
+                              content_type=safetensors_io.CONTENT_TYPE)
+    assert bad.status_code == 400 and "float64 does not match" in bad.json()["message"]
+    # truncated payload
+    bad = main_server.predict("two_aoti", payload[:-10], content_type=safetensors_io.CONTENT_TYPE)
+    assert bad.status_code == 400 and "data_offsets" in bad.json()["message"]
+
+
+def test_json_request_binary_answer(main_server):
+    x = image(2, seed=9)
+    r = main_server.predict("cls_export", {"inputs": {"image": x.tolist()}},
+                            headers={"Accept": safetensors_io.CONTENT_TYPE})
+    assert r.status_code == 200
+    close(safetensors_io.loads(r.content), eager("classifier", x))
+
+
+def test_load_reports_in_log_and_metrics(main_server):
+    log = main_server.log()
+    assert "loaded aoti artifact model.pt2 (aoti_package) on cpu" in log
+    assert "loaded aoti_so artifact model.so (aoti_so) on cpu" in log
+    assert "loaded export artifact model.pt2 (exported_program) on cpu" in log
+    import requests
+
+    metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
+    assert "ArtifactLoadTime" in metrics or "ArtifactLoadTime" in main_server.log("logs/model_metrics.log")
