@@ -172,4 +172,5 @@ def test_load_reports_in_log_and_metrics(main_server):
     import requests
 
     metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
-    assert "ArtifactLoadTime" in metrics or "ArtifactLoadTime" in main_server.log("logs/model_metrics.log")
+    assert 'ArtifactLoadTime{ModelName="cls_aoti"' in metrics, metrics[-2000:]
+    assert 'ArtifactWarmupTime{ModelName="two_export"' in metrics
