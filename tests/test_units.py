@@ -1,0 +1,244 @@
+"""Unit tests of single functions (no TorchServe): device resolution, relocation check,
+staging buffers, batch planning, configuration, wire formats."""
+import json
+
+import pytest
+import torch
+
+from handlers import safetensors_io
+from handlers.batch import plan_chunks, warmup_sizes
+from handlers.config import parse_config
+from handlers.decode import decode
+from handlers.device import resolve_placement
+from handlers.errors import ConfigError, IncompatibleArtifact, LoadError, RequestError, UnsupportedMediaType
+from handlers.metadata import ArtifactSpec, TensorSpec
+from handlers.relocate import leftovers, relocate
+from handlers.stage import StagingBuffers
+
+# ---------------------------------------------------------------- device resolution
+
+
+def place(**kw):
+    base = dict(gpu_id=None, device_type=None, artifact_device="cpu", backend="aoti",
+                cuda_available=False, device_count=0, visible_devices=None)
+    base.update(kw)
+    return resolve_placement(**base)
+
+
+GPU = dict(cuda_available=True, device_count=2)
+
+
+@pytest.mark.parametrize("backend", ["aoti", "aoti_so", "export", "tensorrt"])
+@pytest.mark.parametrize("device_type", [None, "cpu", "gpu"])
+@pytest.mark.parametrize("artifact_device", ["cpu", "cuda"])
+@pytest.mark.parametrize("gpu_id,machine", [(None, {}), (1, GPU), (None, GPU), (0, {})])
+def test_every_combination_is_decided(backend, device_type, artifact_device, gpu_id, machine):
+    """Every combination either places the worker or raises a load error with a fix."""
+    has_gpu = bool(machine) and gpu_id is not None
+    want_gpu = device_type == "gpu" or (device_type is None and has_gpu)
+    try:
+        p = place(gpu_id=gpu_id, device_type=device_type, artifact_device=artifact_device,
+                  backend=backend, **machine)
+    except IncompatibleArtifact as e:
+        assert "Fix:" in str(e)
+        # refused exactly when the GPU is demanded but missing, a CUDA artifact has no GPU, or
+        # a CPU-only native artifact is demanded on the GPU
+        assert (device_type == "gpu" and not has_gpu) or (artifact_device == "cuda" and not want_gpu) \
+            or (artifact_device == "cpu" and device_type == "gpu" and backend != "export")
+        return
+    if artifact_device == "cuda":
+        assert p.kind == "cuda" and p.index == gpu_id
+    elif backend == "export" and want_gpu:
+        assert p.kind == "cuda" and p.index == gpu_id  # a CPU-exported program is relocated
+    else:
+        assert p.kind == "cpu" and p.index is None
+
+
+def test_cuda_artifact_on_cpu_worker_names_the_fix():
+    with pytest.raises(IncompatibleArtifact, match="compiled for CUDA.*--device cpu"):
+        place(artifact_device="cuda")
+
+
+def test_cpu_native_artifact_when_gpu_demanded():
+    with pytest.raises(IncompatibleArtifact, match="holds only CPU kernels"):
+        place(device_type="gpu", gpu_id=0, **GPU)
+
+
+def test_cpu_artifact_on_gpu_worker_without_demand_runs_on_cpu():
+    p = place(gpu_id=1, **GPU)
+    assert p.kind == "cpu" and "left unused" in p.note
+
+
+def test_cuda_visible_devices_remaps_physical_ids():
+    p = place(gpu_id=3, artifact_device="cuda", cuda_available=True, device_count=2, visible_devices="2,3")
+    assert (p.kind, p.index) == ("cuda", 1)
+    with pytest.raises(IncompatibleArtifact, match="sees 2 CUDA device"):
+        place(gpu_id=5, artifact_device="cuda", cuda_available=True, device_count=2, visible_devices="2,3")
+
+
+# ---------------------------------------------------------------- relocation
+
+
+class DeviceArgs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("shift", torch.ones(4))
+        self.const = torch.tensor(2.0)
+
+    def forward(self, x):
+        return self.lin(x) + torch.arange(4, device=x.device) + torch.ones(4, device=x.device) * self.const + self.shift
+
+
+def exported():
+    return torch.export.export(DeviceArgs().eval(), (torch.randn(2, 4),))
+
+
+def test_graph_has_device_arguments_to_relocate():
+    ep = exported()
+    left = leftovers(ep, torch.device("meta"))
+    kinds = " ".join(left)
+    assert "state_dict['lin.weight']" in kinds and "state_dict['shift']" in kinds
+    assert "constant" in kinds and "argument device=cpu" in kinds
+
+
+def test_relocation_moves_everything():
+    moved = relocate(exported(), torch.device("meta"))
+    assert leftovers(moved, torch.device("meta")) == []
+    devs = {torch.device(n.kwargs["device"]) for n in moved.graph.nodes if "device" in n.kwargs}
+    assert devs == {torch.device("meta")}
+
+
+def test_relocation_check_names_what_stayed_behind(monkeypatch):
+    import torch.export.passes as passes
+
+    def partial(ep, device):  # moves parameters only: graph kwargs and constants stay behind
+        for k, v in list(ep.state_dict.items()):
+            ep.state_dict[k] = v.to(device)
+        return ep
+
+    monkeypatch.setattr(passes, "move_to_device_pass", partial)
+    with pytest.raises(LoadError, match=r"left \d+ item\(s\) behind:.*argument device=cpu"):
+        relocate(exported(), torch.device("meta"))
+
+
+def test_string_device_kwargs_are_checked():
+    ep = relocate(exported(), torch.device("meta"))
+    node = next(n for n in ep.graph.nodes if "device" in n.kwargs)
+    node.kwargs = {**node.kwargs, "device": "cpu"}  # a string left behind
+    assert any("argument device=cpu" in x for x in leftovers(ep, torch.device("meta")))
+
+
+# ---------------------------------------------------------------- staging
+
+
+def test_staging_reuses_and_grows():
+    s = StagingBuffers(pinned=False)
+    a = s.stage("x", [torch.ones(2, 3), torch.full((1, 3), 2.0)], run_rows=4)
+    assert a.shape == (4, 3) and a[3].abs().sum() == 0 and a[2, 0] == 2.0
+    ptr, grows = a.data_ptr(), s.grows
+    b = s.stage("x", [torch.ones(3, 3)], run_rows=3)
+    assert b.data_ptr() == ptr and s.grows == grows  # reused: no new allocation
+    c = s.stage("x", [torch.ones(10, 3)], run_rows=10)
+    assert s.grows == grows + 1 and c.shape == (10, 3)
+    d = s.stage("x", [torch.ones(9, 3)], run_rows=9)
+    assert d.data_ptr() == c.data_ptr() and s.grows == grows + 1
+    s.stage("x", [torch.ones(2, 3, dtype=torch.float16)], run_rows=2)
+    assert s.grows == grows + 2  # a dtype change reallocates
+
+
+def test_cpu_executor_touches_no_cuda(monkeypatch):
+    from handlers.run import Executor
+
+    def boom(*a, **k):
+        raise AssertionError("CUDA API used on the CPU path")
+
+    monkeypatch.setattr(torch.cuda, "Stream", boom)
+    monkeypatch.setattr(torch.cuda, "Event", boom)
+    monkeypatch.setattr(torch.cuda, "current_stream", boom)
+    spec = make_spec(batch_min=1, batch_max=3)
+    model = lambda x: {"y": x * 2}  # noqa: E731
+    ex = Executor(model, spec, torch.device("cpu"))
+    out = ex.run([{"x": torch.ones(2, 4)}, {"x": torch.full((2, 4), 3.0)}])
+    assert out[0]["y"].tolist() == [[2.0] * 4] * 2 and out[1]["y"].tolist() == [[6.0] * 4] * 2
+    assert not ex.inputs.pinned
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_plan_chunks():
+    assert [(c.start, c.rows, c.run_rows) for c in plan_chunks(10, 2, 4)] == [(0, 4, 4), (4, 4, 4), (8, 2, 2)]
+    assert [(c.rows, c.run_rows) for c in plan_chunks(1, 2, 4)] == [(1, 2)]
+    assert [(c.rows, c.run_rows) for c in plan_chunks(6, 4, 4)] == [(4, 4), (2, 4)]
+
+
+def test_warmup_sizes():
+    assert warmup_sizes(1, 16) == [1, 2, 4, 8, 16]
+    assert warmup_sizes(4, 4) == [4]
+    assert len(warmup_sizes(1, 1024)) <= 5 and warmup_sizes(1, 1024)[-1] == 1024
+    with pytest.raises(ValueError, match="outside"):
+        warmup_sizes(1, 8, (16,))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_parses_and_rejects_with_fix():
+    c = parse_config({"deviceType": "gpu", "handler": {"stream_priority": -1, "warmup": "false"}})
+    assert c.device_type == "gpu" and c.stream_priority == -1 and c.warmup is False
+    with pytest.raises(ConfigError, match="unknown handler option.*strem_priority.*valid options"):
+        parse_config({"handler": {"strem_priority": 1}})
+    with pytest.raises(ConfigError, match="max_rows_per_request.*integer"):
+        parse_config({"handler": {"max_rows_per_request": "lots"}})
+    with pytest.raises(ConfigError, match="deviceType"):
+        parse_config({"deviceType": "neuron"})
+
+
+# ---------------------------------------------------------------- wire formats
+
+
+def make_spec(batch_min=1, batch_max=8):
+    return ArtifactSpec(backend="export", artifact="model.pt2", sha256="", device="cpu",
+                        inputs=(TensorSpec("x", "float32", (None, 4)),),
+                        outputs=(TensorSpec("y", "float32", (None, 4)),), output_structure="dict",
+                        batch_min=batch_min, batch_max=batch_max, torch_version=torch.__version__)
+
+
+def test_safetensors_roundtrip_all_dtypes():
+    ts = {f"t{i}": (torch.arange(6) % 2).to(dt).reshape(2, 3) for i, dt in enumerate(
+        [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])}
+    back = safetensors_io.loads(safetensors_io.dumps(ts))
+    for k, v in ts.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_safetensors_rejects_lying_offsets():
+    blob = bytearray(safetensors_io.dumps({"x": torch.ones(2, 4)}))
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header["x"]["data_offsets"] = [0, 10_000]
+    h = json.dumps(header).encode()
+    bad = len(h).to_bytes(8, "little") + h + bytes(blob[8 + n:])
+    with pytest.raises(RequestError, match="data_offsets"):
+        safetensors_io.loads(bad)
+    with pytest.raises(RequestError, match="header length"):
+        safetensors_io.loads((10**9).to_bytes(8, "little") + b"{}")
+
+
+def test_decode_json_int_values_are_accepted_as_floats():
+    d = decode({"body": {"inputs": {"x": [[1, 2, 3, 4]]}}}, make_spec())
+    assert d.tensors["x"].dtype == torch.float32 and d.rows == 1
+
+
+def test_decode_limits_rows_per_request():
+    with pytest.raises(RequestError, match="at most 2 per request"):
+        decode({"body": {"inputs": {"x": [[0.0] * 4] * 3}}}, make_spec(), max_rows=2)
+
+
+def test_decode_media_type():
+    with pytest.raises(UnsupportedMediaType):
+        decode({"body": b"abc"}, make_spec(), content_type="image/jpeg")
+    d = decode({"body": safetensors_io.dumps({"x": torch.ones(1, 4)})}, make_spec(),
+               content_type="application/octet-stream")
+    assert d.fmt == "safetensors"
