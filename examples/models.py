@@ -58,3 +58,29 @@ def classifier() -> nn.Module:
 
 def two_input() -> nn.Module:
     return _seeded(TwoInput(), 1)
+
+
+class BigConv(nn.Module):
+    """Full-resolution conv stack with a same-size output: at 1x3x2160x3840 its compute takes
+    longer than its transfers, so a missing stream synchronization shows as wrong outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(16, 3, 3, padding=1))
+
+    def forward(self, image):
+        return self.body(image) + image
+
+
+def big_conv() -> nn.Module:
+    return _seeded(BigConv(), 2)
+
+
+def resnet50() -> nn.Module:
+    """torchvision's ResNet-50 with seeded random weights (torchvision is on the GPU machine)."""
+    import torchvision
+
+    torch.manual_seed(3)
+    return torchvision.models.resnet50(weights=None).eval()

@@ -31,6 +31,7 @@ from typing import Optional
 
 from .device import Placement, placement_for_worker
 from .errors import IncompatibleArtifact, LoadError
+from .load import verify_integrity
 from .metadata import ArtifactSpec, find_variants, read_spec, sha256_file, write_spec
 
 NATIVE = ("aoti", "aoti_so", "tensorrt")
@@ -191,6 +192,32 @@ def check(spec: ArtifactSpec, placement: Placement, m: Machine, strict_versions:
     return fatal, warn
 
 
+def reconcile(spec: ArtifactSpec) -> ArtifactSpec:
+    """For AOTI packages the build facts inside the package win over artifact.json; a
+    disagreement means one of them was edited or swapped, and the load fails."""
+    if spec.backend != "aoti":
+        return spec
+    meta = package_metadata(spec.artifact_path)
+    if not meta:
+        return spec
+    facts = {}
+    dev = meta.get("AOTI_DEVICE_KEY")
+    if dev and dev != spec.device:
+        raise IncompatibleArtifact(f"{spec.artifact} was compiled for {dev} (package metadata) but "
+                                   f"artifact.json says {spec.device}: rebuild the archive")
+    cc = meta.get("AOTI_COMPUTE_CAPABILITY")
+    if dev == "cuda" and cc:
+        facts["compute_capability"] = f"{cc[:-1]}.{cc[-1]}"
+        facts["cuda_archs"] = tuple(a for a in spec.cuda_archs if a.startswith(f"sm_{cc}")) or (f"sm_{cc}",)
+    if dev == "cpu" and "AOTI_CPU_ISA" in meta:
+        facts["cpu_isa"] = meta["AOTI_CPU_ISA"] or None
+    if meta.get("AOTI_PLATFORM"):
+        facts["platform"] = meta["AOTI_PLATFORM"]
+    if meta.get("AOTI_MACHINE"):
+        facts["machine"] = meta["AOTI_MACHINE"]
+    return ArtifactSpec(**{**spec.__dict__, **facts})
+
+
 def choose_variant(model_dir: str, gpu_id, config):
     """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
     dirs = find_variants(model_dir)
@@ -204,6 +231,8 @@ def choose_variant(model_dir: str, gpu_id, config):
     tried, ok = [], []
     for d in dirs:
         spec = read_spec(d)
+        verify_integrity(spec)  # before reading anything inside the artifact
+        spec = reconcile(spec)
         label = os.path.relpath(d, model_dir)
         target = (f"{spec.backend}/{spec.device}"
                   + (f" cc {spec.compute_capability}" if spec.compute_capability else "")

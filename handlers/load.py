@@ -18,6 +18,9 @@ from .metadata import ArtifactSpec, sha256_file
 from .relocate import relocate
 
 
+_verified = {}  # (path, mtime, size) -> digest: the variant choice and the load hash once
+
+
 def verify_integrity(spec: ArtifactSpec) -> None:
     path = spec.artifact_path
     real = os.path.realpath(path)
@@ -28,7 +31,10 @@ def verify_integrity(spec: ArtifactSpec) -> None:
     if not os.path.isfile(real):
         raise LoadError(f"artifact {spec.artifact!r} named in artifact.json is missing from {home}; "
                         "rebuild the archive with scripts/archive.py")
-    digest = sha256_file(real)
+    st = os.stat(real)
+    key = (real, st.st_mtime_ns, st.st_size)
+    digest = _verified.get(key) or sha256_file(real)
+    _verified[key] = digest
     if digest != spec.sha256:
         raise LoadError(f"artifact {spec.artifact} has SHA-256 {digest}, but artifact.json pins "
                         f"{spec.sha256}: the file is corrupt, truncated or was replaced. Rebuild it "

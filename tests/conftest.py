@@ -25,7 +25,8 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = sys.executable
-BIN = Path(PY).parent
+# torchserve and torch-model-archiver: beside this Python (.venv), else on PATH (GPU kit)
+BIN = Path(PY).parent if (Path(PY).parent / "torchserve").exists() else Path(shutil.which("torchserve") or PY).parent
 
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
 ARTIFACTS = {
@@ -58,11 +59,16 @@ class Artifacts:
         self.device = device
         self._lock = threading.Lock()
 
-    def get(self, name: str) -> Path:
-        out = self.root / f"{name}_{self.device}"
+    def get(self, name: str, index: int = 0, extra=()) -> Path:
+        """Compile once per run; `index` picks the CUDA device compiled on."""
+        tag = self.device if self.device == "cpu" else f"cuda{index}"
+        out = self.root / f"{name}_{tag}{'_'.join([''] + [e.strip('-') for e in extra])}"
         with self._lock:
             if not (out / "artifact.json").exists():
-                cmd = [PY, "scripts/compile.py", *ARTIFACTS[name], "--device", self.device, "--out", str(out)]
+                cmd = [PY, "scripts/compile.py", *ARTIFACTS[name], *extra, "--device", self.device,
+                       "--out", str(out)]
+                if self.device == "cuda":
+                    cmd += ["--device-index", str(index)]
                 r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise RuntimeError(f"compile {name} failed:\n{r.stdout}\n{r.stderr}")

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""In-process benchmark: the handler's handle() on encoded requests next to the raw floor,
+measured side by side (interleaved) in one run.
+
+  python scripts/bench.py --artifact DIR [--batch-sizes 1,64] [--iters 40] [--out results.json]
+
+Raw floor = pinned host batch -> device (non-blocking, side stream) + model forward + copy of
+outputs into pinned host memory + synchronize: the least any server must do. handle() adds
+decoding the request, validation, staging, batching and encoding. Also reports the first
+request after load (with warm-up, and for contrast without) against the steady state.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import struct
+import sys
+import time
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_context(model_dir: str, gpu, handler_opts: dict, batch_size: int):
+    from ts.context import Context
+
+    return Context("bench", model_dir, {"model": {"modelName": "bench"}}, batch_size, gpu, "0.12.0",
+                   model_yaml_config={"handler": handler_opts})
+
+
+def set_requests(ctx, headers_list):
+    from ts.context import RequestProcessor
+
+    ctx.request_processor = [RequestProcessor(h) for h in headers_list]
+
+
+def new_handler(model_dir, gpu, opts, batch_size=1):
+    from handlers.ts_entry import CompiledModelHandler
+
+    h = CompiledModelHandler()
+    ctx = make_context(model_dir, gpu, opts, batch_size)
+    h.initialize(ctx)
+    return h, ctx
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def png_bars(path: str, title_values: list):
+    """A dependency-free PNG bar chart: one group per label, bars for each series (ratio)."""
+    w, h, pad = 640, 320, 20
+    img = [[(255, 255, 255)] * w for _ in range(h)]
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
+    vmax = max(v for _, vals in title_values for v in vals) * 1.1 or 1.0
+    group_w = (w - 2 * pad) // max(1, len(title_values))
+    for gi, (_, vals) in enumerate(title_values):
+        bw = max(4, (group_w - 20) // max(1, len(vals)))
+        for si, v in enumerate(vals):
+            x0 = pad + gi * group_w + 10 + si * bw
+            top = h - pad - int((h - 2 * pad) * v / vmax)
+            for y in range(top, h - pad):
+                for x in range(x0, x0 + bw - 2):
+                    img[y][x] = colors[si % len(colors)]
+    y1 = h - pad - int((h - 2 * pad) * 1.0 / vmax)  # the ratio-1.0 line
+    for x in range(pad, w - pad):
+        img[y1][x] = (0, 0, 0)
+    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in img)
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--formats", default="safetensors,json")
+    p.add_argument("--out", help="write JSON results here (and a PNG beside it)")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from handlers import safetensors_io
+    from handlers.metadata import read_spec
+
+    spec = read_spec(args.artifact)
+    gpu = 0 if spec.device == "cuda" or torch.cuda.is_available() else None
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    # First request after load: with warm-up (our default) and, for contrast, without.
+    t0 = time.perf_counter()
+    cold, cold_ctx = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False})
+    load_cold_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
+    load_warm_s = time.perf_counter() - t0
+    device = handler.device
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(b):
+        out = {}
+        for s in spec.inputs:
+            dt = getattr(torch, s.dtype)
+            shape = (b,) + tuple(s.shape[1:])
+            out[s.name] = (torch.randn(shape, generator=g).to(dt) if dt.is_floating_point
+                           else torch.zeros(shape, dtype=dt))
+        return out
+
+    first = {}
+    for name, (h, c) in {"no_warmup": (cold, cold_ctx), "warmup": (handler, ctx)}.items():
+        body = safetensors_io.dumps(inputs(sizes[-1]))
+        set_requests(c, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
+        first_ms = timed(lambda: h.handle([{"body": body}], c), device)
+        steady = [timed(lambda: h.handle([{"body": body}], c), device) for _ in range(args.iters // 2)]
+        first[name] = {"batch": sizes[-1], "first_ms": first_ms, "steady_median_ms": statistics.median(steady),
+                       "first_over_steady": first_ms / statistics.median(steady)}
+    del cold
+
+    results = []
+    model = handler.model
+    for b in sizes:
+        x = inputs(b)
+        names = spec.input_names
+        pinned = [x[n].pin_memory() if device.type == "cuda" else x[n] for n in names]
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        out_bufs = {}
+
+        def floor():
+            if stream is None:
+                with torch.inference_mode():
+                    model(*pinned)
+                return
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                dev = [t.to(device, non_blocking=True) for t in pinned]
+                out = model(*dev)
+                for k, v in out.items():
+                    if k not in out_bufs or out_bufs[k].shape != v.shape:
+                        out_bufs[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                    out_bufs[k].copy_(v, non_blocking=True)
+            stream.synchronize()
+
+        for fmt in args.formats.split(","):
+            if fmt == "safetensors":
+                body = safetensors_io.dumps(x)
+                hdr = {"body": {"content-type": safetensors_io.CONTENT_TYPE}}
+            else:  # TorchServe hands the handler application/json bodies already parsed
+                body = {"inputs": {n: t.tolist() for n, t in x.items()}}
+                hdr = {"body": {"content-type": "application/json"}}
+            set_requests(ctx, [hdr])
+
+            def handle():
+                res = handler.handle([{"body": body}], ctx)
+                assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
+
+            for _ in range(args.warmup):
+                floor()
+                handle()
+            t_floor, t_handle = [], []
+            for _ in range(args.iters):  # interleaved so drift hits both alike
+                t_floor.append(timed(floor, device))
+                t_handle.append(timed(handle, device))
+            mf, mh = statistics.median(t_floor), statistics.median(t_handle)
+            row = {"batch": b, "format": fmt, "floor_ms": round(mf, 4), "handle_ms": round(mh, 4),
+                   "ratio": round(mh / mf, 4)}
+            results.append(row)
+            print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}",
+                  flush=True)
+    for name, r in first.items():
+        print(f"first request ({name}): {r['first_ms']:.2f} ms vs steady {r['steady_median_ms']:.2f} ms "
+              f"-> {r['first_over_steady']:.2f}x")
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "artifact": {"backend": spec.backend, "inputs": [s.describe() for s in spec.inputs],
+                     "batch_range": [spec.batch_min, spec.batch_max]},
+        "results": results,
+        "first_request": first,
+        "load_s": {"with_warmup": round(load_warm_s, 3), "without_warmup": round(load_cold_s, 3)},
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        png_bars(os.path.splitext(args.out)[0] + ".png",
+                 [(f"b{r['batch']}-{r['format']}", [r["ratio"]]) for r in results])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""GPU suite (pytest -m gpu; skipped without CUDA). Run on the GPU machine, two GPUs for the
+placement tests. Set GPU_RESULTS=path to write what was observed as JSON."""
+import datetime
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import ARTIFACTS, Artifacts, build_mar
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
+                allow_module_level=True)
+
+from handlers.compat import choose_variant  # noqa: E402
+from handlers.config import parse_config  # noqa: E402
+from handlers.device import Placement  # noqa: E402
+from handlers.errors import IncompatibleArtifact  # noqa: E402
+from handlers.load import load_artifact  # noqa: E402
+from handlers.metadata import read_spec, sha256_file, write_spec  # noqa: E402
+from handlers.run import Executor  # noqa: E402
+
+TWO_GPUS = torch.cuda.device_count() >= 2
+multigpu = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices (nvidia-h200-x2)")
+ARTIFACTS["big_aoti_fp16"] = ["--model", "examples/models.py:big_conv", "--input", "image:2x3x2160x3840:float32",
+                              "--dynamic-batch", "1:2", "--backend", "aoti", "--precision", "fp16"]
+ARTIFACTS["big_export_fp32"] = ["--model", "examples/models.py:big_conv", "--input",
+                                "image:2x3x2160x3840:float32", "--dynamic-batch", "1:2", "--backend", "export"]
+RESULTS = {"placement": [], "streams": [], "torchserve": {}, "compat": {}}
+
+
+@pytest.fixture(scope="session")
+def gpu_artifacts(tmp_path_factory):
+    return Artifacts(tmp_path_factory.mktemp("gpu_artifacts"), "cuda")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def results_file():
+    yield
+    path = os.environ.get("GPU_RESULTS")
+    if path:
+        RESULTS.update({"device": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                        "command": "GPU_RESULTS=... python -m pytest -m gpu tests/test_gpu.py"})
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=2)
+
+
+def eager_on(factory, device, inputs, half=False):
+    from scripts.compile import load_factory
+
+    m = load_factory(f"examples/models.py:{factory}")().to(device)
+    if half:
+        m = m.half()
+    with torch.no_grad():
+        out = m(*[t.to(device) for t in inputs])
+    return out if isinstance(out, dict) else {"output": out}
+
+
+def two_inputs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 16, generator=g), torch.rand(n, 16, generator=g) > 0.3]
+
+
+@multigpu
+@pytest.mark.parametrize("backend", ["aoti", "export", "aoti_so"])
+@pytest.mark.parametrize("src,dst", [(0, 1), (1, 0)])
+def test_served_on_the_gpu_it_was_not_compiled_on(gpu_artifacts, backend, src, dst):
+    name = "two_export" if backend == "export" else "two_aoti"
+    extra = ["--bare-so"] if backend == "aoti_so" else []
+    art = gpu_artifacts.get(name, index=src, extra=extra)
+    spec = read_spec(str(art / "bare_so") if backend == "aoti_so" else str(art))
+    model = load_artifact(spec, Placement("cuda", dst))
+    inputs = two_inputs(7, seed=src * 10 + dst)
+    ref = eager_on("two_input", torch.device(f"cuda:{src}"), inputs)
+    # direct call: outputs live on the assigned GPU
+    direct = model(*[t.to(f"cuda:{dst}") for t in inputs])
+    assert {v.device for v in direct.values()} == {torch.device(f"cuda:{dst}")}
+    if backend == "export":
+        fn = model._fn
+        devs = {p.device for p in fn.parameters()} | {b.device for b in fn.buffers()}
+        assert devs == {torch.device(f"cuda:{dst}")}
+    out = Executor(model, spec, torch.device(f"cuda:{dst}")).run([dict(zip(spec.input_names, inputs))])[0]
+    diff = max((out[k] - ref[k].cpu()).abs().max().item() for k in ref)
+    assert diff < 1e-4
+    RESULTS["placement"].append({"backend": backend, "compiled_on": f"cuda:{src}", "served_on": f"cuda:{dst}",
+                                 "max_abs_diff_vs_eager_on_compile_device": diff})
+
+
+@pytest.mark.parametrize("name,half", [("big_aoti_fp16", True), ("big_export_fp32", False)])
+def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
+    """Field report 002: fp16 on a user stream returned all zeros. Every output here is
+    compared with its own reference computed on the default stream."""
+    art = gpu_artifacts.get(name)
+    spec = read_spec(str(art))
+    dev = torch.device("cuda:0")
+    model = load_artifact(spec, Placement("cuda", 0))
+    ex = Executor(model, spec, dev)
+    from scripts.compile import load_factory
+
+    ref_model = load_factory("examples/models.py:big_conv")().to(dev)
+    if half:
+        ref_model = ref_model.half()
+    dt = torch.float16 if half else torch.float32
+    mismatches = zeros = 0
+    n = 12
+    for i in range(n):
+        x = torch.randn(1, 3, 2160, 3840, generator=torch.Generator().manual_seed(i)).to(dt)
+        out = ex.run([{"image": x}])[0]["output"]
+        with torch.no_grad():
+            ref = ref_model(x.to(dev)).cpu()
+        if not out.abs().sum().item():
+            zeros += 1
+        err = (out.float() - ref.float()).abs().max().item()
+        if err > (5e-2 if half else 1e-3):
+            mismatches += 1
+    RESULTS["streams"].append({"artifact": name, "dtype": str(dt), "input": [1, 3, 2160, 3840], "requests": n,
+                               "mismatches": mismatches, "all_zero_outputs": zeros})
+    assert mismatches == 0 and zeros == 0
+
+
+def _alter_cc(src: str, dest: str, cc: str):
+    """A copy of a CUDA AOTI artifact whose package and metadata claim another compute capability."""
+    import zipfile
+
+    shutil.copytree(src, dest)
+    pkg = os.path.join(dest, "model.pt2")
+    tmp = pkg + ".tmp"
+    with zipfile.ZipFile(pkg) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("wrapper_metadata.json"):
+                meta = json.loads(data)
+                meta["AOTI_COMPUTE_CAPABILITY"] = cc.replace(".", "")
+                data = json.dumps(meta).encode()
+            zout.writestr(item, data)
+    os.replace(tmp, pkg)
+    spec = read_spec(dest)
+    write_spec(type(spec)(**{**spec.__dict__, "sha256": sha256_file(pkg), "compute_capability": cc,
+                             "cuda_archs": (f"sm_{cc.replace('.', '')}",)}), dest)
+
+
+def test_wrong_compute_capability_refused(gpu_artifacts, tmp_path):
+    art = gpu_artifacts.get("two_aoti")
+    major, minor = torch.cuda.get_device_capability(0)
+    wrong = "8.0" if major != 8 else "9.0"
+    bad = str(tmp_path / "wrong_cc")
+    _alter_cc(str(art), bad, wrong)
+    with pytest.raises(IncompatibleArtifact) as e:
+        choose_variant(bad, 0, parse_config({}))
+    msg = str(e.value)
+    assert f"compute capability {wrong}" in msg and f"{major}.{minor}" in msg and "Fix" in msg
+    RESULTS["compat"]["wrong_cc_message"] = msg
+
+
+@multigpu
+def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("gpu_store")
+    mar = build_mar(gpu_artifacts.get("two_aoti", index=0), "two_gpu", store,
+                    "--workers", "4", "--batch-size", "4", "--max-batch-delay", "5")
+    major, minor = torch.cuda.get_device_capability(0)
+    bad_dir = str(tmp_path_factory.mktemp("badcc") / "wrong")
+    _alter_cc(str(gpu_artifacts.get("two_aoti", index=0)), bad_dir, "8.0" if major != 8 else "9.0")
+    bad_mar = build_mar(bad_dir, "wrong_cc", store)
+    ts = serve({"two_gpu": mar, "wrong_cc": bad_mar}, ready=False)
+    ts.wait_ready(["two_gpu"], timeout=600)
+    log = ts.log()
+    placed = [ln.split(" on ")[1].split(" ")[0] for ln in log.splitlines() if "loaded aoti artifact" in ln]
+    assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
+    from conftest import eager as _  # noqa: F401
+
+    bad = 0
+    for i in range(40):
+        inputs = two_inputs(1 + i % 4, seed=1000 + i)
+        r = ts.predict("two_gpu", {"inputs": {"features": inputs[0].tolist(), "mask": inputs[1].tolist()}})
+        ref = eager_on("two_input", torch.device("cuda:0"), inputs)
+        got = r.json()["outputs"] if r.status_code == 200 else None
+        if got is None or max((torch.tensor(got[k]) - ref[k].cpu()).abs().max().item() for k in ref) > 1e-4:
+            bad += 1
+    assert bad == 0
+    import time
+
+    deadline = time.time() + 120
+    while "IncompatibleArtifact" not in ts.log() and time.time() < deadline:
+        time.sleep(2)
+    assert "cannot run on the assigned GPU" in ts.log()
+    assert all(s != "READY" for s in ts.model_status("wrong_cc"))
+    RESULTS["torchserve"] = {"workers": 4, "gpus": 2, "worker_devices": sorted(placed), "requests": 40,
+                             "mismatches": bad, "wrong_cc_model_ready": False}
