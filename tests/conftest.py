@@ -35,7 +35,7 @@ ARTIFACTS = {
     "cls_export": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
                    "--dynamic-batch", "1:16", "--backend", "export"],
     "two_aoti": ["--model", "examples/models.py:two_input", "--input", "features:4x16:float32",
-                 "--input", "mask:4x16:bool", "--dynamic-batch", "1:32", "--backend", "aoti"],
+                 "--input", "mask:4x16:bool", "--dynamic-batch", "1:32", "--backend", "aoti", "--bare-so"],
     "two_export": ["--model", "examples/models.py:two_input", "--input", "features:4x16:float32",
                    "--input", "mask:4x16:bool", "--dynamic-batch", "1:32", "--backend", "export"],
     # narrow range: batches of 8 single-row requests must be split; 1 row padded up to 2

@@ -70,8 +70,7 @@ def two_inputs(n, seed):
 @pytest.mark.parametrize("src,dst", [(0, 1), (1, 0)])
 def test_served_on_the_gpu_it_was_not_compiled_on(gpu_artifacts, backend, src, dst):
     name = "two_export" if backend == "export" else "two_aoti"
-    extra = ["--bare-so"] if backend == "aoti_so" else []
-    art = gpu_artifacts.get(name, index=src, extra=extra)
+    art = gpu_artifacts.get(name, index=src)
     spec = read_spec(str(art / "bare_so") if backend == "aoti_so" else str(art))
     model = load_artifact(spec, Placement("cuda", dst))
     inputs = two_inputs(7, seed=src * 10 + dst)
