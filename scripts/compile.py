@@ -33,11 +33,14 @@ class CompileError(SystemExit):
         super().__init__(f"compile.py: error: {msg}")
 
 
-def pick_compiler() -> str:
-    """AOTInductor builds a C++ wrapper. On the GPU image, g++ 13 produces wrappers that segfault
-    in aoti_load_package (std::regex in parse_device_str, libstdc++ not linked); g++-12 works.
-    An explicit CXX wins; otherwise prefer g++-12 where it exists."""
-    if not os.environ.get("CXX") and shutil.which("g++-12"):
+def pick_compiler(explicit=None) -> str:
+    """AOTInductor builds a C++ wrapper. On the GPU image, g++ 13 (which that image exports as
+    CXX=/opt/gcc/bin/g++) produces wrappers that segfault in aoti_load_package (std::regex in
+    parse_device_str; libstdc++ not linked); g++-12 works. So g++-12 is preferred wherever it
+    exists, even over an inherited CXX; --cxx chooses another on purpose."""
+    if explicit:
+        os.environ["CXX"] = explicit
+    elif shutil.which("g++-12"):
         os.environ["CXX"] = "g++-12"
     cxx = os.environ.get("CXX", "g++")
     try:
@@ -154,6 +157,7 @@ def main(argv=None):
                    help="tensorrt: build Ampere-and-later hardware-compatible engines")
     p.add_argument("--bare-so", action="store_true",
                    help="aoti: also extract the bare wrapper .so (+ cubin dir) as an aoti_so variant")
+    p.add_argument("--cxx", help="aoti: C++ compiler for the wrapper (default: g++-12 if present, else $CXX)")
     p.add_argument("--out", required=True, help="output directory (created)")
     args = p.parse_args(argv)
     args.inputs = [parse_input(t) for t in args.raw_inputs]
@@ -176,7 +180,7 @@ def main(argv=None):
     if len(batches) != 1:
         raise CompileError("all --input shapes must share dimension 0 (the batch)")
 
-    compiler = pick_compiler() if args.backend == "aoti" else ""
+    compiler = pick_compiler(args.cxx) if args.backend == "aoti" else ""
     import torch
 
     if args.device == "cuda":
@@ -248,11 +252,19 @@ def main(argv=None):
         machine=platform.machine(), compiler=compiler, extra=extra, variant_dir=args.out)
     write_spec(spec, args.out)
 
-    # Check the artifact against eager before anyone serves it.
+    # Check the artifact against eager before anyone serves it: first in a child process, so
+    # a wrapper that crashes at load is reported here rather than killing this process.
+    from handlers.compat import crash_safe_probe
+    from handlers.config import HandlerConfig
     from handlers.device import Placement
+    from handlers.errors import LoadError
     from handlers.load import load_artifact
 
     placement = Placement(args.device, args.device_index if args.device == "cuda" else None)
+    try:
+        crash_safe_probe(spec, placement, HandlerConfig())
+    except LoadError as e:
+        raise CompileError(f"the new artifact fails to load ({e}); compiler: {compiler or 'n/a'}") from None
     loaded = load_artifact(spec, placement)
     with torch.no_grad():
         got = loaded(*inputs)
