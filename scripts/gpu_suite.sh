@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 [ -f "$W/big32/artifact.json" ] || $PY scripts/compile.py --model examples/models.py:big_conv \
     --input image:2x3x2160x3840:float32 --dynamic-batch 1:2 --backend export --device cuda --out "$W/big32"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 60 --out "$RESULTS/bench_resnet50_fp16.json"
+  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 40 --out "$RESULTS/bench_resnet50_fp16.json"
 fi
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 $PY scripts/archive.py --artifact "$W/r50" --name r50 --out "$W/store" --workers $((2 * NGPU)) --batch-size 8 --max-batch-delay 5
@@ -25,12 +25,13 @@ cd "$W"
 sed "s#^model_store=.*#model_store=$W/store#" "$OLDPWD/config.properties" > config.properties
 torchserve --start --ncs --model-store "$W/store" --models r50=r50.mar,big16=big16.mar,big32=big32.mar --ts-config config.properties
 cd "$OLDPWD"
-for i in $(seq 1 120); do
+for i in $(seq 1 150); do
   n=$(grep -c "loaded .* artifact" "$W/logs/model_log.log" 2>/dev/null || true)
   [ "${n:-0}" -ge $((6 * NGPU)) ] && break; sleep 2
 done
-grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200
-$PY scripts/soak.py --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-300} \
+grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
+  || { tail -40 "$W/logs/ts_log.log" "$W/logs/model_log.log"; torchserve --stop; exit 1; }
+$PY scripts/soak.py --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-150} \
     --model r50=examples/models.py:resnet50:3x224x224:4:float16 \
     --model big16=examples/models.py:big_conv:3x2160x3840:1:float16 \
     --model big32=examples/models.py:big_conv:3x2160x3840:1:float32 --out "$RESULTS/soak.json" || rc=$?
