@@ -82,5 +82,13 @@ def resnet50() -> nn.Module:
     """torchvision's ResNet-50 with seeded random weights (torchvision is on the GPU machine)."""
     import torchvision
 
-    torch.manual_seed(3)
-    return torchvision.models.resnet50(weights=None).eval()
+    class ResNet50(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.net = torchvision.models.resnet50(weights=None)
+
+        def forward(self, image):  # the input name requests use
+            return self.net(image)
+
+    return ResNet50().eval()
