@@ -193,8 +193,15 @@ def check(spec: ArtifactSpec, placement: Placement, m: Machine, strict_versions:
 
 
 def reconcile(spec: ArtifactSpec) -> ArtifactSpec:
-    """For AOTI packages the build facts inside the package win over artifact.json; a
-    disagreement means one of them was edited or swapped, and the load fails."""
+    """The artifact's own contents win over artifact.json: a graph that calls TensorRT engines
+    is a Torch-TensorRT artifact whatever the metadata says, and for AOTI packages the build
+    facts inside the package are authoritative (a disagreement fails the load)."""
+    from .tensorrt import has_tensorrt_engines
+
+    if spec.backend in ("export", "aoti") and has_tensorrt_engines(spec.artifact_path):
+        spec = ArtifactSpec(**{**spec.__dict__, "backend": "tensorrt",
+                               "extra": {"format": "aot_inductor" if spec.backend == "aoti" else "exported_program",
+                                         **spec.extra}})
     if spec.backend != "aoti":
         return spec
     meta = package_metadata(spec.artifact_path)
@@ -237,6 +244,12 @@ def choose_variant(model_dir: str, gpu_id, config):
         target = (f"{spec.backend}/{spec.device}"
                   + (f" cc {spec.compute_capability}" if spec.compute_capability else "")
                   + (f" ISA {spec.cpu_isa}" if spec.cpu_isa and spec.device == "cpu" else ""))
+        if spec.backend == "tensorrt" and not _version("torch_tensorrt"):
+            # Named first: without the package nothing else about this artifact matters.
+            from .tensorrt import missing_package_message
+
+            tried.append(f"[{label}: {target}] {missing_package_message(spec)}")
+            continue
         try:
             placement = placement_for_worker(gpu_id, config.device_type, spec.device, spec.backend)
         except IncompatibleArtifact as e:

@@ -10,6 +10,16 @@ nothing is pip-installed per model.
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
+# let this directory itself be on the import path; the repository root is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
 import argparse
 import os
 import shutil
@@ -19,8 +29,7 @@ import tempfile
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(_HERE)
 
 from handlers.config import parse_config  # noqa: E402
 from handlers.errors import LoadError  # noqa: E402

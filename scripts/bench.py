@@ -11,6 +11,16 @@ request after load (with warm-up, and for contrast without) against the steady s
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
+# let this directory itself be on the import path; the repository root is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
 import argparse
 import datetime
 import json
@@ -21,8 +31,7 @@ import sys
 import time
 import zlib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(_HERE)
 
 
 def make_context(model_dir: str, gpu, handler_opts: dict, batch_size: int):

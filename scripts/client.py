@@ -8,6 +8,16 @@ in one of the supported formats and prints the answer.
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
+# let this directory itself be on the import path; the repository root is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
 import argparse
 import json
 import os
@@ -16,8 +26,7 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(_HERE)
 
 
 def inference_key(path: str) -> str:

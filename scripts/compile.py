@@ -10,6 +10,16 @@ names, in order. The artifact is checked against eager before metadata is writte
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
+# let this directory itself be on the import path; the repository root is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
 import argparse
 import importlib.util
 import inspect
@@ -20,8 +30,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(_HERE)
 
 from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, dtype_name, sha256_file, write_spec  # noqa: E402
 

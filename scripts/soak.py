@@ -7,6 +7,16 @@ reference computed in this process by the eager model on the GPU's default strea
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
+# let this directory itself be on the import path; the repository root is.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+
 import argparse
 import datetime
 import json
@@ -16,8 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(_HERE)
 
 
 def main(argv=None):

@@ -120,7 +120,11 @@ class TorchServe:
             cfg = re.sub(rf"(?m)^(\w+)=(.*){old}$", rf"\g<1>=\g<2>{new}", cfg)
             cfg = re.sub(rf"(?m)^(grpc_\w+_port)={old}$", rf"\g<1>={new}", cfg)
         cfg = re.sub(r"(?m)^model_store=.*$", f"model_store={store}", cfg)
+        # Several servers in one run: distinct worker socket ports (/tmp/.ts.sock.<port>) and
+        # pid files (torchserve keeps one in the temp dir and refuses a second instance).
+        cfg += f"\ninitial_worker_port={TorchServe._next_worker_port()}\n"
         workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "tmp").mkdir(exist_ok=True)
         (workdir / "config.properties").write_text(cfg)
         self.base = f"http://127.0.0.1:{self.ports['inf']}"
         self.mgmt = f"http://127.0.0.1:{self.ports['mgmt']}"
@@ -128,6 +132,7 @@ class TorchServe:
         spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
         env = _env()
         env["LOG_LOCATION"] = str(workdir / "logs")
+        env["TMPDIR"] = str(workdir / "tmp")
         env["METRICS_LOCATION"] = str(workdir / "logs")
         self.proc = subprocess.Popen(
             [str(BIN / "torchserve"), "--start", "--foreground", "--ncs", "--model-store", str(store),
@@ -135,6 +140,18 @@ class TorchServe:
             cwd=workdir, env=env, stdout=open(workdir / "stdout.log", "w"), stderr=subprocess.STDOUT,
             start_new_session=True)
         self._keys = None
+        deadline = time.time() + 90
+        while not (workdir / "key_file.json").exists():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"torchserve did not start: {self.log('stdout.log')[-3000:]}")
+            time.sleep(0.5)
+
+    _worker_port = 9000 + (os.getpid() % 200) * 100
+
+    @classmethod
+    def _next_worker_port(cls) -> int:
+        cls._worker_port += 100
+        return cls._worker_port
 
     @property
     def keys(self) -> dict:

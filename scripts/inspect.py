@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""What an artifact (directory or .mar) needs, beside what this machine has; exit status 1 when
+no variant can run here, 0 when one can.
+
+  python scripts/inspect.py ARTIFACT_DIR_OR_MAR [--gpu-id N] [--device-type cpu|gpu] [--trial-load]
+
+Nothing in the artifact is executed unless --trial-load is given; that loads it and runs one
+forward in a child process (as the handler's crash-safe load does) and reports a native crash.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# This file's name shadows the standard library's `inspect`: drop its directory from the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import tempfile  # noqa: E402
+import zipfile  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path")
+    p.add_argument("--gpu-id", type=int, help="GPU the worker would be assigned (default: 0 if CUDA is visible)")
+    p.add_argument("--device-type", choices=("cpu", "gpu"))
+    p.add_argument("--trial-load", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from handlers.compat import check, crash_safe_probe, reconcile, this_machine
+    from handlers.config import HandlerConfig
+    from handlers.device import placement_for_worker
+    from handlers.errors import LoadError
+    from handlers.load import verify_integrity
+    from handlers.metadata import find_variants, read_spec
+
+    tmp = None
+    root = args.path
+    if os.path.isfile(root) and zipfile.is_zipfile(root):
+        tmp = tempfile.TemporaryDirectory()
+        with zipfile.ZipFile(root) as z:
+            z.extractall(tmp.name)
+        root = tmp.name
+    variants = find_variants(root)
+    if not variants:
+        print(f"{args.path}: no artifact.json found (not built by scripts/compile.py / archive.py)")
+        return 2
+    gpu_id = args.gpu_id if args.gpu_id is not None else (0 if torch.cuda.is_available() else None)
+    runnable = 0
+    print(f"machine: {this_machine().describe()}")
+    for d in variants:
+        label = os.path.relpath(d, root)
+        problems, warnings = [], []
+        try:
+            spec = read_spec(d)
+            verify_integrity(spec)
+            spec = reconcile(spec)
+        except LoadError as e:
+            print(f"[{label}] cannot be read: {e}")
+            continue
+        print(f"[{label}] backend        needs {spec.backend}; torch {spec.torch_version}")
+        print(f"[{label}] device         needs {spec.device}"
+              + (f" compute capability {spec.compute_capability} ({', '.join(spec.cuda_archs)})"
+                 if spec.compute_capability else ""))
+        if spec.cpu_isa:
+            print(f"[{label}] cpu isa        needs {spec.cpu_isa}")
+        print(f"[{label}] platform       needs {spec.platform}/{spec.machine}")
+        print(f"[{label}] inputs         {'; '.join(s.describe() for s in spec.inputs)}; "
+              f"batch {spec.batch_min}..{spec.batch_max}")
+        placement = None
+        if spec.backend == "tensorrt":
+            from handlers.tensorrt import missing_package_message
+            from importlib import metadata
+
+            try:
+                metadata.version("torch_tensorrt")
+            except metadata.PackageNotFoundError:
+                problems.append(missing_package_message(spec))
+        if not problems:
+            try:
+                placement = placement_for_worker(gpu_id, args.device_type, spec.device, spec.backend)
+                fatal, warnings = check(spec, placement, this_machine(placement))
+                problems += fatal
+            except LoadError as e:
+                problems.append(str(e))
+        if not problems and args.trial_load:
+            try:
+                secs = crash_safe_probe(spec, placement, HandlerConfig())
+                print(f"[{label}] trial load     OK on {placement} ({secs:.1f}s)")
+            except LoadError as e:
+                problems.append(str(e))
+        for w in warnings:
+            print(f"[{label}] WARNING        {w}")
+        for prob in problems:
+            print(f"[{label}] CANNOT RUN     {prob}")
+        if not problems:
+            runnable += 1
+            print(f"[{label}] OK             runs here on {placement}")
+    if tmp:
+        tmp.cleanup()
+    return 0 if runnable else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

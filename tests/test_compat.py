@@ -1,0 +1,285 @@
+"""Incompatible artifacts are refused before a worker reports ready, with a message naming the
+artifact's target, the machine and the fix: in real TorchServe and in scripts/inspect.py.
+
+Every case starts from a real compiled artifact and alters what a real mismatch would alter
+(package metadata, artifact.json, the file itself), re-pinning the SHA-256 where a rebuilt
+artifact would carry a new one."""
+import json
+import os
+import subprocess
+import time
+import zipfile
+
+import pytest
+import torch
+
+from conftest import PY, ROOT, build_mar
+from handlers.compat import ISA_FLAGS, Machine, check, cpu_flags
+from handlers.device import Placement
+from handlers.metadata import read_spec, sha256_file, write_spec
+
+
+def rewrite_package_metadata(art, **changes):
+    pkg = os.path.join(art, "model.pt2")
+    tmp = pkg + ".tmp"
+    with zipfile.ZipFile(pkg) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("wrapper_metadata.json"):
+                data = json.dumps({**json.loads(data), **changes}).encode()
+            zout.writestr(item, data)
+    os.replace(tmp, pkg)
+
+
+def repin(art, **fields):
+    spec = read_spec(str(art))
+    write_spec(type(spec)(**{**spec.__dict__, "sha256": sha256_file(spec.artifact_path), **fields}), str(art))
+
+
+def missing_isa():
+    flags = cpu_flags()
+    for name in ("AMX_TILE", "AVX512", "AVX512_VNNI", "SVE"):
+        if not all(f in flags for f in ISA_FLAGS[name]):
+            return name
+    pytest.skip("this CPU has every ISA extension we could claim")
+
+
+FAKE_TRT = '''
+import torch
+
+@torch.library.custom_op("tensorrt::execute_engine", mutates_args=())
+def execute_engine(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+@execute_engine.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+class Engine(torch.nn.Module):
+    def forward(self, image):
+        return torch.ops.tensorrt.execute_engine(image)
+'''
+
+
+def fake_trt_artifact(dest):
+    """An exported program whose graph calls `tensorrt::execute_engine`, the op Torch-TensorRT
+    inserts for each engine. The op here is a stand-in defined by this test (TensorRT cannot be
+    installed on these machines); detection reads only the serialized graph."""
+    import importlib.util
+
+    os.makedirs(dest, exist_ok=True)
+    src = os.path.join(dest, "..", "fake_trt_model.py")
+    with open(src, "w") as f:
+        f.write(FAKE_TRT)
+    spec_ = importlib.util.spec_from_file_location("fake_trt_model", src)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    ep = torch.export.export(mod.Engine(), (torch.randn(2, 4),))
+    torch.export.save(ep, os.path.join(dest, "model.pt2"))
+    from handlers.metadata import ArtifactSpec, TensorSpec
+
+    write_spec(ArtifactSpec(
+        backend="tensorrt", artifact="model.pt2", sha256=sha256_file(os.path.join(dest, "model.pt2")),
+        device="cuda", inputs=(TensorSpec("image", "float32", (2, 4)),),
+        outputs=(TensorSpec("output", "float32", (2, 4)),), output_structure="tensor", batch_min=2,
+        batch_max=2, torch_version=torch.__version__, compute_capability="9.0", cuda_archs=("sm_90",),
+        platform="linux", machine="x86_64",
+        extra={"tensorrt_version": "10.13.0", "torch_tensorrt_version": "2.13.0", "format": "exported_program"}),
+        dest)
+    return dest
+
+
+CRASH_C = r'''
+#include <signal.h>
+__attribute__((constructor)) static void crash_on_load(void) { raise(SIGSEGV); }
+'''
+
+
+@pytest.fixture(scope="module")
+def broken(artifacts, tmp_path_factory):
+    """name -> (artifact dir, text the load error must contain)."""
+    root = tmp_path_factory.mktemp("broken")
+    cases = {}
+
+    isa = missing_isa()
+    d = artifacts.copy("two_aoti", "isa")
+    rewrite_package_metadata(d, AOTI_CPU_ISA=f"AVX2 {isa}")
+    repin(d, cpu_isa=f"AVX2 {isa}")
+    cases["wrong_isa"] = (d, f"this CPU lacks {isa}")
+
+    d = artifacts.copy("two_aoti", "cuda_only")
+    rewrite_package_metadata(d, AOTI_DEVICE_KEY="cuda", AOTI_COMPUTE_CAPABILITY="90")
+    repin(d, device="cuda", compute_capability="9.0", cuda_archs=("sm_90",))
+    cases["cuda_on_cpu"] = (d, "compiled for CUDA and cannot run on the CPU")
+
+    d = artifacts.copy("cls_export", "corrupt")
+    with open(os.path.join(d, "model.pt2"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00" * 16)
+    cases["corrupt"] = (d, "is corrupt, truncated or was replaced")
+
+    d = artifacts.copy("cls_export", "truncated")
+    path = os.path.join(d, "model.pt2")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    repin(d)
+    cases["truncated"] = (d, "not a valid .pt2 archive")
+
+    d = artifacts.copy("cls_aoti", "crash")
+    so_dir = os.path.join(d, "bare_so")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-x", "c", "-", "-o", os.path.join(so_dir, "model.so")],
+                   input=CRASH_C, text=True, check=True)
+    repin(so_dir)
+    cases["crashing_library"] = (so_dir, "crashed the trial process with SIGSEGV")
+
+    d = fake_trt_artifact(str(root / "trt"))
+    cases["trt_missing"] = (d, "pip install torch-tensorrt==2.13.0")
+    return cases
+
+
+def corrupt_inside_mar(mar, member="model.pt2"):
+    """Damage the artifact inside a built archive (disk or transfer corruption after archiving)."""
+    tmp = str(mar) + ".tmp"
+    with zipfile.ZipFile(mar) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == member:
+                data = data[:100] + b"\x00" * 16 + data[116:]
+            zout.writestr(item, data)
+    os.replace(tmp, mar)
+
+
+@pytest.fixture(scope="module")
+def broken_server(broken, artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("broken_store")
+    mars = {}
+    for name, (d, _) in broken.items():
+        if name == "corrupt":  # archive.py refuses a corrupt artifact, so corrupt the archive
+            mars[name] = build_mar(artifacts.get("cls_export"), name, store)
+            corrupt_inside_mar(mars[name])
+        else:
+            mars[name] = build_mar(d, name, store)
+    return serve(mars, ready=False)
+
+
+@pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
+                                  "trt_missing"])
+def test_refused_before_ready_with_message(broken, broken_server, name):
+    needle = broken[name][1]
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        lines = [ln for ln in broken_server.log().splitlines() if "W-" in ln and f"-{name}_" in ln]
+        if any(needle in ln for ln in lines):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"{name}: no load error containing {needle!r} in the model log:\n"
+                    + "\n".join(lines[-20:]))
+    status = broken_server.model_status(name)
+    assert status and all(s != "READY" for s in status), status
+
+
+@pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
+                                  "trt_missing"])
+def test_inspect_names_the_mismatch(broken, name):
+    d, needle = broken[name]
+    cmd = [PY, "scripts/inspect.py", str(d)] + (["--trial-load"] if name == "crashing_library" else [])
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert needle in r.stdout, r.stdout
+
+
+def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
+    mar = build_mar(artifacts.get("two_aoti"), "good", tmp_path)
+    r = subprocess.run([PY, "scripts/inspect.py", str(mar)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "OK             runs here on cpu" in r.stdout, r.stdout
+
+
+def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
+    """An archive with a variant this CPU cannot run and one it can: the worker picks the second."""
+    from handlers.compat import choose_variant
+    from handlers.config import parse_config
+
+    mar = build_mar([broken["wrong_isa"][0], artifacts.get("two_aoti")], "multi", tmp_path)
+    out = tmp_path / "x"
+    with zipfile.ZipFile(mar) as z:
+        z.extractall(out)
+    spec, placement, _ = choose_variant(str(out), None, parse_config({}))
+    assert spec.cpu_isa == "AVX2" and placement.kind == "cpu"
+    # only the bad one: the error lists what it has and what the machine is
+    mar = build_mar([broken["wrong_isa"][0], broken["cuda_on_cpu"][0]], "multi_bad", tmp_path)
+    out = tmp_path / "y"
+    with zipfile.ZipFile(mar) as z:
+        z.extractall(out)
+    with pytest.raises(Exception) as e:
+        choose_variant(str(out), None, parse_config({}))
+    assert "This machine: linux" in str(e.value) and "this CPU lacks" in str(e.value) \
+        and "compiled for CUDA" in str(e.value)
+
+
+# ---------------------------------------------------------------- rules, unit level
+
+
+def spec_for(backend="aoti", cc="9.0", archs=("sm_90",), torch_version=None, extra=None):
+    from handlers.metadata import ArtifactSpec
+
+    return ArtifactSpec(backend=backend, artifact="m", sha256="", device="cuda", inputs=(), outputs=(),
+                        output_structure="tensor", batch_min=1, batch_max=1,
+                        torch_version=torch_version or torch.__version__, compute_capability=cc,
+                        cuda_archs=archs, platform="linux", machine="x86_64", extra=extra or {})
+
+
+def machine(cc, **pk):
+    return Machine("linux", "x86_64", torch.__version__, frozenset(), cc, "GPU", pk)
+
+
+@pytest.mark.parametrize("art,dev,archs,fatal,warn", [
+    ("9.0", "9.0", ("sm_90",), False, False),
+    ("8.0", "9.0", ("sm_80",), True, False),   # other major
+    ("8.6", "8.0", ("sm_86",), True, False),   # device minor lower
+    ("8.0", "8.6", ("sm_80",), False, True),   # binary compatible, warn
+    ("9.0", "9.0", ("sm_90a",), False, False),
+])
+def test_compute_capability_rules(art, dev, archs, fatal, warn):
+    f, w = check(spec_for(cc=art, archs=archs), Placement("cuda", 0), machine(dev))
+    assert bool(f) == fatal and bool(w) == warn, (f, w)
+    if fatal:
+        assert "Fix" in f[0] and art in f[0] and dev in f[0]
+
+
+def test_arch_specific_kernels_need_the_exact_gpu():
+    f, _ = check(spec_for(cc="9.0", archs=("sm_90a",)), Placement("cuda", 0), machine("10.0"))
+    assert f
+
+
+def test_torch_version_rules():
+    f, _ = check(spec_for(torch_version="1.13.0"), Placement("cuda", 0), machine("9.0"))
+    assert "C++ ABI" in f[0]
+    f, w = check(spec_for(backend="export", torch_version="1.13.0"), Placement("cuda", 0), machine("9.0"))
+    assert not f and w
+
+
+def test_tensorrt_rules():
+    extra = {"tensorrt_version": "10.3.0", "torch_tensorrt_version": "2.5.0"}
+    f, _ = check(spec_for(backend="tensorrt", extra=extra), Placement("cuda", 0), machine("9.0"))
+    assert "pip install torch-tensorrt==2.5.0" in f[0]
+    f, _ = check(spec_for(backend="tensorrt", extra=extra), Placement("cuda", 0),
+                 machine("9.0", torch_tensorrt="2.5.0", tensorrt="10.7.0"))
+    assert "TensorRT 10.3.0" in f[0]
+    f, _ = check(spec_for(backend="tensorrt", cc="8.6", extra={**extra, "hardware_compatible": True}),
+                 Placement("cuda", 0), machine("9.0", torch_tensorrt="2.5.0", tensorrt="10.3.1"))
+    assert not f
+    f, _ = check(spec_for(backend="tensorrt", cc="8.6", extra=extra), Placement("cuda", 0),
+                 machine("9.0", torch_tensorrt="2.5.0", tensorrt="10.3.1"))
+    assert "--hardware-compatible" in f[0]
+
+
+def test_tensorrt_detected_without_importing_it(tmp_path):
+    from handlers.compat import reconcile
+    from handlers.tensorrt import has_tensorrt_engines
+
+    d = fake_trt_artifact(str(tmp_path / "trt"))
+    assert has_tensorrt_engines(os.path.join(d, "model.pt2"))
+    spec = read_spec(d)
+    relabelled = reconcile(type(spec)(**{**spec.__dict__, "backend": "export"}))
+    assert relabelled.backend == "tensorrt"  # a mislabelled artifact is still recognised
