@@ -118,7 +118,7 @@ def output_structure(out):
     raise CompileError(f"model returned {type(out).__name__}; expected a tensor, tuple or dict of tensors")
 
 
-def compile_tensorrt(ep, module, inputs, args, dyn):
+def compile_tensorrt(ep, inputs, args, dyn):
     """Torch-TensorRT dynamo path. Not executed on this project's machines (no TensorRT there);
     written against torch_tensorrt.dynamo.compile / torch_tensorrt.save."""
     try:
@@ -138,17 +138,24 @@ def compile_tensorrt(ep, module, inputs, args, dyn):
                 max_shape=(hi,) + s.shape[1:], dtype=t.dtype))
         else:
             trt_inputs.append(torch_tensorrt.Input(shape=s.shape, dtype=t.dtype))
-    precisions = {torch.float32} if args.precision == "fp32" else {torch.float16, torch.float32}
-    trt_gm = torch_tensorrt.dynamo.compile(
-        ep, inputs=trt_inputs, enabled_precisions=precisions,
-        hardware_compatible=args.hardware_compatible, device=torch.device(args.device_str))
+    # Newer releases take arg_inputs= and type engines from the graph's dtypes (the model was
+    # already halved for fp16); older ones need enabled_precisions to allow fp16 kernels.
+    compile_params = inspect.signature(torch_tensorrt.dynamo.compile).parameters
+    kwargs = {"hardware_compatible": args.hardware_compatible, "device": torch.device(args.device_str)}
+    kwargs["arg_inputs" if "arg_inputs" in compile_params else "inputs"] = trt_inputs
+    if "use_explicit_typing" not in compile_params:
+        kwargs["enabled_precisions"] = ({torch.float32} if args.precision == "fp32"
+                                        else {torch.float16, torch.float32})
+    trt_gm = torch_tensorrt.dynamo.compile(ep, **kwargs)
     path = os.path.join(args.out, ARTIFACT)
-    torch_tensorrt.save(trt_gm, path, output_format="exported_program", inputs=inputs)
+    save_params = inspect.signature(torch_tensorrt.save).parameters
+    torch_tensorrt.save(trt_gm, path, output_format="exported_program",
+                        **{("arg_inputs" if "arg_inputs" in save_params else "inputs"): inputs})
     import tensorrt
 
     return {"tensorrt_version": tensorrt.__version__, "torch_tensorrt_version": torch_tensorrt.__version__,
             "hardware_compatible": bool(args.hardware_compatible), "precision": args.precision,
-            "format": "exported_program"}, trt_gm
+            "format": "exported_program"}
 
 
 def main(argv=None):
@@ -234,7 +241,7 @@ def main(argv=None):
 
         aoti_compile_and_package(ep, package_path=path)
     else:
-        extra, _ = compile_tensorrt(ep, module, inputs, args, dyn)
+        extra = compile_tensorrt(ep, inputs, args, dyn)
     compile_s = time.perf_counter() - t0
 
     cc = archs = isa = None
