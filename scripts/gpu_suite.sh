@@ -25,7 +25,7 @@ cd "$W"
 sed "s#^model_store=.*#model_store=$W/store#" "$OLDPWD/config.properties" > config.properties
 torchserve --start --ncs --model-store "$W/store" --models r50=r50.mar,big16=big16.mar,big32=big32.mar --ts-config config.properties
 cd "$OLDPWD"
-for i in $(seq 1 150); do
+for i in $(seq 1 300); do
   n=$(grep -c "loaded .* artifact" "$W/logs/model_log.log" 2>/dev/null || true)
   [ "${n:-0}" -ge $((6 * NGPU)) ] && break; sleep 2
 done

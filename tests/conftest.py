@@ -231,6 +231,29 @@ def serve(tmp_path_factory):
         ts.stop()
 
 
+def rewrite_package_metadata(art, **changes):
+    """Alter the AOTInductor metadata inside a .pt2 package, as a build for another target would."""
+    import zipfile
+
+    pkg = os.path.join(art, "model.pt2")
+    tmp = pkg + ".tmp"
+    with zipfile.ZipFile(pkg) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("wrapper_metadata.json"):
+                data = json.dumps({**json.loads(data), **changes}).encode()
+            zout.writestr(item, data)
+    os.replace(tmp, pkg)
+
+
+def repin(art, **fields):
+    """Rewrite artifact.json with the artifact's current SHA-256 (and any changed fields)."""
+    from handlers.metadata import read_spec, sha256_file, write_spec
+
+    spec = read_spec(str(art))
+    write_spec(type(spec)(**{**spec.__dict__, "sha256": sha256_file(spec.artifact_path), **fields}), str(art))
+
+
 def eager(factory: str, *inputs):
     import torch
 

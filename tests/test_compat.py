@@ -4,7 +4,6 @@ artifact's target, the machine and the fix: in real TorchServe and in scripts/in
 Every case starts from a real compiled artifact and alters what a real mismatch would alter
 (package metadata, artifact.json, the file itself), re-pinning the SHA-256 where a rebuilt
 artifact would carry a new one."""
-import json
 import os
 import subprocess
 import time
@@ -13,27 +12,10 @@ import zipfile
 import pytest
 import torch
 
-from conftest import PY, ROOT, build_mar
+from conftest import PY, ROOT, build_mar, repin, rewrite_package_metadata
 from handlers.compat import ISA_FLAGS, Machine, check, cpu_flags
 from handlers.device import Placement
 from handlers.metadata import read_spec, sha256_file, write_spec
-
-
-def rewrite_package_metadata(art, **changes):
-    pkg = os.path.join(art, "model.pt2")
-    tmp = pkg + ".tmp"
-    with zipfile.ZipFile(pkg) as zin, zipfile.ZipFile(tmp, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename.endswith("wrapper_metadata.json"):
-                data = json.dumps({**json.loads(data), **changes}).encode()
-            zout.writestr(item, data)
-    os.replace(tmp, pkg)
-
-
-def repin(art, **fields):
-    spec = read_spec(str(art))
-    write_spec(type(spec)(**{**spec.__dict__, "sha256": sha256_file(spec.artifact_path), **fields}), str(art))
 
 
 def missing_isa():

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ARTIFACTS, Artifacts, build_mar
+from conftest import ARTIFACTS, Artifacts, build_mar, repin, rewrite_package_metadata
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -20,7 +20,7 @@ from handlers.config import parse_config  # noqa: E402
 from handlers.device import Placement  # noqa: E402
 from handlers.errors import IncompatibleArtifact  # noqa: E402
 from handlers.load import load_artifact  # noqa: E402
-from handlers.metadata import read_spec, sha256_file, write_spec  # noqa: E402
+from handlers.metadata import read_spec  # noqa: E402
 from handlers.run import Executor  # noqa: E402
 
 TWO_GPUS = torch.cuda.device_count() >= 2
@@ -123,23 +123,9 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
 
 def _alter_cc(src: str, dest: str, cc: str):
     """A copy of a CUDA AOTI artifact whose package and metadata claim another compute capability."""
-    import zipfile
-
     shutil.copytree(src, dest)
-    pkg = os.path.join(dest, "model.pt2")
-    tmp = pkg + ".tmp"
-    with zipfile.ZipFile(pkg) as zin, zipfile.ZipFile(tmp, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename.endswith("wrapper_metadata.json"):
-                meta = json.loads(data)
-                meta["AOTI_COMPUTE_CAPABILITY"] = cc.replace(".", "")
-                data = json.dumps(meta).encode()
-            zout.writestr(item, data)
-    os.replace(tmp, pkg)
-    spec = read_spec(dest)
-    write_spec(type(spec)(**{**spec.__dict__, "sha256": sha256_file(pkg), "compute_capability": cc,
-                             "cuda_archs": (f"sm_{cc.replace('.', '')}",)}), dest)
+    rewrite_package_metadata(dest, AOTI_COMPUTE_CAPABILITY=cc.replace(".", ""))
+    repin(dest, compute_capability=cc, cuda_archs=(f"sm_{cc.replace('.', '')}",))
 
 
 def test_wrong_compute_capability_refused(gpu_artifacts, tmp_path):
@@ -169,7 +155,6 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
     log = ts.log()
     placed = [ln.split(" on ")[1].split(" ")[0] for ln in log.splitlines() if "loaded aoti artifact" in ln]
     assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
-    from conftest import eager as _  # noqa: F401
 
     bad = 0
     for i in range(40):

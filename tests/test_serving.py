@@ -1,5 +1,4 @@
 """End to end through real TorchServe: compiled artifacts served over REST, equal to eager."""
-import json
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 wherever torch_tensorrt imports; on this project's machines they skip: NVIDIA TensorRT cannot
 be installed there (the PyPI package is a stub that downloads from elsewhere)."""
 import subprocess
-import sys
 
 import pytest
 import torch
