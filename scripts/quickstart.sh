@@ -17,9 +17,10 @@ fi
 echo "== archiving model_store/classifier.mar"
 $PY scripts/archive.py --artifact "$ART" --name classifier --batch-size 8 --max-batch-delay 5
 if torchserve --stop >/dev/null 2>&1; then sleep 2; fi
+mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"
 torchserve --start --ncs --model-store model_store \
-    --models classifier=classifier.mar --ts-config config.properties >/dev/null
+    --models classifier=classifier.mar --ts-config config.properties > logs/torchserve_console.log 2>&1
 $PY scripts/client.py --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
     --factory examples/models.py:classifier
 echo
