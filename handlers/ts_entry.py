@@ -88,10 +88,7 @@ class CompiledModelHandler(BaseHandler):
 
     def _fail(self, context, idx, err: ServingError):
         context.set_response_status(err.status, err.kind, idx)
-        try:
-            context.set_response_content_type(idx, "application/json")
-        except Exception:
-            pass
+        context.set_response_content_type(idx, "application/json")
         return encode_error(err)
 
     def _infer(self, batch: list) -> list:
