@@ -180,11 +180,10 @@ def check(spec: ArtifactSpec, placement: Placement, m: Machine, strict_versions:
             f"built with torch {spec.torch_version}, this worker has torch {m.torch_version}")
     if spec.backend == "tensorrt":
         want_trt = spec.extra.get("tensorrt_version")
-        want_tt = spec.extra.get("torch_tensorrt_version")
         if not m.packages.get("torch_tensorrt"):
-            fatal.append(f"Torch-TensorRT artifact, but torch_tensorrt is not installed: pip install "
-                         f"torch-tensorrt=={want_tt or '<version matching torch ' + spec.torch_version + '>'} "
-                         f"(with TensorRT {want_trt or 'matching it'}) on the worker")
+            from .tensorrt import missing_package_message
+
+            fatal.append(missing_package_message(spec))
         elif want_trt and m.packages.get("tensorrt") and _mm(want_trt) != _mm(m.packages["tensorrt"]):
             fatal.append(f"engines serialized with TensorRT {want_trt}, this worker has TensorRT "
                          f"{m.packages['tensorrt']}: rebuild the engines with this TensorRT or install "
@@ -225,6 +224,30 @@ def reconcile(spec: ArtifactSpec) -> ArtifactSpec:
     return ArtifactSpec(**{**spec.__dict__, **facts})
 
 
+def open_variant(directory: str) -> ArtifactSpec:
+    """artifact.json, checked against the artifact's SHA-256 before anything inside the
+    artifact is read, then reconciled with what the artifact itself says it is."""
+    spec = read_spec(directory)
+    verify_integrity(spec)
+    return reconcile(spec)
+
+
+def assess(spec: ArtifactSpec, gpu_id, device_type, strict_versions=False):
+    """Where this worker would run the artifact and what stops it. Returns
+    (placement or None, fatal problems, warnings)."""
+    if spec.backend == "tensorrt" and not _version("torch_tensorrt"):
+        # Named first: without the package nothing else about this artifact matters.
+        from .tensorrt import missing_package_message
+
+        return None, [missing_package_message(spec)], []
+    try:
+        placement = placement_for_worker(gpu_id, device_type, spec.device, spec.backend)
+    except IncompatibleArtifact as e:
+        return None, [str(e)], []
+    fatal, warn = check(spec, placement, this_machine(placement), strict_versions)
+    return placement, fatal, warn
+
+
 def choose_variant(model_dir: str, gpu_id, config):
     """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
     dirs = find_variants(model_dir)
@@ -237,31 +260,16 @@ def choose_variant(model_dir: str, gpu_id, config):
                         "with scripts/archive.py")
     tried, ok = [], []
     for d in dirs:
-        spec = read_spec(d)
-        verify_integrity(spec)  # before reading anything inside the artifact
-        spec = reconcile(spec)
+        spec = open_variant(d)
         label = os.path.relpath(d, model_dir)
         target = (f"{spec.backend}/{spec.device}"
                   + (f" cc {spec.compute_capability}" if spec.compute_capability else "")
                   + (f" ISA {spec.cpu_isa}" if spec.cpu_isa and spec.device == "cpu" else ""))
-        if spec.backend == "tensorrt" and not _version("torch_tensorrt"):
-            # Named first: without the package nothing else about this artifact matters.
-            from .tensorrt import missing_package_message
-
-            tried.append(f"[{label}: {target}] {missing_package_message(spec)}")
-            continue
-        try:
-            placement = placement_for_worker(gpu_id, config.device_type, spec.device, spec.backend)
-        except IncompatibleArtifact as e:
-            tried.append(f"[{label}: {target}] {e}")
-            continue
-        machine = this_machine(placement)
-        fatal, warn = check(spec, placement, machine, config.strict_versions)
+        placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
             tried.append(f"[{label}: {target}] " + "; ".join(fatal))
             continue
-        exact = not warn
-        ok.append((not exact, len(ok), spec, placement, warn))
+        ok.append((bool(warn), len(ok), spec, placement, warn))  # exact fits first, then archive order
     if not ok:
         facts = this_machine_safe(gpu_id)
         raise IncompatibleArtifact("no artifact in this archive can run on this worker. This machine: "

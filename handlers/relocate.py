@@ -41,16 +41,14 @@ def leftovers(ep, device: torch.device) -> list:
         if isinstance(t, torch.Tensor) and not _same(t.device, device):
             found.append(f"constant {name!r} on {t.device}")
     for node in ep.graph.nodes:
+        devices = list(_devices_in((node.args, node.kwargs)))
         named = node.kwargs.get("device")
         if isinstance(named, str):  # move_to_device_pass writes the device as a string
             try:
-                named = torch.device(named)
+                devices.append(torch.device(named))
             except RuntimeError:
                 found.append(f"graph node {node.name} has unparseable device={named!r}")
-                named = None
-            if named is not None and not _same(named, device):
-                found.append(f"graph node {node.name} ({node.target}) argument device={named}")
-        for d in _devices_in((node.args, node.kwargs)):
+        for d in devices:
             if not _same(d, device):
                 found.append(f"graph node {node.name} ({node.target}) argument device={d}")
         val = node.meta.get("val")

@@ -32,12 +32,10 @@ def main(argv=None):
 
     import torch
 
-    from handlers.compat import check, crash_safe_probe, reconcile, this_machine
+    from handlers.compat import assess, crash_safe_probe, open_variant, this_machine
     from handlers.config import HandlerConfig
-    from handlers.device import placement_for_worker
     from handlers.errors import LoadError
-    from handlers.load import verify_integrity
-    from handlers.metadata import find_variants, read_spec
+    from handlers.metadata import find_variants
 
     tmp = None
     root = args.path
@@ -55,11 +53,8 @@ def main(argv=None):
     print(f"machine: {this_machine().describe()}")
     for d in variants:
         label = os.path.relpath(d, root)
-        problems, warnings = [], []
         try:
-            spec = read_spec(d)
-            verify_integrity(spec)
-            spec = reconcile(spec)
+            spec = open_variant(d)
         except LoadError as e:
             print(f"[{label}] cannot be read: {e}")
             continue
@@ -72,22 +67,7 @@ def main(argv=None):
         print(f"[{label}] platform       needs {spec.platform}/{spec.machine}")
         print(f"[{label}] inputs         {'; '.join(s.describe() for s in spec.inputs)}; "
               f"batch {spec.batch_min}..{spec.batch_max}")
-        placement = None
-        if spec.backend == "tensorrt":
-            from handlers.tensorrt import missing_package_message
-            from importlib import metadata
-
-            try:
-                metadata.version("torch_tensorrt")
-            except metadata.PackageNotFoundError:
-                problems.append(missing_package_message(spec))
-        if not problems:
-            try:
-                placement = placement_for_worker(gpu_id, args.device_type, spec.device, spec.backend)
-                fatal, warnings = check(spec, placement, this_machine(placement))
-                problems += fatal
-            except LoadError as e:
-                problems.append(str(e))
+        placement, problems, warnings = assess(spec, gpu_id, args.device_type)
         if not problems and args.trial_load:
             try:
                 secs = crash_safe_probe(spec, placement, HandlerConfig())
