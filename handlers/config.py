@@ -19,6 +19,8 @@ class HandlerConfig:
     device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
     # Ours (under `handler:`)
     stream_priority: int = 0  # CUDA stream priority; lower is higher priority (-1 high on most GPUs)
+    staging_piece_mb: float = 4.0  # inputs go to the GPU in pieces of this size, overlapping the
+    #                                host copy into pinned memory; 0 = one piece per input
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
     split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
@@ -32,7 +34,7 @@ class HandlerConfig:
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
 _TYPES = {
-    "stream_priority": int, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
+    "stream_priority": int, "staging_piece_mb": float, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
     "max_rows_per_request": int, "crash_safe_load": bool, "crash_safe_timeout_s": float,
     "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
 }
@@ -79,4 +81,7 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
     values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
     if values.get("max_rows_per_request", 1) < 1:
         raise ConfigError("model-config.yaml handler.max_rows_per_request must be at least 1")
+    if values.get("staging_piece_mb", 0.0) < 0:
+        raise ConfigError("model-config.yaml handler.staging_piece_mb must be 0 (no pieces) or a "
+                          "positive size in MiB")
     return HandlerConfig(device_type=device_type, **values)

@@ -43,5 +43,38 @@ class StagingBuffers:
             out[rows:].zero_()
         return out
 
+    def upload(self, name: str, parts, run_rows: int, device: torch.device, piece_bytes: int) -> torch.Tensor:
+        """Stage request row-blocks `parts` and copy them to a new tensor on `device`, piece by
+        piece: while piece k travels to the GPU (non-blocking, on the caller's current stream),
+        the host copies piece k+1 into pinned memory. The request bytes TorchServe hands us are
+        pageable, so this host copy cannot be skipped; pipelining hides the upload behind it
+        instead of adding the two. Padding rows are zeroed on the device. Call it with the
+        worker's stream current; pinned regions are rewritten only after the caller has waited
+        for that stream (the Executor synchronizes on an event after every call)."""
+        first = parts[0]
+        row_shape = tuple(first.shape[1:])
+        host = self.view(name, (run_rows,) + row_shape, first.dtype)
+        dev = torch.empty((run_rows,) + row_shape, dtype=first.dtype, device=device)
+        row_bytes = max(1, host[:1].numel() * host.element_size())
+        step = max(1, piece_bytes // row_bytes) if piece_bytes > 0 else max(1, run_rows)
+        at = sent = 0
+        for part in parts:
+            n = part.shape[0]
+            a = 0
+            while a < n:
+                # Fill up to the next piece boundary, then send everything not yet sent.
+                b = min(n, a + step - (at - sent))
+                host[at:at + b - a].copy_(part[a:b])
+                at += b - a
+                a = b
+                if at - sent >= step:
+                    dev[sent:at].copy_(host[sent:at], non_blocking=True)
+                    sent = at
+        if at > sent:
+            dev[sent:at].copy_(host[sent:at], non_blocking=True)
+        if run_rows > at:
+            dev[at:].zero_()
+        return dev
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())

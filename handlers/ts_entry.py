@@ -56,7 +56,8 @@ class CompiledModelHandler(BaseHandler):
         self.spec = spec
         self.model = load_artifact(spec, placement, self.config)
         self.device = placement.torch_device
-        self.executor = Executor(self.model, spec, self.device, self.config.stream_priority)
+        self.executor = Executor(self.model, spec, self.device, self.config.stream_priority,
+                                 piece_bytes=int(self.config.staging_piece_mb * (1 << 20)))
         load_s = time.perf_counter() - t0
         warm_s = self._warm_up() if self.config.warmup else 0.0
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))

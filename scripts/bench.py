@@ -107,11 +107,15 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--formats", default="safetensors,json")
     p.add_argument("--out", help="write JSON results here (and a PNG beside it)")
+    p.add_argument("--load-profile", action="store_true",
+                   help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
 
     import torch
 
     from handlers import safetensors_io
+    from handlers.decode import decode
+    from handlers.encode import encode
     from handlers.metadata import read_spec
 
     spec = read_spec(args.artifact)
@@ -120,8 +124,25 @@ def main(argv=None):
 
     # First request after load: with warm-up (our default) and, for contrast, without.
     t0 = time.perf_counter()
+    profile_top = None
+    if args.load_profile:
+        import cProfile
+        import faulthandler
+        import io
+        import pstats
+
+        faulthandler.dump_traceback_later(20, repeat=True, file=sys.stderr)
+        prof = cProfile.Profile()
+        prof.enable()
     cold, cold_ctx = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False})
     load_cold_s = time.perf_counter() - t0
+    if args.load_profile:
+        prof.disable()
+        faulthandler.cancel_dump_traceback_later()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+        profile_top = text.getvalue()
+        print(profile_top, flush=True)
     t0 = time.perf_counter()
     handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
     load_warm_s = time.perf_counter() - t0
@@ -184,19 +205,43 @@ def main(argv=None):
                 res = handler.handle([{"body": body}], ctx)
                 assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
 
+            def handle_one_piece():  # the same, uploading each input in a single piece
+                pieces, handler.executor.piece_bytes = handler.executor.piece_bytes, 0
+                try:
+                    handle()
+                finally:
+                    handler.executor.piece_bytes = pieces
+
+            # The handler's stages alone, to show where the time over the floor goes.
+            req = decode({"body": body}, spec, hdr["body"]["content-type"], 1 << 30)
+            outs = {}
+
+            def run_only():
+                with torch.inference_mode():
+                    outs["o"] = handler.executor.run([req.tensors])[0]
+
+            stages = {"floor": floor, "handle": handle, "decode": lambda: decode(
+                {"body": body}, spec, hdr["body"]["content-type"], 1 << 30), "run": run_only,
+                "encode": lambda: encode(outs["o"], req, "bench")}
+            if fmt == "safetensors" and device.type == "cuda":
+                stages["handle_one_piece"] = handle_one_piece
             for _ in range(args.warmup):
-                floor()
-                handle()
-            t_floor, t_handle = [], []
-            for _ in range(args.iters):  # interleaved so drift hits both alike
-                t_floor.append(timed(floor, device))
-                t_handle.append(timed(handle, device))
-            mf, mh = statistics.median(t_floor), statistics.median(t_handle)
+                for fn in stages.values():
+                    fn()
+            times = {k: [] for k in stages}
+            for _ in range(args.iters):  # interleaved so drift hits all alike
+                for k, fn in stages.items():
+                    times[k].append(timed(fn, device))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            mf, mh = med["floor"], med["handle"]
             row = {"batch": b, "format": fmt, "floor_ms": round(mf, 4), "handle_ms": round(mh, 4),
-                   "ratio": round(mh / mf, 4)}
+                   "ratio": round(mh / mf, 4),
+                   "stages_ms": {k: round(v, 4) for k, v in med.items() if k not in ("floor", "handle")}}
+            if "handle_one_piece" in med:
+                row["ratio_one_piece"] = round(med["handle_one_piece"] / mf, 4)
             results.append(row)
-            print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}",
-                  flush=True)
+            print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}  "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()), flush=True)
     for name, r in first.items():
         print(f"first request ({name}): {r['first_ms']:.2f} ms vs steady {r['steady_median_ms']:.2f} ms "
               f"-> {r['first_over_steady']:.2f}x")
@@ -209,8 +254,12 @@ def main(argv=None):
                      "batch_range": [spec.batch_min, spec.batch_max]},
         "results": results,
         "first_request": first,
-        "load_s": {"with_warmup": round(load_warm_s, 3), "without_warmup": round(load_cold_s, 3)},
+        "load_s": {"first_in_process_without_warmup": round(load_cold_s, 3),
+                   "second_with_warmup": round(load_warm_s, 3)},
+        "cpu_threads": torch.get_num_threads(),
     }
+    if profile_top:
+        report["first_load_profile"] = profile_top.splitlines()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -147,6 +147,42 @@ def test_staging_reuses_and_grows():
     assert s.grows == grows + 2  # a dtype change reallocates
 
 
+@pytest.mark.parametrize("piece_bytes", [0, 1, 3 * 4 * 4, 5 * 4 * 4, 1 << 20])
+def test_piecewise_upload_assembles_every_row(piece_bytes, monkeypatch):
+    """The pipelined upload (CUDA path) is pure copy logic: run it against a CPU 'device' and
+    check every row lands in place, whatever the piece size against the request sizes."""
+    sent = []
+    real_copy = torch.Tensor.copy_
+
+    def spy(self, src, non_blocking=False):
+        if non_blocking:
+            sent.append(src.shape[0])
+        return real_copy(self, src, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    s = StagingBuffers(pinned=False)
+    parts = [torch.arange(i * 40, i * 40 + n * 4, dtype=torch.float32).reshape(n, 4)
+             for i, n in enumerate([1, 7, 2, 5])]
+    dev = s.upload("x", parts, run_rows=18, device=torch.device("cpu"), piece_bytes=piece_bytes)
+    assert torch.equal(dev[:15], torch.cat(parts)) and not dev[15:].any()
+    assert sum(sent) == 15
+    step = max(1, piece_bytes // 16) if piece_bytes else 18
+    assert all(n == step for n in sent[:-1]) and 0 < sent[-1] <= step
+    # the next request reuses the pinned buffer and sees none of the old rows
+    again = s.upload("x", [torch.ones(2, 4)], run_rows=2, device=torch.device("cpu"), piece_bytes=piece_bytes)
+    assert torch.equal(again, torch.ones(2, 4)) and s.grows == 1
+
+
+def test_rows_of_cuts_across_requests_without_copying():
+    from handlers.run import rows_of
+
+    reqs = [{"x": torch.arange(n * 2).reshape(n, 2) + 100 * i} for i, n in enumerate([3, 1, 4])]
+    parts = rows_of(reqs, ["x"], 2, 4)["x"]
+    assert [p.shape[0] for p in parts] == [1, 1, 2]
+    assert parts[0].data_ptr() == reqs[0]["x"][2].data_ptr()  # a view, not a copy
+    assert torch.equal(torch.cat(parts), torch.cat([r["x"] for r in reqs])[2:6])
+
+
 def test_cpu_executor_touches_no_cuda(monkeypatch):
     from handlers.run import Executor
 
@@ -162,6 +198,11 @@ def test_cpu_executor_touches_no_cuda(monkeypatch):
     out = ex.run([{"x": torch.ones(2, 4)}, {"x": torch.full((2, 4), 3.0)}])
     assert out[0]["y"].tolist() == [[2.0] * 4] * 2 and out[1]["y"].tolist() == [[6.0] * 4] * 2
     assert not ex.inputs.pinned
+    # 7 rows over a max of 3: three calls, every request still gets exactly its rows
+    reqs = [{"x": torch.full((n, 4), float(i))} for i, n in enumerate([2, 4, 1])]
+    out = ex.run(reqs)
+    assert [o["y"].shape[0] for o in out] == [2, 4, 1]
+    assert all(torch.equal(o["y"], r["x"] * 2) for o, r in zip(out, reqs))
 
 
 # ---------------------------------------------------------------- batching
@@ -193,6 +234,9 @@ def test_config_parses_and_rejects_with_fix():
         parse_config({"handler": {"max_rows_per_request": "lots"}})
     with pytest.raises(ConfigError, match="deviceType"):
         parse_config({"deviceType": "neuron"})
+    assert parse_config({"handler": {"staging_piece_mb": 0}}).staging_piece_mb == 0.0
+    with pytest.raises(ConfigError, match="staging_piece_mb must be 0"):
+        parse_config({"handler": {"staging_piece_mb": -2}})
 
 
 # ---------------------------------------------------------------- wire formats
