@@ -6,6 +6,7 @@ unpickles, so an artifact is code.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import zipfile
@@ -64,12 +65,28 @@ class LoadedModel:
         return dict(zip(names, leaves))
 
 
+def skip_isa_probe_builds():
+    """aoti_load_package compares the package's metadata with this machine's, and to name this
+    machine's CPU ISA inductor compiles a probe library per SIMD extension and imports torch
+    in a fresh Python to dlopen each one: 40-100 s per worker process on the GPU image, for a
+    comparison that only ever logs a warning. compat.check has already compared the CPU flags
+    the package needs with /proc/cpuinfo (and fails the load on a real mismatch), so inductor
+    may trust the flags. Only inductor's compile-time check is skipped; nothing is compiled
+    in a worker."""
+    from torch._inductor import config as inductor_config
+
+    if hasattr(inductor_config.cpp, "vec_isa_ok"):
+        return inductor_config.patch({"cpp.vec_isa_ok": True})
+    return contextlib.nullcontext()
+
+
 def _load_aoti(spec: ArtifactSpec, placement: Placement) -> LoadedModel:
     from torch._inductor import aoti_load_package
 
     kwargs = {"device_index": placement.index} if placement.kind == "cuda" else {}
     try:
-        fn = aoti_load_package(spec.artifact_path, **kwargs)
+        with skip_isa_probe_builds():
+            fn = aoti_load_package(spec.artifact_path, **kwargs)
     except Exception as e:  # torch raises RuntimeError with the C++ message
         raise LoadError(f"aoti_load_package failed for {spec.artifact} on {placement}: {e}") from e
     meta = fn.get_metadata() if hasattr(fn, "get_metadata") else {}

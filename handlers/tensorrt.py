@@ -66,7 +66,10 @@ def load_tensorrt(spec: ArtifactSpec, placement: Placement, config=None):
         if fmt == "aot_inductor":
             from torch._inductor import aoti_load_package
 
-            fn = aoti_load_package(spec.artifact_path, device_index=placement.index)
+            from .load import skip_isa_probe_builds
+
+            with skip_isa_probe_builds():
+                fn = aoti_load_package(spec.artifact_path, device_index=placement.index)
             return LoadedModel(fn, spec, placement.torch_device, "tensorrt_aoti")
         ep = torch_tensorrt.load(spec.artifact_path)
     except Exception as e:

@@ -107,6 +107,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--formats", default="safetensors,json")
     p.add_argument("--out", help="write JSON results here (and a PNG beside it)")
+    p.add_argument("--pieces", default="0,1,4,16", type=lambda v: [float(x) for x in v.split(",") if x],
+                   help="also time handle() with these staging piece sizes in MiB (CUDA only)")
+    p.add_argument("--profile-handle", action="store_true",
+                   help="print where handle() spends Python time at the largest batch (cProfile)")
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
@@ -205,12 +209,14 @@ def main(argv=None):
                 res = handler.handle([{"body": body}], ctx)
                 assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
 
-            def handle_one_piece():  # the same, uploading each input in a single piece
-                pieces, handler.executor.piece_bytes = handler.executor.piece_bytes, 0
-                try:
-                    handle()
-                finally:
-                    handler.executor.piece_bytes = pieces
+            def with_pieces(mib):
+                def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
+                    keep, handler.executor.piece_bytes = handler.executor.piece_bytes, int(mib * (1 << 20))
+                    try:
+                        handle()
+                    finally:
+                        handler.executor.piece_bytes = keep
+                return fn
 
             # The handler's stages alone, to show where the time over the floor goes.
             req = decode({"body": body}, spec, hdr["body"]["content-type"], 1 << 30)
@@ -224,7 +230,12 @@ def main(argv=None):
                 {"body": body}, spec, hdr["body"]["content-type"], 1 << 30), "run": run_only,
                 "encode": lambda: encode(outs["o"], req, "bench")}
             if fmt == "safetensors" and device.type == "cuda":
-                stages["handle_one_piece"] = handle_one_piece
+                first_in = req.tensors[names[0]]
+                pinned_copy = torch.empty_like(first_in).pin_memory()
+                stages["host_copy_first_input"] = lambda: pinned_copy.copy_(first_in)
+                stages["h2d_first_input"] = lambda: pinned[0].to(device, non_blocking=True)
+                for mib in args.pieces:
+                    stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
             for _ in range(args.warmup):
                 for fn in stages.values():
                     fn()
@@ -237,9 +248,20 @@ def main(argv=None):
             row = {"batch": b, "format": fmt, "floor_ms": round(mf, 4), "handle_ms": round(mh, 4),
                    "ratio": round(mh / mf, 4),
                    "stages_ms": {k: round(v, 4) for k, v in med.items() if k not in ("floor", "handle")}}
-            if "handle_one_piece" in med:
-                row["ratio_one_piece"] = round(med["handle_one_piece"] / mf, 4)
+            for k in med:
+                if k.startswith("handle_pieces_"):
+                    row["ratio_" + k[len("handle_"):]] = round(med[k] / mf, 4)
             results.append(row)
+            if args.profile_handle and fmt == "safetensors" and b == sizes[-1]:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.iters):
+                    handle()
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(20)
             print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}  "
                   + "  ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()), flush=True)
     for name, r in first.items():

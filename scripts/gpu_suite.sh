@@ -15,8 +15,10 @@ export PYTHONUNBUFFERED=1
 [ -f "$W/big32/artifact.json" ] || $PY scripts/compile.py --model examples/models.py:big_conv \
     --input image:2x3x2160x3840:float32 --dynamic-batch 1:2 --backend export --device cuda --out "$W/big32"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 40 --out "$RESULTS/bench_resnet50_fp16.json"
+  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 40 --load-profile --profile-handle \
+      --out "$RESULTS/bench_resnet50_fp16.json"
 fi
+[ "${SKIP_SOAK:-0}" = 1 ] && exit 0
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 $PY scripts/archive.py --artifact "$W/r50" --name r50 --out "$W/store" --workers $((2 * NGPU)) --batch-size 8 --max-batch-delay 5
 $PY scripts/archive.py --artifact "$W/big16" --name big16 --out "$W/store" --workers $((2 * NGPU)) --batch-size 2 --max-batch-delay 5

@@ -265,3 +265,30 @@ def test_tensorrt_detected_without_importing_it(tmp_path):
     spec = read_spec(d)
     relabelled = reconcile(type(spec)(**{**spec.__dict__, "backend": "export"}))
     assert relabelled.backend == "tensorrt"  # a mislabelled artifact is still recognised
+
+
+_COUNT_ISA_BUILDS = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+from torch._inductor import cpu_vec_isa
+builds = []
+real = cpu_vec_isa.VecISA.check_build
+cpu_vec_isa.VecISA.check_build = lambda self, code: builds.append(str(self)) or real(self, code)
+from handlers.device import Placement
+from handlers.load import load_artifact
+from handlers.metadata import read_spec
+t0 = time.perf_counter()
+load_artifact(read_spec({art!r}), Placement("cpu", None))
+print(len(builds), round(time.perf_counter() - t0, 2))
+"""
+
+
+def test_aoti_load_compiles_no_isa_probes(artifacts):
+    """Left alone, aoti_load_package builds a probe library per SIMD extension and imports torch
+    in a child Python to dlopen each (40-100 s per worker on the GPU image, measured). Our
+    compat check already covered the CPU ISA; a fresh process must load with no such build."""
+    code = _COUNT_ISA_BUILDS.format(root=str(ROOT), art=str(artifacts.get("cls_aoti")))
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    builds, seconds = r.stdout.split()[-2:]
+    assert builds == "0", f"inductor built {builds} ISA probe(s) during load ({seconds} s)"
