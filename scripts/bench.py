@@ -121,6 +121,7 @@ def main(argv=None):
     from handlers.decode import decode
     from handlers.encode import encode
     from handlers.metadata import read_spec
+    from handlers.stage import StagingBuffers
 
     spec = read_spec(args.artifact)
     gpu = 0 if spec.device == "cuda" or torch.cuda.is_available() else None
@@ -234,8 +235,18 @@ def main(argv=None):
                 pinned_copy = torch.empty_like(first_in).pin_memory()
                 stages["host_copy_first_input"] = lambda: pinned_copy.copy_(first_in)
                 stages["h2d_first_input"] = lambda: pinned[0].to(device, non_blocking=True)
+                probe = StagingBuffers(pinned=True)
+
+                def xfer(mib):
+                    def fn():  # transfer only: host copy into pinned memory + upload, no model
+                        with torch.cuda.stream(stream):
+                            probe.upload("x", [first_in], first_in.shape[0], device, int(mib * (1 << 20)))
+                        stream.synchronize()
+                    return fn
+
                 for mib in args.pieces:
                     stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
+                    stages[f"xfer_pieces_{mib:g}MiB"] = xfer(mib)
             for _ in range(args.warmup):
                 for fn in stages.values():
                     fn()

@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 [ -f "$W/big32/artifact.json" ] || $PY scripts/compile.py --model examples/models.py:big_conv \
     --input image:2x3x2160x3840:float32 --dynamic-batch 1:2 --backend export --device cuda --out "$W/big32"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 40 --load-profile --profile-handle \
+  $PY scripts/bench.py --artifact "$W/r50" --batch-sizes 1,8,64 --iters 30 --load-profile --profile-handle \
       --out "$RESULTS/bench_resnet50_fp16.json"
 fi
 [ "${SKIP_SOAK:-0}" = 1 ] && exit 0
@@ -33,7 +33,7 @@ for i in $(seq 1 300); do
 done
 grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
   || { tail -40 "$W/logs/ts_log.log" "$W/logs/model_log.log"; torchserve --stop; exit 1; }
-$PY scripts/soak.py --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-150} \
+$PY scripts/soak.py --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-200} \
     --model r50=examples/models.py:resnet50:3x224x224:4:float16 \
     --model big16=examples/models.py:big_conv:3x2160x3840:1:float16 \
     --model big32=examples/models.py:big_conv:3x2160x3840:1:float32 --out "$RESULTS/soak.json" || rc=$?
