@@ -2,8 +2,8 @@
 
 CUDA path (field report 002): one dedicated stream per worker. The stream first waits for
 the current stream (weights were uploaded there), inputs are copied into pinned buffers and
-go to the device non-blocking on our stream in pieces (the host copy of one piece overlaps the
-upload of the one before), the model runs with our stream current, outputs are copied into
+go to the device non-blocking on our stream (optionally in pieces, each upload overlapping the
+host copy of the next), the model runs with our stream current, outputs are copied into
 pinned host buffers non-blocking, and the host waits on an event recorded on our stream
 before anything reads them. Nothing of a request is queued on the default stream.
 CPU path: plain calls, no CUDA API touched.
@@ -32,12 +32,8 @@ def rows_of(requests: list, names, start: int, rows: int) -> dict:
 
 
 class Executor:
-    # 4 MiB pieces: large enough that each copy call's fixed cost is small against its
-    # transfer, small enough that a ResNet-sized batch-64 input pipelines over ~5 pieces.
-    DEFAULT_PIECE_BYTES = 4 << 20
-
     def __init__(self, model, spec, device: torch.device, stream_priority: int = 0,
-                 piece_bytes: int = DEFAULT_PIECE_BYTES):
+                 piece_bytes: int = 0):
         self.model = model
         self.spec = spec
         self.device = device

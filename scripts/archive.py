@@ -60,6 +60,24 @@ def copy_variant(src: str, dest: str):
     return spec
 
 
+LARGE_RESPONSE_ROW = 4 << 20
+
+
+def response_row_bytes(spec) -> int:
+    """Bytes one row of the outputs takes in a response (0 where a dimension is unknown)."""
+    import torch
+
+    total = 0
+    for o in spec.outputs:
+        if any(d is None for d in o.shape[1:]):
+            return 0
+        n = torch.empty((), dtype=getattr(torch, o.dtype)).element_size()
+        for d in o.shape[1:]:
+            n *= d
+        total += n
+    return total
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", action="append", required=True,
@@ -119,6 +137,14 @@ def main(argv=None):
             elif args.batch_size > spec.batch_max:
                 print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
                       f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
+                      file=sys.stderr)
+            big = response_row_bytes(spec)
+            if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
+                print(f"archive.py: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
+                      "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
+                      "every network read until the last request's bytes arrive, which is quadratic in "
+                      "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "
+                      "inference, docs/results/soak.md). Use --batch-size 1 for this model",
                       file=sys.stderr)
         config_path = os.path.join(tmp, "model-config.yaml")
         with open(config_path, "w") as f:

@@ -1,7 +1,9 @@
 """The command-line tools' contracts: clear errors for bad arguments, archive warnings."""
 import subprocess
 
-from conftest import PY, ROOT
+import shutil
+
+from conftest import PY, ROOT, repin
 
 
 def run(*args):
@@ -30,3 +32,19 @@ def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
     r = run("scripts/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
             "--out", str(tmp_path), "--handler-option", "strem_priority=1")
     assert r.returncode != 0 and "unknown handler option(s) strem_priority" in r.stderr
+
+
+def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
+    """TorchServe 0.12 relays a batched worker response in time quadratic in its size; an
+    image-sized output per row with batchSize > 1 gets a warning, batchSize 1 none."""
+    from handlers.metadata import TensorSpec, read_spec
+
+    art = tmp_path / "big_out"
+    shutil.copytree(artifacts.get("cls_export"), art)
+    out = read_spec(str(art)).outputs[0]
+    repin(art, outputs=(TensorSpec(out.name, "float16", (None, 3, 2160, 3840)),))
+    r = run("scripts/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert "each row of model.pt2's outputs is 47.5 MiB" in r.stderr and "--batch-size 1" in r.stderr
+    r = run("scripts/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "1")
+    assert r.returncode == 0 and "outputs is" not in r.stderr
