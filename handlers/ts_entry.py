@@ -48,6 +48,9 @@ class CompiledModelHandler(BaseHandler):
         props = context.system_properties
         self.context = context
         self.config = parse_config(getattr(context, "model_yaml_config", None))
+        # Undo what importing TorchServe's base_handler did (TF32 for all fp32 matmuls), so an
+        # fp32 artifact answers like the model it was compiled from; see HandlerConfig.
+        torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
         spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
         for note in notes:
@@ -64,10 +67,11 @@ class CompiledModelHandler(BaseHandler):
               if placement.kind == "cuda" else None)
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
-            "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]",
+            "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
+            "fp32 matmul precision %s",
             spec.backend, spec.artifact, self.model.kind, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
-            spec.batch_min, spec.batch_max)
+            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
         self.initialized = True  # last: a worker is ready only once everything above succeeded

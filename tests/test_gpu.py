@@ -156,15 +156,36 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
     placed = [ln.split(" on ")[1].split(" ")[0] for ln in log.splitlines() if "loaded aoti artifact" in ln]
     assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
 
-    bad = 0
+    # In this process first: the same requests through the Executor on each GPU, so a
+    # TorchServe-only failure can be told apart from a handler one.
+    spec = read_spec(str(gpu_artifacts.get("two_aoti", index=0)))
+    in_process = {}
+    for dev in (0, 1):
+        ex = Executor(load_artifact(spec, Placement("cuda", dev)), spec, torch.device(f"cuda:{dev}"))
+        diffs = []
+        for rows in (1, 2, 3, 4):
+            inputs = two_inputs(rows, seed=rows)
+            out = ex.run([dict(zip(spec.input_names, inputs))])[0]
+            ref = eager_on("two_input", torch.device("cuda:0"), inputs)
+            diffs.append(max((out[k] - ref[k].cpu()).abs().max().item() for k in ref))
+        in_process[f"cuda:{dev}"] = diffs
+
+    bad, failures = 0, []
     for i in range(40):
         inputs = two_inputs(1 + i % 4, seed=1000 + i)
         r = ts.predict("two_gpu", {"inputs": {"features": inputs[0].tolist(), "mask": inputs[1].tolist()}})
         ref = eager_on("two_input", torch.device("cuda:0"), inputs)
         got = r.json()["outputs"] if r.status_code == 200 else None
-        if got is None or max((torch.tensor(got[k]) - ref[k].cpu()).abs().max().item() for k in ref) > 1e-4:
+        diff = (max((torch.tensor(got[k]) - ref[k].cpu()).abs().max().item() for k in ref)
+                if got is not None else None)
+        if diff is None or diff > 1e-4:
             bad += 1
-    assert bad == 0
+            failures.append({"request": i, "rows": 1 + i % 4, "status": r.status_code,
+                             "max_diff": diff, "body": r.text[:300]})
+    RESULTS["torchserve_debug"] = {"in_process_max_diff_rows_1_to_4": in_process, "failures": failures,
+                                   "log_errors": [ln[:300] for ln in ts.log().splitlines()
+                                                  if "ERROR" in ln or "Error" in ln][:40]}
+    assert bad == 0, (in_process, failures[:6])
     import time
 
     deadline = time.time() + 120

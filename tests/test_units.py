@@ -235,6 +235,9 @@ def test_config_parses_and_rejects_with_fix():
     with pytest.raises(ConfigError, match="deviceType"):
         parse_config({"deviceType": "neuron"})
     assert parse_config({"handler": {"staging_piece_mb": 0}}).staging_piece_mb == 0.0
+    assert parse_config({}).float32_matmul_precision == "highest"
+    with pytest.raises(ConfigError, match="float32_matmul_precision.*highest.*high.*medium"):
+        parse_config({"handler": {"float32_matmul_precision": "tf32"}})
     with pytest.raises(ConfigError, match="staging_piece_mb must be 0"):
         parse_config({"handler": {"staging_piece_mb": -2}})
 
