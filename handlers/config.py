@@ -39,7 +39,8 @@ class HandlerConfig:
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
 _TYPES = {
-    "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
+    "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
+    "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
     "max_rows_per_request": int, "crash_safe_load": bool, "crash_safe_timeout_s": float,
     "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
 }

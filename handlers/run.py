@@ -97,6 +97,7 @@ class Executor:
                 for k, v in out.items():
                     full[k][c.start:c.start + c.rows].copy_(v[:c.rows])
         return [{k: v[a:b] for k, v in full.items()} for a, b in offsets(counts)]
+
     def _check_batched(self, out: dict, rows: int) -> None:
         for k, v in out.items():
             if v.dim() == 0 or v.shape[0] != rows:

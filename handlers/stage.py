@@ -47,8 +47,9 @@ class StagingBuffers:
         """Stage request row-blocks `parts` and copy them to a new tensor on `device`, piece by
         piece: while piece k travels to the GPU (non-blocking, on the caller's current stream),
         the host copies piece k+1 into pinned memory. The request bytes TorchServe hands us are
-        pageable, so this host copy cannot be skipped; pipelining hides the upload behind it
-        instead of adding the two. Padding rows are zeroed on the device. Call it with the
+        pageable, so this host copy cannot be skipped; pipelining can hide the upload behind it
+        where memory bandwidth allows (on the H100 VM it did not: docs/results), so piece_bytes
+        defaults to 0, one piece. Padding rows are zeroed on the device. Call it with the
         worker's stream current; pinned regions are rewritten only after the caller has waited
         for that stream (the Executor synchronizes on an event after every call)."""
         first = parts[0]

@@ -289,3 +289,26 @@ def test_decode_media_type():
     d = decode({"body": safetensors_io.dumps({"x": torch.ones(1, 4)})}, make_spec(),
                content_type="application/octet-stream")
     assert d.fmt == "safetensors"
+
+
+@pytest.mark.parametrize("option,expected", [(None, "highest"), ("high", "high")])
+def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
+    """TorchServe's base_handler sets TF32 ("high") on import when it sees an Ampere+ GPU; the
+    handler puts back what the archive asks for (torch's default unless configured). Uses
+    TorchServe's own Context class."""
+    from ts.context import Context
+
+    from handlers.ts_entry import CompiledModelHandler
+
+    opts = {"crash_safe_load": False, "warmup": False}
+    if option:
+        opts["float32_matmul_precision"] = option
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # stands in for what base_handler did
+    try:
+        ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                      model_yaml_config={"handler": opts})
+        CompiledModelHandler().initialize(ctx)
+        assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision(before)
