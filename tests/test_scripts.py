@@ -48,3 +48,19 @@ def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
     assert "each row of model.pt2's outputs is 47.5 MiB" in r.stderr and "--batch-size 1" in r.stderr
     r = run("scripts/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "1")
     assert r.returncode == 0 and "outputs is" not in r.stderr
+
+
+def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = run("scripts/bench.py", "--artifact", str(artifacts.get("cls_aoti")), "--batch-sizes", "1,3",
+            "--iters", "3", "--warmup", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert list(report)[:4] == ["device", "date", "torch", "command"]
+    rows = {(x["batch"], x["format"]): x for x in report["results"]}
+    assert set(rows) == {(1, "safetensors"), (1, "json"), (3, "safetensors"), (3, "json")}
+    assert all(x["floor_ms"] > 0 and x["ratio"] > 0 and {"decode", "run", "encode"} <= set(x["stages_ms"])
+               for x in rows.values())
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
