@@ -22,19 +22,26 @@ def fire(server, model, bodies):
         return list(pool.map(one, bodies))
 
 
-def test_mixed_sizes_get_their_own_rows(main_server):
-    sizes = [1, 3, 2, 5, 1, 4, 2, 6]
-    inputs = [two(n, seed=100 + i) for i, n in enumerate(sizes)]
-    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
-    for r, (f, m) in zip(fire(main_server, "two_aoti", bodies), inputs):
+def body(f, m) -> dict:
+    return {"inputs": {"features": f.tolist(), "mask": m.tolist()}}
+
+
+def fire_and_compare(server, model, sizes, seed):
+    """Concurrent requests of the given row counts; each answer must equal eager on its rows."""
+    inputs = [two(n, seed=seed + i) for i, n in enumerate(sizes)]
+    for r, (f, m) in zip(fire(server, model, [body(f, m) for f, m in inputs]), inputs):
         assert r.status_code == 200, r.text
         close(r.json()["outputs"], eager("two_input", f, m))
 
 
+def test_mixed_sizes_get_their_own_rows(main_server):
+    fire_and_compare(main_server, "two_aoti", [1, 3, 2, 5, 1, 4, 2, 6], seed=100)
+
+
 def test_one_bad_request_fails_alone(main_server):
     inputs = [two(2, seed=200 + i) for i in range(8)]
-    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
-    bodies[5] = {"inputs": {"features": inputs[5][0].tolist(), "mask": torch.randn(2, 16).tolist()}}
+    bodies = [body(f, m) for f, m in inputs]
+    bodies[5] = body(inputs[5][0], torch.randn(2, 16))
     before = main_server.log().count("request(s) rejected")
     responses = fire(main_server, "two_aoti", bodies)
     for i, (r, (f, m)) in enumerate(zip(responses, inputs)):
@@ -51,21 +58,16 @@ def test_one_bad_request_fails_alone(main_server):
 
 def test_batch_larger_than_artifact_max_is_split(main_server):
     # two_small accepts 2..4 rows per call; 8 concurrent requests of 1..3 rows exceed it
-    sizes = [1, 2, 3, 1, 3, 2, 1, 2]
-    inputs = [two(n, seed=300 + i) for i, n in enumerate(sizes)]
-    bodies = [{"inputs": {"features": f.tolist(), "mask": m.tolist()}} for f, m in inputs]
-    for r, (f, m) in zip(fire(main_server, "two_small", bodies), inputs):
-        assert r.status_code == 200, r.text
-        close(r.json()["outputs"], eager("two_input", f, m))
+    fire_and_compare(main_server, "two_small", [1, 2, 3, 1, 3, 2, 1, 2], seed=300)
     f, m = two(11, seed=399)  # one request of 11 rows: 3 calls (4, 4, 3)
-    r = main_server.predict("two_small", {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+    r = main_server.predict("two_small", body(f, m))
     assert r.status_code == 200
     close(r.json()["outputs"], eager("two_input", f, m))
 
 
 def test_below_minimum_is_padded(main_server):
     f, m = two(1, seed=400)  # two_small needs at least 2 rows per call
-    r = main_server.predict("two_small", {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+    r = main_server.predict("two_small", body(f, m))
     assert r.status_code == 200
     close(r.json()["outputs"], eager("two_input", f, m))
     x = image(1, seed=401)  # fixed batch 4 artifact
