@@ -24,6 +24,7 @@ _TO_TORCH = {
     "U8": torch.uint8, "BOOL": torch.bool,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _FROM_TORCH}
 MAX_HEADER = 1 << 20
 
 
@@ -64,35 +65,47 @@ def loads(payload) -> dict:
         count = 1
         for d in shape:
             count *= d
-        size = count * torch.empty((), dtype=dtype).element_size()
+        size = count * _ITEMSIZE[dtype]
         if not (0 <= begin <= end <= len(data)) or end - begin != size:
             raise RequestError(f"safetensors entry {name!r}: data_offsets [{begin}, {end}] do not hold "
                                f"{shape} {info['dtype']} ({size} bytes) inside the {len(data)}-byte body")
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
-        with warnings.catch_warnings():
-            # The payload is read-only bytes; we only ever read it (it is copied into staging).
-            warnings.simplefilter("ignore", UserWarning)
+        if buf.readonly:
+            with warnings.catch_warnings():
+                # torch warns that a read-only buffer could be written through the tensor; we
+                # only read it (it is copied into staging). TorchServe hands us a bytearray.
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
+        else:
             t = torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
         out[name] = t.reshape(shape)
     return out
 
 
-def dumps(tensors: dict) -> bytes:
-    header, blobs, offset = {}, [], 0
+def dumps(tensors: dict) -> bytearray:
+    header, parts, offset = {}, [], 0
     for name, t in tensors.items():
-        t = t.detach().contiguous()
+        t = t.detach()  # made contiguous below, and kept referenced until its bytes are copied
         if t.device.type != "cpu":
             raise ValueError("safetensors encoding expects CPU tensors")
         if t.dtype not in _FROM_TORCH:
             raise ValueError(f"dtype {t.dtype} has no safetensors name")
-        n = t.numel() * t.element_size()
-        # One copy straight from the tensor's memory: no Python lists on the response path.
-        blobs.append(ctypes.string_at(t.data_ptr(), n) if n else b"")
+        n = t.numel() * _ITEMSIZE[t.dtype]
         header[name] = {"dtype": _FROM_TORCH[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + n]}
+        parts.append((t.contiguous(), offset, n))
         offset += n
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
-    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+    # One buffer of the final size, each tensor copied into it once (a 4K fp32 output is
+    # ~100 MB: joining byte strings would copy it three times).
+    out = bytearray(8 + len(h) + offset)
+    struct.pack_into("<Q", out, 0, len(h))
+    out[8:8 + len(h)] = h
+    base = ctypes.addressof(ctypes.c_char.from_buffer(out)) + 8 + len(h)
+    for t, at, n in parts:
+        if n:
+            ctypes.memmove(base + at, t.data_ptr(), n)
+    return out

@@ -23,19 +23,20 @@ from handlers.run import Executor
 logger = logging.getLogger(__name__)
 
 
-def _header(context, idx: int, name: str):
-    """Content-Type may arrive per body part (REST) or as a request header, in any case."""
+def _headers(context, idx: int, *names: str) -> list:
+    """Values of `names` for request idx (None where absent). Content-Type may arrive per body
+    part (REST) or as a request header, in any case."""
     try:
         headers = context.get_all_request_header(idx) or {}
     except (AttributeError, IndexError, TypeError):
-        return None
-    for part in ("body", "data"):
-        if isinstance(headers.get(part), dict) and headers[part].get(name.lower()):
-            return headers[part][name.lower()]
-    for k, v in headers.items():
-        if isinstance(k, str) and k.lower() == name.lower() and isinstance(v, str):
-            return v
-    return None
+        return [None] * len(names)
+    parts = [headers[p] for p in ("body", "data") if isinstance(headers.get(p), dict)]
+    lowered = {k.lower(): v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
+    out = []
+    for name in names:
+        key = name.lower()
+        out.append(next((p[key] for p in parts if p.get(key)), None) or lowered.get(key))
+    return out
 
 
 class CompiledModelHandler(BaseHandler):
@@ -114,8 +115,8 @@ class CompiledModelHandler(BaseHandler):
         valid = []
         for idx, request in enumerate(data):
             try:
-                req = decode(request, self.spec, _header(context, idx, "Content-Type"),
-                             self.config.max_rows_per_request, _header(context, idx, "Accept"))
+                content_type, accept = _headers(context, idx, "Content-Type", "Accept")
+                req = decode(request, self.spec, content_type, self.config.max_rows_per_request, accept)
                 check_request_fits(req.rows, self.spec.batch_max, self.config.split_oversized)
                 valid.append((idx, req))
             except RequestError as e:

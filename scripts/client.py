@@ -65,7 +65,7 @@ def main(argv=None):
     specs = [parse_input(e) for e in args.example]
     tensors = dict(zip([s.name for s in specs], example_inputs(specs, "cpu")))
     if args.format == "safetensors":
-        body, ct = safetensors_io.dumps(tensors), safetensors_io.CONTENT_TYPE
+        body, ct = bytes(safetensors_io.dumps(tensors)), safetensors_io.CONTENT_TYPE
     elif args.format == "v2":
         body = json.dumps({"inputs": [{"name": n, "shape": list(t.shape), "datatype": TORCH_TO_V2[t.dtype],
                                        "data": t.reshape(-1).tolist()} for n, t in tensors.items()]}).encode()

@@ -67,7 +67,7 @@ def main(argv=None):
             g = torch.Generator().manual_seed(i)
             rows = 1 + i % int(max_rows)
             x = torch.randn((rows,) + shape, generator=g).to(dt)
-            r = requests.post(f"{args.url}/predictions/{name}", data=safetensors_io.dumps({"image": x}),
+            r = requests.post(f"{args.url}/predictions/{name}", data=bytes(safetensors_io.dumps({"image": x})),
                               headers={"Authorization": f"Bearer {key}",
                                        "Content-Type": safetensors_io.CONTENT_TYPE}, timeout=300)
             with lock:

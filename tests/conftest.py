@@ -196,6 +196,8 @@ class TorchServe:
             h.update(self.auth())
         h.update(headers or {})
         data = json.dumps(body) if isinstance(body, (dict, list)) else body
+        if isinstance(data, bytearray):  # requests sends only str/bytes bodies as-is
+            data = bytes(data)
         return requests.post(f"{self.base}/predictions/{model}", data=data, headers=h, timeout=timeout)
 
     def stop(self):

@@ -116,7 +116,19 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
         err = (out.float() - ref.float()).abs().max().item()
         if err > (5e-2 if half else 1e-3):
             mismatches += 1
+    # Several requests in one TorchServe batch, more rows than the artifact's batch_max (2):
+    # cut into chunks, the 2-row request straddling them; each answer against its own reference.
+    xs = [torch.randn(r, 3, 2160, 3840, generator=torch.Generator().manual_seed(100 + r)).to(dt) for r in (1, 2)]
+    chunked_err = 0.0
+    for x, out in zip(xs, ex.run([{"image": x} for x in xs])):
+        with torch.no_grad():
+            ref = torch.cat([ref_model(x[i:i + 1].to(dev)).cpu() for i in range(x.shape[0])])
+        assert out["output"].shape == ref.shape
+        zeros += int(not out["output"].abs().sum().item())
+        chunked_err = max(chunked_err, (out["output"].float() - ref.float()).abs().max().item())
+    mismatches += int(chunked_err > (5e-2 if half else 1e-3))
     RESULTS["streams"].append({"artifact": name, "dtype": str(dt), "input": [1, 3, 2160, 3840], "requests": n,
+                               "multi_chunk_requests_rows": [1, 2], "multi_chunk_max_abs_diff": chunked_err,
                                "mismatches": mismatches, "all_zero_outputs": zeros})
     assert mismatches == 0 and zeros == 0
 

@@ -48,7 +48,7 @@ def grpc_client(main_server, stubs):
     meta = [("authorization", f"Bearer {main_server.keys['inference']['key']}")]
 
     def predict(model, payload: bytes, metadata=meta):
-        return stub.Predictions(pb2.PredictionsRequest(model_name=model, input={"data": payload}),
+        return stub.Predictions(pb2.PredictionsRequest(model_name=model, input={"data": bytes(payload)}),
                                 metadata=metadata, timeout=60)
 
     yield predict

@@ -260,6 +260,20 @@ def test_safetensors_roundtrip_all_dtypes():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v)
 
 
+def test_safetensors_dumps_strided_and_empty_tensors_and_reads_both_buffer_kinds():
+    # Outputs may be views (transposed, sliced rows): their bytes must be written in logical
+    # order from memory that is still alive when copied.
+    g = torch.Generator().manual_seed(1)
+    ts = {"t": torch.randn(3, 4, generator=g).t(), "s": torch.randn(5, 6, generator=g).half()[:, ::2],
+          "e": torch.zeros(0, 3), "z": torch.tensor(2.5)}
+    blob = safetensors_io.dumps(ts)
+    assert isinstance(blob, bytearray)  # TorchServe sends bytearray responses without a copy
+    for payload in (blob, bytes(blob)):  # TorchServe hands bodies as bytearray; clients as bytes
+        back = safetensors_io.loads(payload)
+        for k, v in ts.items():
+            assert back[k].shape == v.shape and torch.equal(back[k], v), k
+
+
 def test_safetensors_rejects_lying_offsets():
     blob = bytearray(safetensors_io.dumps({"x": torch.ones(2, 4)}))
     n = int.from_bytes(blob[:8], "little")
