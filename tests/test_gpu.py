@@ -116,6 +116,8 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
         err = (out.float() - ref.float()).abs().max().item()
         if err > (5e-2 if half else 1e-3):
             mismatches += 1
+    staged = ex.inputs._bufs["image"]
+    assert staged.is_pinned(), "input staging is not page-locked: uploads would not be asynchronous"
     # Several requests in one TorchServe batch, more rows than the artifact's batch_max (2):
     # cut into chunks, the 2-row request straddling them; each answer against its own reference.
     xs = [torch.randn(r, 3, 2160, 3840, generator=torch.Generator().manual_seed(100 + r)).to(dt) for r in (1, 2)]
