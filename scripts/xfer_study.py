@@ -52,6 +52,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     import torch
 
+    if not torch.cuda.is_available():
+        print("xfer_study.py measures host-to-GPU transfers and needs a CUDA GPU; none is visible "
+              "here (torch.cuda.is_available() is False). Run it on the GPU machine.", file=sys.stderr)
+        return 2
     dev = torch.device("cuda:0")
     n = int(args.mb * 1e6) // 2
     template = bytearray(torch.randn(n).half().numpy().tobytes())

@@ -1,7 +1,8 @@
 """The command-line tools' contracts: clear errors for bad arguments, archive warnings."""
+import shutil
 import subprocess
 
-import shutil
+import pytest
 
 from conftest import PY, ROOT, repin
 
@@ -64,3 +65,9 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     assert all(x["floor_ms"] > 0 and x["ratio"] > 0 and {"decode", "run", "encode"} <= set(x["stages_ms"])
                for x in rows.values())
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
+def test_xfer_study_says_it_needs_a_gpu():
+    r = run("scripts/xfer_study.py", "--iters", "1")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
