@@ -242,7 +242,6 @@ def main(argv=None):
                 with torch.inference_mode():
                     outs["o"] = handler.executor.run([cur["req"].tensors])[0]
 
-            run_only()
             stages = {"floor": floor, "handle": handle, "decode": decode_only, "run": run_only,
                       "encode": lambda: encode(outs["o"], cur["req"], "bench")}
             if fmt == "safetensors" and device.type == "cuda":

@@ -20,9 +20,9 @@ import statistics
 import sys
 import time
 
+# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
 
 
 def write_combined_buffer(nbytes: int):
