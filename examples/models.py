@@ -3,7 +3,7 @@
 classifier: a small image classifier with BatchNorm buffers and a dynamic batch dimension.
 two_input:  two named inputs (float features, bool mask) and a dict of outputs; its forward
             creates tensors with `device=` arguments and holds a buffer and a tensor constant,
-            the things field report 001 saw left behind when a program changes GPU.
+            the things that stay on the old device when a program moves to another GPU.
 """
 import torch
 from torch import nn

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import RequestError
-
 
 @dataclass(frozen=True)
 class Chunk:
@@ -27,10 +25,19 @@ def plan_chunks(total_rows: int, batch_min: int, batch_max: int) -> list:
     return chunks
 
 
-def check_request_fits(rows: int, batch_max: int, split_oversized: bool) -> None:
-    if rows > batch_max and not split_oversized:
-        raise RequestError(f"request carries {rows} rows but the artifact accepts at most {batch_max} "
-                           "per call; send at most that many, or enable handler.split_oversized")
+def rows_of(requests: list, names, start: int, rows: int) -> dict:
+    """{input name: [row blocks]} covering rows [start, start + rows) of the requests laid end
+    to end, as views: no concatenation copy before staging."""
+    parts = {n: [] for n in names}
+    at = 0
+    for r in requests:
+        n_rows = next(iter(r.values())).shape[0]
+        a, b = max(start, at), min(start + rows, at + n_rows)
+        if a < b:
+            for n in names:
+                parts[n].append(r[n][a - at:b - at])
+        at += n_rows
+    return parts
 
 
 def offsets(row_counts) -> list:

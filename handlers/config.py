@@ -29,7 +29,10 @@ class HandlerConfig:
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
     split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
-    max_rows_per_request: int = 1024  # a single request may not carry more rows than this
+    max_rows_per_request: int = 1024  # a single request may not carry more rows than this (413)
+    # A request body handed over as bytes may not be larger (413); config.properties lets
+    # TorchServe accept 128 MiB (max_request_size).
+    max_body_mb: float = 128.0
     crash_safe_load: bool = True  # try loading in a child process first (catches native crashes)
     crash_safe_timeout_s: float = 600.0
     strict_versions: bool = False  # torch major.minor mismatch: fail (True) or warn (False)
@@ -41,7 +44,7 @@ _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_t
 _TYPES = {
     "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
     "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
-    "max_rows_per_request": int, "crash_safe_load": bool, "crash_safe_timeout_s": float,
+    "max_rows_per_request": int, "max_body_mb": float, "crash_safe_load": bool, "crash_safe_timeout_s": float,
     "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
 }
 
@@ -91,6 +94,8 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
         raise ConfigError(f"model-config.yaml handler.float32_matmul_precision = "
                           f"{values['float32_matmul_precision']!r} is invalid: expected highest (IEEE "
                           "fp32, torch's default), high (TF32) or medium (bf16)")
+    if values.get("max_body_mb", 1.0) <= 0:
+        raise ConfigError("model-config.yaml handler.max_body_mb must be a positive size in MiB")
     if values.get("staging_piece_mb", 0.0) < 0:
         raise ConfigError("model-config.yaml handler.staging_piece_mb must be 0 (no pieces) or a "
                           "positive size in MiB")

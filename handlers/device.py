@@ -12,15 +12,9 @@ from typing import Optional
 
 from .errors import IncompatibleArtifact
 
-# Backends whose artifacts can be moved between device kinds after compilation: an
-# ExportedProgram is a graph plus tensors. AOTI and TensorRT artifacts hold compiled kernels
-# for exactly one device kind.
-RELOCATABLE_KINDS = ("export",)
-
-
 @dataclass(frozen=True)
 class Placement:
-    kind: str  # "cpu" or "cuda"
+    kind: str  # device kind: "cpu" or "cuda"
     index: Optional[int]  # logical CUDA index in this process, None on CPU
     note: str = ""  # why, for the load log
 
@@ -56,10 +50,13 @@ def resolve_placement(
     device_type: Optional[str],
     artifact_device: str,
     backend: str,
+    relocatable: bool,
     cuda_available: bool,
     device_count: int,
     visible_devices: Optional[str] = None,
 ) -> Placement:
+    """`backend` names the artifact kind (for messages); `relocatable` is that kind's declaration
+    that its artifacts can move to another device kind after compilation (kinds/)."""
     gpu_ok = cuda_available and device_count > 0 and gpu_id is not None
     if device_type == "gpu" and not gpu_ok:
         why = ("CUDA is not available to this worker" if not cuda_available or device_count == 0
@@ -81,7 +78,7 @@ def resolve_placement(
         return Placement("cuda", idx, f"TorchServe gpu_id {gpu_id} -> cuda:{idx}")
 
     # artifact compiled for the CPU
-    if want_gpu and backend in RELOCATABLE_KINDS:
+    if want_gpu and relocatable:
         idx = _logical_index(gpu_id, device_count, visible_devices)
         return Placement("cuda", idx, f"CPU-exported program relocated to cuda:{idx}")
     if device_type == "gpu":
@@ -93,11 +90,21 @@ def resolve_placement(
     return Placement("cpu", None, note)
 
 
-def placement_for_worker(gpu_id, device_type, artifact_device, backend) -> Placement:
+def placement_for_worker(gpu_id, device_type, artifact_device, backend, relocatable) -> Placement:
     import torch
 
     cuda = torch.cuda.is_available()
     return resolve_placement(
         gpu_id=gpu_id, device_type=device_type, artifact_device=artifact_device, backend=backend,
-        cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
+        relocatable=relocatable, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def use_device(placement: Placement) -> None:
+    """Make the placement's GPU current before anything creates CUDA state (contexts, engines,
+    kernels, streams): CUDA objects bind to the device current when they are made, and a
+    worker on cuda:1 that leaves cuda:0 current puts its state on the wrong GPU."""
+    if placement.kind == "cuda":
+        import torch
+
+        torch.cuda.set_device(placement.index)

@@ -12,32 +12,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from .dtypes import NAMES, dtype_name, torch_dtype  # noqa: F401  (re-exported)
 from .errors import LoadError
 
 METADATA_FILE = "artifact.json"
-FORMAT_VERSION = 1
-BACKENDS = ("aoti", "aoti_so", "export", "tensorrt")
-
-# Names follow torch's own dtype names; the v2 protocol names are mapped in encode/decode.
-DTYPES = (
-    "float32", "float16", "bfloat16", "float64",
-    "int64", "int32", "int16", "int8", "uint8", "bool",
-)
-
-
-def torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
-
-
-def dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
-    return name
+# Version of the artifact.json layout (stored under its "format" key): bumped when fields change
+# meaning, so an old handler refuses a newer file instead of misreading it.
+LAYOUT_VERSION = 1
+FORMAT_VERSION = LAYOUT_VERSION  # the earlier name, kept for callers on other branches
+DTYPES = NAMES  # torch's dtype names, from the one table in dtypes.py
 
 
 @dataclass(frozen=True)
@@ -59,7 +42,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ArtifactSpec:
-    backend: str
+    backend: str  # the artifact kind's name (see kinds/); "backend" is artifact.json's key
     artifact: str  # file name, relative to the metadata file's directory
     sha256: str
     device: str  # "cpu" or "cuda": what the artifact was compiled for
@@ -75,7 +58,7 @@ class ArtifactSpec:
     platform: str = ""
     machine: str = ""
     compiler: str = ""
-    extra: dict = field(default_factory=dict)  # backend-specific facts (TensorRT versions, ...)
+    extra: dict = field(default_factory=dict)  # kind-specific facts (TensorRT versions, ...)
     variant_dir: str = ""  # set at read time: the directory the metadata came from
 
     @property
@@ -97,7 +80,7 @@ class ArtifactSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("variant_dir")
-        d["format"] = FORMAT_VERSION
+        d["format"] = LAYOUT_VERSION
         for key in ("inputs", "outputs"):
             d[key] = [{"name": s["name"], "dtype": s["dtype"], "shape": list(s["shape"])} for s in d[key]]
         d["cuda_archs"] = list(self.cuda_archs)
@@ -125,15 +108,13 @@ def read_spec(directory: str) -> ArtifactSpec:
                         "written by scripts/compile.py next to the artifact") from None
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON ({e}); rebuild it with scripts/compile.py") from e
-    if raw.get("format") != FORMAT_VERSION:
-        raise LoadError(f"{path} has format {raw.get('format')!r}; this handler reads format "
-                        f"{FORMAT_VERSION}. Recompile with this version of scripts/compile.py.")
+    if raw.get("format") != LAYOUT_VERSION:
+        raise LoadError(f"{path} has layout version (key `format`) {raw.get('format')!r}; this handler "
+                        f"reads {LAYOUT_VERSION}. Recompile with this version of scripts/compile.py.")
     missing = [k for k in ("backend", "artifact", "sha256", "device", "inputs", "outputs",
                            "output_structure", "batch_min", "batch_max", "torch_version") if k not in raw]
     if missing:
         raise LoadError(f"{path} lacks {', '.join(missing)}; recompile with scripts/compile.py")
-    if raw["backend"] not in BACKENDS:
-        raise LoadError(f"{path}: unknown backend {raw['backend']!r}; expected one of {', '.join(BACKENDS)}")
     artifact = raw["artifact"]
     # The artifact must be a plain file name: metadata must not point outside the model dir.
     if os.path.basename(artifact) != artifact or artifact in ("", ".", ".."):

@@ -1,10 +1,68 @@
-"""Child process of the crash-safe load: `python -m handlers.probe VARIANT_DIR KIND INDEX`.
+"""Crash-safe trial load: load the artifact and run one forward in a child process first, so a
+segfault, abort or illegal instruction there becomes a LoadError in the worker instead of a
+worker that TorchServe restarts in a loop.
 
-Loads the artifact and runs one forward at the smallest accepted batch. Exits 0 on success,
-1 with a `PROBE-ERROR: message` line on a Python-level failure; a native crash kills it with
-a signal, which the parent turns into a load error.
+Parent side: crash_safe_probe(). Child side: `python -m handlers.probe VARIANT_DIR KIND INDEX`
+(KIND is the device kind, INDEX -1 on CPU); exits 0 on success, 1 with a `PROBE-ERROR: message`
+line on a Python-level failure; a native crash kills it with a signal.
 """
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
 import sys
+import time
+
+from .device import Placement
+from .errors import LoadError
+from .metadata import ArtifactSpec
+
+SIGNAL_HINTS = {
+    "SIGSEGV": "a segmentation fault: typically an AOTInductor wrapper built with a toolchain "
+               "whose C++ runtime does not match (rebuild with CXX=g++-12, see README), a torch "
+               "version mismatch, or a corrupt library",
+    "SIGILL": "an illegal instruction: the artifact uses CPU instructions this CPU lacks; "
+              "recompile on the serving CPU generation",
+    "SIGABRT": "an abort in native code (see the stderr tail)",
+    "SIGBUS": "a bus error: a truncated or corrupt shared library",
+}
+
+
+def child_env(pkg_parent: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config) -> float:
+    """Costs one extra load and forward (and, on GPU, a second CUDA context for its duration).
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "handlers.probe", spec.variant_dir, placement.kind,
+           str(placement.index if placement.index is not None else -1)]
+    try:
+        r = subprocess.run(cmd, env=child_env(pkg_parent), cwd=pkg_parent, capture_output=True,
+                           text=True, timeout=config.crash_safe_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise LoadError(f"trial load of {spec.artifact} on {placement} did not finish within "
+                        f"{config.crash_safe_timeout_s:.0f}s (handler.crash_safe_timeout_s)") from None
+    if r.returncode < 0:
+        try:
+            sig = signal.Signals(-r.returncode).name
+        except ValueError:
+            sig = f"signal {-r.returncode}"
+        tail = "\n".join(r.stderr.strip().splitlines()[-5:])
+        raise LoadError(f"loading {spec.artifact} ({spec.backend}) on {placement} crashed the trial "
+                        f"process with {sig}: {SIGNAL_HINTS.get(sig, 'a native crash')}. "
+                        f"Last output: {tail or '(none)'}")
+    if r.returncode != 0:
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        msg = next((ln.split("PROBE-ERROR: ", 1)[1] for ln in reversed(lines) if "PROBE-ERROR: " in ln),
+                   "\n".join(lines[-5:]))
+        raise LoadError(msg)
+    return time.perf_counter() - t0
 
 
 def main():
@@ -12,11 +70,10 @@ def main():
     try:
         import torch
 
-        from handlers.device import Placement
         from handlers.load import load_artifact
-        from handlers.metadata import read_spec
+        from handlers.variants import open_variant
 
-        spec = read_spec(variant_dir)
+        spec = open_variant(variant_dir)
         placement = Placement(kind, index if index >= 0 else None)
         model = load_artifact(spec, placement)
         with torch.inference_mode():

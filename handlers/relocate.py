@@ -1,7 +1,7 @@
 """Relocate an ExportedProgram to the worker's device, then prove nothing stayed behind.
 
-Field report 001: a program exported on cuda:0 failed on cuda:1 because graph nodes carried
-`device=` kwargs and state-dict tensors stayed put. torch's `move_to_device_pass` rewrites
+A program exported on cuda:0 fails on cuda:1 when graph nodes carry `device=` kwargs or
+state-dict tensors stay put. torch's `move_to_device_pass` rewrites
 both; `leftovers` checks its work, so a program that torch cannot fully move fails the
 load naming each offender instead of failing the first request.
 """

@@ -14,16 +14,13 @@ import warnings
 
 import torch
 
+from .dtypes import TABLE
 from .errors import RequestError
 
 CONTENT_TYPE = "application/x-safetensors"
 
-_TO_TORCH = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_TO_TORCH = {d.safetensors: d.torch for d in TABLE}
+_FROM_TORCH = {d.torch: d.safetensors for d in TABLE}
 _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _FROM_TORCH}
 MAX_HEADER = 1 << 20
 

@@ -1,24 +1,30 @@
-"""TorchServe entry point: a thin BaseHandler subclass wiring decode -> batch/stage -> run -> encode.
+"""TorchServe entry point: a thin BaseHandler subclass wiring admission -> run -> encode.
 
 The archive copies this file to the model directory's top level (TorchServe imports the
 handler by file name) next to the `handlers` package, hence the absolute imports.
+
+Per-stage timings, once per batch: TorchServe metrics HandlerDecodeTime, HandlerRunTime,
+HandlerEncodeTime (ms; README), and torch.profiler labels handler.decode / handler.run /
+handler.encode.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 import torch
+from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
-from handlers.batch import check_request_fits, warmup_sizes
-from handlers.compat import choose_variant, crash_safe_probe
+from handlers.admission import Limits, admit
+from handlers.batch import warmup_sizes
 from handlers.config import parse_config
-from handlers.decode import decode
-from handlers.encode import encode, encode_error
 from handlers.errors import RequestError, ServingError
 from handlers.load import load_artifact
-from handlers.run import Executor
+from handlers.probe import crash_safe_probe
+from handlers.run import runner_for
+from handlers.variants import choose_variant
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +64,10 @@ class CompiledModelHandler(BaseHandler):
             logger.warning("%s", note)
         probe_s = crash_safe_probe(spec, placement, self.config) if self.config.crash_safe_load else 0.0
         self.spec = spec
+        self.limits = Limits.of(self.config, spec)
         self.model = load_artifact(spec, placement, self.config)
         self.device = placement.torch_device
-        self.executor = Executor(self.model, spec, self.device, self.config.stream_priority,
-                                 piece_bytes=int(self.config.staging_piece_mb * (1 << 20)))
+        self.runner = runner_for(self.model, spec, self.device, self.config)
         load_s = time.perf_counter() - t0
         warm_s = self._warm_up() if self.config.warmup else 0.0
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
@@ -80,7 +86,7 @@ class CompiledModelHandler(BaseHandler):
     def _metric(self, name, ms):
         try:
             self.context.metrics.add_time(name, ms, None, "ms")
-        except Exception as e:  # metrics must never fail a load
+        except Exception as e:  # metrics must never fail a load or a request
             logger.debug("metric %s not recorded: %s", name, e)
 
     def _warm_up(self) -> float:
@@ -89,19 +95,19 @@ class CompiledModelHandler(BaseHandler):
             zeros = {s.name: torch.zeros((size,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype))
                      for s in self.spec.inputs}
             with torch.inference_mode():
-                self.executor.run([zeros])
+                self.runner.run([zeros])
         return time.perf_counter() - t0
 
     def _fail(self, context, idx, err: ServingError):
         context.set_response_status(err.status, err.kind, idx)
         context.set_response_content_type(idx, "application/json")
-        return encode_error(err)
+        return json.dumps(err.to_dict())
 
     def _infer(self, batch: list) -> list:
         """Runs the batch; if it fails, runs each request alone so one bad request fails alone."""
         try:
             with torch.inference_mode():
-                return self.executor.run(batch)
+                return self.runner.run(batch)
         except Exception as e:
             if len(batch) == 1:
                 logger.exception("inference failed")
@@ -109,29 +115,44 @@ class CompiledModelHandler(BaseHandler):
             logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
         return [self._infer([one])[0] for one in batch]
 
-    def handle(self, data, context):
-        self.context = context
-        results = [None] * len(data)
+    def _admit_all(self, data, context, results) -> list:
+        """[(idx, Admitted)] for the valid requests; the others get their error in results."""
         valid = []
         for idx, request in enumerate(data):
             try:
                 content_type, accept = _headers(context, idx, "Content-Type", "Accept")
-                req = decode(request, self.spec, content_type, self.config.max_rows_per_request, accept)
-                check_request_fits(req.rows, self.spec.batch_max, self.config.split_oversized)
-                valid.append((idx, req))
+                valid.append((idx, admit(request, self.spec, self.limits, content_type, accept)))
             except RequestError as e:
                 results[idx] = self._fail(context, idx, e)
-        rejected = len(data) - len(valid)
-        if rejected:
+        if len(valid) < len(data):
             logger.info("batch of %d: %d of %d request(s) rejected before inference", len(data),
-                        rejected, len(data))
-        if valid:
+                        len(data) - len(valid), len(data))
+        return valid
+
+    def _encode_all(self, valid, outputs, context, results) -> None:
+        for (idx, req), out in zip(valid, outputs):
+            if isinstance(out, ServingError):
+                results[idx] = self._fail(context, idx, out)
+                continue
+            body, content_type = req.encode(out, self.model_name)
+            context.set_response_content_type(idx, content_type)
+            results[idx] = body
+
+    def handle(self, data, context):
+        self.context = context
+        results = [None] * len(data)
+        t0 = time.perf_counter()
+        with record_function("handler.decode"):
+            valid = self._admit_all(data, context, results)
+        t1 = time.perf_counter()
+        self._metric("HandlerDecodeTime", (t1 - t0) * 1000.0)
+        if not valid:
+            return results
+        with record_function("handler.run"):
             outputs = self._infer([req.tensors for _, req in valid])
-            for (idx, req), out in zip(valid, outputs):
-                if isinstance(out, ServingError):
-                    results[idx] = self._fail(context, idx, out)
-                    continue
-                body, content_type = encode(out, req, self.model_name)
-                context.set_response_content_type(idx, content_type)
-                results[idx] = body
+        t2 = time.perf_counter()
+        with record_function("handler.encode"):
+            self._encode_all(valid, outputs, context, results)
+        self._metric("HandlerRunTime", (t2 - t1) * 1000.0)
+        self._metric("HandlerEncodeTime", (time.perf_counter() - t2) * 1000.0)
         return results

@@ -3,22 +3,12 @@
 with their artifact.json, and a model-config.yaml. A stock TorchServe with torch serves it;
 nothing is pip-installed per model.
 
-  python scripts/archive.py --artifact DIR --name NAME [--out model_store]
+  python -m scripts.archive --artifact DIR --name NAME [--out model_store]
       [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
       [--handler-option KEY=VALUE ...]
 """
 from __future__ import annotations
-
-import os
-import sys
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
-# let this directory itself be on the import path; the repository root is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 import argparse
 import os
@@ -29,11 +19,11 @@ import tempfile
 
 import yaml
 
-ROOT = os.path.dirname(_HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from handlers.config import parse_config  # noqa: E402
-from handlers.errors import LoadError  # noqa: E402
-from handlers.metadata import METADATA_FILE, read_spec, sha256_file  # noqa: E402
+from handlers.config import parse_config
+from handlers.errors import LoadError
+from handlers.metadata import METADATA_FILE, read_spec, sha256_file
 
 
 def fail(msg):

@@ -2,7 +2,7 @@
 """In-process benchmark: the handler's handle() on encoded requests next to the raw floor,
 measured side by side (interleaved) in one run.
 
-  python scripts/bench.py --artifact DIR [--batch-sizes 1,64] [--iters 40] [--out results.json]
+  python -m scripts.bench --artifact DIR [--batch-sizes 1,64] [--iters 40] [--out results.json]
 
 Raw floor = pinned host batch -> device (non-blocking, side stream) + model forward + copy of
 outputs into pinned host memory + synchronize: the least any server must do. handle() adds
@@ -11,16 +11,6 @@ built request body, as TorchServe hands one to its worker per request. Also repo
 request after load (with warm-up, and for contrast without) against the steady state.
 """
 from __future__ import annotations
-
-import os
-import sys
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
-# let this directory itself be on the import path; the repository root is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 import argparse
 import datetime
@@ -32,7 +22,7 @@ import sys
 import time
 import zlib
 
-ROOT = os.path.dirname(_HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_context(model_dir: str, gpu, handler_opts: dict, batch_size: int):
@@ -121,12 +111,16 @@ def main(argv=None):
     import torch
 
     from handlers import safetensors_io
-    from handlers.decode import decode
-    from handlers.encode import encode
+    from handlers.admission import Limits, admit
     from handlers.metadata import read_spec
+    from handlers.run.cuda import upload
     from handlers.stage import StagingBuffers
 
     spec = read_spec(args.artifact)
+    limits = Limits(1 << 62, 1 << 30, spec.batch_max, True)
+
+    def decode(request, spec, ct):
+        return admit(request, spec, limits, ct)
     gpu = 0 if spec.device == "cuda" or torch.cuda.is_available() else None
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
@@ -209,7 +203,7 @@ def main(argv=None):
                 hdr = {"body": {"content-type": "application/json"}}
             set_requests(ctx, [hdr])
             ct = hdr["body"]["content-type"]
-            cur = {"body": body, "req": decode({"body": body}, spec, ct, 1 << 30)}
+            cur = {"body": body, "req": decode({"body": body}, spec, ct)}
             refresh = None
             if fmt == "safetensors":
                 def refresh():
@@ -217,7 +211,7 @@ def main(argv=None):
                     # handler as a bytearray it has just filled from the socket (fresh memory,
                     # as warm in the CPU caches as its size allows), never a reused one.
                     cur["body"] = bytearray(body)
-                    cur["req"] = decode({"body": cur["body"]}, spec, ct, 1 << 30)
+                    cur["req"] = decode({"body": cur["body"]}, spec, ct)
 
             def handle(request_body=None):
                 res = handler.handle([{"body": cur["body"] if request_body is None else request_body}], ctx)
@@ -225,25 +219,25 @@ def main(argv=None):
 
             def with_pieces(mib):
                 def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
-                    keep, handler.executor.piece_bytes = handler.executor.piece_bytes, int(mib * (1 << 20))
+                    keep, handler.runner.piece_bytes = handler.runner.piece_bytes, int(mib * (1 << 20))
                     try:
                         handle()
                     finally:
-                        handler.executor.piece_bytes = keep
+                        handler.runner.piece_bytes = keep
                 return fn
 
             # The handler's stages alone, to show where the time over the floor goes.
             def decode_only():
-                return decode({"body": cur["body"]}, spec, ct, 1 << 30)
+                return decode({"body": cur["body"]}, spec, ct)
 
             outs = {}
 
             def run_only():
                 with torch.inference_mode():
-                    outs["o"] = handler.executor.run([cur["req"].tensors])[0]
+                    outs["o"] = handler.runner.run([cur["req"].tensors])[0]
 
             stages = {"floor": floor, "handle": handle, "decode": decode_only, "run": run_only,
-                      "encode": lambda: encode(outs["o"], cur["req"], "bench")}
+                      "encode": lambda: cur["req"].encode(outs["o"], "bench")}
             if fmt == "safetensors" and device.type == "cuda":
                 def floor_from_pageable():
                     # TorchServe hands a worker the request in pageable memory: the least any
@@ -257,12 +251,14 @@ def main(argv=None):
                 stages["host_copy_first_input"] = lambda: pinned_copy.copy_(cur["req"].tensors[names[0]])
                 stages["h2d_first_input"] = lambda: pinned[0].to(device, non_blocking=True)
                 probe = StagingBuffers(pinned=True)
+                probe_dev = StagingBuffers(device=device)
 
                 def xfer(mib):
                     def fn():  # transfer only: host copy into pinned memory + upload, no model
                         first_in = cur["req"].tensors[names[0]]
                         with torch.cuda.stream(stream):
-                            probe.upload("x", [first_in], first_in.shape[0], device, int(mib * (1 << 20)))
+                            dev = probe_dev.view("x", first_in.shape, first_in.dtype)
+                            upload(probe, "x", [first_in], dev, int(mib * (1 << 20)))
                         stream.synchronize()
                     return fn
 
@@ -310,7 +306,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m scripts.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "artifact": {"backend": spec.backend, "inputs": [s.describe() for s in spec.inputs],
                      "batch_range": [spec.batch_min, spec.batch_max]},
         "results": results,

@@ -2,21 +2,11 @@
 """A small REST client for a served model: reads the token from key_file.json, sends a request
 in one of the supported formats and prints the answer.
 
-  python scripts/client.py --model NAME --example NAME:SHAPE:DTYPE [--example ...]
+  python -m scripts.client --model NAME --example NAME:SHAPE:DTYPE [--example ...]
       [--format json|v1|v2|safetensors] [--url http://127.0.0.1:8080] [--key-file key_file.json]
       [--wait SECONDS] [--check-eager --factory FILE.py:FACTORY]
 """
 from __future__ import annotations
-
-import os
-import sys
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
-# let this directory itself be on the import path; the repository root is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 import argparse
 import json
@@ -26,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = os.path.dirname(_HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def inference_key(path: str) -> str:
@@ -59,7 +49,7 @@ def main(argv=None):
     import torch
 
     from handlers import safetensors_io
-    from handlers.decode import TORCH_TO_V2
+    from handlers.dtypes import BY_TORCH
     from scripts.compile import example_inputs, load_factory, parse_input
 
     specs = [parse_input(e) for e in args.example]
@@ -67,7 +57,7 @@ def main(argv=None):
     if args.format == "safetensors":
         body, ct = bytes(safetensors_io.dumps(tensors)), safetensors_io.CONTENT_TYPE
     elif args.format == "v2":
-        body = json.dumps({"inputs": [{"name": n, "shape": list(t.shape), "datatype": TORCH_TO_V2[t.dtype],
+        body = json.dumps({"inputs": [{"name": n, "shape": list(t.shape), "datatype": BY_TORCH[t.dtype].v2,
                                        "data": t.reshape(-1).tolist()} for n, t in tensors.items()]}).encode()
         ct = "application/json"
     elif args.format == "v1":

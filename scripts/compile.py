@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile a model into a servable artifact plus its artifact.json.
 
-  python scripts/compile.py --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
+  python -m scripts.compile --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
       [--dynamic-batch MIN:MAX] --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
 
 FACTORY returns an nn.Module in eval mode; SHAPE like 8x3x32x32 (dimension 0 is the batch,
@@ -9,16 +9,6 @@ and the example batch must lie inside MIN:MAX). Input names must be the forward(
 names, in order. The artifact is checked against eager before metadata is written.
 """
 from __future__ import annotations
-
-import os
-import sys
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
-# let this directory itself be on the import path; the repository root is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 import argparse
 import importlib.util
@@ -30,9 +20,14 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(_HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, dtype_name, sha256_file, write_spec  # noqa: E402
+from handlers.kinds import KINDS
+from handlers.kinds.aoti_package import package_metadata
+from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, dtype_name, sha256_file, write_spec
+
+# Kinds that compile.py produces from an exported program (the bare .so is extracted: --bare-so).
+COMPILABLE = tuple(name for name, kind in KINDS.items() if kind.compile_needs is not None)
 
 ARTIFACT = "model.pt2"
 
@@ -118,44 +113,16 @@ def output_structure(out):
     raise CompileError(f"model returned {type(out).__name__}; expected a tensor, tuple or dict of tensors")
 
 
-def compile_tensorrt(ep, inputs, args, dyn):
-    """Torch-TensorRT dynamo path. Not executed on this project's machines (no TensorRT there);
-    written against torch_tensorrt.dynamo.compile / torch_tensorrt.save."""
-    try:
-        import torch_tensorrt
-    except ImportError:
-        raise CompileError("--backend tensorrt needs torch_tensorrt (pip install torch-tensorrt matching "
-                           "your torch) and NVIDIA TensorRT on a CUDA machine; not available here") from None
-    import torch
-
-    trt_inputs = []
-    for t, s in zip(inputs, args.inputs):
-        if dyn:
-            lo, hi = dyn
-            opt = min(max(s.shape[0], lo), hi)
-            trt_inputs.append(torch_tensorrt.Input(
-                min_shape=(lo,) + s.shape[1:], opt_shape=(opt,) + s.shape[1:],
-                max_shape=(hi,) + s.shape[1:], dtype=t.dtype))
-        else:
-            trt_inputs.append(torch_tensorrt.Input(shape=s.shape, dtype=t.dtype))
-    # Newer releases take arg_inputs= and type engines from the graph's dtypes (the model was
-    # already halved for fp16); older ones need enabled_precisions to allow fp16 kernels.
-    compile_params = inspect.signature(torch_tensorrt.dynamo.compile).parameters
-    kwargs = {"hardware_compatible": args.hardware_compatible, "device": torch.device(args.device_str)}
-    kwargs["arg_inputs" if "arg_inputs" in compile_params else "inputs"] = trt_inputs
-    if "use_explicit_typing" not in compile_params:
-        kwargs["enabled_precisions"] = ({torch.float32} if args.precision == "fp32"
-                                        else {torch.float16, torch.float32})
-    trt_gm = torch_tensorrt.dynamo.compile(ep, **kwargs)
-    path = os.path.join(args.out, ARTIFACT)
-    save_params = inspect.signature(torch_tensorrt.save).parameters
-    torch_tensorrt.save(trt_gm, path, output_format="exported_program",
-                        **{("arg_inputs" if "arg_inputs" in save_params else "inputs"): inputs})
-    import tensorrt
-
-    return {"tensorrt_version": tensorrt.__version__, "torch_tensorrt_version": torch_tensorrt.__version__,
-            "hardware_compatible": bool(args.hardware_compatible), "precision": args.precision,
-            "format": "exported_program"}
+def check_needs(kind) -> None:
+    """What the kind's compile step needs (ArtifactKind.compile_needs) is present, or a clear
+    error; the C++ compiler ("cxx") is picked by pick_compiler."""
+    if "torch_tensorrt" in kind.compile_needs:
+        try:
+            import torch_tensorrt  # noqa: F401
+        except ImportError:
+            raise CompileError(f"--backend {kind.name} needs torch_tensorrt (pip install torch-tensorrt "
+                               "matching your torch) and NVIDIA TensorRT on a CUDA machine; not available "
+                               "here") from None
 
 
 def main(argv=None):
@@ -164,7 +131,8 @@ def main(argv=None):
     p.add_argument("--input", action="append", required=True, dest="raw_inputs",
                    help="NAME:SHAPE:DTYPE, once per forward() argument, in order")
     p.add_argument("--dynamic-batch", help="MIN:MAX range of dimension 0; omit for a fixed batch")
-    p.add_argument("--backend", required=True, choices=("aoti", "export", "tensorrt"))
+    p.add_argument("--backend", required=True, choices=COMPILABLE,
+                   help="artifact kind (handlers/kinds/): " + ", ".join(COMPILABLE))
     p.add_argument("--device", required=True, choices=("cpu", "cuda"))
     p.add_argument("--device-index", type=int, default=0, help="CUDA device to compile on")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
@@ -196,13 +164,15 @@ def main(argv=None):
     if len(batches) != 1:
         raise CompileError("all --input shapes must share dimension 0 (the batch)")
 
-    compiler = pick_compiler(args.cxx) if args.backend == "aoti" else ""
+    kind = KINDS[args.backend]
+    check_needs(kind)
+    compiler = pick_compiler(args.cxx) if "cxx" in kind.compile_needs else ""
     import torch
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise CompileError("--device cuda but CUDA is not available; use --device cpu or a GPU machine")
-        torch.cuda.set_device(args.device_index)  # field report 004: compile state on one device
+        torch.cuda.set_device(args.device_index)  # CUDA state binds to the current device
         args.device_str = f"cuda:{args.device_index}"
     else:
         args.device_str = "cpu"
@@ -233,15 +203,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         ep = torch.export.export(module, tuple(inputs), dynamic_shapes=dynamic_shapes)
     path = os.path.join(args.out, ARTIFACT)
-    extra = {}
-    if args.backend == "export":
-        torch.export.save(ep, path)
-    elif args.backend == "aoti":
-        from torch._inductor import aoti_compile_and_package
-
-        aoti_compile_and_package(ep, package_path=path)
-    else:
-        extra = compile_tensorrt(ep, inputs, args, dyn)
+    args.dyn = dyn
+    extra = kind.compile(ep, inputs, path, args)
     compile_s = time.perf_counter() - t0
 
     cc = archs = isa = None
@@ -249,8 +212,6 @@ def main(argv=None):
         major, minor = torch.cuda.get_device_capability(device)
         cc, archs = f"{major}.{minor}", [f"sm_{major}{minor}"]
     if args.backend == "aoti":
-        from handlers.compat import package_metadata
-
         meta = package_metadata(path)
         isa = meta.get("AOTI_CPU_ISA") or None
         if args.device == "cuda" and meta.get("AOTI_COMPUTE_CAPABILITY"):
@@ -270,11 +231,11 @@ def main(argv=None):
 
     # Check the artifact against eager before anyone serves it: first in a child process, so
     # a wrapper that crashes at load is reported here rather than killing this process.
-    from handlers.compat import crash_safe_probe
     from handlers.config import HandlerConfig
     from handlers.device import Placement
     from handlers.errors import LoadError
     from handlers.load import load_artifact
+    from handlers.probe import crash_safe_probe
 
     placement = Placement(args.device, args.device_index if args.device == "cuda" else None)
     try:
@@ -297,7 +258,7 @@ def main(argv=None):
             raise CompileError(f"compiled output {n!r} differs from eager by {diff:.3g} (> {bound:.3g}); "
                                "not publishing it")
     if args.bare_so:
-        from handlers.compat import extract_bare_so
+        from scripts.bare_so import extract_bare_so
 
         extract_bare_so(spec, os.path.join(args.out, "bare_so"))
     print(f"wrote {path} ({args.backend}, {args.device}, batch {lo}..{hi}) in {compile_s:.1f}s; "

@@ -11,17 +11,17 @@ DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'c
 ART=artifacts/classifier_aoti_$DEVICE
 if [ ! -f "$ART/artifact.json" ]; then
   echo "== compiling the example classifier with AOTInductor for $DEVICE (about a minute on 2 CPU cores)"
-  $PY scripts/compile.py --model examples/models.py:classifier --input image:4x3x32x32:float32 \
+  $PY -m scripts.compile --model examples/models.py:classifier --input image:4x3x32x32:float32 \
       --dynamic-batch 1:16 --backend aoti --device "$DEVICE" --out "$ART"
 fi
 echo "== archiving model_store/classifier.mar"
-$PY scripts/archive.py --artifact "$ART" --name classifier --batch-size 8 --max-batch-delay 5
+$PY -m scripts.archive --artifact "$ART" --name classifier --batch-size 8 --max-batch-delay 5
 if torchserve --stop >/dev/null 2>&1; then sleep 2; fi
 mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"
 torchserve --start --ncs --model-store model_store \
     --models classifier=classifier.mar --ts-config config.properties > logs/torchserve_console.log 2>&1
-$PY scripts/client.py --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
+$PY -m scripts.client --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
     --factory examples/models.py:classifier
 echo
 echo "TorchServe is running. Keys: $PWD/key_file.json. Stop it with: .venv/bin/torchserve --stop"

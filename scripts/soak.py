@@ -2,20 +2,10 @@
 """Soak a running TorchServe with concurrent requests; every output is compared with its own
 reference computed in this process by the eager model on the GPU's default stream.
 
-  python scripts/soak.py --model NAME=FILE.py:FACTORY:CxHxW:MAXROWS:DTYPE [--model ...]
+  python -m scripts.soak --model NAME=FILE.py:FACTORY:CxHxW:MAXROWS:DTYPE [--model ...]
       --requests N --concurrency C [--url URL] [--key-file key_file.json] [--out soak.json]
 """
 from __future__ import annotations
-
-import os
-import sys
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it): never
-# let this directory itself be on the import path; the repository root is.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 import argparse
 import datetime
@@ -26,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(_HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None):
@@ -50,7 +40,7 @@ def main(argv=None):
     lock = threading.Lock()
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "command": "python scripts/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m scripts.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
               "concurrency": args.concurrency, "models": []}
     for item in args.model:
         name, ref = item.split("=", 1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Transfer experiment on the GPU machine: where does request bytes -> pinned -> device go?
 
-  python scripts/xfer_study.py [--mb 19.3] [--out xfer.json]
+  python -m scripts.xfer_study [--mb 19.3] [--out xfer.json]
 
 TorchServe hands a worker each request body as a freshly received bytearray (pageable). The
 handler copies it into a pinned staging buffer and uploads that asynchronously. This times,
@@ -19,10 +19,6 @@ import os
 import statistics
 import sys
 import time
-
-# scripts/inspect.py would shadow the standard library's `inspect` (torch imports it).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def write_combined_buffer(nbytes: int):
@@ -142,7 +138,7 @@ def main(argv=None):
     r["h2d_pageable_fresh"] = med(lambda: d.copy_(state["src"]), fresh)
     report = {"device": torch.cuda.get_device_name(dev), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__,
-              "command": "python scripts/xfer_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m scripts.xfer_study " + " ".join(argv if argv is not None else sys.argv[1:]),
               "bytes": n * 2, "cpu_threads": torch.get_num_threads(), "median_ms": r}
     print(json.dumps(report, indent=1))
     if args.out:

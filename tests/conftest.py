@@ -65,7 +65,7 @@ class Artifacts:
         out = self.root / f"{name}_{tag}{'_'.join([''] + [e.strip('-') for e in extra])}"
         with self._lock:
             if not (out / "artifact.json").exists():
-                cmd = [PY, "scripts/compile.py", *ARTIFACTS[name], *extra, "--device", self.device,
+                cmd = [PY, "-m", "scripts.compile", *ARTIFACTS[name], *extra, "--device", self.device,
                        "--out", str(out)]
                 if self.device == "cuda":
                     cmd += ["--device-index", str(index)]
@@ -91,7 +91,7 @@ def artifacts(tmp_path_factory):
 def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
     if isinstance(artifact_dirs, (str, Path)):
         artifact_dirs = [artifact_dirs]
-    cmd = [PY, "scripts/archive.py", "--name", name, "--out", str(store), *extra]
+    cmd = [PY, "-m", "scripts.archive", "--name", name, "--out", str(store), *extra]
     for d in artifact_dirs:
         cmd += ["--artifact", str(d)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())

@@ -1,5 +1,5 @@
 """Incompatible artifacts are refused before a worker reports ready, with a message naming the
-artifact's target, the machine and the fix: in real TorchServe and in scripts/inspect.py.
+artifact's target, the machine and the fix: in real TorchServe and in scripts/inspect_artifact.py.
 
 Every case starts from a real compiled artifact and alters what a real mismatch would alter
 (package metadata, artifact.json, the file itself), re-pinning the SHA-256 where a rebuilt
@@ -165,7 +165,7 @@ def test_refused_before_ready_with_message(broken, broken_server, name):
                                   "trt_missing"])
 def test_inspect_names_the_mismatch(broken, name):
     d, needle = broken[name]
-    cmd = [PY, "scripts/inspect.py", str(d)] + (["--trial-load"] if name == "crashing_library" else [])
+    cmd = [PY, "-m", "scripts.inspect_artifact", str(d)] + (["--trial-load"] if name == "crashing_library" else [])
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1, r.stdout + r.stderr
     assert needle in r.stdout, r.stdout
@@ -173,7 +173,7 @@ def test_inspect_names_the_mismatch(broken, name):
 
 def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
     mar = build_mar(artifacts.get("two_aoti"), "good", tmp_path)
-    r = subprocess.run([PY, "scripts/inspect.py", str(mar)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([PY, "-m", "scripts.inspect_artifact", str(mar)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "OK             runs here on cpu" in r.stdout, r.stdout
 
 

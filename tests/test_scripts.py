@@ -7,8 +7,10 @@ import pytest
 from conftest import PY, ROOT, repin
 
 
-def run(*args):
-    return subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True)
+def run(script, *args):
+    """`python -m scripts.NAME ARGS` from the repository root (scripts are modules)."""
+    module = script.removesuffix(".py").replace("/", ".")
+    return subprocess.run([PY, "-m", module, *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_compile_rejects_bad_arguments(tmp_path):

@@ -27,7 +27,7 @@ from handlers.run import Executor  # noqa: E402
 @pytest.fixture(scope="module", params=["fp32", "fp16"])
 def trt_artifact(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"trt_{request.param}")
-    r = subprocess.run([PY, "scripts/compile.py", "--model", "examples/models.py:classifier",
+    r = subprocess.run([PY, "-m", "scripts.compile", "--model", "examples/models.py:classifier",
                         "--input", "image:4x3x32x32:float32", "--dynamic-batch", "1:16", "--backend", "tensorrt",
                         "--device", "cuda", "--precision", request.param, "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True)

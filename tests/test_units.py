@@ -6,14 +6,18 @@ import pytest
 import torch
 
 from handlers import safetensors_io
+from handlers.admission import Limits, admit
 from handlers.batch import plan_chunks, warmup_sizes
 from handlers.config import parse_config
-from handlers.decode import decode
 from handlers.device import resolve_placement
-from handlers.errors import ConfigError, IncompatibleArtifact, LoadError, RequestError, UnsupportedMediaType
+from handlers.errors import (ConfigError, IncompatibleArtifact, LoadError, PayloadTooLarge, RequestError,
+                             UnsupportedMediaType)
+from handlers.kinds import KINDS
 from handlers.metadata import ArtifactSpec, TensorSpec
 from handlers.relocate import leftovers, relocate
+from handlers.run.cuda import upload
 from handlers.stage import StagingBuffers
+from handlers.wire import WireName
 
 # ---------------------------------------------------------------- device resolution
 
@@ -22,7 +26,7 @@ def place(**kw):
     base = dict(gpu_id=None, device_type=None, artifact_device="cpu", backend="aoti",
                 cuda_available=False, device_count=0, visible_devices=None)
     base.update(kw)
-    return resolve_placement(**base)
+    return resolve_placement(relocatable=KINDS[base["backend"]].relocatable, **base)
 
 
 GPU = dict(cuda_available=True, device_count=2)
@@ -163,18 +167,20 @@ def test_piecewise_upload_assembles_every_row(piece_bytes, monkeypatch):
     s = StagingBuffers(pinned=False)
     parts = [torch.arange(i * 40, i * 40 + n * 4, dtype=torch.float32).reshape(n, 4)
              for i, n in enumerate([1, 7, 2, 5])]
-    dev = s.upload("x", parts, run_rows=18, device=torch.device("cpu"), piece_bytes=piece_bytes)
+    dev = torch.empty(18, 4)
+    upload(s, "x", parts, dev, piece_bytes=piece_bytes)
     assert torch.equal(dev[:15], torch.cat(parts)) and not dev[15:].any()
     assert sum(sent) == 15
     step = max(1, piece_bytes // 16) if piece_bytes else 18
     assert all(n == step for n in sent[:-1]) and 0 < sent[-1] <= step
     # the next request reuses the pinned buffer and sees none of the old rows
-    again = s.upload("x", [torch.ones(2, 4)], run_rows=2, device=torch.device("cpu"), piece_bytes=piece_bytes)
+    again = torch.empty(2, 4)
+    upload(s, "x", [torch.ones(2, 4)], again, piece_bytes=piece_bytes)
     assert torch.equal(again, torch.ones(2, 4)) and s.grows == 1
 
 
 def test_rows_of_cuts_across_requests_without_copying():
-    from handlers.run import rows_of
+    from handlers.batch import rows_of
 
     reqs = [{"x": torch.arange(n * 2).reshape(n, 2) + 100 * i} for i, n in enumerate([3, 1, 4])]
     parts = rows_of(reqs, ["x"], 2, 4)["x"]
@@ -183,8 +189,8 @@ def test_rows_of_cuts_across_requests_without_copying():
     assert torch.equal(torch.cat(parts), torch.cat([r["x"] for r in reqs])[2:6])
 
 
-def test_cpu_executor_touches_no_cuda(monkeypatch):
-    from handlers.run import Executor
+def test_cpu_runner_touches_no_cuda(monkeypatch):
+    from handlers.run import runner_for
 
     def boom(*a, **k):
         raise AssertionError("CUDA API used on the CPU path")
@@ -194,7 +200,7 @@ def test_cpu_executor_touches_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", boom)
     spec = make_spec(batch_min=1, batch_max=3)
     model = lambda x: {"y": x * 2}  # noqa: E731
-    ex = Executor(model, spec, torch.device("cpu"))
+    ex = runner_for(model, spec, torch.device("cpu"))
     out = ex.run([{"x": torch.ones(2, 4)}, {"x": torch.full((2, 4), 3.0)}])
     assert out[0]["y"].tolist() == [[2.0] * 4] * 2 and out[1]["y"].tolist() == [[6.0] * 4] * 2
     assert not ex.inputs.pinned
@@ -287,22 +293,53 @@ def test_safetensors_rejects_lying_offsets():
         safetensors_io.loads((10**9).to_bytes(8, "little") + b"{}")
 
 
+def limits(max_body_bytes=1 << 30, max_rows=1024, batch_max=8, split_oversized=True):
+    return Limits(max_body_bytes, max_rows, batch_max, split_oversized)
+
+
+def decode(request, spec, content_type=None, max_rows=1024, accept=None):
+    return admit(request, spec, limits(max_rows=max_rows, batch_max=spec.batch_max), content_type, accept)
+
+
 def test_decode_json_int_values_are_accepted_as_floats():
     d = decode({"body": {"inputs": {"x": [[1, 2, 3, 4]]}}}, make_spec())
     assert d.tensors["x"].dtype == torch.float32 and d.rows == 1
 
 
 def test_decode_limits_rows_per_request():
-    with pytest.raises(RequestError, match="at most 2 per request"):
+    with pytest.raises(PayloadTooLarge, match="at most 2 per request"):
         decode({"body": {"inputs": {"x": [[0.0] * 4] * 3}}}, make_spec(), max_rows=2)
 
 
+def test_admission_limits_body_size_and_unsplit_rows():
+    body = safetensors_io.dumps({"x": torch.ones(3, 4)})
+    with pytest.raises(PayloadTooLarge, match="handler.max_body_mb") as e:
+        admit({"body": body}, make_spec(), limits(max_body_bytes=len(body) - 1))
+    assert e.value.status == 413
+    with pytest.raises(PayloadTooLarge, match="at most 2 per call"):
+        admit({"body": body}, make_spec(batch_max=2), limits(batch_max=2, split_oversized=False))
+    assert admit({"body": body}, make_spec(batch_max=2), limits(batch_max=2)).rows == 3
+
+
 def test_decode_media_type():
-    with pytest.raises(UnsupportedMediaType):
+    with pytest.raises(UnsupportedMediaType) as e:
         decode({"body": b"abc"}, make_spec(), content_type="image/jpeg")
+    assert e.value.status == 415
     d = decode({"body": safetensors_io.dumps({"x": torch.ones(1, 4)})}, make_spec(),
                content_type="application/octet-stream")
-    assert d.fmt == "safetensors"
+    assert d.wire.name == WireName.SAFETENSORS
+
+
+def test_response_format_follows_accept():
+    st = safetensors_io.dumps({"x": torch.ones(1, 4)})
+    ours = {"body": {"inputs": {"x": [[1.0] * 4]}}}
+    v1 = {"body": {"instances": [[1.0] * 4]}}
+    assert decode({"body": st}, make_spec(), accept="application/json").respond_as.name == WireName.OURS_JSON
+    assert decode({"body": st}, make_spec(), accept="*/*").respond_as.name == WireName.SAFETENSORS
+    assert decode(v1, make_spec(), accept="application/json").respond_as.name == WireName.KSERVE_V1
+    assert decode(ours, make_spec(), accept=safetensors_io.CONTENT_TYPE).respond_as.name == WireName.SAFETENSORS
+    body, ct = decode(v1, make_spec()).encode({"y": torch.ones(1, 4)}, "m")
+    assert ct == "application/json" and json.loads(body) == {"predictions": [[1.0] * 4]}
 
 
 @pytest.mark.parametrize("option,expected", [(None, "highest"), ("high", "high")])

@@ -2,24 +2,18 @@
 """What an artifact (directory or .mar) needs, beside what this machine has; exit status 1 when
 no variant can run here, 0 when one can.
 
-  python scripts/inspect.py ARTIFACT_DIR_OR_MAR [--gpu-id N] [--device-type cpu|gpu] [--trial-load]
+  python -m scripts.inspect_artifact ARTIFACT_DIR_OR_MAR [--gpu-id N] [--device-type cpu|gpu] [--trial-load]
 
 Nothing in the artifact is executed unless --trial-load is given; that loads it and runs one
 forward in a child process (as the handler's crash-safe load does) and reports a native crash.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-
-# This file's name shadows the standard library's `inspect`: drop its directory from the path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
-
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
-import zipfile  # noqa: E402
+import tempfile
+import zipfile
 
 
 def main(argv=None):
@@ -32,7 +26,9 @@ def main(argv=None):
 
     import torch
 
-    from handlers.compat import assess, crash_safe_probe, open_variant, this_machine
+    from handlers.machine import this_machine
+    from handlers.probe import crash_safe_probe
+    from handlers.variants import assess, open_variant
     from handlers.config import HandlerConfig
     from handlers.errors import LoadError
     from handlers.metadata import find_variants

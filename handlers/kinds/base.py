@@ -1,0 +1,74 @@
+"""What every artifact kind declares, behind one small interface (see README, "Adding an
+artifact kind"). A kind module subclasses ArtifactKind and the registry (kinds/__init__.py)
+lists one instance of it."""
+from __future__ import annotations
+
+import torch
+
+from ..device import Placement
+from ..errors import LoadError
+from ..machine import Machine
+from ..metadata import ArtifactSpec
+
+
+class LoadedModel:
+    """A callable taking the artifact's inputs positionally and returning {output name: tensor}."""
+
+    def __init__(self, fn, spec: ArtifactSpec, device: torch.device, kind: str, flat_outputs=False):
+        self._fn = fn
+        self.spec = spec
+        self.device = device
+        self.kind = kind  # the artifact kind's name
+        self._flat = flat_outputs
+
+    def __call__(self, *tensors):
+        out = self._fn(list(tensors)) if self._flat else self._fn(*tensors)
+        leaves = torch.utils._pytree.tree_leaves(out)
+        names = self.spec.output_names
+        if len(leaves) != len(names):
+            raise LoadError(f"model returned {len(leaves)} output tensor(s), artifact.json names "
+                            f"{len(names)} ({', '.join(names)})")
+        return dict(zip(names, leaves))
+
+
+class ArtifactKind:
+    name = ""  # artifact.json's "backend" value
+    # Native: compiled code for one device kind, linked against libtorch's C++ ABI (platform and
+    # torch major.minor must match). Otherwise relocatable: a graph plus tensors that can move
+    # to another device kind after compilation.
+    native = True
+    zipped = True  # the artifact is a .pt2 zip archive (integrity check looks for its directory)
+    # What scripts/compile.py needs to produce it: "cxx" (a C++ compiler for a wrapper),
+    # "torch_tensorrt"; None when compile.py does not produce it directly.
+    compile_needs: tuple = None
+
+    @property
+    def relocatable(self) -> bool:
+        return not self.native
+
+    def claims(self, spec: ArtifactSpec) -> bool:
+        """True when the files of `spec` (declared as another kind) actually hold this kind."""
+        return False
+
+    def adopt(self, spec: ArtifactSpec) -> ArtifactSpec:
+        """`spec` relabelled as this kind (after `claims`)."""
+        return ArtifactSpec(**{**spec.__dict__, "backend": self.name})
+
+    def refine(self, spec: ArtifactSpec) -> ArtifactSpec:
+        """`spec` with the build facts read from the artifact's own files (they win)."""
+        return spec
+
+    def requirements(self, spec: ArtifactSpec) -> list:
+        """Problems that stop this kind anywhere on this machine (e.g. a missing package),
+        named before placement is decided."""
+        return []
+
+    def rules(self, spec: ArtifactSpec, placement: Placement, m: Machine, fatal: list, warn: list) -> None:
+        """Compatibility rules beyond the common ones (rules.py)."""
+
+    def load(self, spec: ArtifactSpec, placement: Placement, config=None) -> LoadedModel:
+        raise NotImplementedError
+
+    def compile(self, ep, inputs, path: str, options) -> dict:
+        """Write the artifact for exported program `ep` to `path`; returns artifact.json `extra`."""
+        raise NotImplementedError(f"scripts/compile.py does not produce {self.name} artifacts")

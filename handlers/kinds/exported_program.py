@@ -1,0 +1,32 @@
+"""torch.export program (`torch.export.save`): a graph plus tensors, relocatable to the worker's
+device with move_to_device_pass (relocate.py checks that nothing stayed behind)."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import LoadError
+from ..relocate import relocate
+from .base import ArtifactKind, LoadedModel
+
+
+class ExportedProgram(ArtifactKind):
+    name = "export"
+    native = False
+    compile_needs = ()
+
+    def load(self, spec, placement, config=None):
+        try:
+            ep = torch.export.load(spec.artifact_path)
+        except Exception as e:
+            raise LoadError(f"torch.export.load failed for {spec.artifact}: {e}. The file may be "
+                            f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
+                            f"this is {torch.__version__}).") from e
+        ep = relocate(ep, placement.torch_device)
+        return LoadedModel(ep.module(), spec, placement.torch_device, "exported_program")
+
+    def compile(self, ep, inputs, path, options) -> dict:
+        torch.export.save(ep, path)
+        return {}
+
+
+KIND = ExportedProgram()

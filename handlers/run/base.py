@@ -1,0 +1,53 @@
+"""The runner interface: a TorchServe batch of admitted requests through the model, outputs
+back in host memory, every request getting exactly its own rows. Subclasses make one call of
+the artifact on one device kind (run/cpu.py, run/cuda.py)."""
+from __future__ import annotations
+
+import torch
+
+from ..batch import offsets, plan_chunks, rows_of
+
+
+class Runner:
+    def __init__(self, model, spec):
+        self.model = model
+        self.spec = spec
+
+    def call(self, parts: dict, run_rows: int) -> dict:
+        """One call of the artifact on the request rows `parts` ({input: [row blocks]}), padded
+        to `run_rows`; returns host tensors valid until the next call (reused buffers)."""
+        raise NotImplementedError
+
+    def staging_bytes(self) -> int:
+        raise NotImplementedError
+
+    def run(self, requests: list) -> list:
+        """requests: list of {input name: CPU tensor} with equal rows per request.
+        Returns, per request, {output name: CPU tensor holding exactly its rows}."""
+        counts = [next(iter(r.values())).shape[0] for r in requests]
+        chunks = plan_chunks(sum(counts), self.spec.batch_min, self.spec.batch_max)
+        names = self.spec.input_names
+        if len(chunks) == 1:
+            c = chunks[0]
+            out = self.call({n: [r[n] for r in requests] for n in names}, c.run_rows)
+            _check_batched(out, c.run_rows)
+            full = {k: v[:c.rows] for k, v in out.items()}
+        else:
+            full = None
+            for c in chunks:
+                out = self.call(rows_of(requests, names, c.start, c.rows), c.run_rows)
+                _check_batched(out, c.run_rows)
+                if full is None:  # the reused output buffers are overwritten by the next chunk
+                    full = {k: torch.empty((sum(counts),) + tuple(v.shape[1:]), dtype=v.dtype)
+                            for k, v in out.items()}
+                for k, v in out.items():
+                    full[k][c.start:c.start + c.rows].copy_(v[:c.rows])
+        return [{k: v[a:b] for k, v in full.items()} for a, b in offsets(counts)]
+
+
+def _check_batched(out: dict, rows: int) -> None:
+    for k, v in out.items():
+        if v.dim() == 0 or v.shape[0] != rows:
+            raise RuntimeError(f"output {k!r} has shape {list(v.shape)}, not batch-first with "
+                               f"{rows} rows; this handler needs batch-first outputs")
+

@@ -1,0 +1,107 @@
+"""CUDA runner: the only code in the package that touches CUDA streams.
+
+One dedicated stream per worker. Every call: the stream first waits for the current stream
+(weights were uploaded there); inputs are copied into pinned host buffers and go non-blocking
+into persistent device input buffers (optionally in pieces, each upload overlapping the host
+copy of the next); the model runs with our stream current; outputs are copied into pinned host
+buffers non-blocking; the host waits on an event recorded on our stream before anything reads
+them, also after a failure. Nothing of a request is queued on the default stream.
+
+Device input buffers: one per input, sized for the largest batch so far, and one set of views
+per batch size (`_device_inputs`), so a batch size always finds its inputs at the same
+addresses; per-batch-size graph capture would replay against exactly these views.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..stage import StagingBuffers
+from .base import Runner
+
+
+def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_bytes: int) -> None:
+    """Stage request row-blocks `parts` in pinned memory and copy them into `dev` (its rows
+    beyond theirs are zeroed) piece by piece: while piece k travels to the GPU (non-blocking, on
+    the current stream), the host copies piece k+1. The request bytes TorchServe hands us are
+    pageable, so this host copy cannot be skipped; pipelining hides the upload behind it where
+    memory bandwidth allows (on the H100 VM it did not: docs/results), so piece_bytes defaults
+    to 0, one piece. Pinned regions are rewritten only after the runner has waited for its
+    stream (an event synchronize after every call)."""
+    run_rows = dev.shape[0]
+    h = host.view(name, dev.shape, dev.dtype)
+    row_bytes = max(1, h[:1].numel() * h.element_size())
+    step = max(1, piece_bytes // row_bytes) if piece_bytes > 0 else max(1, run_rows)
+    at = sent = 0
+    for part in parts:
+        n = part.shape[0]
+        a = 0
+        while a < n:
+            # Fill up to the next piece boundary, then send everything not yet sent.
+            b = min(n, a + step - (at - sent))
+            h[at:at + b - a].copy_(part[a:b])
+            at += b - a
+            a = b
+            if at - sent >= step:
+                dev[sent:at].copy_(h[sent:at], non_blocking=True)
+                sent = at
+    if at > sent:
+        dev[sent:at].copy_(h[sent:at], non_blocking=True)
+    if run_rows > at:
+        dev[at:].zero_()
+
+
+class CudaRunner(Runner):
+    def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0):
+        super().__init__(model, spec)
+        self.device = device
+        self.piece_bytes = piece_bytes
+        self.host_inputs = StagingBuffers(pinned=True)
+        self.host_outputs = StagingBuffers(pinned=True)
+        self.device_buffers = StagingBuffers(device=device)
+        self._views = {}  # (run_rows, row shapes) -> [device input view per input]
+        self._views_grows = -1
+        self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
+        self.done = torch.cuda.Event()
+
+    def _device_inputs(self, parts: dict, run_rows: int) -> list:
+        """Device input tensors for a call of `run_rows` rows, the same ones for every call of
+        that shape. Call with our stream current: the buffers are allocated on it and only ever
+        used on it."""
+        names = self.spec.input_names
+        key = (run_rows,) + tuple(tuple(parts[n][0].shape[1:]) for n in names)
+        views = self._views.get(key)
+        if views is None:
+            views = [self.device_buffers.view(n, (run_rows,) + tuple(parts[n][0].shape[1:]), parts[n][0].dtype)
+                     for n in names]
+            if self._views_grows != self.device_buffers.grows:  # a buffer grew: older views are stale
+                self._views, self._views_grows = {}, self.device_buffers.grows
+            self._views[key] = views
+        return views
+
+    def _copy_out(self, out: dict) -> dict:
+        host = {}
+        for name, t in out.items():
+            buf = self.host_outputs.view(name, t.shape, t.dtype)
+            buf.copy_(t, non_blocking=True)
+            host[name] = buf
+        return host
+
+    def call(self, parts: dict, run_rows: int) -> dict:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                dev = self._device_inputs(parts, run_rows)
+                for name, d in zip(self.spec.input_names, dev):
+                    upload(self.host_inputs, name, parts[name], d, self.piece_bytes)
+                host = self._copy_out(self.model(*dev))
+        finally:
+            # Also after a failure: pinned input pieces may still be in flight, and the next
+            # request rewrites them.
+            self.done.record(self.stream)
+            self.done.synchronize()
+        # Model outputs were allocated on our stream and die here; the caching allocator reuses
+        # their blocks only on that same stream, in order.
+        return host
+
+    def staging_bytes(self) -> int:
+        return self.host_inputs.nbytes() + self.host_outputs.nbytes() + self.device_buffers.nbytes()

@@ -1,0 +1,78 @@
+"""Variant choice: which of the archive's artifacts this worker serves, and where.
+
+Each variant directory holds one artifact.json and its artifact (one per compute capability
+or CPU ISA, say). A variant is read, its file checked against the pinned SHA-256 (once per
+load), recognised from its own files (kinds.recognise), placed (device.py) and judged
+(rules.py); exact fits win over ones that only warn, then archive order.
+"""
+from __future__ import annotations
+
+import os
+
+from .config import HandlerConfig
+from .device import placement_for_worker
+from .errors import IncompatibleArtifact, LoadError
+from .integrity import verify_integrity
+from .kinds import kind_of, recognise
+from .machine import describe_machine, this_machine
+from .metadata import ArtifactSpec, find_variants, read_spec
+from .rules import check
+
+
+def open_variant(directory: str) -> ArtifactSpec:
+    """artifact.json, checked against the artifact's SHA-256 before anything inside the
+    artifact is read, then recognised from what the artifact itself says it is."""
+    spec = read_spec(directory)
+    verify_integrity(spec, kind_of(spec).zipped)
+    return recognise(spec)
+
+
+def assess(spec: ArtifactSpec, gpu_id, device_type, strict_versions=False):
+    """Where this worker would run the artifact and what stops it. Returns
+    (placement or None, fatal problems, warnings)."""
+    kind = kind_of(spec)
+    missing = kind.requirements(spec)
+    if missing:
+        return None, missing, []
+    try:
+        placement = placement_for_worker(gpu_id, device_type, spec.device, spec.backend, kind.relocatable)
+    except IncompatibleArtifact as e:
+        return None, [str(e)], []
+    fatal, warn = check(spec, kind, placement, this_machine(placement), strict_versions)
+    return placement, fatal, warn
+
+
+def _target(spec: ArtifactSpec) -> str:
+    return (f"{spec.backend}/{spec.device}"
+            + (f" cc {spec.compute_capability}" if spec.compute_capability else "")
+            + (f" ISA {spec.cpu_isa}" if spec.cpu_isa and spec.device == "cpu" else ""))
+
+
+def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
+    dirs = find_variants(model_dir)
+    if config.variant:
+        dirs = [d for d in dirs if os.path.basename(d) == config.variant]
+        if not dirs:
+            raise LoadError(f"handler.variant {config.variant!r} names no variant in the archive")
+    if not dirs:
+        raise LoadError(f"no artifact.json in {model_dir} or its variants/ directory: build the archive "
+                        "with scripts/archive.py")
+    return dirs
+
+
+def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
+    """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
+    tried, ok = [], []
+    for d in _variant_dirs(model_dir, config):
+        spec = open_variant(d)
+        placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
+        if fatal:
+            tried.append(f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal))
+            continue
+        ok.append((bool(warn), len(ok), spec, placement, warn))  # exact fits first, then archive order
+    if not ok:
+        raise IncompatibleArtifact("no artifact in this archive can run on this worker. This machine: "
+                                   f"{describe_machine(gpu_id)}. " + " ".join(tried))
+    ok.sort(key=lambda t: (t[0], t[1]))
+    _, _, spec, placement, warn = ok[0]
+    return spec, placement, warn

@@ -1,0 +1,47 @@
+"""What a wire format is: one object that owns both directions, decode and encode.
+
+A format is either binary (chosen by its media type, or recognised from the bytes) or a JSON
+envelope (chosen by the shape of the parsed JSON object). The registry is wire/__init__.py."""
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Optional
+
+JSON_MEDIA = "application/json"
+
+
+class WireName(str, Enum):
+    """Names of the built-in wire formats (a registered format may use any other string)."""
+
+    OURS_JSON = "json"
+    KSERVE_V1 = "v1"
+    KSERVE_V2 = "v2"
+    SAFETENSORS = "safetensors"
+
+
+class WireFormat:
+    name = ""  # a WireName, or any other string for a registered format
+    media_type = JSON_MEDIA  # Content-Type of its bodies
+    binary = False  # True: chosen by media type / bytes; False: a JSON envelope
+
+    def matches_bytes(self, payload) -> bool:
+        """Binary formats: whether bytes without a Content-Type are this format."""
+        return False
+
+    def matches_json(self, body: dict) -> bool:
+        """JSON formats: whether a parsed JSON object is this envelope."""
+        return False
+
+    def decode(self, body, spec) -> tuple:
+        """Body (bytes for binary formats, the parsed object for JSON ones) -> ({input name:
+        CPU tensor}, request id or None). The admission step checks the tensors against spec."""
+        raise NotImplementedError
+
+    def encode(self, outputs: dict, request_id: Optional[str], model_name: str):
+        """{output name: CPU tensor} -> response body (str or bytes-like)."""
+        raise NotImplementedError
+
+
+def dump_json(body) -> str:
+    return json.dumps(body, separators=(",", ":"))

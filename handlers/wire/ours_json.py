@@ -1,0 +1,22 @@
+"""Our JSON: {"inputs": {NAME: nested list}} -> {"outputs": {NAME: nested list}}."""
+from __future__ import annotations
+
+from .base import WireFormat, WireName, dump_json
+from .tensors import from_nested, spec_of
+
+
+class OursJson(WireFormat):
+    name = WireName.OURS_JSON
+
+    def matches_json(self, body):
+        return isinstance(body.get("inputs"), dict)
+
+    def decode(self, body, spec):
+        return {name: from_nested(spec_of(spec, name), value, f"input {name!r}")
+                for name, value in body["inputs"].items()}, None
+
+    def encode(self, outputs, request_id, model_name):
+        return dump_json({"outputs": {n: t.tolist() for n, t in outputs.items()}})
+
+
+FORMAT = OursJson()

@@ -1,0 +1,24 @@
+"""Binary safetensors bodies (application/x-safetensors), read and written by
+handlers.safetensors_io straight from and into tensor memory."""
+from __future__ import annotations
+
+from .. import safetensors_io
+from .base import WireFormat, WireName
+
+
+class Safetensors(WireFormat):
+    name = WireName.SAFETENSORS
+    media_type = safetensors_io.CONTENT_TYPE
+    binary = True
+
+    def matches_bytes(self, payload):
+        return safetensors_io.looks_like(payload)
+
+    def decode(self, body, spec):
+        return safetensors_io.loads(body), None
+
+    def encode(self, outputs, request_id, model_name):
+        return safetensors_io.dumps(outputs)
+
+
+FORMAT = Safetensors()
