@@ -1,7 +1,7 @@
 """Shared fixtures: artifacts compiled once per test run, and real TorchServe processes.
 
-Every artifact is built through the public CLI (scripts/compile.py) and cached for the run;
-every archive through scripts/archive.py (torch-model-archiver). Servers are real
+Every artifact is built through the public CLI (python -m scripts.compile) and cached for the run;
+every archive through python -m scripts.archive (torch-model-archiver). Servers are real
 `torchserve --start` processes on loopback, configured from the repository's config.properties
 with only ports and paths changed, so the security settings under test are the shipped ones.
 """
@@ -277,6 +277,9 @@ MAIN_MODELS = {
     "two_small": ("two_export_2to4", ["--batch-size", "8", "--max-batch-delay", "600"]),
     "cls_fixed4": ("cls_export_fixed4", ["--batch-size", "8", "--max-batch-delay", "50"]),
     "cls_nosplit": ("cls_export", ["--handler-option", "split_oversized=false"]),
+    # small admission limits: a 4-row binary body (49 KB) is over 0.02 MiB, 5 rows over 4
+    "cls_limits": ("cls_export", ["--handler-option", "max_body_mb=0.02",
+                                  "--handler-option", "max_rows_per_request=4"]),
 }
 
 

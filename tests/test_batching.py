@@ -82,7 +82,7 @@ def test_below_minimum_is_padded(main_server):
 
 def test_oversized_request_refused_when_split_disabled(main_server):
     r = main_server.predict("cls_nosplit", {"inputs": {"image": image(17).tolist()}})
-    assert r.status_code == 400
+    assert r.status_code == 413
     assert "at most 16" in r.json()["message"]
     r = main_server.predict("cls_nosplit", {"inputs": {"image": image(16).tolist()}})
     assert r.status_code == 200

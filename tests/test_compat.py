@@ -13,9 +13,15 @@ import pytest
 import torch
 
 from conftest import PY, ROOT, build_mar, repin, rewrite_package_metadata
-from handlers.compat import ISA_FLAGS, Machine, check, cpu_flags
+from handlers import rules
 from handlers.device import Placement
+from handlers.kinds import kind_of
+from handlers.machine import ISA_FLAGS, Machine, cpu_flags
 from handlers.metadata import read_spec, sha256_file, write_spec
+
+
+def check(spec, placement, m, strict_versions=False):
+    return rules.check(spec, kind_of(spec), placement, m, strict_versions)
 
 
 def missing_isa():
@@ -179,7 +185,7 @@ def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
 
 def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
     """An archive with a variant this CPU cannot run and one it can: the worker picks the second."""
-    from handlers.compat import choose_variant
+    from handlers.variants import choose_variant
     from handlers.config import parse_config
 
     mar = build_mar([broken["wrong_isa"][0], artifacts.get("two_aoti")], "multi", tmp_path)
@@ -257,13 +263,13 @@ def test_tensorrt_rules():
 
 
 def test_tensorrt_detected_without_importing_it(tmp_path):
-    from handlers.compat import reconcile
-    from handlers.tensorrt import has_tensorrt_engines
+    from handlers.kinds import recognise
+    from handlers.kinds.tensorrt import has_tensorrt_engines
 
     d = fake_trt_artifact(str(tmp_path / "trt"))
     assert has_tensorrt_engines(os.path.join(d, "model.pt2"))
     spec = read_spec(d)
-    relabelled = reconcile(type(spec)(**{**spec.__dict__, "backend": "export"}))
+    relabelled = recognise(type(spec)(**{**spec.__dict__, "backend": "export"}))
     assert relabelled.backend == "tensorrt"  # a mislabelled artifact is still recognised
 
 
@@ -286,7 +292,7 @@ print(len(builds), round(time.perf_counter() - t0, 2))
 def test_aoti_load_compiles_no_isa_probes(artifacts):
     """Left alone, aoti_load_package builds a probe library per SIMD extension and imports torch
     in a child Python to dlopen each (40-100 s per worker on the GPU image, measured). Our
-    compat check already covered the CPU ISA; a fresh process must load with no such build."""
+    compatibility rules already covered the CPU ISA; a fresh process must load with no such build."""
     code = _COUNT_ISA_BUILDS.format(root=str(ROOT), art=str(artifacts.get("cls_aoti")))
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

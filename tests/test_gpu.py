@@ -15,13 +15,13 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
 
-from handlers.compat import choose_variant  # noqa: E402
+from handlers.variants import choose_variant  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
 from handlers.device import Placement  # noqa: E402
 from handlers.errors import IncompatibleArtifact  # noqa: E402
 from handlers.load import load_artifact  # noqa: E402
 from handlers.metadata import read_spec  # noqa: E402
-from handlers.run import Executor  # noqa: E402
+from handlers.run import runner_for  # noqa: E402
 
 TWO_GPUS = torch.cuda.device_count() >= 2
 multigpu = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices (nvidia-h200-x2)")
@@ -82,7 +82,7 @@ def test_served_on_the_gpu_it_was_not_compiled_on(gpu_artifacts, backend, src, d
         fn = model._fn
         devs = {p.device for p in fn.parameters()} | {b.device for b in fn.buffers()}
         assert devs == {torch.device(f"cuda:{dst}")}
-    out = Executor(model, spec, torch.device(f"cuda:{dst}")).run([dict(zip(spec.input_names, inputs))])[0]
+    out = runner_for(model, spec, torch.device(f"cuda:{dst}")).run([dict(zip(spec.input_names, inputs))])[0]
     diff = max((out[k] - ref[k].cpu()).abs().max().item() for k in ref)
     assert diff < 1e-4
     RESULTS["placement"].append({"backend": backend, "compiled_on": f"cuda:{src}", "served_on": f"cuda:{dst}",
@@ -97,7 +97,7 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
     spec = read_spec(str(art))
     dev = torch.device("cuda:0")
     model = load_artifact(spec, Placement("cuda", 0))
-    ex = Executor(model, spec, dev)
+    ex = runner_for(model, spec, dev)
     from scripts.compile import load_factory
 
     ref_model = load_factory("examples/models.py:big_conv")().to(dev)
@@ -116,7 +116,7 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
         err = (out.float() - ref.float()).abs().max().item()
         if err > (5e-2 if half else 1e-3):
             mismatches += 1
-    staged = ex.inputs._bufs["image"]
+    staged = ex.host_inputs._bufs["image"]
     assert staged.is_pinned(), "input staging is not page-locked: uploads would not be asynchronous"
     # Several requests in one TorchServe batch, more rows than the artifact's batch_max (2):
     # cut into chunks, the 2-row request straddling them; each answer against its own reference.
@@ -170,12 +170,12 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
     placed = [ln.split(" on ")[1].split(" ")[0] for ln in log.splitlines() if "loaded aoti artifact" in ln]
     assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
 
-    # In this process first: the same requests through the Executor on each GPU, so a
+    # In this process first: the same requests through the CUDA runner on each GPU, so a
     # TorchServe-only failure can be told apart from a handler one.
     spec = read_spec(str(gpu_artifacts.get("two_aoti", index=0)))
     in_process = {}
     for dev in (0, 1):
-        ex = Executor(load_artifact(spec, Placement("cuda", dev)), spec, torch.device(f"cuda:{dev}"))
+        ex = runner_for(load_artifact(spec, Placement("cuda", dev)), spec, torch.device(f"cuda:{dev}"))
         diffs = []
         for rows in (1, 2, 3, 4):
             inputs = two_inputs(rows, seed=rows)

@@ -94,7 +94,23 @@ def test_bad_requests_get_4xx_and_worker_survives(main_server, model):
 def test_unsupported_media_type(main_server):
     r = main_server.predict("cls_export", b"\x00\x01", content_type="image/png")
     assert r.status_code == 415
+    assert r.json()["type"] == "UnsupportedMediaType"
     assert "application/x-safetensors" in r.json()["message"]
+
+
+def test_oversize_body_and_too_many_rows_get_413(main_server):
+    """cls_limits: handler.max_body_mb=0.02 (20971 bytes), max_rows_per_request=4."""
+    big = safetensors_io.dumps({"image": image(4)})  # 49 KB
+    r = main_server.predict("cls_limits", big, content_type=safetensors_io.CONTENT_TYPE)
+    assert r.status_code == 413 and r.json()["type"] == "PayloadTooLarge", r.text
+    assert "max_body_mb" in r.json()["message"]
+    r = main_server.predict("cls_limits", {"inputs": {"image": image(5).tolist()}})
+    assert r.status_code == 413 and "at most 4 per request" in r.json()["message"], r.text
+    x = image(1)
+    r = main_server.predict("cls_limits", safetensors_io.dumps({"image": x}),
+                            content_type=safetensors_io.CONTENT_TYPE)
+    assert r.status_code == 200, r.text
+    close(safetensors_io.loads(r.content), eager("classifier", x))
 
 
 def test_kserve_v1(main_server):
@@ -173,3 +189,13 @@ def test_load_reports_in_log_and_metrics(main_server):
     metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
     assert 'ArtifactLoadTime{ModelName="cls_aoti"' in metrics, metrics[-2000:]
     assert 'ArtifactWarmupTime{ModelName="two_export"' in metrics
+
+
+def test_stage_timings_on_the_metrics_endpoint(main_server):
+    import requests
+
+    f, m = two(2)
+    assert main_server.predict("two_export", {"inputs": {"features": f.tolist(), "mask": m.tolist()}}).ok
+    metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
+    for name in ("HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"):
+        assert f'{name}{{ModelName="two_export"' in metrics, (name, metrics[-2000:])

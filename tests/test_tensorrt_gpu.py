@@ -21,7 +21,7 @@ from handlers.config import parse_config  # noqa: E402
 from handlers.device import Placement  # noqa: E402
 from handlers.load import load_artifact  # noqa: E402
 from handlers.metadata import read_spec  # noqa: E402
-from handlers.run import Executor  # noqa: E402
+from handlers.run import runner_for  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["fp32", "fp16"])
@@ -52,7 +52,7 @@ def test_trt_artifact_served_on_each_gpu_on_worker_stream(trt_artifact, index):
     assert spec.backend == "tensorrt" and spec.extra["tensorrt_version"]
     half = precision == "fp16"
     model = load_artifact(spec, Placement("cuda", index), parse_config({"handler": {"trt_multi_device_safe_mode": True}}))
-    ex = Executor(model, spec, torch.device(f"cuda:{index}"))
+    ex = runner_for(model, spec, torch.device(f"cuda:{index}"))
     for seed in range(8):
         x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
         x = x.half() if half else x

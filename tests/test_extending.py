@@ -1,0 +1,100 @@
+"""A new artifact kind or a new wire format is one module plus one registration line: both are
+defined and registered here, from this file alone, and served by the real handler class with
+TorchServe's own Context."""
+import json
+
+import pytest
+import torch
+
+from handlers import kinds, wire
+from handlers.kinds import ArtifactKind, LoadedModel
+from handlers.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
+from handlers.wire import WireFormat
+
+
+class ScaleKind(ArtifactKind):
+    """Toy kind: the artifact is a JSON file {"scale": s}; the model multiplies by s."""
+
+    name = "toy_scale"
+    native = False  # plain data: relocatable to any device
+    zipped = False
+    compile_needs = None
+
+    def load(self, spec, placement, config=None):
+        with open(spec.artifact_path) as f:
+            scale = json.load(f)["scale"]
+        return LoadedModel(lambda x: x * scale, spec, placement.torch_device, self.name)
+
+
+class CsvFormat(WireFormat):
+    """Toy format: one row of comma-separated numbers per line, for a single-input model."""
+
+    name = "csv"
+    media_type = "text/csv"
+    binary = True  # chosen by its media type
+
+    def decode(self, body, spec):
+        rows = [[float(v) for v in line.split(",")] for line in bytes(body).decode().splitlines() if line]
+        return {spec.inputs[0].name: torch.tensor(rows)}, None
+
+    def encode(self, outputs, request_id, model_name):
+        (t,) = outputs.values()
+        return "\n".join(",".join(f"{v:g}" for v in row) for row in t.tolist())
+
+
+@pytest.fixture
+def registered():
+    kinds.register(ScaleKind())
+    wire.register(CsvFormat())
+    yield
+    del kinds.KINDS["toy_scale"], wire.FORMATS["csv"]
+
+
+class Metrics:
+    def __init__(self):
+        self.times = []
+
+    def add_time(self, name, value, idx=None, unit="ms"):
+        self.times.append(name)
+
+
+def toy_artifact(d):
+    d.mkdir()
+    (d / "scale.json").write_text(json.dumps({"scale": 3.0}))
+    write_spec(ArtifactSpec(
+        backend="toy_scale", artifact="scale.json", sha256=sha256_file(str(d / "scale.json")), device="cpu",
+        inputs=(TensorSpec("x", "float32", (None, 2)),), outputs=(TensorSpec("y", "float32", (None, 2)),),
+        output_structure="tensor", batch_min=1, batch_max=4, torch_version=torch.__version__), str(d))
+    return d
+
+
+def test_toy_kind_and_format_are_served(registered, tmp_path):
+    from ts.context import Context, RequestProcessor
+
+    from handlers.ts_entry import CompiledModelHandler
+
+    # the probe child is a fresh Python: it knows only the built-in kinds
+    ctx = Context("toy", str(toy_artifact(tmp_path / "toy")), {"model": {"modelName": "toy"}}, 2, None,
+                  "0.12.0", model_yaml_config={"handler": {"crash_safe_load": False}})
+    ctx.metrics = Metrics()
+    handler = CompiledModelHandler()
+    handler.initialize(ctx)
+    assert handler.model.kind == "toy_scale"
+    ctx.request_processor = [RequestProcessor({"Content-Type": "text/csv"}),
+                             RequestProcessor({"Content-Type": "application/json"})]
+    ctx.metrics = Metrics()
+    out = handler.handle([{"body": bytearray(b"1,2\n3,4\n")}, {"body": {"inputs": {"x": [[0.5, 1]]}}}], ctx)
+    assert out[0] == "3,6\n9,12"
+    assert json.loads(out[1]) == {"outputs": {"y": [[1.5, 3.0]]}}
+    assert ctx.get_response_content_type(0) == "text/csv"
+    # one metric per stage per batch
+    assert ctx.metrics.times == ["HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"]
+
+
+def test_unknown_kind_is_refused_with_the_known_ones(tmp_path):
+    from handlers.errors import LoadError
+    from handlers.variants import open_variant
+
+    d = toy_artifact(tmp_path / "toy")
+    with pytest.raises(LoadError, match="unknown backend 'toy_scale'.*aoti"):
+        open_variant(str(d))
