@@ -16,7 +16,9 @@ import time
 
 from .device import Placement
 from .errors import LoadError
+from .load import load_artifact
 from .metadata import ArtifactSpec
+from .variants import open_variant
 
 SIGNAL_HINTS = {
     "SIGSEGV": "a segmentation fault: typically an AOTInductor wrapper built with a toolchain "
@@ -69,9 +71,6 @@ def main():
     variant_dir, kind, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
     try:
         import torch
-
-        from handlers.load import load_artifact
-        from handlers.variants import open_variant
 
         spec = open_variant(variant_dir)
         placement = Placement(kind, index if index >= 0 else None)
