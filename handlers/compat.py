@@ -290,14 +290,14 @@ def this_machine_safe(gpu_id) -> str:
         return f"(could not read machine facts: {e})"
 
 
-def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config) -> float:
+def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=None) -> float:
     """Load the artifact and run one forward in a child process first. A segfault, abort or
     illegal instruction there becomes a LoadError here instead of a worker that TorchServe
     restarts in a loop. Costs one extra load and forward (and, on GPU, a second CUDA context
     for its duration). Returns the seconds it took."""
     t0 = time.perf_counter()
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
+    env = budget.child_env(os.environ) if budget is not None else dict(os.environ)
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "handlers.probe", spec.variant_dir, placement.kind,
            str(placement.index if placement.index is not None else -1)]

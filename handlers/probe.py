@@ -10,8 +10,13 @@ import sys
 def main():
     variant_dir, kind, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
     try:
+        import os
+
         import torch
 
+        # The parent's thread budget (handlers/threads.py ThreadBudget.child_env).
+        if os.environ.get("TS_HANDLER_CPU_THREADS"):
+            torch.set_num_threads(int(os.environ["TS_HANDLER_CPU_THREADS"]))
         from handlers.device import Placement
         from handlers.load import load_artifact
         from handlers.metadata import read_spec
