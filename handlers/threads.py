@@ -6,7 +6,8 @@ threads as the host has cores and every small CPU op of a request (tensor views,
 pinned staging, output slicing) waits on a barrier across all of them while the other workers'
 threads compete for the same cores. A CUDA worker does its heavy work on the GPU and needs one
 thread for the request path; a CPU worker gets an equal share of the cores its process may run
-on (the affinity mask, which containers and `taskset` narrow), split between this model's workers.
+on (the affinity mask, which containers and `taskset` narrow) less one left to TorchServe's
+frontend, split between this model's workers.
 """
 from __future__ import annotations
 
@@ -51,16 +52,17 @@ def usable_cores() -> int:
 def decide(device_kind: str, configured: int, workers: Optional[int], cores: int,
            gpu_threads: int = 1) -> ThreadBudget:
     """configured > 0 wins (model-config.yaml handler.cpu_threads). Otherwise a CUDA worker
-    takes `gpu_threads` and a CPU worker cores // workers (at least 1); `workers` is this
+    takes `gpu_threads` and a CPU worker (cores - 1) // workers (at least 1); `workers` is this
     model's worker count on the host when model-config.yaml states it, else unknown (None),
     in which case a CPU worker assumes it is alone."""
     if configured > 0:
         return ThreadBudget(configured, 1, "handler.cpu_threads")
     if device_kind == "cuda":
         return ThreadBudget(min(gpu_threads, cores), 1, "CUDA worker: the GPU does the heavy work")
-    share = max(1, cores // max(1, workers or 1))
+    # One core stays with TorchServe's frontend and the request path outside torch's pool.
+    share = max(1, (cores - 1) // max(1, workers or 1))
     who = f"{workers} worker(s)" if workers else "worker count not in model-config.yaml, assumed 1"
-    return ThreadBudget(share, 1, f"CPU worker: {cores} usable core(s) / {who}")
+    return ThreadBudget(share, 1, f"CPU worker: ({cores} usable core(s) - 1 for the frontend) / {who}")
 
 
 def workers_from_yaml(model_yaml: Optional[dict]) -> Optional[int]:

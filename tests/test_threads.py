@@ -20,10 +20,12 @@ CASES = [
     ("cuda", 0, 3, 32, 1),      # GPU worker: one thread, whatever the host
     ("cuda", 0, None, 2, 1),
     ("cuda", 4, 3, 32, 4),      # the option wins
-    ("cpu", 0, 4, 16, 4),       # CPU workers share the cores
+    ("cpu", 0, 4, 17, 4),       # CPU workers share the cores, one left to the frontend
     ("cpu", 0, 3, 16, 5),       # rounded down
     ("cpu", 0, 32, 16, 1),      # never below one
-    ("cpu", 0, None, 16, 16),   # worker count unknown: assume alone
+    ("cpu", 0, 1, 2, 1),        # 2 cores: one for the worker, one for the frontend
+    ("cpu", 0, 1, 1, 1),
+    ("cpu", 0, None, 16, 15),   # worker count unknown: assume alone
     ("cpu", 2, 4, 16, 2),
 ]
 
