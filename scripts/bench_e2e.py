@@ -50,7 +50,8 @@ def parse_args(argv):
     p.add_argument("--factory", required=True, help="FILE.py:FACTORY of the eager model (stock + reference)")
     p.add_argument("--out", required=True, help="results path without extension")
     p.add_argument("--gpus", default="1,all", help="device sets: comma list of counts or 'all'")
-    p.add_argument("--clients", default="1,16,64,192")
+    # 128 clients stay inside config.properties' job_queue_size (100) plus the requests in flight
+    p.add_argument("--clients", default="1,16,64,128")
     p.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
     p.add_argument("--warmup-seconds", type=float, default=2.0)
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
@@ -62,7 +63,8 @@ def parse_args(argv):
     p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
     p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
     p.add_argument("--distinct-inputs", type=int, default=8)
-    p.add_argument("--skip-stock-default", action="store_true")
+    p.add_argument("--handlers", default="ours,stock,stock_default,echo",
+                   help="which of ours, stock, stock_default, echo to serve and measure")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     return p.parse_args(argv)
 
@@ -202,13 +204,16 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
     stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "input": spec.inputs[0].name,
              "output": spec.output_names[0],
              "precision": "fp16" if spec.inputs[0].dtype == "float16" else "fp32"}
-    models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
-                                       {"stock": {**stock, "cpu_threads": budget}})
-    if not args.skip_stock_default:
+    wanted = args.handlers.split(",")
+    if "stock" in wanted:
+        models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
+                                           {"stock": {**stock, "cpu_threads": budget}})
+    if "stock_default" in wanted:
         models["stock_default"] = archive_baseline(args, store, "stock_default", "stock_handler.py",
                                                    workers, ids, {"stock": stock})
-    models["echo"] = archive_baseline(args, store, "echo", "echo_handler.py", workers, ids,
-                                      {"echo": {"response": echo_response(spec, refs[0]).hex()}})
+    if "echo" in wanted:
+        models["echo"] = archive_baseline(args, store, "echo", "echo_handler.py", workers, ids,
+                                          {"echo": {"response": echo_response(spec, refs[0]).hex()}})
     server = LocalTorchServe(work / f"ts{n}", store, models)
     try:
         ready_s = server.wait_ready()
@@ -232,7 +237,7 @@ def echo_response(spec, ref: dict) -> bytes:
 def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> list:
     token = server.key()
     points = []
-    plan = [(m, c) for m in ("ours", "stock", "echo") for c in ints(args.clients)]
+    plan = [(m, c) for m in ("ours", "stock", "echo") if m in server.models for c in ints(args.clients)]
     plan += [(m, args.sweep_clients) for m in server.models if m.startswith("ours_t") or m == "stock_default"]
     for model, clients in plan:
         check = None if model == "echo" else (refs, tol)
