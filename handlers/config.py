@@ -18,6 +18,9 @@ class HandlerConfig:
     # TorchServe's own keys (top level of model-config.yaml)
     device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
     # Ours (under `handler:`)
+    # CPU threads for this worker's torch (intra-op); 0 = decided at load (handlers/threads.py):
+    # 1 on a CUDA worker, an equal share of the usable cores on a CPU worker.
+    cpu_threads: int = 0
     stream_priority: int = 0  # CUDA stream priority; lower is higher priority (-1 high on most GPUs)
     # >0: inputs go to the GPU in pieces of this many MiB, each upload overlapping the host copy
     # of the next piece. Measured on H100 it gained nothing (docs/results), hence off.
@@ -42,7 +45,7 @@ class HandlerConfig:
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
 _TYPES = {
-    "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
+    "cpu_threads": int, "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
     "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
     "max_rows_per_request": int, "max_body_mb": float, "crash_safe_load": bool, "crash_safe_timeout_s": float,
     "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
@@ -88,6 +91,9 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
         raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "
                           f"valid options: {', '.join(sorted(_HANDLER_KEYS))}")
     values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
+    if values.get("cpu_threads", 0) < 0:
+        raise ConfigError("model-config.yaml handler.cpu_threads must be 0 (decide at load) or a "
+                          "positive number of threads")
     if values.get("max_rows_per_request", 1) < 1:
         raise ConfigError("model-config.yaml handler.max_rows_per_request must be at least 1")
     if values.get("float32_matmul_precision", "highest") not in ("highest", "high", "medium"):

@@ -31,13 +31,16 @@ SIGNAL_HINTS = {
 }
 
 
-def child_env(pkg_parent: str) -> dict:
-    env = dict(os.environ)
+def child_env(pkg_parent: str, budget=None) -> dict:
+    """This process's environment, with the handler package importable and, given a
+    ThreadBudget (handlers/threads.py), the same CPU thread budget from the child's first torch
+    import."""
+    env = budget.child_env(os.environ) if budget is not None else dict(os.environ)
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config) -> float:
+def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=None) -> float:
     """Costs one extra load and forward (and, on GPU, a second CUDA context for its duration).
     Returns the seconds it took."""
     t0 = time.perf_counter()
@@ -45,7 +48,7 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config) -> float:
     cmd = [sys.executable, "-m", "handlers.probe", spec.variant_dir, placement.kind,
            str(placement.index if placement.index is not None else -1)]
     try:
-        r = subprocess.run(cmd, env=child_env(pkg_parent), cwd=pkg_parent, capture_output=True,
+        r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
                            text=True, timeout=config.crash_safe_timeout_s)
     except subprocess.TimeoutExpired:
         raise LoadError(f"trial load of {spec.artifact} on {placement} did not finish within "
@@ -72,6 +75,9 @@ def main():
     try:
         import torch
 
+        # The parent's thread budget (handlers/threads.py ThreadBudget.child_env).
+        if os.environ.get("TS_HANDLER_CPU_THREADS"):
+            torch.set_num_threads(int(os.environ["TS_HANDLER_CPU_THREADS"]))
         spec = open_variant(variant_dir)
         placement = Placement(kind, index if index >= 0 else None)
         model = load_artifact(spec, placement)

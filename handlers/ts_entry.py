@@ -17,6 +17,7 @@ import torch
 from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
+from handlers import threads
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
@@ -62,7 +63,11 @@ class CompiledModelHandler(BaseHandler):
         spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
         for note in notes:
             logger.warning("%s", note)
-        probe_s = crash_safe_probe(spec, placement, self.config) if self.config.crash_safe_load else 0.0
+        budget = threads.apply(threads.decide(
+            placement.kind, self.config.cpu_threads,
+            threads.workers_from_yaml(getattr(context, "model_yaml_config", None)), threads.usable_cores()))
+        probe_s = (crash_safe_probe(spec, placement, self.config, budget)
+                   if self.config.crash_safe_load else 0.0)
         self.spec = spec
         self.limits = Limits.of(self.config, spec)
         self.model = load_artifact(spec, placement, self.config)
@@ -75,10 +80,10 @@ class CompiledModelHandler(BaseHandler):
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s",
+            "fp32 matmul precision %s; CPU threads: %s",
             spec.backend, spec.artifact, self.model.kind, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
-            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision())
+            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
         self.initialized = True  # last: a worker is ready only once everything above succeeded

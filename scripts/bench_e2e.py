@@ -1,0 +1,390 @@
+"""End-to-end benchmark through real TorchServe: this handler against the handler a user
+would write without it, beside the limits measured in the same run.
+
+  python -m scripts.bench_e2e --artifact DIR --factory examples/models.py:resnet50 \
+      --out docs/results/e2e_resnet50_fp16 [--gpus 1,all] [--clients 1,16,64,192] [--seconds 10]
+      [--batch-size N] [--max-batch-delay MS] [--workers-per-gpu N] [--cpu-workers N]
+      [--thread-sweep 1,2,4] [--sweep-clients 64]
+
+For each device set (one GPU, all GPUs; or the CPU when there is none) it archives and serves,
+in one `torchserve --start` from the shipped config.properties (only ports and paths changed):
+  ours   scripts/archive.py's archive of the artifact, archive defaults plus the serving
+         settings given here (the same for every handler)
+  stock  scripts/baselines/stock_handler.py: BaseHandler subclass, eager model from the
+         factory, `.to(device)` on the default stream, `.cpu()`; given the thread budget our
+         handler chose (read from its load line) so the comparison is not about threads
+  stock_default  the same handler without a thread budget (what a user gets), at one point
+  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size:
+         the transport limit (TorchServe's frontend + worker protocol + this client)
+  ours_tN  our archive with handler.cpu_threads=N (the thread-budget sweep), at one point
+and drives each with a multi-process keep-alive HTTP load generator (bounded in requests and
+time, loopback only) sending one-row safetensors requests. Every answer is compared with the
+eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
+The GPU limit is the artifact's own forward at the served batch size, timed in this process.
+Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from scripts.bench_load import run_point
+from scripts.local_server import ROOT, LocalTorchServe, tool
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py")
+    p.add_argument("--factory", required=True, help="FILE.py:FACTORY of the eager model (stock + reference)")
+    p.add_argument("--out", required=True, help="results path without extension")
+    p.add_argument("--gpus", default="1,all", help="device sets: comma list of counts or 'all'")
+    # 128 clients stay inside config.properties' job_queue_size (100) plus the requests in flight
+    p.add_argument("--clients", default="1,16,64,128")
+    p.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
+    p.add_argument("--warmup-seconds", type=float, default=2.0)
+    p.add_argument("--max-requests", type=int, default=500_000, help="per point")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-batch-delay", type=int, default=2)
+    p.add_argument("--workers-per-gpu", type=int, default=3)
+    p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
+    p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
+    p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
+    p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
+    p.add_argument("--distinct-inputs", type=int, default=8)
+    p.add_argument("--handlers", default="ours,stock,stock_default,echo",
+                   help="which of ours, stock, stock_default, echo to serve and measure")
+    p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
+    return p.parse_args(argv)
+
+
+def ints(text: str) -> list:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def load_factory(ref: str):
+    from scripts.compile import load_factory as lf
+
+    return lf(ref)
+
+
+def references(args, spec, device):
+    """Distinct one-row inputs, their safetensors bodies and the eager outputs."""
+    import torch
+    from safetensors.torch import save
+
+    (inp,) = spec.inputs  # the benchmark drives single-input models
+    dtype = getattr(torch, inp.dtype)
+    model = load_factory(str(ROOT / args.factory) if not os.path.isabs(args.factory) else args.factory)()
+    model = model.eval().to(device)
+    if dtype == torch.float16:
+        model = model.half()
+    g = torch.Generator().manual_seed(0)
+    bodies, refs = [], []
+    for _ in range(args.distinct_inputs):
+        x = torch.randn((1,) + tuple(inp.shape[1:]), generator=g).to(dtype)
+        with torch.inference_mode():
+            y = model(x.to(device))
+        y = y if isinstance(y, dict) else {spec.output_names[0]: y}
+        bodies.append(save({inp.name: x}))
+        refs.append({k: v.float().cpu().numpy() for k, v in y.items()})
+    tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    return bodies, refs, tol
+
+
+def gpu_limit(spec, device, batch: int, iters: int = 30) -> dict:
+    """The artifact's forward alone at the served batch size, inputs already on the device."""
+    import torch
+
+    from handlers.device import Placement
+    from handlers.load import load_artifact
+
+    place = Placement(device.type, device.index)
+    model = load_artifact(spec, place)
+    b = max(spec.batch_min, min(batch, spec.batch_max))
+    xs = [torch.zeros((b,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype), device=device)
+          for s in spec.inputs]
+    times = []
+    with torch.inference_mode():
+        for i in range(iters + 5):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            model(*xs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+    times.sort()
+    ms = times[len(times) // 2] * 1e3
+    return {"batch": b, "forward_ms": round(ms, 4), "img_s": round(b / ms * 1e3, 1)}
+
+
+def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=()) -> Path:
+    cmd = [sys.executable, "-m", "scripts.archive", "--artifact", args.artifact, "--name", name,
+           "--out", str(store), "--workers", str(workers), "--batch-size", str(args.batch_size),
+           "--max-batch-delay", str(args.max_batch_delay), *extra]
+    if device_ids:
+        cmd += ["--device-ids", ",".join(map(str, device_ids))]
+    else:
+        cmd += ["--device-type", "cpu"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"archive {name} failed: {r.stderr or r.stdout}")
+    return store / f"{name}.mar"
+
+
+def archive_baseline(args, store: Path, name: str, handler: str, workers: int, device_ids, section: dict) -> Path:
+    cfg = {"minWorkers": workers, "maxWorkers": workers, "batchSize": args.batch_size,
+           "maxBatchDelay": args.max_batch_delay, "responseTimeout": 120, **section}
+    if device_ids:
+        cfg["deviceIds"] = list(device_ids)
+    else:
+        cfg["deviceType"] = "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path = Path(tmp) / "model-config.yaml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        files = Path(tmp) / "files"
+        files.mkdir()
+        shutil.copy2(ROOT / args.factory.rsplit(":", 1)[0], files / "models.py")
+        cmd = [tool("torch-model-archiver"), "--model-name", name, "--version", "1.0",
+               "--handler", str(ROOT / "scripts" / "baselines" / handler), "--extra-files", str(files),
+               "--config-file", str(cfg_path), "--export-path", str(store), "--force"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"torch-model-archiver {name} failed: {r.stderr or r.stdout}")
+    return store / f"{name}.mar"
+
+
+def chosen_threads(log: str, name: str) -> int:
+    """The intra-op count our default worker logged in its load line ("CPU threads: N intra-op";
+    the sweep archives log "(handler.cpu_threads)" and are skipped)."""
+    found = re.findall(r"CPU threads: (\d+) intra-op / \d+ inter-op thread\(s\) \((?!handler)", log)
+    if not found:
+        raise SystemExit(f"no 'CPU threads:' load line for {name} in the model log")
+    return int(found[0])
+
+
+def device_sets(args, n_gpu: int) -> list:
+    if n_gpu == 0:
+        return [0]
+    out = []
+    for item in args.gpus.split(","):
+        n = n_gpu if item.strip() == "all" else int(item)
+        if 1 <= n <= n_gpu and n not in out:
+            out.append(n)
+    return out
+
+
+def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
+    """Archives, serves and measures every handler on one device set (n GPUs; 0 = CPU)."""
+    from handlers import threads
+
+    ids = list(range(n)) if n else None
+    workers = args.workers_per_gpu * n if n else args.cpu_workers
+    # What our handler will choose (the same function it calls); checked against its load line.
+    budget = threads.decide("cuda" if n else "cpu", 0, workers, threads.usable_cores()).intra_op
+    store = work / f"store{n}"
+    store.mkdir(parents=True, exist_ok=True)
+    models = {"ours": archive_ours(args, store, "ours", workers, ids)}
+    for t in ints(args.thread_sweep):
+        models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
+                                            ("--handler-option", f"cpu_threads={t}"))
+    stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "input": spec.inputs[0].name,
+             "output": spec.output_names[0],
+             "precision": "fp16" if spec.inputs[0].dtype == "float16" else "fp32"}
+    wanted = args.handlers.split(",")
+    if "stock" in wanted:
+        models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
+                                           {"stock": {**stock, "cpu_threads": budget}})
+    if "stock_default" in wanted:
+        models["stock_default"] = archive_baseline(args, store, "stock_default", "stock_handler.py",
+                                                   workers, ids, {"stock": stock})
+    if "echo" in wanted:
+        models["echo"] = archive_baseline(args, store, "echo", "echo_handler.py", workers, ids,
+                                          {"echo": {"response": echo_response(spec, refs[0]).hex()}})
+    server = LocalTorchServe(work / f"ts{n}", store, models)
+    try:
+        ready_s = server.wait_ready()
+        logged = chosen_threads(server.log(), "ours")
+        if logged != budget:
+            raise SystemExit(f"our worker logged {logged} CPU threads, the benchmark expected {budget}")
+        return _measure_set(args, server, n, workers, budget, ready_s, bodies, refs, tol)
+    finally:
+        server.stop()
+
+
+def echo_response(spec, ref: dict) -> bytes:
+    """A response body the size of ours: the outputs' shapes and served dtypes, zeros."""
+    import torch
+    from safetensors.torch import save
+
+    dtypes = {o.name: getattr(torch, o.dtype) for o in spec.outputs}
+    return save({k: torch.zeros(v.shape, dtype=dtypes.get(k, torch.float32)) for k, v in ref.items()})
+
+
+def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> list:
+    token = server.key()
+    points = []
+    plan = [(m, c) for m in ("ours", "stock", "echo") if m in server.models for c in ints(args.clients)]
+    plan += [(m, args.sweep_clients) for m in server.models if m.startswith("ours_t") or m == "stock_default"]
+    for model, clients in plan:
+        check = None if model == "echo" else (refs, tol)
+        res = run_point(server.base, f"/predictions/{model}", token, bodies, check, clients,
+                        args.seconds, args.warmup_seconds, args.max_requests, args.processes)
+        res.update(handler=model, gpus=n, workers=workers, clients=clients)
+        print(json.dumps(res), flush=True)
+        points.append(res)
+    restarts = len(re.findall(r"Backend worker process died", server.log("logs/ts_log.log")))
+    for p in points:
+        p["worker_deaths_in_run"] = restarts
+        p["ready_s"] = round(ready_s, 1)
+        p["ours_cpu_threads"] = threads
+    return points
+
+
+def summary(points: list, limits: dict) -> dict:
+    """Ratios a reader asks for: ours over stock and over the transport limit per point, the
+    thread-budget default against the best tried, and scaling across GPUs."""
+    by = {(p["handler"], p["gpus"], p["clients"]): p for p in points}
+    rows = []
+    for (h, n, c), p in sorted(by.items()):
+        if h != "ours":
+            continue
+        stock, echo = by.get(("stock", n, c)), by.get(("echo", n, c))
+        img_limit = limits.get(str(n), {}).get("img_s")
+        rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"],
+                     "vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
+                     "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
+                     "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None})
+    threads = {}
+    for (h, n, c), p in by.items():
+        if h.startswith("ours_t") or (h == "ours" and any(k[0].startswith("ours_t") and k[1:] == (n, c) for k in by)):
+            threads.setdefault(f"{n}:{c}", {})[h] = p["req_s"]
+    thread_rows = [{"set": k, **v, "default_vs_best": round(v["ours"] / max(v.values()), 3)}
+                   for k, v in threads.items() if "ours" in v]
+    scaling = []
+    sets = sorted({p["gpus"] for p in points})
+    if len(sets) > 1 and sets[0] == 1:
+        n = sets[-1]
+        for c in sorted({p["clients"] for p in points}):
+            one, many = by.get(("ours", 1, c)), by.get(("ours", n, c * n))
+            if one and many and one["req_s"]:
+                scaling.append({"gpus": n, "clients_1gpu": c, "clients_all": c * n,
+                                "speedup": round(many["req_s"] / one["req_s"], 2)})
+    return {"ours": rows, "thread_budget": thread_rows, "scaling": scaling}
+
+
+def write_markdown(path: Path, result: dict):
+    lines = [f"# End-to-end through TorchServe: {result['model']}", "",
+             f"Device: {result['device']}. Date: {result['date']}. torch {result['torch']}.", "",
+             f"Command: `{result['command']}`", "",
+             f"Serving: batchSize {result['settings']['batch_size']}, maxBatchDelay "
+             f"{result['settings']['max_batch_delay']} ms, {result['settings']['workers_per_gpu']} workers per GPU "
+             f"({result['settings']['cpu_workers']} on CPU); one-row binary (safetensors) requests; every "
+             "answer compared with the eager model.", "",
+             "| handler | GPUs | clients | req/s | p50 ms | p99 ms | errors | mismatches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {p['req_s']} | {p['p50_ms']} | "
+                     f"{p['p99_ms']} | {p['errors']} | {p['mismatches'] if p['mismatches'] is not None else '-'} |")
+    lines += ["", "Limits measured in the same run (GPU limit: the artifact's forward alone at the served "
+              "batch size, times the GPUs):", ""]
+    for n, lim in result["limits"].items():
+        lines.append(f"- {n} GPU(s): {lim}")
+    s = result["summary"]
+    lines += ["", "| GPUs | clients | ours req/s | ours / stock | ours / transport | ours / GPU limit |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r['vs_transport']} | "
+              f"{r['vs_gpu_limit']} |" for r in s["ours"]]
+    if s["thread_budget"]:
+        lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
+        lines += [f"- {r}" for r in s["thread_budget"]]
+    if s["scaling"]:
+        lines += ["", "Scaling across GPUs (clients scaled with the GPUs):", ""]
+        lines += [f"- {r}" for r in s["scaling"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, result: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = sorted({p["gpus"] for p in result["points"]})
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
+    for ax, n in zip(axes[0], sets):
+        for h in ("ours", "stock", "echo"):
+            pts = sorted((p["clients"], p["req_s"]) for p in result["points"] if p["handler"] == h and p["gpus"] == n)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label={"echo": "transport limit (echo)"}.get(h, h))
+        lim = result["limits"].get(str(n), {}).get("img_s")
+        if lim:
+            ax.axhline(lim, color="gray", linestyle="--", label="GPU limit (forward only)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("requests/s (one image each)")
+        ax.set_title(f"{result['model']} on {n} GPU(s)" if n else f"{result['model']} on CPU")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    import torch
+
+    from handlers.metadata import read_spec
+
+    spec = read_spec(args.artifact)
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0
+    if spec.device == "cuda" and n_gpu == 0:
+        raise SystemExit("bench_e2e: the artifact was compiled for CUDA and this machine has no GPU")
+    device = torch.device("cuda:0" if n_gpu else "cpu")
+    bodies, refs, tol = references(args, spec, device)
+    one = gpu_limit(spec, device, args.batch_size)
+    sets = device_sets(args, n_gpu)
+    limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}
+    torch.cuda.empty_cache() if n_gpu else None
+    points = []
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+        for n in sets:
+            points += serve_set(args, n, bodies, refs, tol, spec, Path(tmp))
+    name = Path(args.factory.rsplit(":", 1)[1]).name + f"_{spec.inputs[0].dtype}_{spec.backend}"
+    result = {
+        "device": torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "command": "python -m scripts.bench_e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": name, "host_cores": os.cpu_count(),
+        "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
+                     "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,
+                     "seconds": args.seconds, "tolerance": tol},
+        "limits": limits, "points": points, "summary": summary(points, limits),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(out.with_suffix(".md"), result)
+    try:
+        plot(out.with_suffix(".png"), result)
+    except ImportError as e:
+        print(f"bench_e2e: no plot ({e}); install matplotlib (pyproject's test extra)", file=sys.stderr)
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Closed-loop HTTP load generator for scripts/bench_e2e.py: `clients` keep-alive connections
+spread over several processes (one thread per connection), each sending its next request as
+soon as the last answer arrived. Loopback only; bounded by time and by a request count.
+
+Answers are counted only when they complete inside the measured window, after a warm-up;
+every 200 answer is parsed with the `safetensors` package and compared with the reference
+output of the input it answered (|d| <= tol + tol * max|ref|).
+"""
+from __future__ import annotations
+
+import http.client
+import multiprocessing as mp
+import os
+import threading
+import time
+from urllib.parse import urlparse
+
+HEADERS = {"Content-Type": "application/x-safetensors"}
+
+
+def _mismatch(body: bytes, ref: dict, tol: float) -> bool:
+    import numpy as np
+    from safetensors.numpy import load
+
+    try:
+        got = load(body)
+    except Exception:
+        return True
+    for name, want in ref.items():
+        have = got.get(name)
+        if have is None or have.shape != want.shape:
+            return True
+        bound = tol + tol * float(np.max(np.abs(want))) if want.size else 0.0
+        if want.size and float(np.max(np.abs(have.astype(np.float32) - want))) > bound:
+            return True
+    return False
+
+
+def _client(host, port, path, headers, bodies, check, first, t0, t_warm, t_end, budget, out):
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    i = first
+    while time.time() < t_end and budget[0] > 0:
+        k = i % len(bodies)
+        i += 1
+        start = time.time()
+        try:
+            conn.request("POST", path, body=bodies[k], headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            status = resp.status
+        except (OSError, http.client.HTTPException) as e:
+            status, data = 0, repr(e).encode()
+            conn.close()
+            conn = http.client.HTTPConnection(host, port, timeout=120)
+        done = time.time()
+        if start < t_warm or done > t_end:
+            continue
+        budget[0] -= 1
+        bad = status == 200 and check is not None and _mismatch(data, check[0][k], check[1])
+        out.append((done - start, status, bad, data[:300] if status != 200 else b""))
+    conn.close()
+
+
+def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_end, budget, queue):
+    u = urlparse(url)
+    headers = dict(HEADERS, Authorization=f"Bearer {token}")
+    while time.time() < t0:
+        time.sleep(0.005)
+    results, left = [], [budget]
+    threads = [threading.Thread(target=_client, args=(u.hostname, u.port, path, headers, bodies, check,
+                                                      offset + j, t0, t_warm, t_end, left, results))
+               for j in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queue.put(results)
+
+
+def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0) -> dict:
+    """One measurement. check: (refs per body, tol) or None. Returns the point's figures."""
+    procs = processes or max(1, min(clients, (os.cpu_count() or 2) // 2, 8))
+    procs = min(procs, clients)
+    ctx = mp.get_context("spawn")  # the parent may hold a CUDA context: never fork it
+    queue = ctx.Queue()
+    t0 = time.time() + 3.0  # spawned interpreters import numpy and safetensors first
+    t_warm, t_end = t0 + warmup, t0 + warmup + seconds
+    split = [clients // procs + (1 if j < clients % procs else 0) for j in range(procs)]
+    workers = [ctx.Process(target=_process, args=(url, path, token, bodies, check, split[j], sum(split[:j]),
+                                                   t0, t_warm, t_end, max_requests // procs + 1, queue))
+               for j in range(procs)]
+    for w in workers:
+        w.start()
+    rows = []
+    for _ in workers:
+        rows += queue.get(timeout=seconds + warmup + 300)
+    for w in workers:
+        w.join()
+    return summarize(rows, seconds, check is not None)
+
+
+def summarize(rows, seconds, checked) -> dict:
+    import numpy as np
+
+    ok = [r for r in rows if r[1] == 200]
+    lat = np.array([r[0] for r in ok]) * 1e3 if ok else np.array([float("nan")])
+    errors = [r for r in rows if r[1] != 200]
+    return {
+        "requests": len(rows), "ok": len(ok), "errors": len(errors),
+        "error_samples": sorted({f"{r[1]}: {r[3].decode(errors='replace')[:160]}" for r in errors})[:3],
+        "mismatches": sum(1 for r in ok if r[2]) if checked else None,
+        "req_s": round(len(ok) / seconds, 1),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2),
+        "p99_ms": round(float(np.percentile(lat, 99)), 2),
+        "seconds": seconds,
+    }
