@@ -8,43 +8,48 @@ from __future__ import annotations
 
 class ServingError(Exception):
     status = 500
-    kind = "InternalError"
+    error_type = "InternalError"
 
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
 
     def to_dict(self) -> dict:
-        return {"code": self.status, "type": self.kind, "message": self.message}
+        return {"code": self.status, "type": self.error_type, "message": self.message}
+
+    @property
+    def kind(self) -> str:
+        """The earlier name of error_type, kept for callers on other branches."""
+        return self.error_type
 
 
 class RequestError(ServingError):
     """The request is malformed or does not match the artifact's input contract."""
 
     status = 400
-    kind = "InvalidInput"
+    error_type = "InvalidInput"
 
 
 class PayloadTooLarge(RequestError):
     status = 413
-    kind = "PayloadTooLarge"
+    error_type = "PayloadTooLarge"
 
 
 class UnsupportedMediaType(RequestError):
     status = 415
-    kind = "UnsupportedMediaType"
+    error_type = "UnsupportedMediaType"
 
 
 class LoadError(ServingError):
     """The artifact cannot be served by this worker; the message says why and how to fix it."""
 
     status = 500
-    kind = "LoadError"
+    error_type = "LoadError"
 
 
 class IncompatibleArtifact(LoadError):
-    kind = "IncompatibleArtifact"
+    error_type = "IncompatibleArtifact"
 
 
 class ConfigError(LoadError):
-    kind = "ConfigError"
+    error_type = "ConfigError"

@@ -81,7 +81,7 @@ class CompiledModelHandler(BaseHandler):
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
             "fp32 matmul precision %s; CPU threads: %s",
-            spec.backend, spec.artifact, self.model.kind, placement, placement.note, cc or "n/a",
+            spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
@@ -104,7 +104,7 @@ class CompiledModelHandler(BaseHandler):
         return time.perf_counter() - t0
 
     def _fail(self, context, idx, err: ServingError):
-        context.set_response_status(err.status, err.kind, idx)
+        context.set_response_status(err.status, err.error_type, idx)
         context.set_response_content_type(idx, "application/json")
         return json.dumps(err.to_dict())
 

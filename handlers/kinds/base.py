@@ -14,11 +14,11 @@ from ..metadata import ArtifactSpec
 class LoadedModel:
     """A callable taking the artifact's inputs positionally and returning {output name: tensor}."""
 
-    def __init__(self, fn, spec: ArtifactSpec, device: torch.device, kind: str, flat_outputs=False):
+    def __init__(self, fn, spec: ArtifactSpec, device: torch.device, loader: str, flat_outputs=False):
         self._fn = fn
         self.spec = spec
         self.device = device
-        self.kind = kind  # the artifact kind's name
+        self.loader = loader  # how it was loaded (for the load log), e.g. "aoti_package"
         self._flat = flat_outputs
 
     def __call__(self, *tensors):

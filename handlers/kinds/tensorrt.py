@@ -49,6 +49,13 @@ def missing_package_message(spec: ArtifactSpec) -> str:
             f"{' with TensorRT ' + trt if trt else ''} on a CUDA machine, then restart TorchServe.")
 
 
+def container_of(spec: ArtifactSpec) -> str:
+    """How the engines are packaged: "exported_program" (torch_tensorrt.save) or "aot_inductor"
+    (an AOTInductor package). Artifacts written before the key was named `container` carry it
+    as `format`."""
+    return spec.extra.get("container") or spec.extra.get("format") or "exported_program"
+
+
 class TorchTensorRT(ArtifactKind):
     name = "tensorrt"
     compile_needs = ("torch_tensorrt",)
@@ -57,8 +64,8 @@ class TorchTensorRT(ArtifactKind):
         return spec.backend in ("export", "aoti") and has_tensorrt_engines(spec.artifact_path)
 
     def adopt(self, spec):
-        fmt = "aot_inductor" if spec.backend == "aoti" else "exported_program"
-        return ArtifactSpec(**{**spec.__dict__, "backend": self.name, "extra": {"format": fmt, **spec.extra}})
+        container = "aot_inductor" if spec.backend == "aoti" else "exported_program"
+        return ArtifactSpec(**{**spec.__dict__, "backend": self.name, "extra": {"container": container, **spec.extra}})
 
     def requirements(self, spec):
         # Named first: without the package nothing else about this artifact matters.
@@ -97,7 +104,7 @@ class TorchTensorRT(ArtifactKind):
             # Checks the device before every engine call: safe with several GPUs in one process,
             # at a per-call cost (documented in README).
             torch_tensorrt.runtime.set_multi_device_safe_mode(True)
-        if spec.extra.get("format", "exported_program") == "aot_inductor":
+        if container_of(spec) == "aot_inductor":
             return load_aoti_package(spec, placement, "tensorrt_aoti")
         try:
             ep = torch_tensorrt.load(spec.artifact_path)
@@ -128,7 +135,7 @@ class TorchTensorRT(ArtifactKind):
                             **{("arg_inputs" if "arg_inputs" in save_params else "inputs"): inputs})
         return {"tensorrt_version": tensorrt.__version__, "torch_tensorrt_version": torch_tensorrt.__version__,
                 "hardware_compatible": bool(options.hardware_compatible), "precision": options.precision,
-                "format": "exported_program"}
+                "container": "exported_program"}
 
 
 def _trt_input(torch_tensorrt, t, s, dyn):
