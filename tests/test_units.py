@@ -331,6 +331,15 @@ def test_safetensors_rejects_lying_offsets():
         safetensors_io.loads((10**9).to_bytes(8, "little") + b"{}")
 
 
+@pytest.mark.xfail(strict=True, reason="bug found by issue #18's tests: TorchServe hands a JSON scalar body "
+                   "already parsed; _parse_json calls json.loads on it and raises TypeError, not a 400 "
+                   "(the whole TorchServe batch fails). A JSON string body gets 'malformed JSON body'.")
+@pytest.mark.parametrize("body", [3, True, None, "inputs"], ids=repr)
+def test_decode_json_scalar_body_is_a_400_naming_the_object_rule(body):
+    with pytest.raises(RequestError, match="JSON body must be an object"):
+        decode({"body": body}, make_spec(), content_type="application/json")
+
+
 def test_decode_json_int_values_are_accepted_as_floats():
     d = decode({"body": {"inputs": {"x": [[1, 2, 3, 4]]}}}, make_spec())
     assert d.tensors["x"].dtype == torch.float32 and d.rows == 1
