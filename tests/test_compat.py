@@ -187,7 +187,9 @@ def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
     with zipfile.ZipFile(mar) as z:
         z.extractall(out)
     spec, placement, _ = choose_variant(str(out), None, parse_config({}))
-    assert spec.cpu_isa == "AVX2" and placement.kind == "cpu"
+    # the runnable variant (whatever ISA this CPU compiled it for), not the one lacking an extension
+    good, bad = read_spec(str(artifacts.get("two_aoti"))), read_spec(str(broken["wrong_isa"][0]))
+    assert spec.cpu_isa == good.cpu_isa != bad.cpu_isa and placement.kind == "cpu", (spec.cpu_isa, bad.cpu_isa)
     # only the bad one: the error lists what it has and what the machine is
     mar = build_mar([broken["wrong_isa"][0], broken["cuda_on_cpu"][0]], "multi_bad", tmp_path)
     out = tmp_path / "y"
@@ -285,7 +287,7 @@ print(len(builds), round(time.perf_counter() - t0, 2))
 
 def test_aoti_load_compiles_no_isa_probes(artifacts):
     """Left alone, aoti_load_package builds a probe library per SIMD extension and imports torch
-    in a child Python to dlopen each (40-100 s per worker on the GPU image, measured). Our
+    in a child Python to dlopen each (minutes per worker on the GPU image). Our
     compat check already covered the CPU ISA; a fresh process must load with no such build."""
     code = _COUNT_ISA_BUILDS.format(root=str(ROOT), art=str(artifacts.get("cls_aoti")))
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
