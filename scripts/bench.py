@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -306,11 +305,11 @@ def main(argv=None):
     for name, r in first.items():
         print(f"first request ({name}): {r['first_ms']:.2f} ms vs steady {r['steady_median_ms']:.2f} ms "
               f"-> {r['first_over_steady']:.2f}x")
+    from scripts.results_meta import header
+
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "command": "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **header(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 None if argv is None else ["scripts/bench.py", *argv]),
         "artifact": {"backend": spec.backend, "inputs": [s.describe() for s in spec.inputs],
                      "batch_range": [spec.batch_min, spec.batch_max]},
         "results": results,

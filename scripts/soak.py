@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -48,9 +47,10 @@ def main(argv=None):
     key = json.load(open(args.key_file))["inference"]["key"]
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     lock = threading.Lock()
-    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "command": "python scripts/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    from scripts.results_meta import header
+
+    report = {**header(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                       None if argv is None else ["scripts/soak.py", *argv]),
               "concurrency": args.concurrency, "models": []}
     for item in args.model:
         name, ref = item.split("=", 1)

@@ -13,7 +13,6 @@ caches were flushed. Each figure is the median of --iters runs, each ending in a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -23,6 +22,7 @@ import time
 # scripts/inspect.py would shadow the standard library's `inspect` (torch imports it).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))  # the repository root: scripts.results_meta
 
 
 def write_combined_buffer(nbytes: int):
@@ -140,9 +140,9 @@ def main(argv=None):
     r["h2d_just_written_pinned"] = med(h2d(pin), dirty_then(pin))
     r["h2d_just_written_wc"] = med(h2d(wc), dirty_then(wc))
     r["h2d_pageable_fresh"] = med(lambda: d.copy_(state["src"]), fresh)
-    report = {"device": torch.cuda.get_device_name(dev), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__,
-              "command": "python scripts/xfer_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    from scripts.results_meta import header
+
+    report = {**header(torch.cuda.get_device_name(dev), None if argv is None else ["scripts/xfer_study.py", *argv]),
               "bytes": n * 2, "cpu_threads": torch.get_num_threads(), "median_ms": r}
     print(json.dumps(report, indent=1))
     if args.out:

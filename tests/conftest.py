@@ -41,6 +41,9 @@ ARTIFACTS = {
     # narrow range: batches of 8 single-row requests must be split; 1 row padded up to 2
     "two_export_2to4": ["--model", "examples/models.py:two_input", "--input", "features:3x16:float32",
                         "--input", "mask:3x16:bool", "--dynamic-batch", "2:4", "--backend", "export"],
+    # ids outside 0..7 make the model itself fail at run time (examples/models.py:lookup)
+    "lookup_export": ["--model", "examples/models.py:lookup", "--input", "ids:4x3:int64",
+                      "--dynamic-batch", "1:32", "--backend", "export"],
     # fixed batch of 4: everything is padded or split to exactly 4 rows
     "cls_export_fixed4": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
                           "--backend", "export"],
@@ -277,6 +280,7 @@ MAIN_MODELS = {
     "two_small": ("two_export_2to4", ["--batch-size", "8", "--max-batch-delay", "600"]),
     "cls_fixed4": ("cls_export_fixed4", ["--batch-size", "8", "--max-batch-delay", "50"]),
     "cls_nosplit": ("cls_export", ["--handler-option", "split_oversized=false"]),
+    "lookup": ("lookup_export", ["--batch-size", "8", "--max-batch-delay", "600"]),
 }
 
 
