@@ -265,8 +265,10 @@ class KServeTorchServe:
         (workdir / "tmp").mkdir()
         cmd = [str(BIN / "torchserve"), "--start", f"--model-store={mnt}/model-store",
                f"--ts-config={cfg_path}"]
-        r = subprocess.run(cmd, cwd=workdir, env=self.env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
+        # The launcher exits once the frontend runs; the frontend keeps its stdout: a file, not a pipe.
+        with open(workdir / "stdout.log", "w") as out:
+            r = subprocess.run(cmd, cwd=workdir, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=120)
+        assert r.returncode == 0, (workdir / "stdout.log").read_text()
         self.models = list(json.loads(self.cfg["model_snapshot"])["models"])
 
     def ready(self, name) -> bool:
@@ -296,7 +298,7 @@ class KServeTorchServe:
 
     def stop(self):
         subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
-                       capture_output=True, timeout=120)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 
 @pytest.fixture(scope="module")
