@@ -92,3 +92,22 @@ def resnet50() -> nn.Module:
             return self.net(image)
 
     return ResNet50().eval()
+
+
+class Lookup(nn.Module):
+    """ids (int64, [B, 3]) -> the mean of their rows in an 8-row table, through a linear head.
+    An id outside 0..7 is a valid request by the input contract (int64, right shape) that the
+    model itself cannot run: the embedding raises at run time, in eager and in the exported
+    program. Used to test that only the failing request of a batch fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.head(self.table(ids).mean(dim=1))
+
+
+def lookup() -> nn.Module:
+    return _seeded(Lookup(), 4)

@@ -13,7 +13,6 @@ request after load (with warm-up, and for contrast without) against the steady s
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -302,11 +301,11 @@ def main(argv=None):
     for name, r in first.items():
         print(f"first request ({name}): {r['first_ms']:.2f} ms vs steady {r['steady_median_ms']:.2f} ms "
               f"-> {r['first_over_steady']:.2f}x")
+    from scripts.results_meta import header
+
     report = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "command": "python -m scripts.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **header(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 None if argv is None else ["-m", "scripts.bench", *argv]),
         "artifact": {"backend": spec.backend, "inputs": [s.describe() for s in spec.inputs],
                      "batch_range": [spec.batch_min, spec.batch_max]},
         "results": results,

@@ -238,7 +238,10 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
     token = server.key()
     points = []
     plan = [(m, c) for m in ("ours", "stock", "echo") if m in server.models for c in ints(args.clients)]
-    plan += [(m, args.sweep_clients) for m in server.models if m.startswith("ours_t") or m == "stock_default"]
+    extra = [m for m in server.models if m.startswith("ours_t") or m == "stock_default"]
+    if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep
+        extra = [m for m in ("ours", "stock") if m in server.models] + extra
+    plan += [(m, args.sweep_clients) for m in extra]
     for model, clients in plan:
         check = None if model == "echo" else (refs, tol)
         res = run_point(server.base, f"/predictions/{model}", token, bodies, check, clients,

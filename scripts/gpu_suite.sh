@@ -6,8 +6,17 @@
 #   SOAK_MODELS="big32" soak a subset of r50, big16, big32 (only those are compiled and served)
 # The 2160x3840 models are served with batchSize 1: their responses are ~50-100 MB per row and
 # TorchServe 0.12 relays batched responses in quadratic time (archive.py warns).
+#   SOAK_OUT / BENCH_OUT   results file names (default $RESULTS/soak.json, $RESULTS/bench_resnet50_fp16.json)
+# Each results file records this script's invocation (RESULTS_VIA) before the command it ran.
 set -euo pipefail
+via="bash scripts/gpu_suite.sh"
+for v in WORK SOAK_REQUESTS SOAK_MODELS SKIP_SOAK SKIP_BENCH SOAK_OUT BENCH_OUT RESULTS; do
+  [ -n "${!v:-}" ] && via="$v=${!v} $via"
+done
+export RESULTS_VIA="$via"
 RESULTS=${RESULTS:-docs/results}
+SOAK_OUT=${SOAK_OUT:-$RESULTS/soak.json}
+BENCH_OUT=${BENCH_OUT:-$RESULTS/bench_resnet50_fp16.json}
 W=${WORK:-/tmp/gpu_suite}
 mkdir -p "$RESULTS" "$W/store"
 PY=${PY:-python3}
@@ -32,7 +41,7 @@ done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 30 --load-profile --profile-handle \
-      --out "$RESULTS/bench_resnet50_fp16.json"
+      --out "$BENCH_OUT"
 fi
 [ "${SKIP_SOAK:-0}" = 1 ] && exit 0
 
@@ -56,7 +65,7 @@ done
 grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
   || { tail -40 "$W/logs/ts_log.log" "$W/logs/model_log.log"; torchserve --stop; exit 1; }
 $PY -m scripts.soak --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-120} \
-    "${soak_args[@]}" --out "$RESULTS/soak.json" || rc=$?
+    "${soak_args[@]}" --out "$SOAK_OUT" || rc=$?
 torchserve --stop || true
 cp "$W/logs/model_log.log" "$RESULTS/soak_model_log.txt" 2>/dev/null || true
 exit ${rc:-0}

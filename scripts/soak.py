@@ -8,7 +8,6 @@ reference computed in this process by the eager model on the GPU's default strea
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -38,9 +37,10 @@ def main(argv=None):
     key = json.load(open(args.key_file))["inference"]["key"]
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     lock = threading.Lock()
-    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "command": "python -m scripts.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
+    from scripts.results_meta import header
+
+    report = {**header(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                       None if argv is None else ["-m", "scripts.soak", *argv]),
               "concurrency": args.concurrency, "models": []}
     for item in args.model:
         name, ref = item.split("=", 1)

@@ -13,7 +13,6 @@ caches were flushed. Each figure is the median of --iters runs, each ending in a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -136,9 +135,9 @@ def main(argv=None):
     r["h2d_just_written_pinned"] = med(h2d(pin), dirty_then(pin))
     r["h2d_just_written_wc"] = med(h2d(wc), dirty_then(wc))
     r["h2d_pageable_fresh"] = med(lambda: d.copy_(state["src"]), fresh)
-    report = {"device": torch.cuda.get_device_name(dev), "date": datetime.date.today().isoformat(),
-              "torch": torch.__version__,
-              "command": "python -m scripts.xfer_study " + " ".join(argv if argv is not None else sys.argv[1:]),
+    from scripts.results_meta import header
+
+    report = {**header(torch.cuda.get_device_name(dev), None if argv is None else ["-m", "scripts.xfer_study", *argv]),
               "bytes": n * 2, "cpu_threads": torch.get_num_threads(), "median_ms": r}
     print(json.dumps(report, indent=1))
     if args.out:

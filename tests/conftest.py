@@ -41,6 +41,9 @@ ARTIFACTS = {
     # narrow range: batches of 8 single-row requests must be split; 1 row padded up to 2
     "two_export_2to4": ["--model", "examples/models.py:two_input", "--input", "features:3x16:float32",
                         "--input", "mask:3x16:bool", "--dynamic-batch", "2:4", "--backend", "export"],
+    # ids outside 0..7 make the model itself fail at run time (examples/models.py:lookup)
+    "lookup_export": ["--model", "examples/models.py:lookup", "--input", "ids:4x3:int64",
+                      "--dynamic-batch", "1:32", "--backend", "export"],
     # fixed batch of 4: everything is padded or split to exactly 4 rows
     "cls_export_fixed4": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
                           "--backend", "export"],
@@ -280,6 +283,7 @@ MAIN_MODELS = {
     # small admission limits: a 4-row binary body (49 KB) is over 0.02 MiB, 5 rows over 4
     "cls_limits": ("cls_export", ["--handler-option", "max_body_mb=0.02",
                                   "--handler-option", "max_rows_per_request=4"]),
+    "lookup": ("lookup_export", ["--batch-size", "8", "--max-batch-delay", "600"]),
 }
 
 

@@ -86,3 +86,30 @@ def test_oversized_request_refused_when_split_disabled(main_server):
     assert "at most 16" in r.json()["message"]
     r = main_server.predict("cls_nosplit", {"inputs": {"image": image(16).tolist()}})
     assert r.status_code == 200
+
+
+def test_model_failure_fails_only_the_culprit(main_server):
+    """A request valid by the input contract on which the model itself fails (an id outside the
+    embedding table): the batch fails, the handler retries the requests one by one, the culprit
+    gets 500 naming the failure and every other request its own correct answer."""
+    g = torch.Generator().manual_seed(500)
+    ids = [torch.randint(0, 8, (1 + i % 3, 3), generator=g) for i in range(8)]
+    ids[3] = torch.tensor([[1, 2, 3], [4, 8, 5]])  # 8: one past the table
+    before = main_server.log().count("retrying requests one by one")
+    responses = fire(main_server, "lookup", [{"inputs": {"ids": x.tolist()}} for x in ids])
+    for i, (r, x) in enumerate(zip(responses, ids)):
+        if i == 3:
+            assert r.status_code == 500, r.text
+            assert r.json() == {"code": 500, "type": "InternalError",
+                                "message": "model execution failed: IndexError: index out of range in self"}
+        else:
+            assert r.status_code == 200, (i, r.text)
+            close(r.json()["outputs"], eager("lookup", x))
+    # the culprit really shared a failed batch with good requests (only a batch of several is
+    # retried one by one; a request alone fails directly)
+    lines = [ln for ln in main_server.log().splitlines() if "retrying requests one by one" in ln][before:]
+    assert len(lines) == 1 and "index out of range in self" in lines[0], lines
+    alone = main_server.predict("lookup", {"inputs": {"ids": [[9, 0, 0]]}})
+    assert alone.status_code == 500 and "index out of range" in alone.json()["message"]
+    ok = main_server.predict("lookup", {"inputs": {"ids": ids[0].tolist()}})
+    assert ok.status_code == 200  # the worker survived

@@ -193,9 +193,9 @@ def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
     with zipfile.ZipFile(mar) as z:
         z.extractall(out)
     spec, placement, _ = choose_variant(str(out), None, parse_config({}))
-    # the second variant (archive.py names it 01_...), built for this CPU's ISA
-    assert os.path.basename(spec.variant_dir).startswith("01_") and placement.kind == "cpu"
-    assert spec.cpu_isa == read_spec(str(artifacts.get("two_aoti"))).cpu_isa
+    # the runnable variant (whatever ISA this CPU compiled it for), not the one lacking an extension
+    good, bad = read_spec(str(artifacts.get("two_aoti"))), read_spec(str(broken["wrong_isa"][0]))
+    assert spec.cpu_isa == good.cpu_isa != bad.cpu_isa and placement.kind == "cpu", (spec.cpu_isa, bad.cpu_isa)
     # only the bad one: the error lists what it has and what the machine is
     mar = build_mar([broken["wrong_isa"][0], broken["cuda_on_cpu"][0]], "multi_bad", tmp_path)
     out = tmp_path / "y"
@@ -293,10 +293,145 @@ print(len(builds), round(time.perf_counter() - t0, 2))
 
 def test_aoti_load_compiles_no_isa_probes(artifacts):
     """Left alone, aoti_load_package builds a probe library per SIMD extension and imports torch
-    in a child Python to dlopen each (40-100 s per worker on the GPU image, measured). Our
+    in a child Python to dlopen each (minutes per worker on the GPU image). Our
     compatibility rules already covered the CPU ISA; a fresh process must load with no such build."""
     code = _COUNT_ISA_BUILDS.format(root=str(ROOT), art=str(artifacts.get("cls_aoti")))
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     builds, seconds = r.stdout.split()[-2:]
     assert builds == "0", f"inductor built {builds} ISA probe(s) during load ({seconds} s)"
+
+
+def test_platform_and_architecture_refused_for_native_artifacts():
+    spec = spec_for(cc="9.0")
+    other = type(spec)(**{**spec.__dict__, "platform": "linux", "machine": "aarch64"})
+    f, _ = check(other, Placement("cuda", 0), machine("9.0"))
+    assert f == ["built for linux/aarch64, this machine is linux/x86_64: recompile on the target platform"]
+    # an exported program is a graph, not native code: no platform rule
+    exp = type(spec)(**{**other.__dict__, "backend": "export"})
+    assert check(exp, Placement("cuda", 0), machine("9.0")) == ([], [])
+
+
+def test_arch_specific_kernels_refused_on_a_higher_minor_of_the_same_major():
+    """sm_100a kernels run only on 10.0. On 10.3 (same major, higher minor) plain sm_100 is
+    binary compatible (warning), the arch-specific build is not (fatal)."""
+    f, w = check(spec_for(cc="10.0", archs=("sm_100a",)), Placement("cuda", 0), machine("10.3"))
+    assert len(f) == 1 and "compute capability 10.0 (sm_100a)" in f[0] and "compute capability 10.3" in f[0] \
+        and "Fix:" in f[0], f
+    f, w = check(spec_for(cc="10.0", archs=("sm_100",)), Placement("cuda", 0), machine("10.3"))
+    assert f == [] and w == ["built for compute capability 10.0, running on 10.3 (binary compatible; "
+                             "recompile for best speed)"]
+
+
+def _patched(version: str) -> str:
+    base, plus, local = version.partition("+")
+    major, minor, *rest = base.split(".")
+    return f"{major}.{minor}.{int(rest[0].rstrip('abcdefghijklmnopqrstuvwxyz') or 0) + 1 if rest else 1}"
+
+
+def test_strict_versions_makes_a_patch_difference_fatal(artifacts):
+    """Through the worker's own path (choose_variant + parse_config) on a real exported
+    program whose artifact.json records another torch patch release."""
+    from handlers.variants import choose_variant
+    from handlers.config import parse_config
+    from handlers.errors import IncompatibleArtifact
+
+    d = artifacts.copy("cls_export", "patch_version")
+    other = _patched(torch.__version__)
+    repin(d, torch_version=other)
+    spec, placement, warn = choose_variant(str(d), None, parse_config({}))
+    assert placement.kind == "cpu" and warn == [f"built with torch {other}, this worker has torch {torch.__version__}"]
+    with pytest.raises(IncompatibleArtifact) as e:
+        choose_variant(str(d), None, parse_config({"handler": {"strict_versions": True}}))
+    assert f"built with torch {other}, this worker has torch {torch.__version__}" in str(e.value)
+    assert "no artifact in this archive can run on this worker" in str(e.value)
+
+
+def test_package_metadata_disagreeing_with_artifact_json_fails(artifacts):
+    from handlers.variants import open_variant
+    from handlers.errors import IncompatibleArtifact
+
+    d = artifacts.copy("two_aoti", "meta_disagrees")
+    rewrite_package_metadata(d, AOTI_DEVICE_KEY="cuda")  # the package says CUDA, artifact.json CPU
+    repin(d)
+    with pytest.raises(IncompatibleArtifact) as e:
+        open_variant(str(d))
+    assert str(e.value) == ("model.pt2 was compiled for cuda (package metadata) but artifact.json says cpu: "
+                            "rebuild the archive")
+
+
+def test_package_metadata_wins_over_artifact_json(artifacts):
+    from handlers.variants import open_variant
+
+    d = artifacts.copy("two_aoti", "meta_wins")
+    rewrite_package_metadata(d, AOTI_DEVICE_KEY="cuda", AOTI_COMPUTE_CAPABILITY="90")
+    repin(d, device="cuda", compute_capability="8.0", cuda_archs=("sm_80",))
+    spec = open_variant(str(d))
+    assert (spec.compute_capability, spec.cuda_archs) == ("9.0", ("sm_90",))
+
+
+# ---------------------------------------------------------------- crash-safe probe paths
+
+
+def test_probe_reports_a_python_error_as_the_load_error(artifacts):
+    """A Python-level failure in the child comes back as the child's own error message."""
+    from handlers.probe import crash_safe_probe
+    from handlers.config import parse_config
+    from handlers.errors import LoadError
+    from handlers.load import load_artifact
+
+    d = artifacts.copy("cls_export", "probe_pyerror")
+    path = os.path.join(d, "model.pt2")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    repin(d)
+    spec = read_spec(str(d))
+    with pytest.raises(LoadError) as in_process:
+        load_artifact(spec, Placement("cpu", None))
+    with pytest.raises(LoadError) as probed:
+        crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
+    assert "not a valid .pt2 archive" in str(probed.value)
+    assert str(probed.value) == str(in_process.value)
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    """Make the probe's child a given shell script (the probe runs sys.executable)."""
+    import sys
+
+    def make(body: str):
+        exe = tmp_path / "python"
+        exe.write_text("#!/bin/sh\n" + body + "\n")
+        exe.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(exe))
+    return make
+
+
+def test_probe_timeout_is_a_load_error(artifacts, fake_python):
+    from handlers.probe import crash_safe_probe
+    from handlers.config import parse_config
+    from handlers.errors import LoadError
+
+    spec = read_spec(str(artifacts.get("cls_export")))
+    fake_python("exec sleep 30")  # a trial load that hangs
+    t0 = time.time()
+    with pytest.raises(LoadError) as e:
+        crash_safe_probe(spec, Placement("cpu", None), parse_config({"handler": {"crash_safe_timeout_s": 1}}))
+    assert time.time() - t0 < 10
+    assert str(e.value) == ("trial load of model.pt2 on cpu did not finish within 1s "
+                            "(handler.crash_safe_timeout_s)")
+
+
+def test_probe_names_an_abort(artifacts, fake_python):
+    from handlers.probe import crash_safe_probe
+    from handlers.config import parse_config
+    from handlers.errors import LoadError
+
+    spec = read_spec(str(artifacts.get("cls_export")))
+    fake_python("echo 'terminate called after throwing' >&2; kill -ABRT $$")
+    with pytest.raises(LoadError) as e:
+        crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
+    msg = str(e.value)
+    assert msg.startswith("loading model.pt2 (export) on cpu crashed the trial process with SIGABRT: "
+                          "an abort in native code"), msg
+    assert msg.endswith("Last output: terminate called after throwing"), msg

@@ -1,0 +1,41 @@
+"""CPU smoke of the end-to-end benchmark (scripts/bench_e2e.py): real TorchServe, our archive,
+the stock handler and the echo transport limit, a short sweep. Asserts only that it produced
+well-formed results with every answer checked and none wrong; speed is judged on the GPU
+machine (docs/results/e2e_*)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_bench_e2e_smoke(artifacts, tmp_path):
+    out = tmp_path / "e2e"
+    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
+           "--factory", "examples/models.py:classifier", "--out", str(out), "--clients", "1,4",
+           "--seconds", "1.5", "--warmup-seconds", "0.5", "--cpu-workers", "1", "--batch-size", "4",
+           "--thread-sweep", "1", "--sweep-clients", "2", "--processes", "1"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert list(result)[:4] == ["device", "date", "torch", "command"]
+    assert result["command"].startswith("python -m scripts.bench_e2e ")
+    seen = {(p["handler"], p["clients"]) for p in result["points"]}
+    assert seen == {("ours", 1), ("ours", 4), ("stock", 1), ("stock", 4), ("echo", 1), ("echo", 4),
+                    ("ours", 2), ("stock", 2), ("ours_t1", 2), ("stock_default", 2)}
+    for p in result["points"]:
+        assert p["ok"] > 0 and p["errors"] == 0, p
+        assert p["req_s"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"], p
+        assert p["mismatches"] == (None if p["handler"] == "echo" else 0), p
+        assert p["worker_deaths_in_run"] == 0
+        assert p["ours_cpu_threads"] == 1  # 2 cores, 1 worker: one core left to the frontend
+    assert result["limits"]["0"]["forward_ms"] > 0
+    rows = result["summary"]["ours"]
+    assert {r["clients"] for r in rows} == {1, 2, 4} and all(r["vs_stock"] for r in rows)
+    assert all(r["vs_transport"] for r in rows if r["clients"] != 2)  # echo runs on the main sweep only
+    assert result["summary"]["thread_budget"][0]["set"] == "0:2"
+    md = out.with_suffix(".md").read_text()
+    assert "| ours | 0 | 4 |" in md and result["command"] in md
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -1,0 +1,139 @@
+"""Every claim backed: the results files and the README's "Results" section.
+
+Results files (docs/results/*.json) are written whole by the command recorded in them
+(scripts/results_meta.header): their first keys are device, date, torch, command, in that
+order, and the Markdown beside each one quotes that same command.
+
+README numbers. Every *measured* number quoted in the README section "## Results" (up to the
+next "## " heading, subsections included) must be a numeric value of some committed
+docs/results/*.json, as the README rounds it. The rule, applied by `quoted_numbers`:
+
+  - a number counts when it has a decimal point or an exponent (1.18, 0.29, 1.2e-7, 1.07x), or
+    when it is an integer followed by a unit of measure (ms, s, MB, MiB, GB, %: "22 s");
+  - integers without a unit are counts or names, not measurements, and are ignored: "batch 64",
+    "4 workers", "120 requests", "2x H200", "ResNet-50", section numbers;
+  - ignored as well: text in `code spans` (file names, commands), shapes (1x3x2160x3840), dates,
+    versions (2.11.0, "TorchServe 0.12"), and thresholds, i.e. a number right after <=, <, >=,
+    "target" or "tolerance" (a target is not a measurement);
+  - a quoted number x with d decimals is backed when some JSON value v has round(v, d) == x;
+    in exponent form (1.2e-7) when v written with the same significant digits equals x.
+
+Derived arithmetic (a difference, a percentage of something else) is not backed by this rule:
+quote the measured values themselves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+JSON_FILES = sorted(RESULTS.glob("*.json"))
+UNITS = r"(?:ms|s|MB|MiB|GB|%)"
+_NUM = re.compile(
+    r"(?<![\w./])(?P<num>\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?P<x>x)?(?:\s?(?P<unit>" + UNITS + r"))?(?![\w.])"
+    r"|(?<![\w./])(?P<num2>\d+\.\d+(?:e[-+]?\d+)?)(?P<x2>x)(?=\W|$)")
+_THRESHOLD = re.compile(r"(?:<=|≤|<|>=|≥|target|tolerance)\s*$", re.I)
+
+
+def results_section(readme: str) -> str:
+    m = re.search(r"(?m)^## Results\b.*?$", readme)
+    assert m, "README has no '## Results' section"
+    nxt = re.search(r"(?m)^## ", readme[m.end():])
+    return readme[m.end(): m.end() + nxt.start() if nxt else len(readme)]
+
+
+def quoted_numbers(text: str) -> list:
+    """(string as quoted, its context) for every number the rule above counts."""
+    text = re.sub(r"`[^`]*`", " ", text)  # code spans
+    text = re.sub(r"\b\d+(?:x\d+)+\b", " ", text)  # shapes
+    text = re.sub(r"\b\d{4}-\d{2}-\d{2}\b", " ", text)  # dates
+    text = re.sub(r"\b\d+\.\d+\.\d+\S*", " ", text)  # versions a.b.c
+    text = re.sub(r"(?i)\b(torchserve|torch|tensorrt|torch-tensorrt|python|cuda)\s+\d+(?:\.\d+)*", " ", text)
+    out = []
+    for m in _NUM.finditer(text):
+        num = m.group("num") or m.group("num2")
+        decimal = "." in num or "e" in num
+        if not decimal and not m.group("unit"):
+            continue  # a count or a name
+        if _THRESHOLD.search(text[max(0, m.start() - 12):m.start()]):
+            continue
+        out.append((num, text[max(0, m.start() - 40):m.end() + 20].replace("\n", " ")))
+    return out
+
+
+def json_numbers(obj) -> list:
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in json_numbers(v)]
+    if isinstance(obj, list):
+        return [x for v in obj for x in json_numbers(v)]
+    return []
+
+
+def backed(num: str, values) -> bool:
+    x = float(num)
+    if "e" in num.lower():
+        mantissa = num.lower().split("e")[0]
+        digits = len(mantissa.replace(".", "").lstrip("0")) or 1
+        return any(v != 0 and math.isclose(float(f"{v:.{digits - 1}e}"), x) for v in values)
+    d = len(num.split(".")[1]) if "." in num else 0
+    return any(math.isclose(round(v, d), x, abs_tol=1e-12) for v in values)
+
+
+def all_values() -> list:
+    return [v for p in JSON_FILES for v in json_numbers(json.loads(p.read_text()))]
+
+
+@pytest.mark.parametrize("path", JSON_FILES, ids=lambda p: p.name)
+def test_results_file_starts_with_provenance(path):
+    data = json.loads(path.read_text())
+    assert list(data)[:4] == ["device", "date", "torch", "command"], list(data)[:6]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]), data["date"]
+    assert isinstance(data["command"], str) and "python" in data["command"], data["command"]
+    md = path.with_suffix(".md")
+    assert md.exists(), f"{md.name} missing: every results file has its Markdown beside it"
+    assert data["command"] in md.read_text(), f"{md.name} does not quote the command in {path.name}"
+
+
+def test_results_files_hold_no_hand_added_fields():
+    """Fields that no writer produces (found in the audit): revision stamps, prose, run blocks."""
+    def keys(obj):
+        if isinstance(obj, dict):
+            return set(obj) | {k for v in obj.values() for k in keys(v)}
+        if isinstance(obj, list):
+            return {k for v in obj for k in keys(v)}
+        return set()
+
+    for p in JSON_FILES:
+        found = keys(json.loads(p.read_text())) & {"handler_revision", "note", "tf32_finding",
+                                                   "wrong_cc_model_ready", "worker_load_s"}
+        assert not found, (p.name, found)
+
+
+def test_every_readme_number_in_results_is_backed():
+    section = results_section((ROOT / "README.md").read_text())
+    values = all_values()
+    quoted = quoted_numbers(section)
+    assert quoted, "the Results section quotes no measurement: the rule matched nothing"
+    unbacked = [(n, ctx) for n, ctx in quoted if not backed(n, values)]
+    assert not unbacked, "README numbers no committed results file holds:\n" + "\n".join(
+        f"  {n!r} in ...{ctx}..." for n, ctx in unbacked)
+
+
+def test_the_number_rule_itself():
+    """The matcher catches an invented number and ignores counts, names and thresholds."""
+    text = ("ratio **1.11 at batch 1** (target <= 1.25), 1.07x steady, max diff 1.2e-7, took 22 s, 1.4-1.8 s; "
+            "ResNet-50, batch 64, 4 workers, 2x H200, 1x3x2160x3840, torch 2.11.0, TorchServe 0.12, "
+            "`bench_1.5.json`, 2026-11-22, tolerance 1e-4")
+    assert [n for n, _ in quoted_numbers(text)] == ["1.11", "1.07", "1.2e-7", "22", "1.4", "1.8"]
+    values = [1.1125, 1.0691, 1.1920928955078125e-07]
+    assert backed("1.11", values) and backed("1.07", values) and backed("1.2e-7", values)
+    assert not backed("22", values) and not backed("1.12", values) and not backed("1.3e-7", values)
