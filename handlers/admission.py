@@ -1,34 +1,40 @@
 """Admission: one request's body in, checked CPU tensors out, or the typed error that answers it.
 
 Steps, once per request: the payload out of TorchServe's request dict; the body size against
-the limit (413); the wire format, chosen once (415 for an unsupported media type); decode; the
-tensors against the artifact's input contract (400); the row count against the limits (413);
-the response format from Accept.
+the limit (413); the wire format, chosen once (415 for an unsupported media type); for JSON,
+the body size against the (smaller) JSON limit before anything is parsed (413), then the
+strict, bounded parse (wire/strict_json.py); decode; the tensors against the artifact's input
+contract (400); the row count against the limits (413); the response format from Accept.
+
+The JSON limit can apply before parsing only because the worker hands JSON bodies over as
+bytes: ts_entry sets TS_DECODE_INPUT_REQUEST=false at initialize (TorchServe 0.12's worker
+reads it per request, ts/protocol/otf_message_handler.py). Anything TorchServe did parse
+arrives as Python objects and is taken as it is.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 from .config import HandlerConfig
 from .errors import PayloadTooLarge, RequestError
 from .metadata import ArtifactSpec
-from .wire import WireFormat, binary_format, json_format, response_format
+from .wire import WireFormat, binary_format, json_format, response_format, strict_json
 from .wire.tensors import check_inputs
 
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int  # bodies handed over as bytes; TorchServe parses JSON bodies before us
+    max_body_bytes: int  # any body handed over as bytes (handler.max_body_mb)
     max_rows: int  # rows in one request (handler.max_rows_per_request)
     batch_max: int  # the artifact's rows per call
     split_oversized: bool  # rows beyond batch_max: split into several calls, else refuse
+    max_json_bytes: int = 8 << 20  # JSON bodies, checked before parsing (handler.max_json_mb)
 
     @classmethod
     def of(cls, config: HandlerConfig, spec: ArtifactSpec) -> "Limits":
         return cls(int(config.max_body_mb * (1 << 20)), config.max_rows_per_request, spec.batch_max,
-                   config.split_oversized)
+                   config.split_oversized, int(config.max_json_mb * (1 << 20)))
 
 
 @dataclass
@@ -56,18 +62,17 @@ def payload_of(request: dict):
     raise RequestError(f"request has several parts ({', '.join(map(str, request))}); send one body")
 
 
-def parse_json(payload):
-    if isinstance(payload, (dict, list)):
+def parse_json(payload, limits: "Limits"):
+    """A JSON body in bytes or text, within the JSON size limit, parsed strictly; a value
+    TorchServe already parsed (any JSON value, scalars included) is returned as it is."""
+    if not isinstance(payload, (bytes, bytearray, memoryview, str)):
         return payload
-    if isinstance(payload, (bytes, bytearray)):
-        try:
-            payload = bytes(payload).decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError("body is neither UTF-8 JSON nor a safetensors payload") from None
-    try:
-        return json.loads(payload)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if len(payload) > limits.max_json_bytes:
+        raise PayloadTooLarge(f"JSON body is {len(payload)} bytes; this model accepts JSON bodies up to "
+                              f"{limits.max_json_bytes} bytes (handler.max_json_mb). Send large tensors in "
+                              "the binary encoding: Content-Type application/x-safetensors (up to "
+                              f"{limits.max_body_bytes} bytes)")
+    return strict_json.loads(payload)
 
 
 def check_rows(rows: int, limits: Limits) -> None:
@@ -87,7 +92,7 @@ def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optio
         raise PayloadTooLarge(f"request body is {len(payload)} bytes; this model accepts at most "
                               f"{limits.max_body_bytes} (handler.max_body_mb)")
     wire = binary_format(payload, content_type)
-    body = payload if wire is not None else parse_json(payload)
+    body = payload if wire is not None else parse_json(payload, limits)
     wire = wire or json_format(body)
     tensors, request_id = wire.decode(body, spec)
     tensors, rows = check_inputs(tensors, spec)

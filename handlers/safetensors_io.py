@@ -23,6 +23,7 @@ _TO_TORCH = {d.safetensors: d.torch for d in TABLE}
 _FROM_TORCH = {d.torch: d.safetensors for d in TABLE}
 _ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _FROM_TORCH}
 MAX_HEADER = 1 << 20
+MAX_RANK = 32  # torch allows 64 dimensions; no model input needs more than a few
 
 
 def looks_like(payload) -> bool:
@@ -30,6 +31,13 @@ def looks_like(payload) -> bool:
         return False
     (n,) = struct.unpack_from("<Q", payload, 0)
     return 2 <= n <= min(MAX_HEADER, len(payload) - 8) and payload[8:9] == b"{"
+
+
+def _int(x) -> int:
+    """A JSON integer (not a bool, float or string)."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"expected an integer, got {type(x).__name__}")
+    return x
 
 
 def loads(payload) -> dict:
@@ -41,7 +49,9 @@ def loads(payload) -> dict:
         raise RequestError(f"safetensors header length {n} exceeds the payload ({len(buf)} bytes)")
     try:
         header = json.loads(bytes(buf[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:  # CPython's scanner guards nesting with the recursion limit
+        raise RequestError("safetensors header is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int-string digit limit
         raise RequestError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise RequestError("safetensors header must be a JSON object")
@@ -50,13 +60,15 @@ def loads(payload) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
+        try:  # any JSON value may stand anywhere: unhashable dtypes, strings, floats, nan, inf
             dtype = _TO_TORCH[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape = [_int(d) for d in info["shape"]][:MAX_RANK + 1]
+            begin, end = (_int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise RequestError(f"safetensors entry {name!r} is malformed: expected dtype (one of "
                                f"{', '.join(_TO_TORCH)}), shape and data_offsets") from None
+        if len(shape) > MAX_RANK:
+            raise RequestError(f"safetensors entry {name!r} has more than {MAX_RANK} dimensions")
         if any(d < 0 for d in shape):
             raise RequestError(f"safetensors entry {name!r} has a negative dimension {shape}")
         count = 1

@@ -345,9 +345,6 @@ def decode(request, spec, content_type=None, max_rows=1024, accept=None):
     return admit(request, spec, limits(max_rows=max_rows, batch_max=spec.batch_max), content_type, accept)
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by issue #18's tests: TorchServe hands a JSON scalar body "
-                   "already parsed; _parse_json calls json.loads on it and raises TypeError, not a 400 "
-                   "(the whole TorchServe batch fails).")
 @pytest.mark.parametrize("body", [3, True, None], ids=repr)
 def test_decode_json_scalar_body_is_a_400_naming_the_object_rule(body):
     with pytest.raises(RequestError, match="JSON body must be an object"):

@@ -4,7 +4,6 @@ A format is either binary (chosen by its media type, or recognised from the byte
 envelope (chosen by the shape of the parsed JSON object). The registry is wire/__init__.py."""
 from __future__ import annotations
 
-import json
 from enum import Enum
 from typing import Optional
 
@@ -44,4 +43,7 @@ class WireFormat:
 
 
 def dump_json(body) -> str:
-    return json.dumps(body, separators=(",", ":"))
+    """Every JSON response goes through strict_json.dumps (no bare NaN/Infinity tokens)."""
+    from .strict_json import dumps
+
+    return dumps(body)

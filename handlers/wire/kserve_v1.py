@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..errors import RequestError
 from .base import WireFormat, WireName, dump_json
+from .strict_json import json_values
 from .tensors import from_nested, spec_of
 
 
@@ -46,9 +47,9 @@ class KServeV1(WireFormat):
     def encode(self, outputs, request_id, model_name):
         names = list(outputs)
         if len(names) == 1:
-            preds = outputs[names[0]].tolist()
+            preds = json_values(outputs[names[0]])
         else:
-            lists = {n: outputs[n].tolist() for n in names}
+            lists = {n: json_values(outputs[n]) for n in names}
             preds = [{n: lists[n][i] for n in names} for i in range(len(lists[names[0]]))]
         return dump_json({"predictions": preds})
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import WireFormat, WireName, dump_json
+from .strict_json import json_values
 from .tensors import from_nested, spec_of
 
 
@@ -16,7 +17,7 @@ class OursJson(WireFormat):
                 for name, value in body["inputs"].items()}, None
 
     def encode(self, outputs, request_id, model_name):
-        return dump_json({"outputs": {n: t.tolist() for n, t in outputs.items()}})
+        return dump_json({"outputs": {n: json_values(t) for n, t in outputs.items()}})
 
 
 FORMAT = OursJson()

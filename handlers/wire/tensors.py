@@ -31,7 +31,7 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
                            f"got {type(value).__name__}")
     try:
         t = _np.array(value) if _np is not None else torch.tensor(value)
-    except (ValueError, TypeError, RuntimeError) as e:
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # RecursionError is a RuntimeError
         raise RequestError(f"{where}: not a rectangular numeric array ({e}); expected "
                            f"{spec.describe()}") from None
     got = _kind(t.dtype)
@@ -43,7 +43,14 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
     if not ok:
         shown = {"float": "floating-point", "int": "integer", "bool": "bool"}.get(got, f"non-numeric ({got})")
         raise RequestError(f"{where}: expected {spec.dtype} values for {spec.describe()}, got {shown} values")
-    return (torch.from_numpy(t) if _np is not None else t).to(want)
+    t = torch.from_numpy(t) if _np is not None else t
+    if got == "float" and not bool(torch.isfinite(t).all()):
+        # JSON has no NaN or Infinity (RFC 8259); Python's parser accepts the tokens and turns
+        # literals such as 1e400 into inf. Binary formats carry non-finite values exactly.
+        raise RequestError(f"{where}: holds a non-finite number (NaN, Infinity or a literal beyond "
+                           f"float64, e.g. 1e400); JSON numbers must be finite. Send non-finite "
+                           "values in the binary encoding (application/x-safetensors)")
+    return t.to(want)
 
 
 def spec_of(spec: ArtifactSpec, name: str) -> TensorSpec:
