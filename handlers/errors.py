@@ -47,6 +47,14 @@ class LoadError(ServingError):
     error_type = "LoadError"
 
 
+class ModelLoadFailed(ServingError):
+    """Answer to every request of a worker whose load failed in a way that recurs (a LoadError):
+    the load's message, so clients see why instead of waiting (ts_entry, README)."""
+
+    status = 503
+    error_type = "ModelLoadFailed"
+
+
 class IncompatibleArtifact(LoadError):
     error_type = "IncompatibleArtifact"
 

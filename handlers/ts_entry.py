@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import torch
 from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
-from handlers import threads
+from handlers import faults, scratch, threads
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
-from handlers.errors import RequestError, ServingError
+from handlers.errors import LoadError, ModelLoadFailed, RequestError, ServingError
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
@@ -50,16 +51,41 @@ class CompiledModelHandler(BaseHandler):
     def __init__(self):
         super().__init__()
         self.initialized = False
+        self.load_error = None  # a LoadError: this worker answers every request with it
+        self.broken = None  # a sticky device fault: the worker is exiting (handlers/faults.py)
 
     def initialize(self, context):
+        # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
+        # 0.12's worker reads this variable per request (ts/protocol/otf_message_handler.py).
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        scratch.enter()
+        self.context = context
+        self.model_name = context.manifest.get("model", {}).get("modelName", "model")
+        try:
+            self._load(context)
+        except LoadError as e:
+            # It would fail the same way on every restart (an incompatible, corrupt or
+            # misconfigured artifact): raising makes TorchServe restart the worker with back-off
+            # while requests wait unanswered. Come up instead and answer each request 503 with
+            # the reason; the model reports itself not ready in its description (README).
+            logger.error("load failed; every request will be answered 503 with the reason: %s", e)
+            self.load_error = ModelLoadFailed(f"model {self.model_name!r} failed to load: {e.message}")
+            self._metric("ModelLoadFailed", 1.0)
+        self.initialized = True  # last: loaded, or answering with the load error
+
+    def describe_handle(self):
+        """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""
+        return json.dumps({"ready": self.load_error is None and self.broken is None,
+                           "load_error": self.load_error.message if self.load_error else None,
+                           "device_fault": self.broken})
+
+    def _load(self, context):
         t0 = time.perf_counter()
         props = context.system_properties
-        self.context = context
         self.config = parse_config(getattr(context, "model_yaml_config", None))
         # Undo what importing TorchServe's base_handler did (TF32 for all fp32 matmuls), so an
         # fp32 artifact answers like the model it was compiled from; see HandlerConfig.
         torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
-        self.model_name = context.manifest.get("model", {}).get("modelName", "model")
         spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
         for note in notes:
             logger.warning("%s", note)
@@ -86,7 +112,6 @@ class CompiledModelHandler(BaseHandler):
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
-        self.initialized = True  # last: a worker is ready only once everything above succeeded
 
     def _metric(self, name, ms):
         try:
@@ -109,12 +134,24 @@ class CompiledModelHandler(BaseHandler):
         return json.dumps(err.to_dict())
 
     def _infer(self, batch: list) -> list:
-        """Runs the batch; if it fails, runs each request alone so one bad request fails alone."""
+        """Runs the batch; if it fails, runs each request alone so one bad request fails alone.
+        Device faults: handlers/faults.py."""
         try:
             with torch.inference_mode():
                 return self.runner.run(batch)
         except Exception as e:
+            if faults.is_sticky(e):
+                self.broken = f"{type(e).__name__}: {e}"
+                faults.exit_soon(self.broken)
+                return [ServingError(f"model execution failed with a device fault; this worker is "
+                                     f"restarting: {self.broken}")] * len(batch)
+            if faults.is_oom(e):
+                faults.release_cache()
             if len(batch) == 1:
+                if faults.is_oom(e):
+                    logger.warning("out of device memory on one request: %s", e)
+                    return [faults.OutOfDeviceMemory(f"out of device memory for this request ({e}); "
+                                                     "retry later or send fewer rows")]
                 logger.exception("inference failed")
                 return [ServingError(f"model execution failed: {type(e).__name__}: {e}")]
             logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
@@ -129,6 +166,10 @@ class CompiledModelHandler(BaseHandler):
                 valid.append((idx, admit(request, self.spec, self.limits, content_type, accept)))
             except RequestError as e:
                 results[idx] = self._fail(context, idx, e)
+            except Exception as e:  # our bug, or memory: this request's own 500, never the batch's
+                logger.exception("admission of request %d failed unexpectedly", idx)
+                results[idx] = self._fail(context, idx, ServingError(
+                    f"internal error while reading the request: {type(e).__name__}: {str(e)[:300]}"))
         if len(valid) < len(data):
             logger.info("batch of %d: %d of %d request(s) rejected before inference", len(data),
                         len(data) - len(valid), len(data))
@@ -139,12 +180,34 @@ class CompiledModelHandler(BaseHandler):
             if isinstance(out, ServingError):
                 results[idx] = self._fail(context, idx, out)
                 continue
-            body, content_type = req.encode(out, self.model_name)
+            try:
+                body, content_type = req.encode(out, self.model_name)
+            except Exception as e:  # one response that cannot be written fails alone
+                logger.exception("encoding the response of request %d failed", idx)
+                results[idx] = self._fail(context, idx, ServingError(
+                    f"internal error while writing the response: {type(e).__name__}: {str(e)[:300]}"))
+                continue
             context.set_response_content_type(idx, content_type)
             results[idx] = body
 
     def handle(self, data, context):
+        """Never raises: an exception out of here fails the whole TorchServe batch (503 for
+        every request in it), so each request's failure is answered as that request's own."""
         self.context = context
+        if self._is_describe():
+            return [self.describe_handle()]
+        refusal = self.load_error or (self.broken and faults.WorkerRestarting(
+            f"this worker hit a device fault and is restarting: {self.broken}"))
+        if refusal:
+            return [self._fail(context, idx, refusal) for idx in range(len(data))]
+        try:
+            return self._handle(data, context)
+        except Exception as e:
+            logger.exception("batch failed outside any one request")
+            err = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}")
+            return [self._fail(context, idx, err) for idx in range(len(data))]
+
+    def _handle(self, data, context):
         results = [None] * len(data)
         t0 = time.perf_counter()
         with record_function("handler.decode"):

@@ -1,0 +1,72 @@
+"""Faults of the device while serving, and what each one means for the worker.
+
+- CUDA out of memory (torch.OutOfMemoryError): the allocator is intact; the request that
+  needed the memory gets 507 with the reason (the batch was already retried request by
+  request, so it is the smallest unit that failed), the cache is released and the worker
+  keeps serving.
+- Sticky CUDA errors (a device-side assert, an illegal address, a launch failure): the CUDA
+  context is unusable for the life of the process, every later call fails. The requests at
+  hand get 500 with the reason, every later one 503, and the process exits shortly after
+  answering so TorchServe starts a fresh worker (it restarts workers that die).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .errors import ServingError
+
+logger = logging.getLogger(__name__)
+# Substrings of CUDA's error strings for errors that poison the context (cudaGetErrorString)
+STICKY = ("device-side assert", "illegal memory access", "illegal address", "unspecified launch failure",
+          "misaligned address", "an illegal instruction was encountered", "uncorrectable ECC",
+          "CUDA error: unknown error")
+EXIT_DELAY_S = 1.0  # time for the worker's loop to send the answers already computed
+
+
+class OutOfDeviceMemory(ServingError):
+    status = 507
+    error_type = "OutOfMemory"
+
+
+class WorkerRestarting(ServingError):
+    status = 503
+    error_type = "WorkerRestarting"
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in str(e)
+
+
+def is_sticky(e: BaseException) -> bool:
+    msg = str(e)
+    return any(s in msg for s in STICKY)
+
+
+def release_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
+    """Exit the process after delay_s (a daemon timer), without running Python cleanup that
+    could touch the broken CUDA context; atexit-registered directories are removed first."""
+    logger.critical("worker exits in %.1fs so TorchServe restarts it: %s", delay_s, reason)
+
+    def _exit():
+        from . import scratch
+
+        if scratch._entered:
+            import shutil
+
+            shutil.rmtree(scratch._entered, ignore_errors=True)
+        os._exit(70)
+
+    t = threading.Timer(delay_s, _exit)
+    t.daemon = True
+    t.start()

@@ -1,0 +1,74 @@
+"""The worker's scratch directory: where native loaders extract files, removed when the worker
+exits and swept on the next start.
+
+aoti_load_package extracts the package (wrapper library, weights) into a fresh
+`aotinductor_*` directory under std::filesystem::temp_directory_path(), which reads TMPDIR at
+call time; the loader object is never destroyed when a worker process exits, so every worker
+start used to leave one behind (issue #17: a real model's weights per restart). enter() points
+TMPDIR of this process (and of its children: the crash-safe probe) at
+TMPDIR/compiled-serving/worker-PID, removes it at exit (atexit; SIGTERM, which TorchServe's
+frontend sends to stop a worker, is turned into a normal exit) and removes the directories of
+workers that no longer run (kill -9, crashes) from earlier starts.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+logger = logging.getLogger(__name__)
+ROOT_NAME = "compiled-serving"
+_entered = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def sweep(root: str) -> list:
+    """Remove worker-PID directories under root whose process is gone; returns their paths."""
+    gone = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        pid = name.removeprefix("worker-")
+        if name.startswith("worker-") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    return gone
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)  # SystemExit runs atexit handlers; SIG_DFL would not
+
+
+def enter() -> str:
+    """Idempotent; returns this worker's scratch directory."""
+    global _entered
+    if _entered:
+        return _entered
+    root = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), ROOT_NAME)
+    os.makedirs(root, exist_ok=True)
+    swept = sweep(root)
+    if swept:
+        logger.info("removed scratch directories of %d earlier worker(s): %s", len(swept), ", ".join(swept))
+    mine = os.path.join(root, f"worker-{os.getpid()}")
+    os.makedirs(mine, exist_ok=True)
+    os.environ["TMPDIR"] = mine
+    tempfile.tempdir = None  # Python's tempfile re-reads TMPDIR
+    atexit.register(shutil.rmtree, mine, True)
+    try:
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread (tests calling initialize from a thread)
+        pass
+    _entered = mine
+    return mine
