@@ -105,6 +105,9 @@ def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
 
 def _env():
     env = dict(os.environ)
+    # In-process handler tests set this in os.environ (ts_entry.initialize); servers started
+    # later must see TorchServe's default, which the handler under test changes by itself.
+    env.pop("TS_DECODE_INPUT_REQUEST", None)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     return env
 

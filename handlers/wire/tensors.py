@@ -43,14 +43,15 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
     if not ok:
         shown = {"float": "floating-point", "int": "integer", "bool": "bool"}.get(got, f"non-numeric ({got})")
         raise RequestError(f"{where}: expected {spec.dtype} values for {spec.describe()}, got {shown} values")
-    t = torch.from_numpy(t) if _np is not None else t
-    if got == "float" and not bool(torch.isfinite(t).all()):
+    t = (torch.from_numpy(t) if _np is not None else t).to(want)
+    if want.is_floating_point and not bool(torch.isfinite(t).all()):
         # JSON has no NaN or Infinity (RFC 8259); Python's parser accepts the tokens and turns
-        # literals such as 1e400 into inf. Binary formats carry non-finite values exactly.
-        raise RequestError(f"{where}: holds a non-finite number (NaN, Infinity or a literal beyond "
-                           f"float64, e.g. 1e400); JSON numbers must be finite. Send non-finite "
-                           "values in the binary encoding (application/x-safetensors)")
-    return t.to(want)
+        # literals such as 1e400 into inf, and 1e40 becomes inf as float32. Binary formats
+        # carry non-finite values exactly.
+        raise RequestError(f"{where}: holds a non-finite number (NaN, Infinity, or a literal beyond "
+                           f"{spec.dtype}'s range such as 1e400); JSON numbers must be finite. Send "
+                           "non-finite values in the binary encoding (application/x-safetensors)")
+    return t
 
 
 def spec_of(spec: ArtifactSpec, name: str) -> TensorSpec:
