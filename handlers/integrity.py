@@ -1,6 +1,10 @@
 """The artifact file is the one artifact.json pins, before anything in it runs or is unpickled:
 loading an AOTInductor package dlopens a shared library and torch.export.load unpickles, so
-an artifact is code. Checked once per variant per process (variants.open_variant)."""
+an artifact is code. Checked once per variant per process (variants.open_variant).
+
+What it can know: that the artifact and the artifact.json of the same archive agree. It cannot
+detect an archive replaced whole (both rewritten; the .mar also carries this handler's Python):
+that is scripts/verify_store.py's job, against digests kept outside the archives."""
 from __future__ import annotations
 
 import os
@@ -23,9 +27,15 @@ def verify_integrity(spec: ArtifactSpec, zipped: bool) -> None:
                         "rebuild the archive with scripts/archive.py")
     digest = sha256_file(real)
     if digest != spec.sha256:
-        raise LoadError(f"artifact {spec.artifact} has SHA-256 {digest}, but artifact.json pins "
-                        f"{spec.sha256}: the file is corrupt, truncated or was replaced. Rebuild it "
-                        "with scripts/compile.py and scripts/archive.py.")
+        # artifact.json travels in the same archive as the artifact: a mismatch shows the two
+        # disagree (corruption, truncation, a partial edit), never who changed what. A replaced
+        # artifact with a rewritten artifact.json passes this check; scripts/verify_store.py
+        # (digests kept outside the archives) is the check for replacement.
+        raise LoadError(f"artifact {spec.artifact} has SHA-256 {digest}, but the artifact.json beside "
+                        f"it pins {spec.sha256}: the file does not match its own archive's record "
+                        "(corrupt or truncated in the archive or on disk). Rebuild it with "
+                        "scripts/compile.py and scripts/archive.py; to detect replaced archives, check "
+                        "the store with python -m scripts.verify_store before starting TorchServe.")
     if zipped and not zipfile.is_zipfile(real):
         raise LoadError(f"artifact {spec.artifact} is not a valid .pt2 archive (zip directory not "
                         "found; truncated?). Rebuild it with scripts/compile.py.")

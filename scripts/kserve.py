@@ -2,12 +2,17 @@
 
   python -m scripts.kserve --mar model_store/NAME.mar [--mar ...] --storage-uri URI --out DIR
       [--name ISVC] [--namespace NS] [--protocol v1|v2|grpc-v2 ...] [--device cpu|gpu ...]
-      [--cpu 1] [--memory 2Gi] [--gpus 1] [--force]
+      [--cpu 1] [--memory 2Gi] [--gpus 1] [--force] [--digests FILE]
 
 Writes
   DIR/storage/config/config.properties   kserve/config.properties plus model_snapshot
   DIR/storage/model-store/NAME.mar       the archives, copied
   DIR/manifests/ISVC-PROTOCOL[-gpu].yaml one InferenceService per protocol and device
+  DIR/digests.sha256                     the archives' SHA-256 (outside storage/), for
+                                         `python -m scripts.verify_store check`
+
+--digests FILE (an operator-kept list, scripts/verify_store.py) refuses any archive whose
+SHA-256 differs from the list, before anything is copied.
 
 Upload DIR/storage to URI (e.g. `gsutil cp -r DIR/storage/* gs://bucket/path/`), then
 `kubectl apply -f DIR/manifests/<one of them>`. The runtime mounts URI at /mnt/models and runs
@@ -29,6 +34,8 @@ import sys
 import zipfile
 
 import yaml
+
+from scripts import verify_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_TEMPLATE = os.path.join(ROOT, "kserve", "config.properties")
@@ -122,6 +129,20 @@ def manifest(name, namespace, protocol, device, storage_uri, cpu, memory, gpus) 
             "spec": {"predictor": {"model": model}}}
 
 
+def check_digests(paths, digests_file) -> None:
+    if not digests_file:
+        print("kserve: note: no --digests list given; the archives are copied unverified. Keep a digest "
+              "list outside the archives: python -m scripts.verify_store record ...", file=sys.stderr)
+        return
+    listed = verify_store.read_digests(digests_file)
+    for path in paths:
+        name = os.path.basename(path)
+        if name not in listed:
+            fail(f"{path} is not in {digests_file}")
+        if verify_store.sha256(path) != listed[name]:
+            fail(f"{path}: SHA-256 differs from {digests_file}; the archive changed after it was recorded")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m scripts.kserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,12 +158,15 @@ def main(argv=None):
     p.add_argument("--memory", default="2Gi", help="memory request and limit (default 2Gi)")
     p.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu limit of the gpu manifests")
     p.add_argument("--force", action="store_true", help="replace an existing DIR/storage and DIR/manifests")
+    p.add_argument("--digests", help="operator-kept digest list (python -m scripts.verify_store record): "
+                                     "every --mar must match it")
     args = p.parse_args(argv)
 
     if "://" not in args.storage_uri:
         fail(f"--storage-uri {args.storage_uri!r}: expected a URI such as gs://bucket/path or pvc://claim/path")
     if args.gpus < 1:
         fail("--gpus must be at least 1")
+    check_digests(args.mar, args.digests)
     mars = [read_mar(m) for m in args.mar]
     seen = {}
     for m in mars:
@@ -170,6 +194,8 @@ def main(argv=None):
         shutil.copy2(m["path"], os.path.join(storage, "model-store", os.path.basename(m["path"])))
     with open(os.path.join(storage, "config", "config.properties"), "w") as f:
         f.write(config_text(model_snapshot(mars)))
+    verify_store.main(["record", "--store", os.path.join(storage, "model-store"),
+                       "--digests", os.path.join(args.out, "digests.sha256")])
 
     wanted = {"cpu": "cpu", "gpu": "cuda"}
     written = []
