@@ -45,6 +45,10 @@ class HandlerConfig:
     strict_versions: bool = False  # torch major.minor mismatch: fail (True) or warn (False)
     trt_multi_device_safe_mode: bool = False
     variant: str = ""  # force one variant directory name (multi-variant archives)
+    # A load failure that recurs (LoadError.recurs): true = the worker comes up and answers every
+    # request 503 ModelLoadFailed with the reason (TorchServe then lists it READY; README);
+    # false = raise, so TorchServe restarts the worker with back-off and requests wait.
+    answer_load_failure: bool = True
 
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
@@ -52,7 +56,7 @@ _TYPES = {
     "cpu_threads": int, "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
     "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
     "max_rows_per_request": int, "max_body_mb": float, "max_json_mb": float, "crash_safe_load": bool, "crash_safe_timeout_s": float,
-    "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
+    "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str, "answer_load_failure": bool,
 }
 
 

@@ -45,6 +45,9 @@ class LoadError(ServingError):
 
     status = 500
     error_type = "LoadError"
+    # True: the same archive on the same machine fails the same way on every restart (the
+    # worker then answers requests with it, ts_entry); False: worth a restart (a timeout).
+    recurs = True
 
 
 class ModelLoadFailed(ServingError):

@@ -51,8 +51,10 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
         r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
                            text=True, timeout=config.crash_safe_timeout_s)
     except subprocess.TimeoutExpired:
-        raise LoadError(f"trial load of {spec.artifact} on {placement} did not finish within "
-                        f"{config.crash_safe_timeout_s:.0f}s (handler.crash_safe_timeout_s)") from None
+        err = LoadError(f"trial load of {spec.artifact} on {placement} did not finish within "
+                        f"{config.crash_safe_timeout_s:.0f}s (handler.crash_safe_timeout_s)")
+        err.recurs = False  # a busy machine may finish next time
+        raise err from None
     if r.returncode < 0:
         try:
             sig = signal.Signals(-r.returncode).name

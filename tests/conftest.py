@@ -178,6 +178,13 @@ class TorchServe:
             return []
         return [w.get("status") for w in r.json()[0].get("workers", [])]
 
+    def describe(self, name) -> dict:
+        """The handler's own description (customizedMetadata of GET /models/NAME?customized=true):
+        {"ready", "load_error", "device_fault"}; {} when the worker gave none."""
+        r = requests.get(f"{self.mgmt}/models/{name}?customized=true", headers=self.auth("management"), timeout=30)
+        meta = r.json()[0].get("customizedMetadata") if r.status_code == 200 else None
+        return json.loads(meta) if isinstance(meta, str) and meta.startswith("{") else (meta or {})
+
     def wait_ready(self, names=None, timeout=300):
         names = names or list(self.models)
         deadline = time.time() + timeout

@@ -104,7 +104,7 @@ def broken(artifacts, tmp_path_factory):
     with open(os.path.join(d, "model.pt2"), "r+b") as f:
         f.seek(100)
         f.write(b"\x00" * 16)
-    cases["corrupt"] = (d, "is corrupt, truncated or was replaced")
+    cases["corrupt"] = (d, "does not match its own archive's record")
 
     d = artifacts.copy("cls_export", "truncated")
     path = os.path.join(d, "model.pt2")
@@ -152,7 +152,10 @@ def broken_server(broken, artifacts, serve, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
                                   "trt_missing"])
-def test_refused_before_ready_with_message(broken, broken_server, name):
+def test_refused_with_message_and_answered(broken, broken_server, name):
+    """The load error is in the log, and since it recurs (handler.answer_load_failure, the
+    default) the worker answers every request 503 ModelLoadFailed with it instead of leaving
+    clients waiting while TorchServe restarts it; its description says ready: false."""
     needle = broken[name][1]
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -163,8 +166,11 @@ def test_refused_before_ready_with_message(broken, broken_server, name):
     else:
         pytest.fail(f"{name}: no load error containing {needle!r} in the model log:\n"
                     + "\n".join(lines[-20:]))
-    status = broken_server.model_status(name)
-    assert status and all(s != "READY" for s in status), status
+    broken_server.wait_ready([name], timeout=120)  # TorchServe lists the answering worker READY
+    r = broken_server.predict(name, {"inputs": {}}, timeout=60)
+    assert r.status_code == 503 and r.json()["type"] == "ModelLoadFailed", r.text
+    assert needle in r.json()["message"], r.text
+    assert broken_server.describe(name)["ready"] is False
 
 
 @pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",

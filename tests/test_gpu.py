@@ -215,7 +215,12 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
         time.sleep(2)
     statuses = ts.model_status("wrong_cc")
     refusals = [ln[:400] for ln in ts.log().splitlines() if "cannot run on the assigned GPU" in ln]
-    RESULTS["torchserve"].update({"wrong_cc_worker_statuses": statuses, "wrong_cc_load_errors": refusals[:2]})
+    # The load failure recurs, so the worker answers requests with it (handler.answer_load_failure)
+    answer = ts.predict("wrong_cc", {"inputs": {}}, timeout=60)
+    described = ts.describe("wrong_cc")
+    RESULTS["torchserve"].update({"wrong_cc_worker_statuses": statuses, "wrong_cc_load_errors": refusals[:2],
+                                  "wrong_cc_answer_status": answer.status_code,
+                                  "wrong_cc_described_ready": described.get("ready")})
     assert refusals, "no load error naming the compute capability in the model log"
-    # never READY, and there are workers to check: an empty list would pass vacuously
-    assert statuses and all(s != "READY" for s in statuses), statuses
+    assert answer.status_code == 503 and "cannot run on the assigned GPU" in answer.json()["message"], answer.text
+    assert described.get("ready") is False, described
