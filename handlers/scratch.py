@@ -6,9 +6,11 @@ aoti_load_package extracts the package (wrapper library, weights) into a fresh
 call time; the loader object is never destroyed when a worker process exits, so every worker
 start used to leave one behind (issue #17: a real model's weights per restart). enter() points
 TMPDIR of this process (and of its children: the crash-safe probe) at
-TMPDIR/compiled-serving/worker-PID, removes it at exit (atexit; SIGTERM, which TorchServe's
-frontend sends to stop a worker, is turned into a normal exit) and removes the directories of
-workers that no longer run (kill -9, crashes) from earlier starts.
+TMPDIR/compiled-serving/worker-PID and removes it when the worker is gone, however it ends:
+measured through real TorchServe, neither a stop nor kill -9 runs the worker's atexit handlers,
+so a reaper (/bin/sh, in its own session, ~1 MB) waits for the worker's pid to disappear and
+deletes the directory. Directories of workers gone while no reaper ran (a reboot, a killed
+reaper) are swept by the next worker start.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import atexit
 import logging
 import os
 import shutil
+import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 
@@ -50,6 +54,15 @@ def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)  # SystemExit runs atexit handlers; SIG_DFL would not
 
 
+def _start_reaper(pid: int, path: str) -> None:
+    script = (f"while kill -0 {pid} 2>/dev/null; do sleep 1; done; rm -rf {shlex.quote(path)}")
+    try:
+        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except OSError as e:  # no /bin/sh: the next start's sweep still removes it
+        logger.warning("no reaper for %s (%s); the next worker start removes it", path, e)
+
+
 def enter() -> str:
     """Idempotent; returns this worker's scratch directory."""
     global _entered
@@ -65,6 +78,7 @@ def enter() -> str:
     os.environ["TMPDIR"] = mine
     tempfile.tempdir = None  # Python's tempfile re-reads TMPDIR
     atexit.register(shutil.rmtree, mine, True)
+    _start_reaper(os.getpid(), mine)
     try:
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _exit_on_sigterm)

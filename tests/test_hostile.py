@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import time
 
 import pytest
 import torch
@@ -277,3 +280,31 @@ def test_load_failure_answers_every_request_with_the_reason(tmp_path):
         status, body = answer(ctx, i, o)
         assert status == 503 and body["type"] == "ModelLoadFailed" and "no artifact.json" in body["message"]
     assert json.loads(h.describe_handle())["ready"] is False
+
+
+def test_scratch_sweep_removes_only_directories_of_gone_processes(tmp_path):
+    from handlers import scratch
+
+    root = tmp_path / scratch.ROOT_NAME
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (os.getpid(), gone.pid):
+        (root / f"worker-{pid}" / "aotinductor_x").mkdir(parents=True)
+    (root / "other").mkdir()
+    assert scratch.sweep(str(root)) == [f"worker-{gone.pid}"]
+    assert sorted(p.name for p in root.iterdir()) == ["other", f"worker-{os.getpid()}"]
+
+
+def test_scratch_reaper_removes_the_directory_when_its_process_is_killed(tmp_path):
+    from handlers import scratch
+
+    victim = subprocess.Popen(["sleep", "60"])
+    d = tmp_path / f"worker-{victim.pid}"
+    (d / "aotinductor_y").mkdir(parents=True)
+    scratch._start_reaper(victim.pid, str(d))
+    victim.kill()
+    victim.wait()
+    deadline = time.time() + 10
+    while d.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not d.exists()
