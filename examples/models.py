@@ -111,3 +111,17 @@ class Lookup(nn.Module):
 
 def lookup() -> nn.Module:
     return _seeded(Lookup(), 4)
+
+
+class Outer(nn.Module):
+    """x (float32, [B, 8192]) -> [B, 1] through a B x 8192 x 8192 intermediate (256 MiB per row in
+    fp32, materialized by the exported program's eager ops): device memory grows with the rows of
+    a call, so one large request runs out of CUDA memory while small ones fit
+    (tests/test_faults_gpu.py)."""
+
+    def forward(self, x):
+        return (x.unsqueeze(2) * x.unsqueeze(1)).mean(dim=(1, 2)).unsqueeze(1)
+
+
+def outer() -> nn.Module:
+    return Outer().eval()

@@ -5,6 +5,10 @@ in one of the supported formats and prints the answer.
   python -m scripts.client --model NAME --example NAME:SHAPE:DTYPE [--example ...]
       [--format json|v1|v2|safetensors] [--url http://127.0.0.1:8080] [--key-file key_file.json]
       [--wait SECONDS] [--check-eager --factory FILE.py:FACTORY]
+
+The token comes from --key-file, else key_file.json in this directory, else in the repository
+root (where scripts/quickstart.sh starts TorchServe, which writes the file into the directory
+it was started from). --check-eager compares the answer of every format with eager PyTorch.
 """
 from __future__ import annotations
 
@@ -34,13 +38,38 @@ def post(url: str, body: bytes, content_type: str, key: str, timeout=60):
         return e.code, e.headers.get("Content-Type", ""), e.read()
 
 
+def find_key_file(explicit):
+    """The key file to read, or None (with a hint on stderr)."""
+    candidates = [explicit] if explicit else ["key_file.json", os.path.join(ROOT, "key_file.json")]
+    for c in candidates:
+        if os.path.exists(c):
+            return c
+    print(f"client: no key file at {' or '.join(candidates)}; sending no token. TorchServe writes "
+          "key_file.json into the directory it was started from: pass --key-file PATH", file=sys.stderr)
+    return None
+
+
+def outputs_of(answer: dict, fmt: str) -> dict:
+    """{output name: tensor} from a JSON answer in any of our JSON formats."""
+    import torch
+
+    if fmt == "v2":
+        return {o["name"]: torch.tensor(o["data"]).reshape(o["shape"]) for o in answer.get("outputs", [])}
+    if fmt == "v1":
+        preds = answer.get("predictions", [])
+        if preds and isinstance(preds[0], dict):
+            return {k: torch.tensor([p[k] for p in preds]) for k in preds[0]}
+        return {"output": torch.tensor(preds)}
+    return {k: torch.tensor(v) for k, v in answer.get("outputs", {}).items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--example", action="append", required=True, help="NAME:SHAPE:DTYPE, seeded random data")
     p.add_argument("--format", default="json", choices=("json", "v1", "v2", "safetensors"))
     p.add_argument("--url", default="http://127.0.0.1:8080")
-    p.add_argument("--key-file", default="key_file.json")
+    p.add_argument("--key-file", help="default: ./key_file.json, else the repository root's")
     p.add_argument("--wait", type=float, default=0, help="seconds to wait for the model to answer")
     p.add_argument("--check-eager", action="store_true")
     p.add_argument("--factory", help="FILE.py:FACTORY for --check-eager")
@@ -68,21 +97,28 @@ def main(argv=None):
         body = json.dumps({"inputs": {n: t.tolist() for n, t in tensors.items()}}).encode()
         ct = "application/json"
     url = f"{args.url}/predictions/{args.model}"
+    key_file = find_key_file(args.key_file)
     deadline = time.time() + args.wait
     while True:
         try:
-            key = inference_key(args.key_file) if os.path.exists(args.key_file) else ""
+            key = inference_key(key_file) if key_file else ""
             status, rct, data = post(url, body, ct, key)
         except (urllib.error.URLError, OSError, ValueError) as e:
             status, rct, data = None, "", str(e).encode()
         # Not up yet, or the worker is still loading (AOTI load + warm-up): worth waiting for.
-        if status in (None, 404, 503) and time.time() < deadline:
+        if status in (None, 404, 503) and b"ModelLoadFailed" not in data and time.time() < deadline:
             time.sleep(2)
             continue
         break
     print(f"POST {url} -> HTTP {status} ({rct})")
     if status != 200:
         print(data.decode(errors="replace"))
+        if b"Token Authorization failed" in data:
+            print(f"client: the token from {key_file or '(none)'} was refused; use the key_file.json of the "
+                  "running server (--key-file)", file=sys.stderr)
+        elif status == 404:
+            print(f"client: no model {args.model!r} on {args.url}; list them with the management API "
+                  "(GET :8081/models) or check the name given to torchserve --models", file=sys.stderr)
         return 1
     if rct.startswith(safetensors_io.CONTENT_TYPE):
         outputs = safetensors_io.loads(data)
@@ -91,8 +127,11 @@ def main(argv=None):
     else:
         answer = json.loads(data)
         print(json.dumps(answer)[:2000])
-        outputs = {k: torch.tensor(v) for k, v in answer.get("outputs", {}).items()} if args.format == "json" else {}
-    if args.check_eager and outputs:
+        outputs = outputs_of(answer, args.format)
+    if args.check_eager and not outputs:
+        print("client: --check-eager: the answer holds no outputs to compare", file=sys.stderr)
+        return 1
+    if args.check_eager:
         model = load_factory(args.factory)()
         with torch.no_grad():
             ref = model(*tensors.values())

@@ -164,9 +164,14 @@ class TorchServe:
         if self._keys is None:
             path = self.workdir / "key_file.json"
             deadline = time.time() + 60
-            while not path.exists() and time.time() < deadline:
-                time.sleep(0.5)
-            self._keys = json.loads(path.read_text())
+            while time.time() < deadline:  # TorchServe creates the file, then writes it
+                try:
+                    self._keys = json.loads(path.read_text())
+                    break
+                except (OSError, ValueError):
+                    time.sleep(0.5)
+            else:
+                raise RuntimeError(f"{path} was not written within 60 s")
         return self._keys
 
     def auth(self, kind="inference"):

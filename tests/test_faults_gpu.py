@@ -1,0 +1,115 @@
+"""GPU faults through real TorchServe (pytest -m gpu; skipped without CUDA):
+
+- a CUDA out-of-memory on one request answers that request (507 OutOfMemory, the reason in the
+  message) while the good requests of its batch and later ones are served by the same worker;
+- a sticky CUDA error (a device-side assert from an out-of-range embedding index) answers the
+  requests at hand with 500, then the worker exits and TorchServe starts a fresh one that serves.
+
+GPU_RESULTS=PATH writes the counts observed (scripts/results_meta.header first), each recorded
+before the assertion on it.
+"""
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from conftest import ARTIFACTS, Artifacts, build_mar
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available on this machine: GPU fault tests run on the GPU machine",
+                allow_module_level=True)
+
+from handlers import safetensors_io  # noqa: E402
+
+ARTIFACTS["outer_export"] = ["--model", "examples/models.py:outer", "--input", "x:2x8192:float32",
+                             "--dynamic-batch", "1:1024", "--backend", "export"]
+RESULTS = {}
+ST = safetensors_io.CONTENT_TYPE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def results_file():
+    yield
+    path = os.environ.get("GPU_RESULTS")
+    if path:
+        from scripts.results_meta import header
+
+        head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], env=("GPU_RESULTS",))
+        with open(path, "w") as f:
+            json.dump({**head, **RESULTS}, f, indent=2)
+
+
+@pytest.fixture(scope="module")
+def gpu_fault_server(tmp_path_factory, serve):
+    arts = Artifacts(tmp_path_factory.mktemp("gpu_fault_artifacts"), "cuda")
+    store = tmp_path_factory.mktemp("gpu_fault_store")
+    mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, "--batch-size", "8",
+                               "--max-batch-delay", "100", "--handler-option", "warmup=false",
+                               "--handler-option", "crash_safe_load=false"),
+            "lookup": build_mar(arts.get("lookup_export"), "lookup", store, "--batch-size", "4",
+                                "--max-batch-delay", "50")}
+    return serve(mars)
+
+
+def pids(ts, name):
+    r = requests.get(f"{ts.mgmt}/models/{name}", headers=ts.auth("management"), timeout=10)
+    return sorted(w.get("pid") for w in r.json()[0]["workers"])
+
+
+def test_cuda_oom_answers_its_request_and_the_worker_keeps_serving(gpu_fault_server):
+    ts = gpu_fault_server
+    before = pids(ts, "outer")
+    small = [torch.randn(1, 8192, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    huge = torch.randn(1024, 8192)  # a 1024 x 8192 x 8192 fp32 intermediate: 256 GiB
+
+    def send(x):
+        r = ts.predict("outer", bytes(safetensors_io.dumps({"x": x})), content_type=ST, timeout=300)
+        return r.status_code, r
+    with ThreadPoolExecutor(9) as pool:
+        futs = [pool.submit(send, huge)] + [pool.submit(send, x) for x in small]
+        answers = [f.result() for f in futs]
+    big_status, big = answers[0]
+    ok = 0
+    for x, (status, r) in zip(small, answers[1:]):
+        if status == 200:
+            ref = (x.unsqueeze(2) * x.unsqueeze(1)).mean(dim=(1, 2)).unsqueeze(1)
+            ok += int((safetensors_io.loads(r.content)["output"] - ref).abs().max().item() < 1e-3)
+    after_status = send(small[0])[0]
+    after = pids(ts, "outer")
+    RESULTS["cuda_oom"] = {"oom_request_status": big_status, "oom_message": big.text[:300],
+                           "small_requests": len(small), "small_correct": ok,
+                           "later_request_status": after_status, "worker_restarts": int(before != after)}
+    assert big_status == 507 and "out of device memory" in big.json()["message"], big.text[:500]
+    assert ok == len(small) and after_status == 200 and before == after, RESULTS["cuda_oom"]
+
+
+def test_sticky_cuda_error_restarts_the_worker(gpu_fault_server):
+    ts = gpu_fault_server
+    good = {"inputs": {"ids": [[1, 2, 3]]}}
+    assert ts.predict("lookup", good).status_code == 200
+    before = pids(ts, "lookup")
+    bad = ts.predict("lookup", {"inputs": {"ids": [[1, 2, 100]]}}, timeout=120)
+    t0 = time.time()
+    statuses = []
+    while time.time() - t0 < 240:
+        try:
+            r = ts.predict("lookup", good, timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code == 200 and pids(ts, "lookup") != before:
+                break
+        except requests.RequestException:
+            statuses.append("conn")
+        time.sleep(1)
+    recovered_s = time.time() - t0
+    after = pids(ts, "lookup")
+    RESULTS["sticky_cuda_error"] = {"bad_request_status": bad.status_code, "bad_message": bad.text[:300],
+                                    "requests_until_recovered": len(statuses),
+                                    "failed_until_recovered": sum(1 for s in statuses if s != 200),
+                                    "recovered_s": round(recovered_s, 1), "worker_restarted": int(before != after)}
+    assert bad.status_code == 500 and "device fault" in bad.json()["message"], bad.text[:500]
+    assert statuses and statuses[-1] == 200 and before != after, RESULTS["sticky_cuda_error"]
