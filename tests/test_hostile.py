@@ -308,3 +308,48 @@ def test_scratch_reaper_removes_the_directory_when_its_process_is_killed(tmp_pat
     while d.exists() and time.time() < deadline:
         time.sleep(0.2)
     assert not d.exists()
+
+
+# ---------------------------------------------------------------- device faults, simulated on CPU
+
+
+def test_out_of_memory_fails_only_its_request(monkeypatch):
+    """torch.OutOfMemoryError for a call of more than 2 rows: the batch is retried request by
+    request, the 3-row request gets 507 OutOfMemory, the others their answers (the real CUDA
+    case: tests/test_faults_gpu.py)."""
+    h = handler()
+
+    def picky(features, mask):
+        if features.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 GiB")
+        return model(features, mask)
+
+    h.runner = CpuRunner(picky, SPEC)
+    goods = [good_request(0), good_request(3), good_request(2)]  # 1, 1 and 3 rows
+    ctx = context([g[0] for g in goods])
+    outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
+    got = [answer(ctx, i, o) for i, o in enumerate(outs)]
+    assert [s for s, _ in got] == [200, 200, 507]
+    assert got[2][1]["type"] == "OutOfMemory" and "out of device memory" in got[2][1]["message"]
+
+
+def test_sticky_device_error_answers_then_exits(monkeypatch):
+    from handlers import faults
+
+    exits = []
+    monkeypatch.setattr(faults, "exit_soon", lambda reason, delay_s=0: exits.append(reason))
+    h = handler()
+
+    def broken(features, mask):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    h.runner = CpuRunner(broken, SPEC)
+    goods = [good_request(0), good_request(2)]
+    ctx = context([g[0] for g in goods])
+    outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
+    assert [answer(ctx, i, o)[0] for i, o in enumerate(outs)] == [500, 500] and len(exits) == 1
+    ctx = context([goods[0][0]])
+    later = h.handle([{"body": bytearray(goods[0][1])}], ctx)
+    status, body = answer(ctx, 0, later[0])
+    assert status == 503 and body["type"] == "WorkerRestarting"
+    assert json.loads(h.describe_handle())["ready"] is False
