@@ -85,3 +85,18 @@ def test_grpc_bad_request_carries_the_error_object(grpc_client):
     assert "input 'mask'" in err["message"] and "float32 does not match" in err["message"]
     ok = grpc_client("two_export", safetensors_io.dumps({"features": f, "mask": m}))
     close(safetensors_io.loads(ok.prediction), eager("two_input", f, m))
+
+
+def test_grpc_hostile_kinds_answer_each_with_its_error_object(grpc_client):
+    """Issue #17: these bodies used to fail their whole batch, which gRPC reported as UNAVAILABLE.
+    Each now arrives as its own error object (TorchServe 0.12's gRPC drops the status code)."""
+    from hostile import KINDS
+
+    for name in ("deep_array_50k", "int_5000_digits", "v2_datatype_list", "scalar_null", "nan_token",
+                 "st_deep_header", "st_dtype_dict"):
+        ct, body, status, needle = KINDS[name]
+        err = json.loads(grpc_client("two_aoti", body).prediction)
+        assert err["code"] == status and needle in err["message"], (name, err)
+    f, m = two(2, seed=23)
+    ok = grpc_client("two_aoti", json.dumps({"inputs": {"features": f.tolist(), "mask": m.tolist()}}).encode())
+    close(json.loads(ok.prediction)["outputs"], eager("two_input", f, m))
