@@ -22,6 +22,7 @@ from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
 from handlers.errors import RequestError, ServingError
+from handlers.kinds import kind_of
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
@@ -75,15 +76,19 @@ class CompiledModelHandler(BaseHandler):
         self.runner = runner_for(self.model, spec, self.device, self.config)
         load_s = time.perf_counter() - t0
         warm_s = self._warm_up() if self.config.warmup else 0.0
+        t1 = time.perf_counter()
+        graphs_note = self.runner.prepare(self.config, kind_of(spec))
+        warm_s += time.perf_counter() - t1
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
               if placement.kind == "cuda" else None)
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s; CPU threads: %s",
+            "fp32 matmul precision %s; CPU threads: %s; %s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
-            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe())
+            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
+            graphs_note)
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
         self.initialized = True  # last: a worker is ready only once everything above succeeded

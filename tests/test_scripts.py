@@ -63,7 +63,7 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     report = json.loads(out.read_text())
     assert list(report)[:4] == ["device", "date", "torch", "command"]
     # the command that ran, from its argv, not a literal
-    assert report["command"] == ("python scripts/bench.py --artifact " + str(artifacts.get("cls_aoti"))
+    assert report["command"] == ("python -m scripts.bench --artifact " + str(artifacts.get("cls_aoti"))
                                  + f" --batch-sizes 1,3 --iters 3 --warmup 1 --out {out}")
     rows = {(x["batch"], x["format"]): x for x in report["results"]}
     assert set(rows) == {(1, "safetensors"), (1, "json"), (3, "safetensors"), (3, "json")}
