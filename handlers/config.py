@@ -97,6 +97,8 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
     if unknown:
         raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "
                           f"valid options: {', '.join(sorted(_HANDLER_KEYS))}")
+    if isinstance(raw.get("cuda_graphs"), bool):  # YAML 1.1 reads a bare on/off as a boolean
+        raw = {**raw, "cuda_graphs": "on" if raw["cuda_graphs"] else "off"}
     values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
     _validate(values)
     return HandlerConfig(device_type=device_type, **values)

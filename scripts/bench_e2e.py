@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--workers-per-gpu", type=int, default=3)
     p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also serve our archive with these handler options as ours_NAME, measured at "
+                        "every client count (e.g. nographs:cuda_graphs=off)")
     p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
     p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
     p.add_argument("--distinct-inputs", type=int, default=8)
@@ -176,6 +179,10 @@ def chosen_threads(log: str, name: str) -> int:
     return int(found[0])
 
 
+def is_thread_sweep(handler: str) -> bool:
+    return re.fullmatch(r"ours_t\d+", handler) is not None
+
+
 def device_sets(args, n_gpu: int) -> list:
     if n_gpu == 0:
         return [0]
@@ -198,6 +205,10 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
     store = work / f"store{n}"
     store.mkdir(parents=True, exist_ok=True)
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
+    for item in args.variant:
+        vname, _, opts = item.partition(":")
+        extra = [x for kv in opts.split(",") if kv for x in ("--handler-option", kv)]
+        models[f"ours_{vname}"] = archive_ours(args, store, f"ours_{vname}", workers, ids, extra)
     for t in ints(args.thread_sweep):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
@@ -237,8 +248,9 @@ def echo_response(spec, ref: dict) -> bytes:
 def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> list:
     token = server.key()
     points = []
-    plan = [(m, c) for m in ("ours", "stock", "echo") if m in server.models for c in ints(args.clients)]
-    extra = [m for m in server.models if m.startswith("ours_t") or m == "stock_default"]
+    main = ["ours", "stock", "echo"] + [f"ours_{v.partition(':')[0]}" for v in args.variant]
+    plan = [(m, c) for m in main if m in server.models for c in ints(args.clients)]
+    extra = [m for m in server.models if is_thread_sweep(m) or m == "stock_default"]
     if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
@@ -267,13 +279,17 @@ def summary(points: list, limits: dict) -> dict:
             continue
         stock, echo = by.get(("stock", n, c)), by.get(("echo", n, c))
         img_limit = limits.get(str(n), {}).get("img_s")
-        rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"],
+        variants = {k[0]: v for k, v in by.items() if k[1:] == (n, c) and k[0].startswith("ours_")
+                    and not is_thread_sweep(k[0])}
+        rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"], "ours_p50_ms": p["p50_ms"],
+                     **{f"{k}_p50_ms": v["p50_ms"] for k, v in variants.items()},
+                     **{f"{k}_req_s": v["req_s"] for k, v in variants.items()},
                      "vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
                      "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
                      "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None})
     threads = {}
     for (h, n, c), p in by.items():
-        if h.startswith("ours_t") or (h == "ours" and any(k[0].startswith("ours_t") and k[1:] == (n, c) for k in by)):
+        if is_thread_sweep(h) or (h == "ours" and any(is_thread_sweep(k[0]) and k[1:] == (n, c) for k in by)):
             threads.setdefault(f"{n}:{c}", {})[h] = p["req_s"]
     thread_rows = [{"set": k, **v, "default_vs_best": round(v["ours"] / max(v.values()), 3)}
                    for k, v in threads.items() if "ours" in v]

@@ -56,6 +56,9 @@ def test_which_kinds_are_captured():
 def test_config_options():
     assert parse_config({}).cuda_graphs == "auto"  # on by default where graphs verify
     assert parse_config({"handler": {"cuda_graphs": "off"}}).cuda_graphs == "off"
+    # what yaml.safe_load makes of `cuda_graphs: off` / `on` in model-config.yaml
+    assert parse_config({"handler": {"cuda_graphs": False}}).cuda_graphs == "off"
+    assert parse_config({"handler": {"cuda_graphs": True}}).cuda_graphs == "on"
     with pytest.raises(ConfigError, match="cuda_graphs = 'yes' is invalid: expected auto"):
         parse_config({"handler": {"cuda_graphs": "yes"}})
     with pytest.raises(ConfigError, match="cuda_graph_max_batch must be at least 1"):
