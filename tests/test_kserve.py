@@ -622,8 +622,6 @@ def test_v2_concurrent_batch_and_a_bad_request_failing_alone(kserve_ts):
     ts.assert_no_worker_restarts()
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: the handler does not yet speak the v2 binary tensor "
-                                       "extension (Inference-Header-Content-Length)")
 def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     ts = kserve_ts("v2")
     f, m = two(4, seed=51)
@@ -632,6 +630,15 @@ def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     check_v2(result, f, m, "bin-51")
     assert result.get_response().get("outputs") and all(
         o.get("parameters", {}).get("binary_data_size") for o in result.get_response()["outputs"])
+    # binary inputs, JSON outputs; and a truncated body is the request's own 400
+    result = triton(ts).infer("two", v2_inputs(f, m, binary=True), outputs=v2_outputs(), request_id="bin-52")
+    check_v2(result, f, m, "bin-52")
+    head = json.dumps({"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 64}}]}).encode()
+    r = requests.post(f"{ts.base}/v2/models/two/infer", data=head + b"\0" * 10, timeout=60,
+                      headers={"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and "needs 64 bytes after the JSON header" in r.text, r.text
+    ts.assert_no_worker_restarts()
 
 
 def test_v2_metadata_and_ready_routes_are_absent_in_torchserve_0_12(kserve_ts):
@@ -722,8 +729,26 @@ def test_grpc_v2_model_ready(kserve_ts, oip):
         assert stub.ModelReady(pb2.ModelReadyRequest(name="two"), timeout=30).ready
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: OIP gRPC replies need id, model_name, model_version "
-                                       "and typed outputs from the handler")
+def grpc_request(pb2, f, m, request_id, features=None):
+    features = f if features is None else features
+    return pb2.ModelInferRequest(model_name="two", id=request_id, inputs=[
+        pb2.ModelInferRequest.InferInputTensor(
+            name="features", datatype="FP32", shape=list(features.shape),
+            contents=pb2.InferTensorContents(fp32_contents=features.reshape(-1).tolist())),
+        pb2.ModelInferRequest.InferInputTensor(
+            name="mask", datatype="BOOL", shape=list(m.shape),
+            contents=pb2.InferTensorContents(bool_contents=m.reshape(-1).tolist())),
+    ])
+
+
+def check_grpc(resp, f, m, request_id):
+    assert resp.model_name == "two" and resp.id == request_id and resp.model_version == "1.0"
+    ref = eager("two_input", f, m)
+    got = {o.name: torch.tensor(list(o.contents.fp32_contents)).reshape(list(o.shape)) for o in resp.outputs}
+    assert all(o.datatype == "FP32" for o in resp.outputs)
+    close(got, ref)
+
+
 def test_grpc_v2_model_infer(kserve_ts, oip):
     import grpc
 
@@ -738,41 +763,86 @@ def test_grpc_v2_model_infer(kserve_ts, oip):
     ])
     with grpc.insecure_channel(ts.grpc) as channel:
         resp = pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
-    assert resp.model_name == "two" and resp.id == "g-71"
-    ref = eager("two_input", f, m)
-    got = {o.name: torch.tensor(list(o.contents.fp32_contents)).reshape(list(o.shape)) for o in resp.outputs}
-    close(got, ref)
+    check_grpc(resp, f, m, "g-71")
+    ts.assert_no_worker_restarts()
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: with TorchServe's kservev2 envelope active the handler "
-                                       "must refuse to load naming the setting, or serve batches correctly")
-def test_envelope_from_kserve_docs_is_refused_or_served_correctly(layout, tmp_path_factory):
+def test_grpc_v2_bad_requests_get_a_status_and_the_worker_lives(kserve_ts, oip):
+    import grpc
+
+    pb2, pb2_grpc = oip
+    ts = kserve_ts("grpc-v2")
+    f, m = two(2, seed=72)
+    with grpc.insecure_channel(ts.grpc) as channel:
+        stub = pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:  # 15 columns instead of 16, alone in its batch
+            stub.ModelInfer(grpc_request(pb2, f, m, "g-bad", features=f[:, :15].contiguous()), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "dimension 1" in e.value.details(), e.value.details()
+        # FP16 contents: the frontend drops them (no typed field), the reply says so and how to fix
+        req = grpc_request(pb2, f, m, "g-half")
+        req.inputs[0].datatype = "FP16"
+        req.inputs[0].ClearField("contents")
+        req.raw_input_contents.append(f.half().numpy().tobytes())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "drops FP16/BF16 contents and raw_input_contents" in e.value.details(), e.value.details()
+        check_grpc(stub.ModelInfer(grpc_request(pb2, f, m, "g-after"), timeout=60), f, m, "g-after")
+    ts.assert_no_worker_restarts()
+
+
+def test_grpc_v2_concurrent_batch_with_a_bad_request(kserve_ts, oip):
+    import grpc
+
+    pb2, pb2_grpc = oip
+    ts = kserve_ts("grpc-v2")
+    inputs = [two(n, seed=90 + i) for i, n in enumerate([1, 2, 3, 1, 2, 1, 3, 2])]
+    bad_at = 3
+    barrier = threading.Barrier(len(inputs))
+
+    def one(i):
+        f, m = inputs[i]
+        req = grpc_request(pb2, f, m, f"gb{i}", features=f[:, :15].contiguous() if i == bad_at else None)
+        with grpc.insecure_channel(ts.grpc) as channel:
+            stub = pb2_grpc.GRPCInferenceServiceStub(channel)
+            barrier.wait()
+            try:
+                return stub.ModelInfer(req, timeout=120)
+            except grpc.RpcError as e:
+                return e
+
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        results = list(pool.map(one, range(len(inputs))))
+    for i, (res, (f, m)) in enumerate(zip(results, inputs)):
+        if i != bad_at:
+            assert not isinstance(res, Exception), res
+            check_grpc(res, f, m, f"gb{i}")
+        elif isinstance(res, grpc.RpcError):  # alone in its batch: a real status
+            assert res.code() == grpc.StatusCode.INVALID_ARGUMENT and "dimension 1" in res.details()
+        else:  # inside a batch with good requests: a complete reply whose output `error` says why
+            assert res.id == f"gb{i}" and [o.name for o in res.outputs] == ["error"]
+            err = json.loads(res.outputs[0].contents.bytes_contents[0])
+            assert err["code"] == 400 and "dimension 1" in err["message"], err
+    sizes = [int(n) for n in re.findall(r"batch of (\d+)", ts.log())]
+    assert sizes and max(sizes) > 1, ts.log()[-3000:]
+    ts.assert_no_worker_restarts()
+
+
+def test_envelope_from_kserve_docs_fails_the_load_naming_the_setting(layout, tmp_path_factory):
     """KServe's docs set enable_envvars_config=true, which makes TS_SERVICE_ENVELOPE=kservev2 wrap
-    the handler: only the first request of a batch is passed on. Either the load fails with a
-    message naming the setting and its fix, or every request of a concurrent batch is answered."""
+    the handler: only the first request of a batch would be passed on. The handler refuses to
+    load instead, naming the setting and the fix; the model never becomes READY."""
     ts = KServeTorchServe(layout["storage"], tmp_path_factory.mktemp("kserve_envelope"), "v2",
                           overrides={"enable_envvars_config": "true"})
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and not all(ts.ready(n) for n in ts.models):
-            if "TS_SERVICE_ENVELOPE" in ts.log() and "enable_envvars_config" in ts.log():
-                return  # refused at load with a message naming the setting
+        while time.time() < deadline and "enable_envvars_config=false" not in ts.log():
+            assert not any(ts.ready(n) for n in ts.models), ts.log()[-3000:]
             time.sleep(1)
-        assert all(ts.ready(n) for n in ts.models), ts.log()[-3000:]
-        inputs = [two(n, seed=80 + i) for i, n in enumerate([1, 2, 3, 1])]
-        barrier = threading.Barrier(len(inputs))
-
-        def one(i):
-            client = triton(ts)
-            barrier.wait()
-            try:
-                return client.infer("two", v2_inputs(*inputs[i]), outputs=v2_outputs(), request_id=f"e{i}")
-            finally:
-                client.close()
-
-        with ThreadPoolExecutor(len(inputs)) as pool:
-            results = list(pool.map(one, range(len(inputs))))
-        for i, (res, (f, m)) in enumerate(zip(results, inputs)):
-            check_v2(res, f, m, f"e{i}")
+        log = ts.log()
+        assert "TS_SERVICE_ENVELOPE=kservev2" in log and "enable_envvars_config=false" in log, log[-3000:]
+        time.sleep(3)
+        assert not any(ts.ready(n) for n in ts.models)
     finally:
         ts.stop()

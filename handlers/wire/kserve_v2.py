@@ -65,10 +65,10 @@ def narrow(t: torch.Tensor, s, where: str) -> torch.Tensor:
 
 
 def _decode_item(i: int, item, spec):
+    if isinstance(item, dict) and "data" not in item and {"name", "shape", "datatype"} <= set(item):
+        raise RequestError(f"input {item['name']!r} has no data. {NO_DATA}")
     s, shape = check_item(i, item, spec)
     name, where = item["name"], f"input {item['name']!r}"
-    if "data" not in item:
-        raise RequestError(f"{where} has no data. {NO_DATA}")
     as_sent = replace(s, dtype="float32") if item["datatype"] == "FP32" else s
     t = from_nested(as_sent, item["data"] if isinstance(item["data"], list) else [item["data"]], where)
     if t.numel() != _count(shape):
