@@ -344,6 +344,7 @@ def test_v2_binary_good_frame_parses():
     (lambda h, r: (h, r), "0", "expected the JSON part's length"),
     (lambda h, r: (h, r), "-5", "expected the JSON part's length"),
     (lambda h, r: (h, r), "99999", "expected the JSON part's length"),
+    (lambda h, r: (h, r), "9" * 5000, "expected the JSON part's length"),  # past int()'s digit limit
     (lambda h, r: (h, r), "\u0661\u0662", "expected the JSON part's length"),  # non-ASCII digits
     (lambda h, r: (h, r[:-1]), None, "bytes after the JSON header|left"),
     (lambda h, r: (h, r + b"\0"), None, "after the last binary input"),

@@ -25,6 +25,7 @@ import torch
 
 from ..dtypes import BY_TORCH, BY_V2
 from ..errors import RequestError
+from .base import dump_json
 
 HEADER = "Inference-Header-Content-Length"
 MEDIA = "application/octet-stream"
@@ -68,7 +69,8 @@ def split(payload, header_length) -> Request:
     if not isinstance(payload, (bytes, bytearray)):
         raise RequestError(f"{HEADER} needs a binary body")
     text = str(header_length).strip()
-    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= len(payload):
+    # at most 20 digits: int() refuses over 4300 (sys.int_info), and no body is that long anyway
+    if not (text.isascii() and text.isdigit() and len(text) <= 20) or not 0 < int(text) <= len(payload):
         raise RequestError(f"{HEADER} is {header_length!r}; expected the JSON part's length in "
                            f"bytes, 1 to {len(payload)} (the body's length)")
     n = int(text)
@@ -154,5 +156,5 @@ def binary_entry(name: str, t: torch.Tensor, size: int) -> dict:
 
 def frame(header: dict, raws: list) -> tuple:
     """(JSON header bytes + raw outputs in order, the header's length)."""
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head = dump_json(header).encode("utf-8")
     return b"".join([head, *raws]), len(head)
