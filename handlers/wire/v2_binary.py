@@ -71,7 +71,7 @@ def split(payload, header_length) -> Request:
     text = str(header_length).strip()
     # at most 20 digits: int() refuses over 4300 (sys.int_info), and no body is that long anyway
     if not (text.isascii() and text.isdigit() and len(text) <= 20) or not 0 < int(text) <= len(payload):
-        raise RequestError(f"{HEADER} is {header_length!r}; expected the JSON part's length in "
+        raise RequestError(f"{HEADER} is {header_length!r:.40}; expected the JSON part's length in "
                            f"bytes, 1 to {len(payload)} (the body's length)")
     n = int(text)
     try:
