@@ -99,7 +99,7 @@ class KServeV2(WireFormat):
 
     def __init__(self, header_length=None, request=None):
         self.header_length = header_length  # set: the binary extension (v2_binary.HEADER)
-        self.request = request or v2_binary.Request({}, None)
+        self.request = request  # v2_binary.Request, set by for_request
         self.response_headers = {}
 
     def matches_json(self, body):
@@ -111,7 +111,9 @@ class KServeV2(WireFormat):
         return KServeV2(None, v2_binary.Request(body, None))
 
     def decode(self, body, spec):
-        header, raw = self.request.header, self.request.raw
+        """Decodes the request bound by for_request (body itself when called unbound)."""
+        request = self.request or self.for_request(body).request
+        header, raw = request.header, request.raw
         if not isinstance(header.get("inputs"), list):
             raise RequestError("KServe v2 `inputs` must be a list of {name, shape, datatype, data}")
         offsets = v2_binary.Offsets(raw)
@@ -125,13 +127,14 @@ class KServeV2(WireFormat):
                 name, t = _decode_item(i, item, spec)
                 tensors[name] = t
         offsets.check_consumed()
-        v2_binary.check_wanted(self.request.wanted, spec)
+        v2_binary.check_wanted(request.wanted, spec)
         request_id = header.get("id")
         return tensors, request_id if isinstance(request_id, str) else None
 
     def encode(self, outputs, request_id, model_name):
-        outputs = v2_binary.select(outputs, self.request.wanted)
-        binary = v2_binary.binary_names(self.request, outputs)
+        request = self.request or v2_binary.Request({}, None)  # unbound: all outputs, as JSON
+        outputs = v2_binary.select(outputs, request.wanted)
+        binary = v2_binary.binary_names(request, outputs)
         body = reply({n: t for n, t in outputs.items() if n not in binary}, request_id, model_name)
         if not binary:
             self.media_type, self.response_headers = JSON_MEDIA, {}
