@@ -17,16 +17,18 @@ import torch
 from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
-from handlers import safetensors_io, threads
+from handlers import oip, safetensors_io, threads
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
+from handlers.envelope import refuse_envelope
 from handlers.errors import RequestError, ServingError
 from handlers.kinds import kind_of
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
 from handlers.variants import choose_variant
+from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class CompiledModelHandler(BaseHandler):
         self.initialized = False
 
     def initialize(self, context):
+        refuse_envelope()  # first: a TorchServe request envelope would break every batch
         t0 = time.perf_counter()
         props = context.system_properties
         self.context = context
@@ -61,6 +64,8 @@ class CompiledModelHandler(BaseHandler):
         # fp32 artifact answers like the model it was compiled from; see HandlerConfig.
         torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
+        self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
+        self._grpc, self._failed = {}, []  # per batch: gRPC request idx -> id; errors answered
         spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
         for note in notes:
             logger.warning("%s", note)
@@ -126,8 +131,11 @@ class CompiledModelHandler(BaseHandler):
             req.encode(out, self.model_name)
 
     def _fail(self, context, idx, err: ServingError):
+        self._failed.append(err)
         context.set_response_status(err.status, err.error_type, idx)
         context.set_response_content_type(idx, "application/json")
+        if idx in self._grpc:
+            return oip.error_reply(err, self._grpc[idx], self.model_name, self.model_version)
         return json.dumps(err.to_dict())
 
     def _infer(self, batch: list) -> list:
@@ -147,8 +155,9 @@ class CompiledModelHandler(BaseHandler):
         valid = []
         for idx, request in enumerate(data):
             try:
-                content_type, accept = _headers(context, idx, "Content-Type", "Accept")
-                valid.append((idx, admit(request, self.spec, self.limits, content_type, accept)))
+                content_type, accept, v2_length = _headers(context, idx, "Content-Type", "Accept",
+                                                           V2_HEADER_LENGTH)
+                valid.append((idx, admit(request, self.spec, self.limits, content_type, accept, v2_length)))
             except RequestError as e:
                 results[idx] = self._fail(context, idx, e)
         if len(valid) < len(data):
@@ -161,20 +170,28 @@ class CompiledModelHandler(BaseHandler):
             if isinstance(out, ServingError):
                 results[idx] = self._fail(context, idx, out)
                 continue
-            body, content_type = req.encode(out, self.model_name)
+            if idx in self._grpc:
+                body, content_type = oip.reply(out, req.request_id, self.model_name,
+                                               self.model_version), "application/json"
+            else:
+                body, content_type = req.encode(out, self.model_name)
+                for key, value in req.respond_as.response_headers.items():
+                    context.set_response_header(idx, key, value)
             context.set_response_content_type(idx, content_type)
             results[idx] = body
 
     def handle(self, data, context):
         self.context = context
         results = [None] * len(data)
+        self._grpc = {i: oip.request_id(r) for i, r in enumerate(data) if oip.is_grpc(context, i, r)}
+        self._failed = []
         t0 = time.perf_counter()
         with record_function("handler.decode"):
             valid = self._admit_all(data, context, results)
         t1 = time.perf_counter()
         self._metric("HandlerDecodeTime", (t1 - t0) * 1000.0)
         if not valid:
-            return results
+            return self._finish(results)
         with record_function("handler.run"):
             outputs = self._infer([req.tensors for _, req in valid])
         t2 = time.perf_counter()
@@ -182,4 +199,10 @@ class CompiledModelHandler(BaseHandler):
             self._encode_all(valid, outputs, context, results)
         self._metric("HandlerRunTime", (t2 - t1) * 1000.0)
         self._metric("HandlerEncodeTime", (time.perf_counter() - t2) * 1000.0)
+        return self._finish(results)
+
+    def _finish(self, results: list) -> list:
+        """A batch of gRPC requests that all failed raises, so each call gets a real status."""
+        if self._grpc and len(self._grpc) == len(self._failed) == len(results):
+            raise oip.batch_failure(self._failed)
         return results
