@@ -14,21 +14,21 @@ in one `torchserve --start` from the shipped config.properties (only ports and p
          factory, `.to(device)` on the default stream, `.cpu()`; given the thread budget our
          handler chose (read from its load line) so the comparison is not about threads
   stock_default  the same handler without a thread budget (what a user gets), at one point
-  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size:
-         the transport limit (TorchServe's frontend + worker protocol + this client)
+  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size
+         (zeros, parsed and checked by the client like every answer): the transport limit
+         (TorchServe's frontend + worker protocol + this client)
   ours_tN  our archive with handler.cpu_threads=N (the thread-budget sweep), at one point
 and drives each with a multi-process keep-alive HTTP load generator (bounded in requests and
 time, loopback only) sending one-row safetensors requests. Every answer is compared with the
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
-Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png.
+Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
+(`python -m scripts.bench_e2e --replot OUT.json` draws the PNG again from the JSON).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
 import re
 import shutil
@@ -57,7 +57,7 @@ def parse_args(argv):
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-batch-delay", type=int, default=2)
-    p.add_argument("--workers-per-gpu", type=int, default=3)
+    p.add_argument("--workers-per-gpu", type=int, default=4)
     p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
@@ -255,7 +255,9 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
     for model, clients in plan:
-        check = None if model == "echo" else (refs, tol)
+        # The echo answers zeros of the output's shape: its answers are parsed and compared too,
+        # so the client does the same work per answer for every handler.
+        check = ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
         res = run_point(server.base, f"/predictions/{model}", token, bodies, check, clients,
                         args.seconds, args.warmup_seconds, args.max_requests, args.processes)
         res.update(handler=model, gpus=n, workers=workers, clients=clients)
@@ -363,7 +365,13 @@ def plot(path: Path, result: dict):
 
 
 def main(argv=None):
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    from_cli = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--replot"]:  # the plot again from a results JSON this script wrote
+        path = Path(argv[1])
+        plot(path.with_suffix(".png"), json.loads(path.read_text()))
+        return 0
+    args = parse_args(argv)
     import torch
 
     from handlers.metadata import read_spec
@@ -383,10 +391,11 @@ def main(argv=None):
         for n in sets:
             points += serve_set(args, n, bodies, refs, tol, spec, Path(tmp))
     name = Path(args.factory.rsplit(":", 1)[1]).name + f"_{spec.inputs[0].dtype}_{spec.backend}"
+    from scripts.results_meta import header
+
     result = {
-        "device": torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "command": "python -m scripts.bench_e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        **header(torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
+                 None if from_cli else ["-m", "scripts.bench_e2e", *argv]),
         "model": name, "host_cores": os.cpu_count(),
         "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,
