@@ -86,14 +86,14 @@ def check_rows(rows: int, limits: Limits) -> None:
 
 
 def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optional[str] = None,
-          accept: Optional[str] = None) -> Admitted:
+          accept: Optional[str] = None, v2_header_length: Optional[str] = None) -> Admitted:
     payload = payload_of(request)
     if isinstance(payload, (bytes, bytearray, str)) and len(payload) > limits.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(payload)} bytes; this model accepts at most "
                               f"{limits.max_body_bytes} (handler.max_body_mb)")
-    wire = binary_format(payload, content_type)
+    wire = binary_format(payload, content_type, v2_header_length)
     body = payload if wire is not None else parse_json(payload, limits)
-    wire = wire or json_format(body)
+    wire = (wire or json_format(body)).for_request(body)
     tensors, request_id = wire.decode(body, spec)
     tensors, rows = check_inputs(tensors, spec)
     check_rows(rows, limits)

@@ -29,6 +29,12 @@ class HandlerConfig:
     # newer ("Enabled tensor cores"): ~1e-4 relative error that nobody asked for. We put
     # torch's default back unless the archive asks for "high" (TF32) or "medium" (bf16).
     float32_matmul_precision: str = "highest"
+    # CUDA graphs per batch bucket (run/graphs.py): auto | on | off, which batch sizes (empty:
+    # powers of two up to cuda_graph_max_batch), and a cap on the memory the graphs hold.
+    cuda_graphs: str = "auto"
+    cuda_graph_batch_sizes: tuple = ()
+    cuda_graph_max_batch: int = 64
+    cuda_graph_memory_mb: float = 2048.0
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
     split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
@@ -54,9 +60,11 @@ class HandlerConfig:
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
 _TYPES = {
     "cpu_threads": int, "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
-    "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
-    "max_rows_per_request": int, "max_body_mb": float, "max_json_mb": float, "crash_safe_load": bool, "crash_safe_timeout_s": float,
-    "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str, "answer_load_failure": bool,
+    "cuda_graphs": str, "cuda_graph_batch_sizes": tuple, "cuda_graph_max_batch": int,
+    "cuda_graph_memory_mb": float, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
+    "max_rows_per_request": int, "max_body_mb": float, "max_json_mb": float, "crash_safe_load": bool,
+    "crash_safe_timeout_s": float, "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
+    "answer_load_failure": bool,
 }
 
 
@@ -98,7 +106,15 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
     if unknown:
         raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "
                           f"valid options: {', '.join(sorted(_HANDLER_KEYS))}")
+    if isinstance(raw.get("cuda_graphs"), bool):  # YAML 1.1 reads a bare on/off as a boolean
+        raw = {**raw, "cuda_graphs": "on" if raw["cuda_graphs"] else "off"}
     values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
+    _validate(values)
+    return HandlerConfig(device_type=device_type, **values)
+
+
+def _validate(values: dict) -> None:
+    """Range and choice checks of already typed option values; each names the fix."""
     if values.get("cpu_threads", 0) < 0:
         raise ConfigError("model-config.yaml handler.cpu_threads must be 0 (decide at load) or a "
                           "positive number of threads")
@@ -114,4 +130,10 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
     if values.get("staging_piece_mb", 0.0) < 0:
         raise ConfigError("model-config.yaml handler.staging_piece_mb must be 0 (no pieces) or a "
                           "positive size in MiB")
-    return HandlerConfig(device_type=device_type, **values)
+    if values.get("cuda_graphs", "auto") not in ("auto", "on", "off"):
+        raise ConfigError(f"model-config.yaml handler.cuda_graphs = {values['cuda_graphs']!r} is invalid: "
+                          "expected auto (capture and keep graphs only if they match the plain call), "
+                          "on (a capture failure fails the load) or off")
+    if values.get("cuda_graph_max_batch", 1) < 1 or values.get("cuda_graph_memory_mb", 1.0) <= 0:
+        raise ConfigError("model-config.yaml handler.cuda_graph_max_batch must be at least 1 and "
+                          "handler.cuda_graph_memory_mb positive")

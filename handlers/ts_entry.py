@@ -18,15 +18,18 @@ import torch
 from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
-from handlers import faults, scratch, threads
+from handlers import faults, oip, safetensors_io, scratch, threads
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
+from handlers.envelope import refuse_envelope
 from handlers.errors import LoadError, ModelLoadFailed, RequestError, ServingError
+from handlers.kinds import kind_of
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
 from handlers.variants import choose_variant
+from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class CompiledModelHandler(BaseHandler):
         self.initialized = False
         self.load_error = None  # a LoadError: this worker answers every request with it
         self.broken = None  # a sticky device fault: the worker is exiting (handlers/faults.py)
+        self._grpc, self._failed = {}, []  # per batch: gRPC request idx -> id; errors answered
 
     def initialize(self, context):
         # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
@@ -61,7 +65,9 @@ class CompiledModelHandler(BaseHandler):
         scratch.enter()
         self.context = context
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
+        self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
         try:
+            refuse_envelope()  # first: a TorchServe request envelope would break every batch
             self._load(context)
         except LoadError as e:
             # It would fail the same way on every restart (an incompatible, corrupt or
@@ -105,16 +111,23 @@ class CompiledModelHandler(BaseHandler):
         self.device = placement.torch_device
         self.runner = runner_for(self.model, spec, self.device, self.config)
         load_s = time.perf_counter() - t0
-        warm_s = self._warm_up() if self.config.warmup else 0.0
+        t1 = time.perf_counter()
+        if self.config.warmup:
+            self._warm_up()
+        graphs_note = self.runner.prepare(self.config, kind_of(spec))
+        if self.config.warmup:
+            self._warm_up_request_path()
+        warm_s = time.perf_counter() - t1
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
               if placement.kind == "cuda" else None)
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s; CPU threads: %s",
+            "fp32 matmul precision %s; CPU threads: %s; %s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
-            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe())
+            spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
+            graphs_note)
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 
@@ -124,18 +137,35 @@ class CompiledModelHandler(BaseHandler):
         except Exception as e:  # metrics must never fail a load or a request
             logger.debug("metric %s not recorded: %s", name, e)
 
-    def _warm_up(self) -> float:
-        t0 = time.perf_counter()
+    def _zeros(self, rows: int) -> dict:
+        return {s.name: torch.zeros((rows,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype))
+                for s in self.spec.inputs}
+
+    def _warm_up(self) -> None:
+        """The model across a few batch sizes: kernels, allocator, staging buffers."""
         for size in warmup_sizes(self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes):
-            zeros = {s.name: torch.zeros((size,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype))
-                     for s in self.spec.inputs}
             with torch.inference_mode():
-                self.runner.run([zeros])
-        return time.perf_counter() - t0
+                self.runner.run([self._zeros(size)])
+
+    def _warm_up_request_path(self) -> None:
+        """One binary and one JSON request through admission, the runner (graphs included) and
+        the encoder, so the first client request does not pay first-execution costs of that
+        Python (measured: 1.2-1.3x a steady request without this)."""
+        zeros = self._zeros(self.spec.batch_min)
+        bodies = [({"body": safetensors_io.dumps(zeros)}, safetensors_io.CONTENT_TYPE),
+                  ({"body": {"inputs": {k: v.tolist() for k, v in zeros.items()}}}, "application/json")]
+        for request, content_type in bodies:
+            req = admit(request, self.spec, self.limits, content_type, None)
+            with torch.inference_mode():
+                out = self.runner.run([req.tensors])[0]
+            req.encode(out, self.model_name)
 
     def _fail(self, context, idx, err: ServingError):
+        self._failed.append(err)
         context.set_response_status(err.status, err.error_type, idx)
         context.set_response_content_type(idx, "application/json")
+        if idx in self._grpc:
+            return oip.error_reply(err, self._grpc[idx], self.model_name, self.model_version)
         return json.dumps(err.to_dict())
 
     def _infer(self, batch: list) -> list:
@@ -167,8 +197,9 @@ class CompiledModelHandler(BaseHandler):
         valid = []
         for idx, request in enumerate(data):
             try:
-                content_type, accept = _headers(context, idx, "Content-Type", "Accept")
-                valid.append((idx, admit(request, self.spec, self.limits, content_type, accept)))
+                content_type, accept, v2_length = _headers(context, idx, "Content-Type", "Accept",
+                                                           V2_HEADER_LENGTH)
+                valid.append((idx, admit(request, self.spec, self.limits, content_type, accept, v2_length)))
             except RequestError as e:
                 results[idx] = self._fail(context, idx, e)
             except Exception as e:  # our bug, or memory: this request's own 500, never the batch's
@@ -185,34 +216,49 @@ class CompiledModelHandler(BaseHandler):
             if isinstance(out, ServingError):
                 results[idx] = self._fail(context, idx, out)
                 continue
-            try:
-                body, content_type = req.encode(out, self.model_name)
-            except Exception as e:  # one response that cannot be written fails alone
-                logger.exception("encoding the response of request %d failed", idx)
-                results[idx] = self._fail(context, idx, ServingError(
-                    f"internal error while writing the response: {type(e).__name__}: {str(e)[:300]}"))
-                continue
+            if idx in self._grpc:
+                body, content_type = oip.reply(out, req.request_id, self.model_name,
+                                               self.model_version), "application/json"
+            else:
+                try:
+                    body, content_type = req.encode(out, self.model_name)
+                except Exception as e:  # one response that cannot be written fails alone
+                    logger.exception("encoding the response of request %d failed", idx)
+                    results[idx] = self._fail(context, idx, ServingError(
+                        f"internal error while writing the response: {type(e).__name__}: {str(e)[:300]}"))
+                    continue
+                for key, value in req.respond_as.response_headers.items():
+                    context.set_response_header(idx, key, value)
             context.set_response_content_type(idx, content_type)
             results[idx] = body
 
     def handle(self, data, context):
-        """Never raises: an exception out of here fails the whole TorchServe batch (503 for
-        every request in it), so each request's failure is answered as that request's own."""
+        """Raises only through _finish (a batch of OIP gRPC calls that all failed: the exception
+        is their answer). Anything else that goes wrong becomes the answer of the request it
+        belongs to, or of every request when it belongs to none, never an exception that would
+        fail the whole TorchServe batch with 503."""
         self.context = context
         if self._is_describe():
             return [self.describe_handle()]
+        self._failed = []
+        try:
+            self._grpc = {i: oip.request_id(r) for i, r in enumerate(data) if oip.is_grpc(context, i, r)}
+        except Exception:  # a malformed gRPC request: answered below as REST, with its error
+            logger.exception("could not tell gRPC requests apart")
+            self._grpc = {}
         refusal = self.load_error or (self.broken and faults.WorkerRestarting(
             f"this worker hit a device fault and is restarting: {self.broken}"))
         if refusal:
-            return [self._fail(context, idx, refusal) for idx in range(len(data))]
+            return self._finish([self._fail(context, idx, refusal) for idx in range(len(data))])
         try:
-            return self._handle(data, context)
+            results = self._handle(data, context)
         except Exception as e:
             logger.exception("batch failed outside any one request")
-            err = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}")
-            return [self._fail(context, idx, err) for idx in range(len(data))]
+            err, self._failed = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}"), []
+            results = [self._fail(context, idx, err) for idx in range(len(data))]
+        return self._finish(results)
 
-    def _handle(self, data, context):
+    def _handle(self, data, context) -> list:
         results = [None] * len(data)
         t0 = time.perf_counter()
         with record_function("handler.decode"):
@@ -228,4 +274,10 @@ class CompiledModelHandler(BaseHandler):
             self._encode_all(valid, outputs, context, results)
         self._metric("HandlerRunTime", (t2 - t1) * 1000.0)
         self._metric("HandlerEncodeTime", (time.perf_counter() - t2) * 1000.0)
+        return results
+
+    def _finish(self, results: list) -> list:
+        """A batch of gRPC requests that all failed raises, so each call gets a real status."""
+        if self._grpc and len(self._grpc) == len(self._failed) == len(results):
+            raise oip.batch_failure(self._failed)
         return results

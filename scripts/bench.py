@@ -103,6 +103,8 @@ def main(argv=None):
                    help="also time handle() with these staging piece sizes in MiB (CUDA only)")
     p.add_argument("--profile-handle", action="store_true",
                    help="print where handle() spends Python time at the largest batch (cProfile)")
+    p.add_argument("--graphs-contrast", action="store_true",
+                   help="also time a second handler with handler.cuda_graphs=off (handle_no_graphs)")
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
@@ -148,6 +150,10 @@ def main(argv=None):
     handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
     load_warm_s = time.perf_counter() - t0
     device = handler.device
+    off = None
+    if args.graphs_contrast:
+        off = new_handler(args.artifact, gpu, {"crash_safe_load": False, "cuda_graphs": "off"})
+    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
     g = torch.Generator().manual_seed(0)
 
     def inputs(b):
@@ -160,13 +166,17 @@ def main(argv=None):
         return out
 
     first = {}
-    for name, (h, c) in {"no_warmup": (cold, cold_ctx), "warmup": (handler, ctx)}.items():
-        body = safetensors_io.dumps(inputs(sizes[-1]))
-        set_requests(c, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
-        first_ms = timed(lambda: h.handle([{"body": body}], c), device)
-        steady = [timed(lambda: h.handle([{"body": body}], c), device) for _ in range(args.iters // 2)]
-        first[name] = {"batch": sizes[-1], "first_ms": first_ms, "steady_median_ms": statistics.median(steady),
-                       "first_over_steady": first_ms / statistics.median(steady)}
+    firsts = {"no_warmup": (cold, cold_ctx), "warmup": (handler, ctx)}
+    if off:
+        firsts["warmup_no_graphs"] = off
+    for name, (h, c) in firsts.items():
+        for b in sorted({sizes[0], sizes[-1]}):
+            body = safetensors_io.dumps(inputs(b))
+            set_requests(c, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
+            first_ms = timed(lambda: h.handle([{"body": bytearray(body)}], c), device)
+            steady = [timed(lambda: h.handle([{"body": bytearray(body)}], c), device) for _ in range(args.iters // 2)]
+            first[f"{name}_b{b}"] = {"batch": b, "first_ms": first_ms, "steady_median_ms": statistics.median(steady),
+                                     "first_over_steady": first_ms / statistics.median(steady)}
     del cold
 
     results = []
@@ -201,6 +211,8 @@ def main(argv=None):
                 body = {"inputs": {n: t.tolist() for n, t in x.items()}}
                 hdr = {"body": {"content-type": "application/json"}}
             set_requests(ctx, [hdr])
+            if off:
+                set_requests(off[1], [hdr])
             ct = hdr["body"]["content-type"]
             cur = {"body": body, "req": decode({"body": body}, spec, ct)}
             refresh = None
@@ -212,9 +224,9 @@ def main(argv=None):
                     cur["body"] = bytearray(body)
                     cur["req"] = decode({"body": cur["body"]}, spec, ct)
 
-            def handle(request_body=None):
-                res = handler.handle([{"body": cur["body"] if request_body is None else request_body}], ctx)
-                assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
+            def handle(request_body=None, h=handler, c=ctx):
+                res = h.handle([{"body": cur["body"] if request_body is None else request_body}], c)
+                assert c.get_response_status(0)[0] in (None, 200), res[0][:300]
 
             def with_pieces(mib):
                 def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
@@ -237,6 +249,8 @@ def main(argv=None):
 
             stages = {"floor": floor, "handle": handle, "decode": decode_only, "run": run_only,
                       "encode": lambda: cur["req"].encode(outs["o"], "bench")}
+            if off:
+                stages["handle_no_graphs"] = lambda: handle(None, *off)
             if fmt == "safetensors" and device.type == "cuda":
                 def floor_from_pageable():
                     # TorchServe hands a worker the request in pageable memory: the least any
@@ -282,6 +296,9 @@ def main(argv=None):
             if "floor_from_pageable" in med:
                 row["floor_from_pageable_ms"] = round(med["floor_from_pageable"], 4)
                 row["ratio_vs_floor_from_pageable"] = round(mh / med["floor_from_pageable"], 4)
+            if "handle_no_graphs" in med:
+                row["handle_no_graphs_ms"] = round(med["handle_no_graphs"], 4)
+                row["graphs_over_no_graphs"] = round(mh / med["handle_no_graphs"], 4)
             for k in med:
                 if k.startswith(("handle_pieces_", "handle_reused")):
                     row["ratio_" + k[len("handle_"):]] = round(med[k] / mf, 4)

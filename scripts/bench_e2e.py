@@ -14,21 +14,21 @@ in one `torchserve --start` from the shipped config.properties (only ports and p
          factory, `.to(device)` on the default stream, `.cpu()`; given the thread budget our
          handler chose (read from its load line) so the comparison is not about threads
   stock_default  the same handler without a thread budget (what a user gets), at one point
-  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size:
-         the transport limit (TorchServe's frontend + worker protocol + this client)
+  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size
+         (zeros, parsed and checked by the client like every answer): the transport limit
+         (TorchServe's frontend + worker protocol + this client)
   ours_tN  our archive with handler.cpu_threads=N (the thread-budget sweep), at one point
 and drives each with a multi-process keep-alive HTTP load generator (bounded in requests and
 time, loopback only) sending one-row safetensors requests. Every answer is compared with the
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
-Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png.
+Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
+(`python -m scripts.bench_e2e --replot OUT.json` draws the PNG again from the JSON).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
 import re
 import shutil
@@ -57,9 +57,12 @@ def parse_args(argv):
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-batch-delay", type=int, default=2)
-    p.add_argument("--workers-per-gpu", type=int, default=3)
+    p.add_argument("--workers-per-gpu", type=int, default=4)
     p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also serve our archive with these handler options as ours_NAME, measured at "
+                        "every client count (e.g. nographs:cuda_graphs=off)")
     p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
     p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
     p.add_argument("--distinct-inputs", type=int, default=8)
@@ -176,6 +179,10 @@ def chosen_threads(log: str, name: str) -> int:
     return int(found[0])
 
 
+def is_thread_sweep(handler: str) -> bool:
+    return re.fullmatch(r"ours_t\d+", handler) is not None
+
+
 def device_sets(args, n_gpu: int) -> list:
     if n_gpu == 0:
         return [0]
@@ -198,6 +205,10 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
     store = work / f"store{n}"
     store.mkdir(parents=True, exist_ok=True)
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
+    for item in args.variant:
+        vname, _, opts = item.partition(":")
+        extra = [x for kv in opts.split(",") if kv for x in ("--handler-option", kv)]
+        models[f"ours_{vname}"] = archive_ours(args, store, f"ours_{vname}", workers, ids, extra)
     for t in ints(args.thread_sweep):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
@@ -237,13 +248,16 @@ def echo_response(spec, ref: dict) -> bytes:
 def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> list:
     token = server.key()
     points = []
-    plan = [(m, c) for m in ("ours", "stock", "echo") if m in server.models for c in ints(args.clients)]
-    extra = [m for m in server.models if m.startswith("ours_t") or m == "stock_default"]
+    main = ["ours", "stock", "echo"] + [f"ours_{v.partition(':')[0]}" for v in args.variant]
+    plan = [(m, c) for m in main if m in server.models for c in ints(args.clients)]
+    extra = [m for m in server.models if is_thread_sweep(m) or m == "stock_default"]
     if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
     for model, clients in plan:
-        check = None if model == "echo" else (refs, tol)
+        # The echo answers zeros of the output's shape: its answers are parsed and compared too,
+        # so the client does the same work per answer for every handler.
+        check = ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
         res = run_point(server.base, f"/predictions/{model}", token, bodies, check, clients,
                         args.seconds, args.warmup_seconds, args.max_requests, args.processes)
         res.update(handler=model, gpus=n, workers=workers, clients=clients)
@@ -267,13 +281,17 @@ def summary(points: list, limits: dict) -> dict:
             continue
         stock, echo = by.get(("stock", n, c)), by.get(("echo", n, c))
         img_limit = limits.get(str(n), {}).get("img_s")
-        rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"],
+        variants = {k[0]: v for k, v in by.items() if k[1:] == (n, c) and k[0].startswith("ours_")
+                    and not is_thread_sweep(k[0])}
+        rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"], "ours_p50_ms": p["p50_ms"],
+                     **{f"{k}_p50_ms": v["p50_ms"] for k, v in variants.items()},
+                     **{f"{k}_req_s": v["req_s"] for k, v in variants.items()},
                      "vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
                      "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
                      "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None})
     threads = {}
     for (h, n, c), p in by.items():
-        if h.startswith("ours_t") or (h == "ours" and any(k[0].startswith("ours_t") and k[1:] == (n, c) for k in by)):
+        if is_thread_sweep(h) or (h == "ours" and any(is_thread_sweep(k[0]) and k[1:] == (n, c) for k in by)):
             threads.setdefault(f"{n}:{c}", {})[h] = p["req_s"]
     thread_rows = [{"set": k, **v, "default_vs_best": round(v["ours"] / max(v.values()), 3)}
                    for k, v in threads.items() if "ours" in v]
@@ -347,7 +365,13 @@ def plot(path: Path, result: dict):
 
 
 def main(argv=None):
-    args = parse_args(argv if argv is not None else sys.argv[1:])
+    from_cli = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--replot"]:  # the plot again from a results JSON this script wrote
+        path = Path(argv[1])
+        plot(path.with_suffix(".png"), json.loads(path.read_text()))
+        return 0
+    args = parse_args(argv)
     import torch
 
     from handlers.metadata import read_spec
@@ -367,10 +391,11 @@ def main(argv=None):
         for n in sets:
             points += serve_set(args, n, bodies, refs, tol, spec, Path(tmp))
     name = Path(args.factory.rsplit(":", 1)[1]).name + f"_{spec.inputs[0].dtype}_{spec.backend}"
+    from scripts.results_meta import header
+
     result = {
-        "device": torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "command": "python -m scripts.bench_e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        **header(torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
+                 None if from_cli else ["-m", "scripts.bench_e2e", *argv]),
         "model": name, "host_cores": os.cpu_count(),
         "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,

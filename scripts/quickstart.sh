@@ -15,7 +15,10 @@ if [ ! -f "$ART/artifact.json" ]; then
       --dynamic-batch 1:16 --backend aoti --device "$DEVICE" --out "$ART"
 fi
 echo "== archiving model_store/classifier.mar"
-$PY -m scripts.archive --artifact "$ART" --name classifier --batch-size 8 --max-batch-delay 5
+# Serving settings: the archive defaults (4 workers, batches of 16, 2 ms) are sized for one GPU;
+# on a CPU-only machine one worker leaves the cores to that worker's threads.
+WORKERS=$([ "$DEVICE" = cuda ] && echo 4 || echo 1)
+$PY -m scripts.archive --artifact "$ART" --name classifier --workers "$WORKERS"
 if torchserve --stop >/dev/null 2>&1; then sleep 2; fi
 mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"

@@ -94,7 +94,10 @@ def artifacts(tmp_path_factory):
 def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
     if isinstance(artifact_dirs, (str, Path)):
         artifact_dirs = [artifact_dirs]
-    cmd = [PY, "-m", "scripts.archive", "--name", name, "--out", str(store), *extra]
+    # The tests' archives: one worker, unbatched, unless a test says otherwise (the shipped
+    # defaults are sized for a GPU host: README "Serving settings").
+    cmd = [PY, "-m", "scripts.archive", "--name", name, "--out", str(store), "--workers", "1",
+           "--batch-size", "1", "--max-batch-delay", "5", *extra]
     for d in artifact_dirs:
         cmd += ["--artifact", str(d)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())

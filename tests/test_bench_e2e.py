@@ -28,7 +28,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0, p
         assert p["req_s"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"], p
-        assert p["mismatches"] == (None if p["handler"] == "echo" else 0), p
+        assert p["mismatches"] == 0, p  # the echo's zeros are checked too
         assert p["worker_deaths_in_run"] == 0
         assert p["ours_cpu_threads"] == 1  # 2 cores, 1 worker: one core left to the frontend
     assert result["limits"]["0"]["forward_ms"] > 0

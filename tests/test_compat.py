@@ -385,6 +385,7 @@ def test_probe_reports_a_python_error_as_the_load_error(artifacts):
     from handlers.config import parse_config
     from handlers.errors import LoadError
     from handlers.load import load_artifact
+    from handlers.variants import open_variant
 
     d = artifacts.copy("cls_export", "probe_pyerror")
     path = os.path.join(d, "model.pt2")
@@ -392,8 +393,8 @@ def test_probe_reports_a_python_error_as_the_load_error(artifacts):
         f.truncate(os.path.getsize(path) // 2)
     repin(d)
     spec = read_spec(str(d))
-    with pytest.raises(LoadError) as in_process:
-        load_artifact(spec, Placement("cpu", None))
+    with pytest.raises(LoadError) as in_process:  # the child's steps: open (integrity), then load
+        load_artifact(open_variant(str(d)), Placement("cpu", None))
     with pytest.raises(LoadError) as probed:
         crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
     assert "not a valid .pt2 archive" in str(probed.value)

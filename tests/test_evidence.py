@@ -113,8 +113,11 @@ def test_results_files_hold_no_hand_added_fields():
         return set()
 
     for p in JSON_FILES:
-        found = keys(json.loads(p.read_text())) & {"handler_revision", "note", "tf32_finding",
-                                                   "wrong_cc_model_ready", "worker_load_s"}
+        data = json.loads(p.read_text())
+        found = keys(data) & {"handler_revision", "tf32_finding", "wrong_cc_model_ready", "worker_load_s"}
+        # a prose "note" was hand-added at the top level; tests/test_graphs_gpu.py writes a
+        # per-artifact "note" (the runner's own load-line text) inside its rows
+        found |= {"note"} & set(data)
         assert not found, (p.name, found)
 
 

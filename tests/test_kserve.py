@@ -228,6 +228,221 @@ def test_command_refuses_bad_input(layout, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Units: the v2 binary extension, FP32 for half inputs, OIP gRPC replies, the envelope check
+
+from handlers.admission import Limits, admit  # noqa: E402
+from handlers.errors import ConfigError, RequestError  # noqa: E402
+from handlers.metadata import ArtifactSpec, TensorSpec  # noqa: E402
+from handlers.wire import v2_binary  # noqa: E402
+
+SPEC = ArtifactSpec(backend="export", artifact="m.pt2", sha256="", device="cpu",
+                    inputs=(TensorSpec("x", "float32", (None, 4)), TensorSpec("m", "bool", (None, 4)),
+                            TensorSpec("h", "float16", (None, 2))),
+                    outputs=(TensorSpec("y", "float32", (None, 4)), TensorSpec("b", "bfloat16", (None, 2))),
+                    output_structure="dict", batch_min=1, batch_max=8, torch_version=torch.__version__)
+LIMITS = Limits(1 << 20, 64, 8, True)
+
+
+def sample(rows=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(rows, 4, generator=g), "m": torch.rand(rows, 4, generator=g) > 0.5,
+            "h": torch.randn(rows, 2, generator=g).half()}
+
+
+def triton_body(tensors, binary=True, outputs=None, request_id="u1"):
+    """The exact bytes and header tritonclient sends (its own request builder)."""
+    import tritonclient.http as httpclient
+    from tritonclient.http._utils import _get_inference_request
+
+    inputs = []
+    for name, t in tensors.items():
+        a = httpclient.InferInput(name, list(t.shape), {"x": "FP32", "m": "BOOL", "h": "FP16"}[name])
+        a.set_data_from_numpy(t.numpy(), binary_data=binary and name != "m")  # mixed: m as JSON
+        inputs.append(a)
+    body, json_size = _get_inference_request(inputs, request_id, outputs, 0, False, False, 0, None, None)
+    return body, (str(json_size) if json_size is not None else None)
+
+
+def v2_admit(body, length, rid=None):
+    return admit({"body": body}, SPEC, LIMITS, None, None, length)
+
+
+def test_v2_binary_request_decodes_exactly_and_answers_in_binary():
+    from tritonclient.http import InferResult
+
+    t = sample()
+    body, length = triton_body(t)
+    assert length is not None and isinstance(body, bytes)
+    req = v2_admit(body, length)
+    for n in t:
+        assert torch.equal(req.tensors[n], t[n]), n
+    assert req.request_id == "u1"
+    outs = {"y": t["x"] * 2, "b": t["h"].to(torch.bfloat16)}
+    # no outputs named: tritonclient sets binary_data_output, so every output comes back binary
+    reply, ctype = req.encode(outs, "mod")
+    head = int(req.respond_as.response_headers[v2_binary.HEADER])
+    assert ctype == "application/octet-stream" and isinstance(reply, bytes)
+    res = InferResult.from_response_body(reply, header_length=head)
+    assert np.array_equal(res.as_numpy("y"), outs["y"].numpy())
+    meta = res.get_response()
+    assert meta["id"] == "u1" and meta["model_name"] == "mod"
+    assert all("data" not in o and o["parameters"]["binary_data_size"] for o in meta["outputs"])
+    raw_b = reply[head + 3 * 4 * 4:]
+    assert torch.equal(torch.frombuffer(bytearray(raw_b), dtype=torch.bfloat16).reshape(3, 2), outs["b"])
+
+
+def test_v2_output_selection_and_binary_flags():
+    import tritonclient.http as httpclient
+    from tritonclient.http import InferResult
+
+    t = sample(2)
+    body, length = triton_body(t, outputs=[httpclient.InferRequestedOutput("y", binary_data=False)])
+    req = v2_admit(body, length)
+    reply, ctype = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    assert ctype == "application/json" and req.respond_as.response_headers == {}
+    got = json.loads(reply)
+    assert [o["name"] for o in got["outputs"]] == ["y"]  # only what was asked for
+    body, length = triton_body(t, outputs=[httpclient.InferRequestedOutput("b", binary_data=True)])
+    req = v2_admit(body, length)
+    reply, _ = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    res = InferResult.from_response_body(reply, header_length=int(req.respond_as.response_headers[v2_binary.HEADER]))
+    assert [o["name"] for o in res.get_response()["outputs"]] == ["b"]
+    with pytest.raises(RequestError, match="unknown output"):
+        v2_admit(*triton_body(t, outputs=[httpclient.InferRequestedOutput("nope")]))
+    # a JSON request (no binary inputs) asking for binary outputs gets them too
+    body, length = triton_body(t, binary=False)
+    assert length is None
+    req = admit({"body": json.loads(body)}, SPEC, LIMITS)
+    reply, ctype = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    assert ctype == "application/octet-stream" and v2_binary.HEADER in req.respond_as.response_headers
+
+
+def _frame(header: dict, raw: bytes) -> tuple:
+    head = json.dumps(header).encode()
+    return head + raw, str(len(head))
+
+
+def _item(name, datatype, shape, size=None, **extra):
+    item = {"name": name, "datatype": datatype, "shape": shape, **extra}
+    if size is not None:
+        item["parameters"] = {"binary_data_size": size}
+    return item
+
+
+GOOD = [_item("x", "FP32", [1, 4], 16), _item("m", "BOOL", [1, 4], 4), _item("h", "FP16", [1, 2], 4)]
+GOOD_RAW = torch.zeros(4).numpy().tobytes() + bytes([1, 0, 1, 0]) + torch.zeros(2).half().numpy().tobytes()
+
+
+def test_v2_binary_good_frame_parses():
+    body, n = _frame({"inputs": GOOD}, GOOD_RAW)
+    req = v2_admit(body, n)
+    assert req.tensors["m"].tolist() == [[True, False, True, False]]
+
+
+@pytest.mark.parametrize("mutate, header, message", [
+    (lambda h, r: (h, r), "abc", "expected the JSON part's length"),
+    (lambda h, r: (h, r), "0", "expected the JSON part's length"),
+    (lambda h, r: (h, r), "-5", "expected the JSON part's length"),
+    (lambda h, r: (h, r), "99999", "expected the JSON part's length"),
+    (lambda h, r: (h, r), "9" * 5000, "expected the JSON part's length"),  # past int()'s digit limit
+    (lambda h, r: (h, r), "\u0661\u0662", "expected the JSON part's length"),  # non-ASCII digits
+    (lambda h, r: (h, r[:-1]), None, "bytes after the JSON header|left"),
+    (lambda h, r: (h, r + b"\0"), None, "after the last binary input"),
+    (lambda h, r: ([_item("x", "FP32", [1, 4], 12)] + h[1:], r), None, "needs 16 bytes"),
+    (lambda h, r: ([_item("x", "FP32", [1, 4], -16)] + h[1:], r), None, "needs 16 bytes"),
+    (lambda h, r: ([_item("x", "FP32", [1, 4], "16")] + h[1:], r), None, "needs 16 bytes"),
+    (lambda h, r: ([_item("x", "FP32", [1, 4], 16, data=[0] * 4)] + h[1:], r), None, "both data"),
+    (lambda h, r: ([_item("x", "FP32", [1, -4], 16)] + h[1:], r), None, "non-negative"),
+    (lambda h, r: ([_item("x", "FP32", [1 << 40, 4], 16)] + h[1:], r), None, "needs"),
+    (lambda h, r: ([_item("x", "INT32", [1, 4], 16)] + h[1:], r), None, "does not match"),
+    (lambda h, r: ([_item("x", "BYTES", [1, 4], 16)] + h[1:], r), None, "unknown v2 datatype"),
+    (lambda h, r: (h, r[:16] + bytes([1, 2, 0, 0]) + r[20:]), None, "BOOL bytes must be 0 or 1"),
+    (lambda h, r: (h[:2], r), None, "missing input|after the last"),
+])
+def test_v2_binary_malformed_requests_are_400(mutate, header, message):
+    items, raw = mutate(list(GOOD), GOOD_RAW)
+    body, n = _frame({"inputs": items}, raw)
+    with pytest.raises(RequestError, match=message) as e:
+        v2_admit(body, header if header is not None else n)
+    assert e.value.status == 400
+
+
+def test_v2_binary_header_that_is_not_json_is_400():
+    for body, n in ((b"\xff\xfe{}", "4"), (b"[1, 2]", "6"), (b"{\"inputs\": 3}xx", "13")):
+        with pytest.raises(RequestError) as e:
+            v2_admit(body, n)
+        assert e.value.status == 400
+
+
+def test_fp32_values_for_a_half_input_only_when_exact():
+    body = {"inputs": [_item("x", "FP32", [1, 4], data=[0.0] * 4), _item("m", "BOOL", [1, 4], data=[True] * 4),
+                       _item("h", "FP32", [1, 2], data=[0.5, -2.0])]}
+    req = admit({"body": body}, SPEC, LIMITS)
+    assert req.tensors["h"].dtype == torch.float16 and req.tensors["h"].tolist() == [[0.5, -2.0]]
+    from handlers.wire import kserve_v2
+
+    tensors, _ = kserve_v2.FORMAT.decode(body, SPEC)  # the registered format, unbound, still decodes
+    assert torch.equal(tensors["h"], req.tensors["h"])
+    body["inputs"][2]["data"] = [0.1, 1.0]
+    with pytest.raises(RequestError, match="not exactly representable as float16"):
+        admit({"body": body}, SPEC, LIMITS)
+    del body["inputs"][2]["data"]  # what TorchServe's gRPC frontend makes of FP16 contents
+    with pytest.raises(RequestError, match="TorchServe 0.12's OIP gRPC frontend drops FP16"):
+        admit({"body": body}, SPEC, LIMITS)
+
+
+class FakeContext:
+    def __init__(self, headers):
+        self.headers = headers
+
+    def get_all_request_header(self, idx):
+        return self.headers[idx]
+
+
+def test_oip_replies_are_complete():
+    from handlers import oip
+    from handlers.errors import PayloadTooLarge, ServingError
+
+    grpc_req = {"body": {"id": "", "model_name": "two", "inputs": []}}
+    ctx = FakeContext([{"body": {"content-type": "application/json"}},
+                       {"body": {"content-type": "application/json"}, "Host": "x"}])
+    assert oip.is_grpc(ctx, 0, grpc_req) and not oip.is_grpc(ctx, 1, grpc_req)
+    assert not oip.is_grpc(ctx, 0, {"body": {"inputs": []}})
+    r = json.loads(oip.reply({"y": torch.ones(1, 2).half(), "i": torch.ones(1, dtype=torch.int64)}, "", "two", "1.0"))
+    assert r["id"] == "" and r["model_name"] == "two" and r["model_version"] == "1.0"
+    assert r["outputs"][0] == {"name": "y", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 1.0]}
+    assert r["outputs"][1]["datatype"] == "INT64"
+    e = json.loads(oip.error_reply(RequestError("bad"), "g1", "two", "1.0"))
+    assert e["id"] == "g1" and e["model_version"] == "1.0"
+    assert e["outputs"] == [{"name": "error", "datatype": "BYTES", "shape": [1],
+                             "data": [{"code": 400, "type": "InvalidInput", "message": "bad"}]}]
+    assert oip.batch_failure([RequestError("a")]).error_code == 400
+    assert oip.batch_failure([RequestError("a"), PayloadTooLarge("b")]).error_code == 400
+    assert oip.batch_failure([PayloadTooLarge("a"), PayloadTooLarge("b")]).error_code == 413
+    assert oip.batch_failure([RequestError("a"), ServingError("b")]).error_code == 500
+
+
+def test_envelope_is_detected_from_the_loader_frame():
+    from ts.torch_handler.request_envelope.kservev2 import KServev2Envelope
+
+    from handlers.envelope import refuse_envelope
+
+    def initialize():
+        refuse_envelope()
+
+    def load(envelope, wrap):  # the shape of ts.model_loader.TsModelLoader.load
+        entry_point = (lambda data, ctx: data)
+        if wrap:
+            entry_point = KServev2Envelope(entry_point).handle
+        initialize()
+        return entry_point
+
+    load(None, False)
+    with pytest.raises(ConfigError, match="TS_SERVICE_ENVELOPE=kservev2.*enable_envvars_config=false"):
+        load("kservev2", True)
+
+
+# ---------------------------------------------------------------------------------------------
 # TorchServe as KServe's runtime starts it
 
 
@@ -412,8 +627,6 @@ def test_v2_concurrent_batch_and_a_bad_request_failing_alone(kserve_ts):
     ts.assert_no_worker_restarts()
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: the handler does not yet speak the v2 binary tensor "
-                                       "extension (Inference-Header-Content-Length)")
 def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     ts = kserve_ts("v2")
     f, m = two(4, seed=51)
@@ -422,6 +635,15 @@ def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     check_v2(result, f, m, "bin-51")
     assert result.get_response().get("outputs") and all(
         o.get("parameters", {}).get("binary_data_size") for o in result.get_response()["outputs"])
+    # binary inputs, JSON outputs; and a truncated body is the request's own 400
+    result = triton(ts).infer("two", v2_inputs(f, m, binary=True), outputs=v2_outputs(), request_id="bin-52")
+    check_v2(result, f, m, "bin-52")
+    head = json.dumps({"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 64}}]}).encode()
+    r = requests.post(f"{ts.base}/v2/models/two/infer", data=head + b"\0" * 10, timeout=60,
+                      headers={"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and "needs 64 bytes after the JSON header" in r.text, r.text
+    ts.assert_no_worker_restarts()
 
 
 def test_v2_metadata_and_ready_routes_are_absent_in_torchserve_0_12(kserve_ts):
@@ -512,8 +734,26 @@ def test_grpc_v2_model_ready(kserve_ts, oip):
         assert stub.ModelReady(pb2.ModelReadyRequest(name="two"), timeout=30).ready
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: OIP gRPC replies need id, model_name, model_version "
-                                       "and typed outputs from the handler")
+def grpc_request(pb2, f, m, request_id, features=None):
+    features = f if features is None else features
+    return pb2.ModelInferRequest(model_name="two", id=request_id, inputs=[
+        pb2.ModelInferRequest.InferInputTensor(
+            name="features", datatype="FP32", shape=list(features.shape),
+            contents=pb2.InferTensorContents(fp32_contents=features.reshape(-1).tolist())),
+        pb2.ModelInferRequest.InferInputTensor(
+            name="mask", datatype="BOOL", shape=list(m.shape),
+            contents=pb2.InferTensorContents(bool_contents=m.reshape(-1).tolist())),
+    ])
+
+
+def check_grpc(resp, f, m, request_id):
+    assert resp.model_name == "two" and resp.id == request_id and resp.model_version == "1.0"
+    ref = eager("two_input", f, m)
+    got = {o.name: torch.tensor(list(o.contents.fp32_contents)).reshape(list(o.shape)) for o in resp.outputs}
+    assert all(o.datatype == "FP32" for o in resp.outputs)
+    close(got, ref)
+
+
 def test_grpc_v2_model_infer(kserve_ts, oip):
     import grpc
 
@@ -528,41 +768,86 @@ def test_grpc_v2_model_infer(kserve_ts, oip):
     ])
     with grpc.insecure_channel(ts.grpc) as channel:
         resp = pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=60)
-    assert resp.model_name == "two" and resp.id == "g-71"
-    ref = eager("two_input", f, m)
-    got = {o.name: torch.tensor(list(o.contents.fp32_contents)).reshape(list(o.shape)) for o in resp.outputs}
-    close(got, ref)
+    check_grpc(resp, f, m, "g-71")
+    ts.assert_no_worker_restarts()
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: with TorchServe's kservev2 envelope active the handler "
-                                       "must refuse to load naming the setting, or serve batches correctly")
-def test_envelope_from_kserve_docs_is_refused_or_served_correctly(layout, tmp_path_factory):
+def test_grpc_v2_bad_requests_get_a_status_and_the_worker_lives(kserve_ts, oip):
+    import grpc
+
+    pb2, pb2_grpc = oip
+    ts = kserve_ts("grpc-v2")
+    f, m = two(2, seed=72)
+    with grpc.insecure_channel(ts.grpc) as channel:
+        stub = pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:  # 15 columns instead of 16, alone in its batch
+            stub.ModelInfer(grpc_request(pb2, f, m, "g-bad", features=f[:, :15].contiguous()), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "dimension 1" in e.value.details(), e.value.details()
+        # FP16 contents: the frontend drops them (no typed field), the reply says so and how to fix
+        req = grpc_request(pb2, f, m, "g-half")
+        req.inputs[0].datatype = "FP16"
+        req.inputs[0].ClearField("contents")
+        req.raw_input_contents.append(f.half().numpy().tobytes())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "drops FP16/BF16 contents and raw_input_contents" in e.value.details(), e.value.details()
+        check_grpc(stub.ModelInfer(grpc_request(pb2, f, m, "g-after"), timeout=60), f, m, "g-after")
+    ts.assert_no_worker_restarts()
+
+
+def test_grpc_v2_concurrent_batch_with_a_bad_request(kserve_ts, oip):
+    import grpc
+
+    pb2, pb2_grpc = oip
+    ts = kserve_ts("grpc-v2")
+    inputs = [two(n, seed=90 + i) for i, n in enumerate([1, 2, 3, 1, 2, 1, 3, 2])]
+    bad_at = 3
+    barrier = threading.Barrier(len(inputs))
+
+    def one(i):
+        f, m = inputs[i]
+        req = grpc_request(pb2, f, m, f"gb{i}", features=f[:, :15].contiguous() if i == bad_at else None)
+        with grpc.insecure_channel(ts.grpc) as channel:
+            stub = pb2_grpc.GRPCInferenceServiceStub(channel)
+            barrier.wait()
+            try:
+                return stub.ModelInfer(req, timeout=120)
+            except grpc.RpcError as e:
+                return e
+
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        results = list(pool.map(one, range(len(inputs))))
+    for i, (res, (f, m)) in enumerate(zip(results, inputs)):
+        if i != bad_at:
+            assert not isinstance(res, Exception), res
+            check_grpc(res, f, m, f"gb{i}")
+        elif isinstance(res, grpc.RpcError):  # alone in its batch: a real status
+            assert res.code() == grpc.StatusCode.INVALID_ARGUMENT and "dimension 1" in res.details()
+        else:  # inside a batch with good requests: a complete reply whose output `error` says why
+            assert res.id == f"gb{i}" and [o.name for o in res.outputs] == ["error"]
+            err = json.loads(res.outputs[0].contents.bytes_contents[0])
+            assert err["code"] == 400 and "dimension 1" in err["message"], err
+    sizes = [int(n) for n in re.findall(r"batch of (\d+)", ts.log())]
+    assert sizes and max(sizes) > 1, ts.log()[-3000:]
+    ts.assert_no_worker_restarts()
+
+
+def test_envelope_from_kserve_docs_fails_the_load_naming_the_setting(layout, tmp_path_factory):
     """KServe's docs set enable_envvars_config=true, which makes TS_SERVICE_ENVELOPE=kservev2 wrap
-    the handler: only the first request of a batch is passed on. Either the load fails with a
-    message naming the setting and its fix, or every request of a concurrent batch is answered."""
+    the handler: only the first request of a batch would be passed on. The handler refuses to
+    load instead, naming the setting and the fix; the model never becomes READY."""
     ts = KServeTorchServe(layout["storage"], tmp_path_factory.mktemp("kserve_envelope"), "v2",
                           overrides={"enable_envvars_config": "true"})
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and not all(ts.ready(n) for n in ts.models):
-            if "TS_SERVICE_ENVELOPE" in ts.log() and "enable_envvars_config" in ts.log():
-                return  # refused at load with a message naming the setting
+        while time.time() < deadline and "enable_envvars_config=false" not in ts.log():
+            assert not any(ts.ready(n) for n in ts.models), ts.log()[-3000:]
             time.sleep(1)
-        assert all(ts.ready(n) for n in ts.models), ts.log()[-3000:]
-        inputs = [two(n, seed=80 + i) for i, n in enumerate([1, 2, 3, 1])]
-        barrier = threading.Barrier(len(inputs))
-
-        def one(i):
-            client = triton(ts)
-            barrier.wait()
-            try:
-                return client.infer("two", v2_inputs(*inputs[i]), outputs=v2_outputs(), request_id=f"e{i}")
-            finally:
-                client.close()
-
-        with ThreadPoolExecutor(len(inputs)) as pool:
-            results = list(pool.map(one, range(len(inputs))))
-        for i, (res, (f, m)) in enumerate(zip(results, inputs)):
-            check_v2(res, f, m, f"e{i}")
+        log = ts.log()
+        assert "TS_SERVICE_ENVELOPE=kservev2" in log and "enable_envvars_config=false" in log, log[-3000:]
+        time.sleep(3)
+        assert not any(ts.ready(n) for n in ts.models)
     finally:
         ts.stop()

@@ -63,7 +63,7 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     report = json.loads(out.read_text())
     assert list(report)[:4] == ["device", "date", "torch", "command"]
     # the command that ran, from its argv, not a literal
-    assert report["command"] == ("python scripts/bench.py --artifact " + str(artifacts.get("cls_aoti"))
+    assert report["command"] == ("python -m scripts.bench --artifact " + str(artifacts.get("cls_aoti"))
                                  + f" --batch-sizes 1,3 --iters 3 --warmup 1 --out {out}")
     rows = {(x["batch"], x["format"]): x for x in report["results"]}
     assert set(rows) == {(1, "safetensors"), (1, "json"), (3, "safetensors"), (3, "json")}
@@ -76,3 +76,21 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
 def test_xfer_study_says_it_needs_a_gpu():
     r = run("scripts/xfer_study.py", "--iters", "1")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
+
+
+def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path):
+    """4 workers, 2 ms delay, batches of 16 capped at what the artifact accepts per call
+    (README "Serving settings"; docs/results/e2e_*)."""
+    import zipfile
+
+    import yaml
+
+    def config(art, name):
+        r = run("scripts/archive.py", "--artifact", str(art), "--name", name, "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        with zipfile.ZipFile(tmp_path / f"{name}.mar") as z:
+            return yaml.safe_load(z.read("model-config.yaml"))
+
+    cfg = config(artifacts.get("cls_export"), "wide")  # batch range 1..16
+    assert (cfg["minWorkers"], cfg["maxWorkers"], cfg["batchSize"], cfg["maxBatchDelay"]) == (4, 4, 16, 2)
+    assert config(artifacts.get("two_export_2to4"), "narrow")["batchSize"] == 4  # its max per call

@@ -46,10 +46,15 @@ def skip_isa_probe_builds():
     return mock.patch.object(codecache, "get_device_information", lambda device_type: {})
 
 
-def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str) -> LoadedModel:
+def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str,
+                      single_threaded: bool = False) -> LoadedModel:
+    """single_threaded: aoti_load_package's run_single_threaded, the runner without the model
+    container's per-call thread pool handoff, which a CUDA graph capture needs."""
     from torch._inductor import aoti_load_package
 
     kwargs = {"device_index": placement.index} if placement.kind == "cuda" else {}
+    if single_threaded:
+        kwargs["run_single_threaded"] = True
     try:
         with skip_isa_probe_builds():
             fn = aoti_load_package(spec.artifact_path, **kwargs)
@@ -89,8 +94,13 @@ class AotiPackage(ArtifactKind):
         cpu_isa_rule(spec, placement, m, fatal, warn)
         cuda_kernel_rule(spec, placement, m, fatal, warn)
 
+    graph_capturable = True
+
     def load(self, spec, placement, config=None):
-        return load_aoti_package(spec, placement, "aoti_package")
+        # One request at a time per worker: the single-threaded runner serves both plain calls
+        # and CUDA graph capture.
+        graphs = placement.kind == "cuda" and config is not None and config.cuda_graphs != "off"
+        return load_aoti_package(spec, placement, "aoti_package", single_threaded=graphs)
 
     def compile(self, ep, inputs, path, options) -> dict:
         from torch._inductor import aoti_compile_and_package

@@ -37,6 +37,8 @@ class ArtifactKind:
     # torch major.minor must match). Otherwise relocatable: a graph plus tensors that can move
     # to another device kind after compilation.
     native = True
+    # Its loaded callable launches plain CUDA kernels that a CUDA graph can record (run/graphs.py).
+    graph_capturable = False
     zipped = True  # the artifact is a .pt2 zip archive (integrity check looks for its directory)
     # What scripts/compile.py needs to produce it: "cxx" (a C++ compiler for a wrapper),
     # "torch_tensorrt"; None when compile.py does not produce it directly.

@@ -12,6 +12,7 @@ from .base import ArtifactKind, LoadedModel
 class ExportedProgram(ArtifactKind):
     name = "export"
     native = False
+    graph_capturable = True  # .module() runs eager aten kernels
     compile_needs = ()
 
     def load(self, spec, placement, config=None):

@@ -18,6 +18,10 @@ class Runner:
         to `run_rows`; returns host tensors valid until the next call (reused buffers)."""
         raise NotImplementedError
 
+    def prepare(self, config, kind) -> str:
+        """Load-time preparation after warm-up (CUDA graphs); returns a note for the load line."""
+        raise NotImplementedError
+
     def staging_bytes(self) -> int:
         raise NotImplementedError
 

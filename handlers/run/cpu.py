@@ -14,5 +14,8 @@ class CpuRunner(Runner):
         staged = [self.inputs.stage(n, parts[n], run_rows) for n in self.spec.input_names]
         return {k: v.contiguous() for k, v in self.model(*staged).items()}
 
+    def prepare(self, config, kind) -> str:
+        return "CPU: no CUDA graphs"
+
     def staging_bytes(self) -> int:
         return self.inputs.nbytes()

@@ -7,16 +7,25 @@ copy of the next); the model runs with our stream current; outputs are copied in
 buffers non-blocking; the host waits on an event recorded on our stream before anything reads
 them, also after a failure. Nothing of a request is queued on the default stream.
 
+With CUDA graphs (run/graphs.py, on by default where they verify), a call whose rows fit a
+captured bucket is uploaded into that bucket's own device inputs and replayed instead.
+
 Device input buffers: one per input, sized for the largest batch so far, and one set of views
 per batch size (`_device_inputs`), so a batch size always finds its inputs at the same
 addresses; per-batch-size graph capture would replay against exactly these views.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from ..errors import LoadError
 from ..stage import StagingBuffers
+from . import graphs
 from .base import Runner
+
+logger = logging.getLogger(__name__)
 
 
 def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_bytes: int) -> None:
@@ -62,6 +71,33 @@ class CudaRunner(Runner):
         self._views_grows = -1
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
         self.done = torch.cuda.Event()
+        self.graphs = None  # graphs.GraphSet once prepare() captured some
+
+    def prepare(self, config, kind) -> str:
+        """Capture CUDA graphs per batch bucket as `config.cuda_graphs` says (after warm-up);
+        returns the note for the load line."""
+        mode = config.cuda_graphs if config else "off"
+        if mode == "off":
+            return "CUDA graphs off"
+        reason = graphs.why_not_capturable(kind, self.spec)
+        if reason is None:
+            sizes = graphs.graph_buckets(self.spec.batch_min, self.spec.batch_max,
+                                         config.cuda_graph_batch_sizes, config.cuda_graph_max_batch)
+            try:
+                with torch.inference_mode():
+                    self.graphs = graphs.build(self.model, self.spec, self.device, self.stream, sizes,
+                                               int(config.cuda_graph_memory_mb * 2**20), verify=True)
+                return self.graphs.describe()
+            except Exception as e:  # capture refused (host sync, CPU op...) or outputs differ
+                self.graphs = None
+                self.stream.synchronize()
+                torch.cuda.empty_cache()
+                reason = f"{type(e).__name__}: {e}"
+        if mode == "on":
+            raise LoadError(f"handler.cuda_graphs is on but this model cannot use them: {reason}. "
+                            "Fix: set cuda_graphs to auto (falls back) or off.")
+        logger.warning("running without CUDA graphs: %s", reason)
+        return f"no CUDA graphs ({reason})"
 
     def _device_inputs(self, parts: dict, run_rows: int) -> list:
         """Device input tensors for a call of `run_rows` rows, the same ones for every call of
@@ -87,13 +123,18 @@ class CudaRunner(Runner):
         return host
 
     def call(self, parts: dict, run_rows: int) -> dict:
+        bucket = self.graphs.for_rows(run_rows) if self.graphs else None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(self.stream):
-                dev = self._device_inputs(parts, run_rows)
+                dev = bucket.inputs if bucket else self._device_inputs(parts, run_rows)
                 for name, d in zip(self.spec.input_names, dev):
                     upload(self.host_inputs, name, parts[name], d, self.piece_bytes)
-                host = self._copy_out(self.model(*dev))
+                if bucket:  # padding rows were zeroed by upload; only ours are copied out
+                    bucket.graph.replay()
+                    host = self._copy_out({k: v[:run_rows] for k, v in bucket.outputs.items()})
+                else:
+                    host = self._copy_out(self.model(*dev))
         finally:
             # Also after a failure: pinned input pieces may still be in flight, and the next
             # request rewrites them.

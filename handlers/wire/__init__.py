@@ -24,9 +24,12 @@ def _media(content_type) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def binary_format(payload, content_type):
+def binary_format(payload, content_type, v2_header_length=None):
     """The binary format named by the Content-Type, or recognised from bytes sent without a
-    JSON one; None: the body is JSON. Raises 415 for any other declared media type."""
+    JSON one; None: the body is JSON. Raises 415 for any other declared media type. The v2
+    binary extension is announced by its header (v2_binary.HEADER), whatever the media type."""
+    if v2_header_length is not None:
+        return kserve_v2.binary(v2_header_length)
     ct = _media(content_type)
     binaries = [f for f in FORMATS.values() if f.binary]
     for f in binaries:

@@ -23,6 +23,7 @@ class WireFormat:
     name = ""  # a WireName, or any other string for a registered format
     media_type = JSON_MEDIA  # Content-Type of its bodies
     binary = False  # True: chosen by media type / bytes; False: a JSON envelope
+    response_headers: dict = {}  # set by encode where the reply needs headers (v2 binary)
 
     def matches_bytes(self, payload) -> bool:
         """Binary formats: whether bytes without a Content-Type are this format."""
@@ -31,6 +32,11 @@ class WireFormat:
     def matches_json(self, body: dict) -> bool:
         """JSON formats: whether a parsed JSON object is this envelope."""
         return False
+
+    def for_request(self, body) -> "WireFormat":
+        """The format that decodes and answers this one request: itself, or a fresh instance
+        holding per-request state (KServe v2: binary framing, requested outputs)."""
+        return self
 
     def decode(self, body, spec) -> tuple:
         """Body (bytes for binary formats, the parsed object for JSON ones) -> ({input name:

@@ -1,60 +1,164 @@
-"""KServe v2 (Open Inference Protocol) JSON: {"id", "inputs": [{name, shape, datatype, data}]}
--> {"model_name", "id", "outputs": [{name, shape, datatype, data}]}."""
+"""KServe v2 (Open Inference Protocol) over REST: {"id", "inputs": [{name, shape, datatype,
+data}], "outputs"?: [{name, parameters?}], "parameters"?} -> {"model_name", "id", "outputs":
+[{name, shape, datatype, data}]}, and its binary tensor extension (handlers.wire.v2_binary).
+
+Per-request state (the binary framing, the requested outputs) lives in the instance that
+`for_request` returns; the registered FORMAT itself stays stateless.
+
+Inputs declared FP32 are accepted for a float16/bfloat16 input when every value converts
+exactly: TorchServe 0.12's OIP gRPC frontend drops FP16/BF16 contents (it reads typed contents
+only, and protobuf has no fp16 field), and tritonclient refuses BF16 in JSON, so FP32 values
+are the portable way to send them; nothing is rounded silently.
+"""
 from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
 
 from ..dtypes import BY_NAME, BY_TORCH, BY_V2
 from ..errors import RequestError
-from .base import WireFormat, WireName, dump_json
+from . import v2_binary
+from .base import JSON_MEDIA, WireFormat, WireName, dump_json
 from .strict_json import json_values
 from .tensors import from_nested, spec_of
 
+HALF = ("FP16", "BF16")
+NO_DATA = ("TorchServe 0.12's OIP gRPC frontend drops FP16/BF16 contents and raw_input_contents "
+           "(only typed contents reach the model); send the values as FP32 (fp32_contents, "
+           "datatype FP32): they are converted to the artifact's dtype when exact")
 
-def _decode_item(i: int, item, spec):
-    if not isinstance(item, dict) or not {"name", "shape", "datatype", "data"} <= set(item):
-        raise RequestError(f"v2 inputs[{i}] must have name, shape, datatype and data")
-    name = item["name"]
-    if not isinstance(name, str):
-        raise RequestError(f"v2 inputs[{i}].name must be a string, got {type(name).__name__}")
-    s = spec_of(spec, name)
-    where = f"input {name!r}"
-    want = BY_NAME[s.dtype].v2
-    if not isinstance(item["datatype"], str) or item["datatype"] not in BY_V2:
-        raise RequestError(f"{where}: unknown v2 datatype {item['datatype']!r}; expected {want}")
-    if item["datatype"] != want:
-        raise RequestError(f"{where}: datatype {item['datatype']} does not match the artifact's "
-                           f"{want} ({s.describe()})")
-    shape = item["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise RequestError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
-    t = from_nested(s, item["data"] if isinstance(item["data"], list) else [item["data"]], where)
+
+def _count(shape) -> int:
     count = 1
     for d in shape:
         count *= d
-    if t.numel() != count:
-        raise RequestError(f"{where}: shape {shape} needs {count} values, data holds {t.numel()}")
-    return name, t.reshape(shape)
+    return count
+
+
+def check_item(i: int, item, spec):
+    """The input's TensorSpec and its declared shape, checked against the artifact."""
+    if not isinstance(item, dict) or not {"name", "shape", "datatype"} <= set(item):
+        raise RequestError(f"v2 inputs[{i}] must have name, shape, datatype and data")
+    if not isinstance(item["name"], str):
+        raise RequestError(f"v2 inputs[{i}].name must be a string, got {type(item['name']).__name__}")
+    s = spec_of(spec, item["name"])
+    where = f"input {item['name']!r}"
+    want, got = BY_NAME[s.dtype].v2, item["datatype"]
+    if not isinstance(got, str) or got not in BY_V2:  # a list or dict is not hashable
+        raise RequestError(f"{where}: unknown v2 datatype {got!r}; expected {want}")
+    if got != want and not (got == "FP32" and want in HALF):
+        raise RequestError(f"{where}: datatype {got} does not match the artifact's {want} ({s.describe()})")
+    shape = item["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise RequestError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    return s, shape
+
+
+def narrow(t: torch.Tensor, s, where: str) -> torch.Tensor:
+    """FP32 values for a float16/bfloat16 input, converted only when exact."""
+    want = BY_NAME[s.dtype].torch
+    if t.dtype == want:
+        return t
+    out = t.to(want)
+    if not torch.equal(out.to(t.dtype), t):
+        raise RequestError(f"{where}: FP32 values are not exactly representable as {s.dtype} "
+                           f"({s.describe()}); round them to {s.dtype} before sending")
+    return out
+
+
+def _decode_item(i: int, item, spec):
+    if isinstance(item, dict) and "data" not in item and {"name", "shape", "datatype"} <= set(item):
+        raise RequestError(f"input {item['name']!r} has no data. {NO_DATA}")
+    s, shape = check_item(i, item, spec)
+    name, where = item["name"], f"input {item['name']!r}"
+    as_sent = replace(s, dtype="float32") if item["datatype"] == "FP32" else s
+    t = from_nested(as_sent, item["data"] if isinstance(item["data"], list) else [item["data"]], where)
+    if t.numel() != _count(shape):
+        raise RequestError(f"{where}: shape {shape} needs {_count(shape)} values, data holds {t.numel()}")
+    return name, narrow(t.reshape(shape), s, where)
+
+
+def output_entry(name: str, t: torch.Tensor, widen_half: bool = False) -> dict:
+    """One reply output with flat JSON data; widen_half sends FP16/BF16 as FP32 (exact)."""
+    if widen_half and BY_TORCH[t.dtype].v2 in HALF:
+        t = t.float()
+    return {"name": name, "shape": list(t.shape), "datatype": BY_TORCH[t.dtype].v2,
+            "data": json_values(t.reshape(-1))}
+
+
+def reply(outputs: dict, request_id, model_name: str, model_version=None, widen_half=False) -> dict:
+    body = {"model_name": model_name,
+            "outputs": [output_entry(n, t, widen_half) for n, t in outputs.items()]}
+    if model_version is not None:
+        body["model_version"] = model_version
+    if request_id is not None:
+        body["id"] = request_id
+    return body
 
 
 class KServeV2(WireFormat):
     name = WireName.KSERVE_V2
 
+    def __init__(self, header_length=None, request=None):
+        self.header_length = header_length  # set: the binary extension (v2_binary.HEADER)
+        self.request = request  # v2_binary.Request, set by for_request
+        self.response_headers = {}
+
     def matches_json(self, body):
         return isinstance(body.get("inputs"), list)
 
+    def for_request(self, body):
+        if self.header_length is not None:
+            return KServeV2(self.header_length, v2_binary.split(body, self.header_length))
+        return KServeV2(None, v2_binary.Request(body, None))
+
     def decode(self, body, spec):
-        if len(body["inputs"]) > len(spec.inputs):
-            raise RequestError(f"v2 request has {len(body['inputs'])} inputs; the artifact takes "
+        """Decodes the request bound by for_request (body itself when called unbound)."""
+        request = self.request or self.for_request(body).request
+        header, raw = request.header, request.raw
+        if not isinstance(header.get("inputs"), list):
+            raise RequestError("KServe v2 `inputs` must be a list of {name, shape, datatype, data}")
+        if len(header["inputs"]) > len(spec.inputs):
+            raise RequestError(f"v2 request has {len(header['inputs'])} inputs; the artifact takes "
                                f"{len(spec.inputs)} ({', '.join(spec.input_names)})")
-        tensors = dict(_decode_item(i, item, spec) for i, item in enumerate(body["inputs"]))
-        return tensors, body.get("id") if isinstance(body.get("id"), str) else None
+        offsets = v2_binary.Offsets(raw)
+        tensors = {}
+        for i, item in enumerate(header["inputs"]):
+            if v2_binary.is_binary(item):
+                s, shape = check_item(i, item, spec)
+                t = offsets.take(i, item, shape)
+                tensors[item["name"]] = narrow(t, s, f"input {item['name']!r}")
+            else:
+                name, t = _decode_item(i, item, spec)
+                tensors[name] = t
+        offsets.check_consumed()
+        v2_binary.check_wanted(request.wanted, spec)
+        request_id = header.get("id")
+        return tensors, request_id if isinstance(request_id, str) else None
 
     def encode(self, outputs, request_id, model_name):
-        body = {"model_name": model_name, "outputs": [
-            {"name": n, "shape": list(t.shape), "datatype": BY_TORCH[t.dtype].v2,
-             "data": json_values(t.reshape(-1))} for n, t in outputs.items()]}
-        if request_id:
-            body["id"] = request_id
-        return dump_json(body)
+        request = self.request or v2_binary.Request({}, None)  # unbound: all outputs, as JSON
+        outputs = v2_binary.select(outputs, request.wanted)
+        binary = v2_binary.binary_names(request, outputs)
+        body = reply({n: t for n, t in outputs.items() if n not in binary}, request_id, model_name)
+        if not binary:
+            self.media_type, self.response_headers = JSON_MEDIA, {}
+            return dump_json(body)
+        raws = {n: v2_binary.raw_bytes(outputs[n]) for n in binary}
+        entries = {e["name"]: e for e in body["outputs"]}
+        body["outputs"] = [entries.get(n) or v2_binary.binary_entry(n, t, len(raws[n]))
+                           for n, t in outputs.items()]  # the model's output order
+        framed, header_length = v2_binary.frame(body, [raws[n] for n in outputs if n in binary])
+        self.media_type = v2_binary.MEDIA
+        self.response_headers = {v2_binary.HEADER: str(header_length)}
+        return framed
 
 
 FORMAT = KServeV2()
+
+
+def binary(header_length: str) -> KServeV2:
+    """The binary extension, announced by the request header v2_binary.HEADER (not by a media
+    type, so it is not registered: the registry asks for it by that header)."""
+    return KServeV2(header_length)

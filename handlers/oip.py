@@ -1,0 +1,67 @@
+"""Replies to TorchServe 0.12's Open Inference Protocol gRPC service (ModelInfer).
+
+Facts this relies on (TorchServe 0.12, OpenInferenceProtocolImpl / GRPCJob in model-server.jar):
+- The frontend turns a ModelInferRequest into the JSON {"id", "model_name", "inputs": [{name,
+  shape, datatype, data}]} (one parameter "body", application/json) and sends no request
+  headers; REST requests always carry their HTTP headers (Host at least). So: no string header
+  and a `model_name` in the body = the gRPC path.
+- It reads the reply as JSON and needs `id`, `model_name`, `model_version` (strings) and
+  `outputs[]` with name, datatype, shape and flat data; a missing key throws in
+  GRPCJob.response and the worker is killed. FP16/BF16 data come back empty (no typed field),
+  so they are sent as FP32 (exact). A BYTES element is sent as its JSON text.
+- It ignores per-request status codes; a gRPC status comes only from a failed batch
+  (PredictionException(message, code) -> GRPCUtils.getGRPCStatusCode: 400 INVALID_ARGUMENT,
+  413 RESOURCE_EXHAUSTED, 404 NOT_FOUND, 503 UNAVAILABLE, other codes INTERNAL).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from ts.utils.util import PredictionException
+
+from .errors import ServingError
+from .wire import kserve_v2
+from .wire.base import dump_json
+
+
+def is_grpc(context, idx: int, request) -> bool:
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return False
+    if any(isinstance(v, str) for v in headers.values()):
+        return False
+    body = request.get("body") if isinstance(request, dict) else None
+    return isinstance(body, dict) and isinstance(body.get("model_name"), str)
+
+
+def request_id(request) -> str:
+    body = request.get("body") if isinstance(request, dict) else None
+    rid = body.get("id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
+def reply(outputs: dict, rid: Optional[str], model_name: str, model_version: str) -> str:
+    return dump_json(kserve_v2.reply(outputs, rid or "", model_name, model_version, widen_half=True))
+
+
+def error_reply(err: ServingError, rid: str, model_name: str, model_version: str) -> str:
+    """A complete reply whose one output, BYTES `error`, holds the JSON error object (the
+    frontend would drop the status code of a request failing alone in a batch)."""
+    return dump_json({"id": rid, "model_name": model_name, "model_version": model_version,
+                      "outputs": [{"name": "error", "datatype": "BYTES", "shape": [1],
+                                   "data": [err.to_dict()]}]})
+
+
+def batch_failure(errors: list) -> PredictionException:
+    """Every request of a gRPC batch failed: one exception, so each call gets a real status.
+    The status is theirs if they agree, else 400 when all are the clients' fault, else 500."""
+    codes = {e.status for e in errors}
+    code = codes.pop() if len(codes) == 1 else (400 if all(e.status < 500 for e in errors) else 500)
+    if len(errors) == 1:
+        return PredictionException(json.dumps(errors[0].to_dict()), code)
+    # One description reaches every call of the batch: it lists the errors, yours among them.
+    return PredictionException(json.dumps({
+        "code": code, "type": "BatchFailed", "message": f"all {len(errors)} requests of this batch "
+        "failed; yours is one of `errors`", "errors": [e.to_dict() for e in errors]}), code)

@@ -1,0 +1,147 @@
+"""CUDA graphs per batch bucket, for the CUDA runner.
+
+At small batch a compiled model waits on kernel launches: each call launches every kernel from
+the CPU. A CUDA graph records those launches once and replays them with one call. Graphs are
+bound to the addresses and shapes they were captured with, so each bucket (a batch size) owns
+persistent device input tensors that requests are copied into, and output tensors that replay
+overwrites; a batch is padded with zero rows to the smallest bucket that holds it. All buckets
+share one memory pool (they are replayed one at a time, never concurrently, and every replay's
+outputs are copied out before the next).
+
+Policy (`cuda_graphs` in model-config.yaml): `off`; `on` (a capture or check failure fails the
+load); `auto` (the default: capture, replay each bucket once against the plain call on a random
+input, keep graphs only if every output matches bit for bit; otherwise log why and run without).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import LoadError
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(batch_min: int, batch_max: int, configured=(), largest: int = 64) -> list:
+    """Batch sizes to capture: `configured` if given (each inside [batch_min, batch_max]), else
+    the powers of two in [batch_min, min(batch_max, largest)] plus both ends of that range, so
+    every batch up to the largest bucket has one that holds it."""
+    if configured:
+        bad = [b for b in configured if not batch_min <= b <= batch_max]
+        if bad:
+            raise LoadError(f"cuda_graph_batch_sizes {bad} lie outside the artifact's batch range "
+                            f"[{batch_min}, {batch_max}]")
+        return sorted(set(configured))
+    hi = min(batch_max, max(largest, batch_min))
+    sizes = {batch_min, hi}
+    p = 1
+    while p < hi:
+        if p > batch_min:
+            sizes.add(p)
+        p *= 2
+    return sorted(sizes)
+
+
+def bucket_for(rows: int, buckets: list) -> Optional[int]:
+    """The smallest bucket holding `rows`, or None when rows exceed the largest."""
+    i = bisect.bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass
+class GraphBucket:
+    rows: int
+    graph: torch.cuda.CUDAGraph
+    inputs: list  # persistent device inputs, (rows, ...) each
+    outputs: dict  # output name -> device tensor the replay overwrites
+
+
+def _static_inputs(spec, rows: int, device) -> list:
+    return [torch.zeros((rows,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype), device=device)
+            for s in spec.inputs]
+
+
+def capture(model, spec, rows: int, device, stream, pool) -> GraphBucket:
+    """Capture one call of `model` at `rows` rows on `stream` (warmed up on it first: lazy
+    initialisation such as cuBLAS workspaces must not happen during capture)."""
+    inputs = _static_inputs(spec, rows, device)
+    with torch.cuda.stream(stream):
+        model(*inputs)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        outputs = model(*inputs)
+    return GraphBucket(rows, graph, inputs, outputs)
+
+
+def first_difference(model, bucket: GraphBucket, stream, seed: int) -> Optional[str]:
+    """Replay `bucket` and call the model plainly on the same random input; None when every
+    output is bit-identical, else a description of the first difference."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.cuda.stream(stream):
+        for t in bucket.inputs:
+            src = torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.randint(0, 2, t.shape, generator=g)
+            t.copy_(src.to(t.dtype))
+        bucket.graph.replay()
+        replayed = {k: v.clone() for k, v in bucket.outputs.items()}
+        plain = model(*bucket.inputs)
+    if stream is not None:
+        stream.synchronize()
+    for name, want in plain.items():
+        got = replayed[name]
+        if got.shape != want.shape or not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "shape"
+            return f"output {name!r} at batch {bucket.rows} differs from the plain call (max |d| {diff})"
+    return None
+
+
+def why_not_capturable(kind, spec) -> Optional[str]:
+    if not getattr(kind, "graph_capturable", False):
+        return f"{spec.backend} artifacts keep their own runtime's launch path"
+    dynamic = [s.name for s in spec.inputs if any(d is None for d in s.shape[1:])]
+    if dynamic:
+        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions"
+    return None
+
+
+class GraphSet:
+    """The captured buckets of one worker, with the memory they hold."""
+
+    def __init__(self, buckets: dict, memory_bytes: int):
+        self.buckets = buckets  # rows -> GraphBucket
+        self.sizes = sorted(buckets)
+        self.memory_bytes = memory_bytes
+
+    def for_rows(self, rows: int) -> Optional[GraphBucket]:
+        b = bucket_for(rows, self.sizes)
+        return self.buckets[b] if b is not None else None
+
+    def describe(self) -> str:
+        return f"CUDA graphs for batch {self.sizes} ({self.memory_bytes / 2**20:.0f} MiB)"
+
+
+def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool) -> GraphSet:
+    """Capture `sizes` (ascending, sharing one pool) until the pool would pass `cap_bytes`;
+    with `verify`, every kept bucket is checked against the plain call. Raises on a capture
+    error or a difference (the caller decides whether that fails the load)."""
+    pool = torch.cuda.graph_pool_handle()
+    base = torch.cuda.memory_reserved(device)
+    kept = {}
+    for rows in sizes:
+        bucket = capture(model, spec, rows, device, stream, pool)
+        used = torch.cuda.memory_reserved(device) - base
+        if used > cap_bytes:
+            logger.info("CUDA graph for batch %d not kept: graphs would hold %.0f MiB, over "
+                        "handler.cuda_graph_memory_mb", rows, used / 2**20)
+            del bucket
+            break
+        kept[rows] = bucket
+        if verify:
+            problem = first_difference(model, bucket, stream, seed=rows)
+            if problem:
+                raise RuntimeError(problem)
+    return GraphSet(kept, torch.cuda.memory_reserved(device) - base)

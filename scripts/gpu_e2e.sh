@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# End-to-end figures on the GPU machine (after `source .gpukit/kit_env.sh`), written into
+# $RESULTS by scripts/bench_e2e.py (each file records its own command):
+#   e2e_resnet50_fp16_<tag>     ours (CUDA graphs, default) vs ours without graphs, 2 threads,
+#                               the stock handler (same threads; and without a budget) and the
+#                               echo transport limit, clients 1..128, on one GPU (GPUS=1,all: more)
+#   e2e_resnet50_fp16_b1_<tag>  batchSize 1 at one client: latency with and without graphs
+#   e2e_resnet50_cpu_<tag>      CPU workers (exported ResNet-50 fp32): thread budget sweep
+# PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
+set -euo pipefail
+RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
+PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-16}; WORKERS=${WORKERS:-4}; DELAY=${DELAY:-2}; GPUS=${GPUS:-1}
+PY=${PY:-python3}; export PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS" "$W"
+R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
+[ -f "$W/r50/artifact.json" ] || $PY -m scripts.compile $R50 --backend aoti --precision fp16 --device cuda --out "$W/r50"
+E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50"
+for part in $PARTS; do
+  case $part in
+    main) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_$TAG" --gpus "$GPUS" --clients 1,16,64,128 \
+            --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
+            --variant nographs:cuda_graphs=off --thread-sweep 2 --sweep-clients 64 ;;
+    b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
+            --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours \
+            --variant nographs:cuda_graphs=off ;;
+    cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
+         $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
+            --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
+    *) echo "unknown part $part (main, b1, cpu)"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,132 @@
+"""CUDA graphs per batch bucket (handlers/run/graphs.py): the bucket and padding arithmetic and
+the auto/on/off decision, on CPU. The capture and replay themselves run on the GPU machine
+(tests/test_graphs_gpu.py)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from handlers.config import parse_config
+from handlers.errors import ConfigError, LoadError
+from handlers.kinds import kind_of
+from handlers.metadata import TensorSpec
+from handlers.run import cuda as cuda_runner
+from handlers.run import graphs
+
+
+@pytest.mark.parametrize("lo,hi,largest,expected", [
+    (1, 64, 64, [1, 2, 4, 8, 16, 32, 64]),
+    (1, 16, 64, [1, 2, 4, 8, 16]),
+    (1, 24, 64, [1, 2, 4, 8, 16, 24]),     # the range's end is a bucket: every batch has one
+    (1, 256, 64, [1, 2, 4, 8, 16, 32, 64]),  # larger batches run without a graph
+    (3, 20, 64, [3, 4, 8, 16, 20]),
+    (4, 4, 64, [4]),                        # fixed batch
+    (1, 64, 8, [1, 2, 4, 8]),
+    (16, 64, 8, [16]),                      # the smallest accepted batch always gets a bucket
+])
+def test_buckets(lo, hi, largest, expected):
+    assert graphs.graph_buckets(lo, hi, (), largest) == expected
+
+
+def test_configured_buckets_are_checked_against_the_range():
+    assert graphs.graph_buckets(1, 64, (8, 1, 8)) == [1, 8]
+    with pytest.raises(LoadError, match=r"\[128\] lie outside the artifact's batch range \[1, 64\]"):
+        graphs.graph_buckets(1, 64, (1, 128))
+
+
+@pytest.mark.parametrize("rows,expected", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, None)])
+def test_bucket_for_pads_to_the_smallest_that_holds(rows, expected):
+    assert graphs.bucket_for(rows, [1, 2, 4, 8, 16]) == expected
+
+
+def spec_of(shape, backend="aoti"):
+    return types.SimpleNamespace(backend=backend, batch_min=1, batch_max=16,
+                                 inputs=[TensorSpec("x", "float32", shape)])
+
+
+def test_which_kinds_are_captured():
+    assert graphs.why_not_capturable(kind_of("aoti"), spec_of((None, 3, 8, 8))) is None
+    assert graphs.why_not_capturable(kind_of("export"), spec_of((None, 3, 8, 8), "export")) is None
+    assert "keep their own runtime" in graphs.why_not_capturable(kind_of("tensorrt"), spec_of((None, 3), "tensorrt"))
+    assert "x have dynamic non-batch" in graphs.why_not_capturable(kind_of("aoti"), spec_of((None, None)))
+
+
+def test_config_options():
+    assert parse_config({}).cuda_graphs == "auto"  # on by default where graphs verify
+    assert parse_config({"handler": {"cuda_graphs": "off"}}).cuda_graphs == "off"
+    # what yaml.safe_load makes of `cuda_graphs: off` / `on` in model-config.yaml
+    assert parse_config({"handler": {"cuda_graphs": False}}).cuda_graphs == "off"
+    assert parse_config({"handler": {"cuda_graphs": True}}).cuda_graphs == "on"
+    with pytest.raises(ConfigError, match="cuda_graphs = 'yes' is invalid: expected auto"):
+        parse_config({"handler": {"cuda_graphs": "yes"}})
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch must be at least 1"):
+        parse_config({"handler": {"cuda_graph_max_batch": 0}})
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay recomputes into the static outputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def test_first_difference_finds_a_stale_output():
+    model = lambda x: {"y": x * 2}  # noqa: E731
+    x = torch.zeros(4, 3)
+    out = {"y": torch.zeros(4, 3)}
+    good = graphs.GraphBucket(4, FakeGraph(lambda: out["y"].copy_(x * 2)), [x], out)
+    assert graphs.first_difference(model, good, None, seed=0) is None
+    stale = graphs.GraphBucket(4, FakeGraph(lambda: None), [x], out)  # replay that writes nothing
+    assert "output 'y' at batch 4 differs from the plain call" in graphs.first_difference(model, stale, None, seed=1)
+
+
+def bare_runner(monkeypatch, build):
+    """A CudaRunner without CUDA: only what prepare() touches."""
+    r = cuda_runner.CudaRunner.__new__(cuda_runner.CudaRunner)
+    r.model, r.spec, r.device, r.graphs = None, spec_of((None, 3)), None, None
+    r.stream = types.SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(cuda_runner.graphs, "build", build)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return r
+
+
+def test_auto_keeps_verified_graphs(monkeypatch):
+    seen = {}
+
+    def build(model, spec, device, stream, sizes, cap, verify):
+        seen.update(sizes=sizes, cap=cap, verify=verify)
+        return graphs.GraphSet({s: None for s in sizes}, 5 << 20)
+
+    r = bare_runner(monkeypatch, build)
+    note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": 8}}), kind_of("aoti"))
+    assert seen == {"sizes": [1, 2, 4, 8], "cap": 2048 << 20, "verify": True}
+    assert note == "CUDA graphs for batch [1, 2, 4, 8] (5 MiB)" and r.graphs.sizes == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("output 'y' at batch 4 differs from the plain call"),
+                                     RuntimeError("operation not permitted when stream is capturing")])
+def test_auto_falls_back_and_on_fails_the_load(monkeypatch, failure):
+    def build(*a, **k):
+        raise failure
+
+    r = bare_runner(monkeypatch, build)
+    note = r.prepare(parse_config({}), kind_of("aoti"))
+    assert note == f"no CUDA graphs (RuntimeError: {failure})" and r.graphs is None
+    with pytest.raises(LoadError, match="cuda_graphs is on but this model cannot use them: RuntimeError"):
+        r.prepare(parse_config({"handler": {"cuda_graphs": "on"}}), kind_of("aoti"))
+
+
+def test_off_and_uncapturable_kinds_never_capture(monkeypatch):
+    def build(*a, **k):
+        raise AssertionError("must not capture")
+
+    r = bare_runner(monkeypatch, build)
+    assert r.prepare(parse_config({"handler": {"cuda_graphs": "off"}}), kind_of("aoti")) == "CUDA graphs off"
+    assert "keep their own runtime" in r.prepare(parse_config({}), kind_of("tensorrt"))
+    with pytest.raises(LoadError, match="keep their own runtime"):
+        r.prepare(parse_config({"handler": {"cuda_graphs": "on"}}), kind_of("tensorrt"))

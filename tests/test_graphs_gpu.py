@@ -1,0 +1,95 @@
+"""CUDA graphs on the GPU (pytest -m gpu; skipped without CUDA): every bucket and every padding
+through the graph path against the plain path, with different values back to back (a stale
+input or output buffer would show). Exact where both run the same kernels at the same padded
+batch; within the compile tolerance against the unpadded plain call. GPU_RESULTS=path writes
+the counts (device, date, torch, command first)."""
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import Artifacts
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
+                allow_module_level=True)
+
+from handlers.config import parse_config  # noqa: E402
+from handlers.device import Placement  # noqa: E402
+from handlers.kinds import kind_of  # noqa: E402
+from handlers.load import load_artifact  # noqa: E402
+from handlers.metadata import read_spec  # noqa: E402
+from handlers.run import graphs, runner_for  # noqa: E402
+
+RESULTS = []
+
+
+@pytest.fixture(scope="module")
+def gpu_artifacts(tmp_path_factory):
+    return Artifacts(tmp_path_factory.mktemp("graph_artifacts"), "cuda")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def results_file():
+    yield
+    path = os.environ.get("GPU_RESULTS")
+    if path:
+        from scripts.results_meta import header
+
+        with open(path, "w") as f:
+            json.dump({**header(torch.cuda.get_device_name(0), env=("GPU_RESULTS",)), "graphs": RESULTS}, f, indent=2)
+
+
+def request(spec, rows, g):
+    out = {}
+    for s in spec.inputs:
+        dt = getattr(torch, s.dtype)
+        shape = (rows,) + tuple(s.shape[1:])
+        out[s.name] = torch.randn(shape, generator=g).to(dt) if dt.is_floating_point else torch.rand(shape, generator=g) > 0.3
+    return out
+
+
+def own(out: dict) -> dict:
+    return {k: v.clone() for k, v in out.items()}
+
+
+def padded(req, rows):
+    return {k: torch.cat([v, torch.zeros((rows - v.shape[0],) + tuple(v.shape[1:]), dtype=v.dtype)]) for k, v in req.items()}
+
+
+@pytest.mark.parametrize("name", ["cls_aoti", "cls_export", "two_aoti", "two_export"])
+def test_graph_path_matches_the_plain_path(gpu_artifacts, name):
+    spec = read_spec(str(gpu_artifacts.get(name)))
+    cfg = parse_config({"handler": {"cuda_graph_max_batch": 16}})
+    model = load_artifact(spec, Placement("cuda", 0), cfg)
+    with_graphs = runner_for(model, spec, torch.device("cuda:0"), cfg)
+    note = with_graphs.prepare(cfg, kind_of(spec))
+    plain = runner_for(model, spec, torch.device("cuda:0"), parse_config({"handler": {"cuda_graphs": "off"}}))
+    row = {"artifact": name, "note": note, "calls": 0, "exact_mismatches": 0, "max_abs_vs_unpadded": 0.0}
+    RESULTS.append(row)
+    assert with_graphs.graphs is not None, note
+    g = torch.Generator().manual_seed(0)
+    for rows in [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 1, 16, 3]:
+        req = request(spec, rows, g)
+        bucket = graphs.bucket_for(rows, with_graphs.graphs.sizes)
+        with torch.inference_mode():  # outputs live in reused buffers until the runner's next call
+            got = own(with_graphs.run([req])[0])
+            same_kernels = own(plain.run([padded(req, bucket)])[0])
+            unpadded = own(plain.run([req])[0])
+        row["calls"] += 1
+        for k in got:
+            if not torch.equal(got[k], same_kernels[k][:rows]):
+                row["exact_mismatches"] += 1
+            d = (got[k].float() - unpadded[k].float()).abs().max().item()
+            row["max_abs_vs_unpadded"] = max(row["max_abs_vs_unpadded"], d)
+    # two requests in one call share a bucket: each gets exactly its own rows
+    a, b = request(spec, 2, g), request(spec, 3, g)
+    with torch.inference_mode():
+        ga, gb = map(own, with_graphs.run([a, b]))
+        pa, pb = own(plain.run([a])[0]), own(plain.run([b])[0])
+    row["batched_max_abs"] = max((ga[k].float() - pa[k].float()).abs().max().item() for k in ga)
+    row["batched_max_abs"] = max(row["batched_max_abs"], max((gb[k].float() - pb[k].float()).abs().max().item() for k in gb))
+    assert row["exact_mismatches"] == 0
+    assert row["max_abs_vs_unpadded"] <= 1e-4 and row["batched_max_abs"] <= 1e-4
