@@ -61,8 +61,8 @@ def results_file():
 def fault_server(artifacts, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("fault_store")
     mars = {"hostile": build_mar(artifacts.get("two_aoti"), "hostile", store, "--batch-size", "8",
-                                 "--max-batch-delay", "50", "--handler-option", "max_json_mb=1"),
-            "corrupt": build_mar(artifacts.get("two_export"), "corrupt", store)}
+                                 "--max-batch-delay", "50", "--handler-option", "max_json_mb=1", "--workers", "1"),
+            "corrupt": build_mar(artifacts.get("two_export"), "corrupt", store, "--workers", "1")}
     corrupt_inside_mar(mars["corrupt"])
     t0 = time.time()
     ts = serve(mars, ready=False)

@@ -49,10 +49,10 @@ def gpu_fault_server(tmp_path_factory, serve):
     arts = Artifacts(tmp_path_factory.mktemp("gpu_fault_artifacts"), "cuda")
     store = tmp_path_factory.mktemp("gpu_fault_store")
     mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, "--batch-size", "8",
-                               "--max-batch-delay", "100", "--handler-option", "warmup=false",
+                               "--max-batch-delay", "100", "--workers", "1", "--handler-option", "warmup=false",
                                "--handler-option", "crash_safe_load=false"),
             "lookup": build_mar(arts.get("lookup_export"), "lookup", store, "--batch-size", "4",
-                                "--max-batch-delay", "50")}
+                                "--max-batch-delay", "50", "--workers", "1")}
     return serve(mars)
 
 
