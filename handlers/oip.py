@@ -4,7 +4,9 @@ Facts this relies on (TorchServe 0.12, OpenInferenceProtocolImpl / GRPCJob in mo
 - The frontend turns a ModelInferRequest into the JSON {"id", "model_name", "inputs": [{name,
   shape, datatype, data}]} (one parameter "body", application/json) and sends no request
   headers; REST requests always carry their HTTP headers (Host at least). So: no string header
-  and a `model_name` in the body = the gRPC path.
+  and a `model_name` in the body = the gRPC path. The body arrives as bytes, since ts_entry
+  turns TorchServe's JSON decoding off (TS_DECODE_INPUT_REQUEST=false): it is parsed here,
+  strictly, once, and put back in the request for admission.
 - It reads the reply as JSON and needs `id`, `model_name`, `model_version` (strings) and
   `outputs[]` with name, datatype, shape and flat data; a missing key throws in
   GRPCJob.response and the worker is killed. FP16/BF16 data come back empty (no typed field),
@@ -20,8 +22,8 @@ from typing import Optional
 
 from ts.utils.util import PredictionException
 
-from .errors import ServingError
-from .wire import kserve_v2
+from .errors import RequestError, ServingError
+from .wire import kserve_v2, strict_json
 from .wire.base import dump_json
 
 
@@ -33,6 +35,13 @@ def is_grpc(context, idx: int, request) -> bool:
     if any(isinstance(v, str) for v in headers.values()):
         return False
     body = request.get("body") if isinstance(request, dict) else None
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = strict_json.loads(body)
+        except RequestError:  # not JSON: admission answers it as the request it is
+            return False
+        if isinstance(body, dict):
+            request["body"] = body
     return isinstance(body, dict) and isinstance(body.get("model_name"), str)
 
 

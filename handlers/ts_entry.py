@@ -66,8 +66,9 @@ class CompiledModelHandler(BaseHandler):
         self.context = context
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
         self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
+        # A server setting, not the archive: it fails the load (and shows in TorchServe's status)
+        refuse_envelope()  # first: a TorchServe request envelope would break every batch
         try:
-            refuse_envelope()  # first: a TorchServe request envelope would break every batch
             self._load(context)
         except LoadError as e:
             # It would fail the same way on every restart (an incompatible, corrupt or
