@@ -68,6 +68,8 @@ def parse_args(argv):
     p.add_argument("--distinct-inputs", type=int, default=8)
     p.add_argument("--handlers", default="ours,stock,stock_default,echo",
                    help="which of ours, stock, stock_default, echo to serve and measure")
+    p.add_argument("--multi-gpu-handlers", default=None,
+                   help="the handlers served on device sets of several GPUs (default: --handlers)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     return p.parse_args(argv)
 
@@ -204,18 +206,18 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
     budget = threads.decide("cuda" if n else "cpu", 0, workers, threads.usable_cores()).intra_op
     store = work / f"store{n}"
     store.mkdir(parents=True, exist_ok=True)
+    wanted = ((args.multi_gpu_handlers or args.handlers) if n > 1 else args.handlers).split(",")
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
-    for item in args.variant:
+    for item in (args.variant if "ours" in wanted else []):
         vname, _, opts = item.partition(":")
         extra = [x for kv in opts.split(",") if kv for x in ("--handler-option", kv)]
         models[f"ours_{vname}"] = archive_ours(args, store, f"ours_{vname}", workers, ids, extra)
-    for t in ints(args.thread_sweep):
+    for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
     stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "input": spec.inputs[0].name,
              "output": spec.output_names[0],
              "precision": "fp16" if spec.inputs[0].dtype == "float16" else "fp32"}
-    wanted = args.handlers.split(",")
     if "stock" in wanted:
         models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
                                            {"stock": {**stock, "cpu_threads": budget}})
