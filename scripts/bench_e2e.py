@@ -55,9 +55,10 @@ def parse_args(argv):
     p.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
     p.add_argument("--warmup-seconds", type=float, default=2.0)
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-batch-delay", type=int, default=2)
-    p.add_argument("--workers-per-gpu", type=int, default=4)
+    # the archive defaults (scripts/archive.py)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batch-delay", type=int, default=1)
+    p.add_argument("--workers-per-gpu", type=int, default=6)
     p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",

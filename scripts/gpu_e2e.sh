@@ -11,7 +11,7 @@
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
-PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-16}; WORKERS=${WORKERS:-4}; DELAY=${DELAY:-2}; GPUS=${GPUS:-1}
+PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${DELAY:-1}; GPUS=${GPUS:-1}
 PY=${PY:-python3}; export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$W"
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
