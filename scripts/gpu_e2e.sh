@@ -8,6 +8,7 @@
 #   e2e_resnet50_cpu_<tag>      CPU workers (exported ResNet-50 fp32): thread budget sweep
 #   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours): scaling
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo: a short check of a revision
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
@@ -33,6 +34,9 @@ for part in $PARTS; do
             --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, bench)"; exit 2 ;;
+    check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
+            --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
+            --handlers ours,stock,echo ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, bench, check)"; exit 2 ;;
   esac
 done
