@@ -48,23 +48,28 @@ def offsets(row_counts) -> list:
     return out
 
 
+def batch_sizes_in(lo: int, hi: int, configured=(), option: str = "batch sizes") -> list:
+    """`configured` (each inside [lo, hi], else ValueError naming `option`), or both ends of the
+    range and the powers of two between them."""
+    if configured:
+        bad = [b for b in configured if not lo <= b <= hi]
+        if bad:
+            raise ValueError(f"{option} {bad} lie outside the artifact's batch range [{lo}, {hi}]")
+        return sorted(set(configured))
+    sizes = {lo, hi}
+    p = 1
+    while p < hi:
+        if p > lo:
+            sizes.add(p)
+        p *= 2
+    return sorted(sizes)
+
+
 def warmup_sizes(batch_min: int, batch_max: int, configured=()) -> list:
     """A few buckets across the accepted range: both ends and the powers of two between, at
     most five sizes, so warm-up stays cheap for wide ranges."""
-    if configured:
-        bad = [b for b in configured if not batch_min <= b <= batch_max]
-        if bad:
-            raise ValueError(f"warmup_batch_sizes {bad} lie outside the artifact's batch range "
-                             f"[{batch_min}, {batch_max}]")
-        return sorted(set(configured))
-    sizes = {batch_min, batch_max}
-    p = 1
-    while p < batch_max:
-        if p > batch_min:
-            sizes.add(p)
-        p *= 2
-    sizes = sorted(sizes)
-    if len(sizes) > 5:
+    sizes = batch_sizes_in(batch_min, batch_max, configured, "warmup_batch_sizes")
+    if len(sizes) > 5 and not configured:
         keep = [sizes[round(i * (len(sizes) - 1) / 4)] for i in range(5)]
         sizes = sorted(set(keep))
     return sizes

@@ -69,11 +69,11 @@ def response_row_bytes(spec) -> int:
 
 
 def default_batch_size(specs) -> int:
-    """16 (measured best for ResNet-50 class models, README), at most what every variant
-    accepts per call, and 1 where a row of the outputs is several MiB (see the warning below)."""
+    """8 (measured for ResNet-50 class models, README "Serving settings"), at most what every
+    variant accepts per call, and 1 where a row of the outputs is several MiB (see the warning)."""
     if any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
         return 1
-    return max(1, min([16] + [s.batch_max for s in specs]))
+    return max(1, min([8] + [s.batch_max for s in specs]))
 
 
 def main(argv=None):
@@ -84,13 +84,13 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
     p.add_argument("--version", default="1.0")
     # Defaults measured end to end through TorchServe (README "Serving settings",
-    # docs/results/e2e_*): 4 workers per GPU, batches of up to 16, 2 ms batch delay.
-    p.add_argument("--workers", type=int, default=4,
-                   help="worker processes for the model; on a GPU host use 4 per GPU (default 4)")
+    # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
+    p.add_argument("--workers", type=int, default=6,
+                   help="worker processes for the model; on a GPU host use 6 per GPU (default 6)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="TorchServe batchSize (default: 16, at most the artifact's max batch; 1 for "
+                   help="TorchServe batchSize (default: 8, at most the artifact's max batch; 1 for "
                         "outputs of several MiB per row)")
-    p.add_argument("--max-batch-delay", type=int, default=2, help="milliseconds (default 2)")
+    p.add_argument("--max-batch-delay", type=int, default=1, help="milliseconds (default 1)")
     p.add_argument("--response-timeout", type=int, default=120, help="seconds")
     p.add_argument("--device-type", choices=("cpu", "gpu"))
     p.add_argument("--device-ids", help="comma-separated GPU ids for this model's workers")

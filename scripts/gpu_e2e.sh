@@ -6,10 +6,13 @@
 #                               echo transport limit, clients 1..128, on one GPU (GPUS=1,all: more)
 #   e2e_resnet50_fp16_b1_<tag>  batchSize 1 at one client: latency with and without graphs
 #   e2e_resnet50_cpu_<tag>      CPU workers (exported ResNet-50 fp32): thread budget sweep
+#   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours): scaling
+#   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo: a short check of a revision
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
-PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-16}; WORKERS=${WORKERS:-4}; DELAY=${DELAY:-2}; GPUS=${GPUS:-1}
+PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${DELAY:-1}; GPUS=${GPUS:-1}
 PY=${PY:-python3}; export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$W"
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
@@ -26,6 +29,14 @@ for part in $PARTS; do
     cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
-    *) echo "unknown part $part (main, b1, cpu)"; exit 2 ;;
+    scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
+            --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
+            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours ;;
+    bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
+            --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
+    check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
+            --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
+            --handlers ours,stock,echo ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, bench, check)"; exit 2 ;;
   esac
 done

@@ -62,11 +62,13 @@ class LocalTorchServe:
     def key(self, kind: str = "inference") -> str:
         path = self.workdir / "key_file.json"
         deadline = time.time() + 90
-        while not path.exists():
+        while True:  # TorchServe creates the file before it has written the keys into it
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"torchserve did not start: {self.log('stdout.log')[-3000:]}")
-            time.sleep(0.5)
-        return json.loads(path.read_text())[kind]["key"]
+            try:
+                return json.loads(path.read_text())[kind]["key"]
+            except (OSError, json.JSONDecodeError):
+                time.sleep(0.3)
 
     def workers(self, name: str) -> list:
         req = urllib.request.Request(f"{self.mgmt}/models/{name}",
@@ -93,13 +95,19 @@ class LocalTorchServe:
         return p.read_text(errors="replace") if p.exists() else ""
 
     def stop(self):
-        if self.proc.poll() is None:
+        stop_server(self.proc, self.store)
+
+
+def stop_server(proc, store) -> None:
+    """SIGTERM to the server's process group, SIGKILL if it lingers; the model workers are
+    Python children of the Java frontend, found by the model store on their command line."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        subprocess.run(["pkill", "-9", "-f", f"model-store {self.store}"], capture_output=True)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    subprocess.run(["pkill", "-9", "-f", f"model-store {store}"], capture_output=True)

@@ -15,9 +15,9 @@ if [ ! -f "$ART/artifact.json" ]; then
       --dynamic-batch 1:16 --backend aoti --device "$DEVICE" --out "$ART"
 fi
 echo "== archiving model_store/classifier.mar"
-# Serving settings: the archive defaults (4 workers, batches of 16, 2 ms) are sized for one GPU;
+# Serving settings: the archive defaults (6 workers, batches of 8, 1 ms) are sized for one GPU;
 # on a CPU-only machine one worker leaves the cores to that worker's threads.
-WORKERS=$([ "$DEVICE" = cuda ] && echo 4 || echo 1)
+WORKERS=$([ "$DEVICE" = cuda ] && echo 6 || echo 1)
 $PY -m scripts.archive --artifact "$ART" --name classifier --workers "$WORKERS"
 if torchserve --stop >/dev/null 2>&1; then sleep 2; fi
 mkdir -p logs

@@ -22,7 +22,7 @@ p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
 PYEOF
   .venv/bin/python -m pip install -q -r .venv/requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, hypothesis, safetensors, matplotlib, tritonclient.http, jsonschema" \
+  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, safetensors, hypothesis, matplotlib, tritonclient.http, jsonschema" \
     || { echo "setup: package installation failed" >&2; exit 1; }
   rm -f .venv/.installed-*; touch "$stamp"
 fi

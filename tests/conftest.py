@@ -167,14 +167,16 @@ class TorchServe:
         if self._keys is None:
             path = self.workdir / "key_file.json"
             deadline = time.time() + 60
-            while time.time() < deadline:  # TorchServe creates the file, then writes it
+            while not path.exists() and time.time() < deadline:
+                time.sleep(0.5)
+            while True:  # TorchServe creates the file before it has written the keys into it
                 try:
                     self._keys = json.loads(path.read_text())
                     break
-                except (OSError, ValueError):
-                    time.sleep(0.5)
-            else:
-                raise RuntimeError(f"{path} was not written within 60 s")
+                except json.JSONDecodeError:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.2)
         return self._keys
 
     def auth(self, kind="inference"):
@@ -222,17 +224,9 @@ class TorchServe:
         return requests.post(f"{self.base}/predictions/{model}", data=data, headers=h, timeout=timeout)
 
     def stop(self):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        # the model workers are python children of the java frontend, in the same session
-        subprocess.run(["pkill", "-9", "-f", f"model-store {self.store}"], capture_output=True)
+        from scripts.local_server import stop_server
+
+        stop_server(self.proc, self.store)
 
 
 @pytest.fixture(scope="session")

@@ -79,7 +79,7 @@ def test_xfer_study_says_it_needs_a_gpu():
 
 
 def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path):
-    """4 workers, 2 ms delay, batches of 16 capped at what the artifact accepts per call
+    """6 workers, 1 ms delay, batches of 8 capped at what the artifact accepts per call
     (README "Serving settings"; docs/results/e2e_*)."""
     import zipfile
 
@@ -92,5 +92,5 @@ def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path)
             return yaml.safe_load(z.read("model-config.yaml"))
 
     cfg = config(artifacts.get("cls_export"), "wide")  # batch range 1..16
-    assert (cfg["minWorkers"], cfg["maxWorkers"], cfg["batchSize"], cfg["maxBatchDelay"]) == (4, 4, 16, 2)
+    assert (cfg["minWorkers"], cfg["maxWorkers"], cfg["batchSize"], cfg["maxBatchDelay"]) == (6, 6, 8, 1)
     assert config(artifacts.get("two_export_2to4"), "narrow")["batchSize"] == 4  # its max per call

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ..batch import batch_sizes_in
 from ..errors import LoadError
 
 logger = logging.getLogger(__name__)
@@ -30,20 +31,12 @@ def graph_buckets(batch_min: int, batch_max: int, configured=(), largest: int = 
     """Batch sizes to capture: `configured` if given (each inside [batch_min, batch_max]), else
     the powers of two in [batch_min, min(batch_max, largest)] plus both ends of that range, so
     every batch up to the largest bucket has one that holds it."""
-    if configured:
-        bad = [b for b in configured if not batch_min <= b <= batch_max]
-        if bad:
-            raise LoadError(f"cuda_graph_batch_sizes {bad} lie outside the artifact's batch range "
-                            f"[{batch_min}, {batch_max}]")
-        return sorted(set(configured))
-    hi = min(batch_max, max(largest, batch_min))
-    sizes = {batch_min, hi}
-    p = 1
-    while p < hi:
-        if p > batch_min:
-            sizes.add(p)
-        p *= 2
-    return sorted(sizes)
+    try:
+        if configured:
+            return batch_sizes_in(batch_min, batch_max, configured, "cuda_graph_batch_sizes")
+        return batch_sizes_in(batch_min, min(batch_max, max(largest, batch_min)))
+    except ValueError as e:
+        raise LoadError(str(e)) from None
 
 
 def bucket_for(rows: int, buckets: list) -> Optional[int]:
