@@ -32,7 +32,8 @@ def loads(payload, what: str = "JSON body"):
     """payload: bytes, bytearray, memoryview or str."""
     if isinstance(payload, (bytes, bytearray, memoryview)):
         try:
-            payload = bytes(payload).decode("utf-8")
+            # bytes and bytearray decode in place (no copy of a body of many MB first)
+            payload = (payload.tobytes() if isinstance(payload, memoryview) else payload).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(f"{what} is not UTF-8 (byte {e.start}); send UTF-8 JSON or a "
                                "safetensors payload") from None
