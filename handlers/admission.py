@@ -75,6 +75,16 @@ def parse_json(payload, limits: "Limits"):
     return strict_json.loads(payload)
 
 
+def check_json_part(header_length, limits: "Limits") -> None:
+    """The JSON part of a KServe v2 binary request (its declared length) is JSON like any other:
+    the JSON cap applies to it before it is parsed (the binary part may be larger)."""
+    text = str(header_length).strip()
+    if text.isascii() and text.isdigit() and len(text) <= 20 and int(text) > limits.max_json_bytes:
+        raise PayloadTooLarge(f"the JSON part of this v2 binary request is {text} bytes; this model "
+                              f"accepts JSON up to {limits.max_json_bytes} bytes (handler.max_json_mb). "
+                              "Send tensor data in the binary part (binary_data)")
+
+
 def check_rows(rows: int, limits: Limits) -> None:
     if rows > limits.max_rows:
         raise PayloadTooLarge(f"request carries {rows} rows; this model accepts at most {limits.max_rows} "
@@ -91,6 +101,8 @@ def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optio
     if isinstance(payload, (bytes, bytearray, str)) and len(payload) > limits.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(payload)} bytes; this model accepts at most "
                               f"{limits.max_body_bytes} (handler.max_body_mb)")
+    if v2_header_length is not None:
+        check_json_part(v2_header_length, limits)
     wire = binary_format(payload, content_type, v2_header_length)
     body = payload if wire is not None else parse_json(payload, limits)
     wire = (wire or json_format(body)).for_request(body)

@@ -27,7 +27,7 @@ from .wire import kserve_v2, strict_json
 from .wire.base import dump_json
 
 
-def is_grpc(context, idx: int, request) -> bool:
+def is_grpc(context, idx: int, request, max_json_bytes: Optional[int] = None) -> bool:
     try:
         headers = context.get_all_request_header(idx) or {}
     except (AttributeError, IndexError, TypeError):
@@ -40,6 +40,10 @@ def is_grpc(context, idx: int, request) -> bool:
         # with its 8-byte header length) is never parsed here: that cost 14 ms on a 19 MB body.
         if body[:64].lstrip()[:1] != b"{":
             return False
+        if max_json_bytes is not None and len(body) > max_json_bytes:
+            # Not parsed here: admission refuses it (413, handler.max_json_mb) and the refusal
+            # goes out as an OIP reply. The frontend writes "model_name" right after "id".
+            return b'"model_name"' in body[:4096]
         try:
             body = strict_json.loads(body)
         except RequestError:  # not JSON: admission answers it as the request it is

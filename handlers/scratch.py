@@ -10,7 +10,9 @@ TMPDIR/compiled-serving/worker-PID and removes it when the worker is gone, howev
 measured through real TorchServe, neither a stop nor kill -9 runs the worker's atexit handlers,
 so a reaper (/bin/sh, in its own session, ~1 MB) waits for the worker's pid to disappear and
 deletes the directory. Directories of workers gone while no reaper ran (a reboot, a killed
-reaper) are swept by the next worker start.
+reaper) are swept by the next worker start. The root must be a directory of this user that no
+one else can write (else a private one is made). Limit: liveness is judged by pid in this
+process's pid namespace, so containers sharing one TMPDIR should each set their own.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import os
 import shutil
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -50,6 +53,19 @@ def sweep(root: str) -> list:
     return gone
 
 
+def _owned_root(root: str):
+    """root, created 0700 if missing, when it is a real directory of this user that no one else
+    may write; else None. Extracted libraries are dlopen-ed from below it: a directory another
+    user controls could swap them in between."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+    except OSError:
+        return None
+    private = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return root if private else None
+
+
 def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)  # SystemExit runs atexit handlers; SIG_DFL would not
 
@@ -68,8 +84,12 @@ def enter() -> str:
     global _entered
     if _entered:
         return _entered
-    root = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), ROOT_NAME)
-    os.makedirs(root, exist_ok=True)
+    base = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    root = _owned_root(os.path.join(base, ROOT_NAME))
+    if root is None:  # someone else's, a link, or open to others: a private one, nothing swept
+        root = tempfile.mkdtemp(prefix=f"{ROOT_NAME}-", dir=base)
+        logger.warning("%s is not a private directory of this user; extracting under %s instead",
+                       os.path.join(base, ROOT_NAME), root)
     swept = sweep(root)
     if swept:
         logger.info("removed scratch directories of %d earlier worker(s): %s", len(swept), ", ".join(swept))

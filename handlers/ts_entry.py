@@ -169,8 +169,13 @@ class CompiledModelHandler(BaseHandler):
                 if metrics is not None:
                     metrics.request_ids = context.request_ids
                 out = self.handle([{"body": body}], context)
-                if context.get_response_status(0)[0] not in (None, 200):
-                    raise LoadError(f"the warm-up request ({content_type}) failed: {out[0]}")
+                status = context.get_response_status(0)[0]
+                if status not in (None, 200):
+                    err = LoadError(f"the warm-up request ({content_type}) failed: {out[0]}")
+                    # a 5xx (device memory while several workers start, say) may pass on a
+                    # restart: let TorchServe restart the worker instead of answering 503 forever
+                    err.recurs = status < 500
+                    raise err
         finally:
             context.request_ids, context.request_processor = saved[0], saved[1]
             if metrics is not None:
@@ -206,7 +211,16 @@ class CompiledModelHandler(BaseHandler):
                 logger.exception("inference failed")
                 return [ServingError(f"model execution failed: {type(e).__name__}: {e}")]
             logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
-        return [self._infer([one])[0] for one in batch]
+        results = []
+        for one in batch:
+            if self.broken:  # a device fault on an earlier one: the context is unusable
+                results.append(faults.WorkerRestarting(f"this worker hit a device fault and is "
+                                                       f"restarting: {self.broken}"))
+                continue
+            out = self._infer([one])[0]
+            # The runner's outputs live in reused buffers until its next call: keep a copy.
+            results.append(out if isinstance(out, ServingError) else {k: v.clone() for k, v in out.items()})
+        return results
 
     def _admit_all(self, data, context, results) -> list:
         """[(idx, Admitted)] for the valid requests; the others get their error in results."""
@@ -232,17 +246,18 @@ class CompiledModelHandler(BaseHandler):
             if isinstance(out, ServingError):
                 results[idx] = self._fail(context, idx, out)
                 continue
-            if idx in self._grpc:
-                body, content_type = oip.reply(out, req.request_id, self.model_name,
-                                               self.model_version), "application/json"
-            else:
-                try:
+            try:
+                if idx in self._grpc:
+                    body, content_type = oip.reply(out, req.request_id, self.model_name,
+                                                   self.model_version), "application/json"
+                else:
                     body, content_type = req.encode(out, self.model_name)
-                except Exception as e:  # one response that cannot be written fails alone
-                    logger.exception("encoding the response of request %d failed", idx)
-                    results[idx] = self._fail(context, idx, ServingError(
-                        f"internal error while writing the response: {type(e).__name__}: {str(e)[:300]}"))
-                    continue
+            except Exception as e:  # one response that cannot be written fails alone
+                logger.exception("encoding the response of request %d failed", idx)
+                results[idx] = self._fail(context, idx, ServingError(
+                    f"internal error while writing the response: {type(e).__name__}: {str(e)[:300]}"))
+                continue
+            if idx not in self._grpc:
                 for key, value in req.respond_as.response_headers.items():
                     context.set_response_header(idx, key, value)
             context.set_response_content_type(idx, content_type)
@@ -258,7 +273,8 @@ class CompiledModelHandler(BaseHandler):
             return [self.describe_handle()]
         self._failed = []
         try:
-            self._grpc = {i: oip.request_id(r) for i, r in enumerate(data) if oip.is_grpc(context, i, r)}
+            self._grpc = {i: oip.request_id(r) for i, r in enumerate(data)
+                          if oip.is_grpc(context, i, r, self.limits.max_json_bytes)}
         except Exception:  # a malformed gRPC request: answered below as REST, with its error
             logger.exception("could not tell gRPC requests apart")
             self._grpc = {}

@@ -91,8 +91,9 @@ class CudaRunner(Runner):
             except Exception as e:  # capture refused (host sync, CPU op...) or outputs differ
                 self.graphs = None
                 self.stream.synchronize()
-                torch.cuda.empty_cache()
                 reason = f"{type(e).__name__}: {e}"
+            # after the except block: its traceback no longer holds the captured graphs
+            torch.cuda.empty_cache()
         if mode == "on":
             raise LoadError(f"handler.cuda_graphs is on but this model cannot use them: {reason}. "
                             "Fix: set cuda_graphs to auto (falls back) or off.")

@@ -131,6 +131,7 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
             logger.info("CUDA graph for batch %d not kept: graphs would hold %.0f MiB, over "
                         "handler.cuda_graph_memory_mb", rows, used / 2**20)
             del bucket
+            torch.cuda.empty_cache()  # hand the dropped graph's pool memory back
             break
         kept[rows] = bucket
         if verify:

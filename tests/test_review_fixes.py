@@ -1,0 +1,94 @@
+"""Defects found in review of this revision, each pinned by a test that fails without its fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from handlers import oip
+from handlers.admission import Limits, admit
+from handlers.errors import PayloadTooLarge, ServingError
+from handlers.ts_entry import CompiledModelHandler
+from test_units import make_spec
+
+
+class ReusingRunner:
+    """Returns views of one reused output buffer, as the CUDA runner's pinned host outputs are;
+    fails on batches of several requests, so the handler retries them one by one."""
+
+    def __init__(self):
+        self.out = torch.zeros(1, 4)
+
+    def run(self, requests):
+        if len(requests) > 1:
+            raise RuntimeError("simulated batch failure")
+        self.out.copy_(requests[0]["x"] * 10)
+        return [{"y": self.out[:1]}]
+
+
+def test_one_by_one_retry_keeps_each_requests_own_answer():
+    h = CompiledModelHandler()
+    h.runner, h.broken = ReusingRunner(), None
+    batch = [{"x": torch.full((1, 4), float(i))} for i in range(3)]
+    outs = h._infer(batch)
+    assert [o["y"][0, 0].item() for o in outs] == [0.0, 10.0, 20.0]  # not [20, 20, 20]
+
+
+def test_retry_stops_running_after_a_device_fault():
+    h = CompiledModelHandler()
+    calls = []
+
+    class Sticky:  # the batch fails for an ordinary reason, its first request with a device fault
+        def run(self, requests):
+            calls.append(len(requests))
+            raise RuntimeError("CUDA error: device-side assert triggered" if len(requests) == 1
+                               else "simulated batch failure")
+
+    h.runner, h.broken = Sticky(), None
+    import handlers.faults as faults
+
+    real = faults.exit_soon
+    faults.exit_soon = lambda reason, delay_s=0: None
+    try:
+        outs = h._infer([{"x": torch.zeros(1, 4)}] * 3)
+    finally:
+        faults.exit_soon = real
+    assert calls == [3, 1] and all(isinstance(o, ServingError) for o in outs)
+    assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2
+
+
+def test_v2_binary_json_part_obeys_the_json_cap():
+    limits = Limits(1 << 30, 1024, 8, True, max_json_bytes=1 << 10)
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                     "data": [0.0] * 4}], "pad": "x" * 2048}).encode()
+    with pytest.raises(PayloadTooLarge, match=r"JSON part of this v2 binary request is 2\d{3} bytes.*handler\.max_json_mb"):
+        admit({"body": bytearray(header)}, make_spec(), limits, None, None, str(len(header)))
+
+
+def test_oversized_oip_body_is_classified_without_parsing_and_refused_413(monkeypatch):
+    class Ctx:
+        def get_all_request_header(self, idx):
+            return {}
+
+    body = bytearray(b'{"id": "r", "model_name": "m", "inputs": [' + b"0," * 4096 + b"0]}")
+    monkeypatch.setattr(oip.strict_json, "loads", lambda *a: pytest.fail("parsed before the cap"))
+    req = {"body": body}
+    assert oip.is_grpc(Ctx(), 0, req, max_json_bytes=1024) and req["body"] is body
+    monkeypatch.undo()
+    with pytest.raises(PayloadTooLarge, match="max_json_mb"):
+        admit(req, make_spec(), Limits(1 << 30, 1024, 8, True, max_json_bytes=1024))
+
+
+def test_scratch_root_must_be_private(tmp_path):
+    from handlers import scratch
+
+    mine = tmp_path / "mine"
+    assert scratch._owned_root(str(mine)) == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # writable by others: extracted libraries could be swapped
+    assert scratch._owned_root(str(shared)) is None
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert scratch._owned_root(str(link)) is None
