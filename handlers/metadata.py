@@ -39,6 +39,12 @@ class TensorSpec:
         dims = "x".join("B" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {self.dtype}[{dims}]"
 
+    def zeros(self, rows: int, device=None):
+        """A zero tensor of this input with `rows` rows (warm-up, graph capture, the probe)."""
+        import torch
+
+        return torch.zeros((rows,) + tuple(self.shape[1:]), dtype=torch_dtype(self.dtype), device=device)
+
 
 @dataclass(frozen=True)
 class ArtifactSpec:

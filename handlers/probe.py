@@ -84,8 +84,7 @@ def main():
         placement = Placement(kind, index if index >= 0 else None)
         model = load_artifact(spec, placement)
         with torch.inference_mode():
-            args = [torch.zeros((spec.batch_min,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype),
-                                device=placement.torch_device) for s in spec.inputs]
+            args = [s.zeros(spec.batch_min, placement.torch_device) for s in spec.inputs]
             model(*args)
         if kind == "cuda":
             torch.cuda.synchronize()

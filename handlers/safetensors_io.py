@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import struct
 import warnings
 
@@ -71,9 +72,7 @@ def loads(payload) -> dict:
             raise RequestError(f"safetensors entry {name!r} has more than {MAX_RANK} dimensions")
         if any(d < 0 for d in shape):
             raise RequestError(f"safetensors entry {name!r} has a negative dimension {shape}")
-        count = 1
-        for d in shape:
-            count *= d
+        count = math.prod(shape)
         size = count * _ITEMSIZE[dtype]
         if not (0 <= begin <= end <= len(data)) or end - begin != size:
             raise RequestError(f"safetensors entry {name!r}: data_offsets [{begin}, {end}] do not hold "

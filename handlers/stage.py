@@ -7,6 +7,7 @@ inputs land at the same addresses on every call of a batch size.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,9 +23,7 @@ class StagingBuffers:
     def view(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` backed by the buffer for `name`, reallocated only when the
         buffer is too small or of another dtype."""
-        count = 1
-        for d in shape:
-            count *= int(d)
+        count = math.prod(int(d) for d in shape)
         buf = self._bufs.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < count:
             # Grow geometrically so a slowly rising batch size does not reallocate every time.

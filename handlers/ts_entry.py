@@ -139,8 +139,7 @@ class CompiledModelHandler(BaseHandler):
             logger.debug("metric %s not recorded: %s", name, e)
 
     def _zeros(self, rows: int) -> dict:
-        return {s.name: torch.zeros((rows,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype))
-                for s in self.spec.inputs}
+        return {s.name: s.zeros(rows) for s in self.spec.inputs}
 
     def _warm_up(self) -> None:
         """The model across a few batch sizes: kernels, allocator, staging buffers."""

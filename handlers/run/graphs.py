@@ -54,8 +54,7 @@ class GraphBucket:
 
 
 def _static_inputs(spec, rows: int, device) -> list:
-    return [torch.zeros((rows,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype), device=device)
-            for s in spec.inputs]
+    return [s.zeros(rows, device) for s in spec.inputs]
 
 
 def capture(model, spec, rows: int, device, stream, pool) -> GraphBucket:

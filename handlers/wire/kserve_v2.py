@@ -12,6 +12,7 @@ are the portable way to send them; nothing is rounded silently.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -27,13 +28,6 @@ HALF = ("FP16", "BF16")
 NO_DATA = ("TorchServe 0.12's OIP gRPC frontend drops FP16/BF16 contents and raw_input_contents "
            "(only typed contents reach the model); send the values as FP32 (fp32_contents, "
            "datatype FP32): they are converted to the artifact's dtype when exact")
-
-
-def _count(shape) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 def check_item(i: int, item, spec):
@@ -74,8 +68,8 @@ def _decode_item(i: int, item, spec):
     name, where = item["name"], f"input {item['name']!r}"
     as_sent = replace(s, dtype="float32") if item["datatype"] == "FP32" else s
     t = from_nested(as_sent, item["data"] if isinstance(item["data"], list) else [item["data"]], where)
-    if t.numel() != _count(shape):
-        raise RequestError(f"{where}: shape {shape} needs {_count(shape)} values, data holds {t.numel()}")
+    if t.numel() != math.prod(shape):
+        raise RequestError(f"{where}: shape {shape} needs {math.prod(shape)} values, data holds {t.numel()}")
     return name, narrow(t.reshape(shape), s, where)
 
 

@@ -18,6 +18,7 @@ any byte is interpreted; every failure is the request's own 400.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -97,10 +98,7 @@ class Offsets:
             raise RequestError(f"{where} has both data and parameters.binary_data_size; send one")
         size = item["parameters"]["binary_data_size"]
         dtype = BY_V2[item["datatype"]].torch  # datatype already checked against the artifact
-        count = 1
-        for d in shape:
-            count *= d
-        need = count * torch.empty((), dtype=dtype).element_size()
+        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if type(size) is not int or size != need:
             raise RequestError(f"{where}: binary_data_size is {size!r}; shape {shape} of "
                                f"{item['datatype']} needs {need} bytes")
