@@ -2,9 +2,11 @@
 segfault, abort or illegal instruction there becomes a LoadError in the worker instead of a
 worker that TorchServe restarts in a loop.
 
-Parent side: crash_safe_probe(). Child side: `python -m handlers.probe VARIANT_DIR KIND INDEX`
-(KIND is the device kind, INDEX -1 on CPU); exits 0 on success, 1 with a `PROBE-ERROR: message`
-line on a Python-level failure; a native crash kills it with a signal.
+Parent side: crash_safe_probe(). Child side:
+`python -m handlers.probe VARIANT_DIR KIND INDEX [CUDA_GRAPHS]` (KIND is the device kind, INDEX
+-1 on CPU, CUDA_GRAPHS the worker's handler.cuda_graphs, which decides how AOTI loads); exits 0
+on success, 1 with a `PROBE-ERROR: message` line on a Python-level failure; a native crash kills
+it with a signal.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from .config import parse_config
 from .device import Placement
 from .errors import LoadError
 from .load import load_artifact
@@ -45,8 +48,9 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
     Returns the seconds it took."""
     t0 = time.perf_counter()
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The child loads the artifact as the worker will (cuda_graphs decides how AOTI loads).
     cmd = [sys.executable, "-m", "handlers.probe", spec.variant_dir, placement.kind,
-           str(placement.index if placement.index is not None else -1)]
+           str(placement.index if placement.index is not None else -1), config.cuda_graphs]
     try:
         r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
                            text=True, timeout=config.crash_safe_timeout_s)
@@ -74,6 +78,7 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
 
 def main():
     variant_dir, kind, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    graphs = sys.argv[4] if len(sys.argv) > 4 else "off"
     try:
         import torch
 
@@ -82,7 +87,7 @@ def main():
             torch.set_num_threads(int(os.environ["TS_HANDLER_CPU_THREADS"]))
         spec = open_variant(variant_dir)
         placement = Placement(kind, index if index >= 0 else None)
-        model = load_artifact(spec, placement)
+        model = load_artifact(spec, placement, parse_config({"handler": {"cuda_graphs": graphs}}))
         with torch.inference_mode():
             args = [s.zeros(spec.batch_min, placement.torch_device) for s in spec.inputs]
             model(*args)

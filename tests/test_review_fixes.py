@@ -92,3 +92,27 @@ def test_scratch_root_must_be_private(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(mine)
     assert scratch._owned_root(str(link)) is None
+
+
+def test_probe_child_loads_as_the_worker_will(monkeypatch):
+    """The crash-safe probe passes the worker's cuda_graphs setting, which decides how an AOTI
+    package loads (run_single_threaded), so the child tries the load the worker will make."""
+    import subprocess
+    import types
+
+    from handlers import probe
+    from handlers.config import parse_config
+    from handlers.device import Placement
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    spec = types.SimpleNamespace(variant_dir="/nonexistent", artifact="model.pt2", backend="aoti")
+    probe.crash_safe_probe(spec, Placement("cpu", None), parse_config({"handler": {"cuda_graphs": "off"}}))
+    assert seen["cmd"][-4:] == ["/nonexistent", "cpu", "-1", "off"]
+    probe.crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
+    assert seen["cmd"][-1] == "auto"
