@@ -150,11 +150,8 @@ def write_spec(spec: ArtifactSpec, directory: str) -> str:
 
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def find_variants(model_dir: str) -> list:

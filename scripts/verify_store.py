@@ -24,11 +24,10 @@ import sys
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
+    # hashlib itself (not handlers.metadata.sha256_file): this check runs before any server
+    # starts and needs no torch import
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def archives(store: str) -> list:

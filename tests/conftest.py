@@ -248,6 +248,20 @@ def serve(tmp_path_factory):
         ts.stop()
 
 
+def corrupt_inside_mar(mar, member="model.pt2"):
+    """Damage the artifact inside a built archive (disk or transfer corruption after archiving)."""
+    import zipfile
+
+    tmp = str(mar) + ".tmp"
+    with zipfile.ZipFile(mar) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == member:
+                data = data[:100] + b"\x00" * 16 + data[116:]
+            zout.writestr(item, data)
+    os.replace(tmp, mar)
+
+
 def rewrite_package_metadata(art, **changes):
     """Alter the AOTInductor metadata inside a .pt2 package, as a build for another target would."""
     import zipfile

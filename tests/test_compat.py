@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import PY, ROOT, build_mar, repin, rewrite_package_metadata
+from conftest import PY, ROOT, build_mar, corrupt_inside_mar, repin, rewrite_package_metadata
 from handlers import rules
 from handlers.device import Placement
 from handlers.kinds import kind_of
@@ -123,18 +123,6 @@ def broken(artifacts, tmp_path_factory):
     d = fake_trt_artifact(str(root / "trt"))
     cases["trt_missing"] = (d, "pip install torch-tensorrt==2.13.0")
     return cases
-
-
-def corrupt_inside_mar(mar, member="model.pt2"):
-    """Damage the artifact inside a built archive (disk or transfer corruption after archiving)."""
-    tmp = str(mar) + ".tmp"
-    with zipfile.ZipFile(mar) as zin, zipfile.ZipFile(tmp, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename == member:
-                data = data[:100] + b"\x00" * 16 + data[116:]
-            zout.writestr(item, data)
-    os.replace(tmp, mar)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import threading
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, PY, ROOT, _env, build_mar, eager
+from conftest import BIN, PY, ROOT, _env, build_mar, corrupt_inside_mar, eager
 from handlers import safetensors_io
 from hostile import JSON, KINDS, good_request
 
@@ -33,17 +32,6 @@ def strict(text):
     def refuse(token):
         raise ValueError(f"non-standard JSON token {token}")
     return json.loads(text, parse_constant=refuse)
-
-
-def corrupt_inside_mar(mar, member="model.pt2"):
-    tmp = str(mar) + ".tmp"
-    with zipfile.ZipFile(mar) as zin, zipfile.ZipFile(tmp, "w") as zout:
-        for item in zin.infolist():
-            data = zin.read(item.filename)
-            if item.filename == member:
-                data = data[:100] + b"\x00" * 16 + data[116:]
-            zout.writestr(item, data)
-    os.replace(tmp, mar)
 
 
 @pytest.fixture(scope="module", autouse=True)
