@@ -8,7 +8,8 @@ Raw floor = pinned host batch -> device (non-blocking, side stream) + model forw
 outputs into pinned host memory + synchronize: the least any server must do. handle() adds
 decoding the request, validation, staging, batching and encoding; each timed call gets a freshly
 built request body, as TorchServe hands one to its worker per request. Also reports the first
-request after load (with warm-up, and for contrast without) against the steady state.
+request after load (with warm-up, and for contrast without) against the steady state and against
+calls after an idle pause, with its stage times.
 """
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import sys
 import time
-import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,33 +62,97 @@ def timed(fn, device, prep=None):
     return (time.perf_counter() - t0) * 1000.0
 
 
-def png_bars(path: str, title_values: list):
-    """A dependency-free PNG bar chart: one group per label, bars for each series (ratio)."""
-    w, h, pad = 640, 320, 20
-    img = [[(255, 255, 255)] * w for _ in range(h)]
-    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
-    vmax = max(v for _, vals in title_values for v in vals) * 1.1 or 1.0
-    group_w = (w - 2 * pad) // max(1, len(title_values))
-    for gi, (_, vals) in enumerate(title_values):
-        bw = max(4, (group_w - 20) // max(1, len(vals)))
-        for si, v in enumerate(vals):
-            x0 = pad + gi * group_w + 10 + si * bw
-            top = h - pad - int((h - 2 * pad) * v / vmax)
-            for y in range(top, h - pad):
-                for x in range(x0, x0 + bw - 2):
-                    img[y][x] = colors[si % len(colors)]
-    y1 = h - pad - int((h - 2 * pad) * 1.0 / vmax)  # the ratio-1.0 line
-    for x in range(pad, w - pad):
-        img[y1][x] = (0, 0, 0)
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in img)
+class StageRecorder:
+    """Stands in for TorchServe's metrics object: keeps the handler's stage times
+    (HandlerDecodeTime, HandlerRunTime, HandlerEncodeTime) of the last call."""
 
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    def __init__(self):
+        self.last = {}
 
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    def add_time(self, name, value, idx=None, unit="ms"):
+        self.last[name] = value
 
+
+def first_requests(handler, ctx, sizes, inputs, args) -> dict:
+    """Called right after the handler loaded: its first call at the smallest and the largest
+    batch size (each the first of its size), then that size's steady state, then calls after
+    `--idle-seconds` of idleness (median of `--idle-repeats`). A first call that costs more than
+    the steady state but no more than an idle one pays no first-execution cost of its own: what
+    it pays, every call after a pause pays (clocks and caches going cold), and no warm-up can
+    pay that in advance. Stage times come from the handler's own metrics."""
+    import torch
+
+    from handlers import safetensors_io
+
+    device = handler.device
+    ctx.metrics = rec = StageRecorder()
+    out = {}
+    for b in sorted({sizes[0], sizes[-1]}):
+        body = safetensors_io.dumps(inputs(b))
+        set_requests(ctx, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
+        fresh = {}  # a new bytearray per call, as TorchServe's worker builds one, outside the timing
+
+        def prep(body=body):
+            fresh["b"] = bytearray(body)
+
+        def call():
+            res = handler.handle([{"body": fresh["b"]}], ctx)
+            assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
+
+        first_ms = timed(call, device, prep)
+        first_stages = dict(rec.last)
+        steady, stages = [], []
+        for _ in range(max(5, args.iters // 2)):
+            steady.append(timed(call, device, prep))
+            stages.append(dict(rec.last))
+        idle = []
+        for _ in range(args.idle_repeats if b == sizes[0] else 0):
+            time.sleep(args.idle_seconds)
+            idle.append(timed(call, device, prep))
+        med = statistics.median(steady)
+        row = {"batch": b, "first_ms": round(first_ms, 4), "steady_median_ms": round(med, 4),
+               "first_over_steady": round(first_ms / med, 4),
+               "first_stages_ms": {k: round(v, 4) for k, v in first_stages.items()},
+               "steady_stages_ms": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 4)
+                                    for k in first_stages}}
+        if idle:
+            row.update(after_idle_median_ms=round(statistics.median(idle), 4), idle_seconds=args.idle_seconds,
+                       after_idle_over_steady=round(statistics.median(idle) / med, 4),
+                       first_over_after_idle=round(first_ms / statistics.median(idle), 4))
+        out[f"b{b}"] = row
+    return out
+
+
+def plot(path: str, results: list, first: dict):
+    """Left: handle() over the raw floor per batch and format (with graphs over without, where
+    measured). Right: first request and after-idle calls over the steady state, per handler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"b{r['batch']} {r['format']}" for r in results]
+    xs = range(len(results))
+    ax.bar([x - 0.2 for x in xs], [r["ratio"] for r in results], 0.4, label="handle() / floor")
+    if any("graphs_over_no_graphs" in r for r in results):
+        ax.bar([x + 0.2 for x in xs], [r.get("graphs_over_no_graphs", 0) for r in results], 0.4,
+               label="graphs / no graphs")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(list(xs), labels, rotation=20)
+    ax.set_ylabel("ratio")
+    ax.legend()
+    rows = [(f"{h} b{r['batch']}", r) for h, per in first.items() for r in per.values()]
+    ys = range(len(rows))
+    bx.bar([y - 0.2 for y in ys], [r["first_over_steady"] for _, r in rows], 0.4, label="first / steady")
+    bx.bar([y + 0.2 for y in ys], [r.get("after_idle_over_steady", 0) for _, r in rows], 0.4,
+           label="after idle / steady")
+    bx.axhline(1.1, color="red", lw=0.8, ls="--", label="1.1")
+    bx.set_xticks(list(ys), [n for n, _ in rows], rotation=20)
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +168,9 @@ def main(argv=None):
                    help="print where handle() spends Python time at the largest batch (cProfile)")
     p.add_argument("--graphs-contrast", action="store_true",
                    help="also time a second handler with handler.cuda_graphs=off (handle_no_graphs)")
+    p.add_argument("--idle-seconds", type=float, default=2.0,
+                   help="pause before each after-idle call of the first-request measurement")
+    p.add_argument("--idle-repeats", type=int, default=5, help="after-idle calls (0: none)")
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
@@ -125,7 +191,8 @@ def main(argv=None):
     gpu = 0 if spec.device == "cuda" or torch.cuda.is_available() else None
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    # First request after load: with warm-up (our default) and, for contrast, without.
+    # First request after load: each handler's first call right after its load, against its
+    # steady state and against calls after an idle pause (see first_requests).
     t0 = time.perf_counter()
     profile_top = None
     if args.load_profile:
@@ -137,7 +204,8 @@ def main(argv=None):
         faulthandler.dump_traceback_later(20, repeat=True, file=sys.stderr)
         prof = cProfile.Profile()
         prof.enable()
-    cold, cold_ctx = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False})
+    # "no_warmup": no warm-up and no CUDA graphs (capture replays the model: a warm-up of its own)
+    cold = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False, "cuda_graphs": "off"})
     load_cold_s = time.perf_counter() - t0
     if args.load_profile:
         prof.disable()
@@ -146,14 +214,6 @@ def main(argv=None):
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
         profile_top = text.getvalue()
         print(profile_top, flush=True)
-    t0 = time.perf_counter()
-    handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
-    load_warm_s = time.perf_counter() - t0
-    device = handler.device
-    off = None
-    if args.graphs_contrast:
-        off = new_handler(args.artifact, gpu, {"crash_safe_load": False, "cuda_graphs": "off"})
-    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
     g = torch.Generator().manual_seed(0)
 
     def inputs(b):
@@ -165,25 +225,18 @@ def main(argv=None):
                            else torch.zeros(shape, dtype=dt))
         return out
 
-    first = {}
-    firsts = {"no_warmup": (cold, cold_ctx), "warmup": (handler, ctx)}
-    if off:
-        firsts["warmup_no_graphs"] = off
-    for name, (h, c) in firsts.items():
-        for b in sorted({sizes[0], sizes[-1]}):
-            body = safetensors_io.dumps(inputs(b))
-            set_requests(c, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
-            fresh = {}  # a new bytearray per call, as TorchServe's worker builds one, outside the timing
-
-            def prep(body=body):
-                fresh["b"] = bytearray(body)
-
-            first_ms = timed(lambda: h.handle([{"body": fresh["b"]}], c), device, prep)
-            steady = [timed(lambda: h.handle([{"body": fresh["b"]}], c), device, prep)
-                      for _ in range(args.iters // 2)]
-            first[f"{name}_b{b}"] = {"batch": b, "first_ms": first_ms, "steady_median_ms": statistics.median(steady),
-                                     "first_over_steady": first_ms / statistics.median(steady)}
+    first = {"no_warmup": first_requests(*cold, sizes, inputs, args)}
     del cold
+    t0 = time.perf_counter()
+    handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
+    load_warm_s = time.perf_counter() - t0
+    first["warmup"] = first_requests(handler, ctx, sizes, inputs, args)
+    device = handler.device
+    off = None
+    if args.graphs_contrast:
+        off = new_handler(args.artifact, gpu, {"crash_safe_load": False, "cuda_graphs": "off"})
+        first["warmup_no_graphs"] = first_requests(*off, sizes, inputs, args)
+    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
 
     results = []
     model = handler.model
@@ -321,9 +374,12 @@ def main(argv=None):
                 pstats.Stats(prof).sort_stats("tottime").print_stats(20)
             print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}  "
                   + "  ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()), flush=True)
-    for name, r in first.items():
-        print(f"first request ({name}): {r['first_ms']:.2f} ms vs steady {r['steady_median_ms']:.2f} ms "
-              f"-> {r['first_over_steady']:.2f}x")
+    for name, rows in first.items():
+        for r in rows.values():
+            idle = (f"; after {r['idle_seconds']:g} s idle {r['after_idle_median_ms']:.2f} ms "
+                    f"(first / after idle {r['first_over_after_idle']:.2f}x)" if "idle_seconds" in r else "")
+            print(f"first request ({name}, batch {r['batch']}): {r['first_ms']:.2f} ms vs steady "
+                  f"{r['steady_median_ms']:.2f} ms -> {r['first_over_steady']:.2f}x{idle}")
     from scripts.results_meta import header
 
     report = {
@@ -342,8 +398,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-        png_bars(os.path.splitext(args.out)[0] + ".png",
-                 [(f"b{r['batch']}-{r['format']}", [r["ratio"]]) for r in results])
+        plot(os.path.splitext(args.out)[0] + ".png", results, first)
     return 0
 
 

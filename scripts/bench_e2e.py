@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from scripts.bench_load import run_point
+from scripts.bench_load import first_request, run_point
 from scripts.local_server import ROOT, LocalTorchServe, tool
 
 
@@ -71,6 +71,11 @@ def parse_args(argv):
                    help="which of ours, stock, stock_default, echo to serve and measure")
     p.add_argument("--multi-gpu-handlers", default=None,
                    help="the handlers served on device sets of several GPUs (default: --handlers)")
+    p.add_argument("--first-request", action="store_true",
+                   help="before the load points, time each model's first request after READY, then "
+                        "steady and after-idle requests from one client (echo first: it takes the "
+                        "frontend's own first-request cost)")
+    p.add_argument("--idle-seconds", type=float, default=2.0, help="pause before each after-idle request")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     return p.parse_args(argv)
 
@@ -213,8 +218,9 @@ def device_sets(args, n_gpu: int) -> list:
     return out
 
 
-def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> list:
-    """Archives, serves and measures every handler on one device set (n GPUs; 0 = CPU)."""
+def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
+    """Archives, serves and measures every handler on one device set (n GPUs; 0 = CPU):
+    (load points, first-request rows)."""
     from handlers import threads
 
     ids = list(range(n)) if n else None
@@ -264,8 +270,29 @@ def echo_response(spec, ref: dict) -> bytes:
     return save({k: torch.zeros(v.shape, dtype=dtypes.get(k, torch.float32)) for k, v in ref.items()})
 
 
-def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> list:
+def _echo_check(model: str, refs: list, tol: float):
+    """The echo answers zeros of the output's shape: its answers are parsed and compared too,
+    so the client does the same work per answer for every handler."""
+    return ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
+
+
+def _first_requests(args, server, token, n, bodies, refs, tol) -> list:
+    order = ["echo", "ours"] + [f"ours_{v.partition(':')[0]}" for v in args.variant] + ["stock"]
+    rows = []
+    for model in [m for m in order if m in server.models]:
+        refs_m, tol_m = _echo_check(model, refs, tol)
+        row = first_request(server.base, f"/predictions/{model}", token, bodies[0], (refs_m[0], tol_m),
+                            idle_seconds=args.idle_seconds)
+        row.update(handler=model, gpus=n)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) -> tuple:
+    """(load points, first-request rows)."""
     token = server.key()
+    firsts = _first_requests(args, server, token, n, bodies, refs, tol) if args.first_request else []
     points = []
     main = ["ours", "stock", "echo"] + [f"ours_{v.partition(':')[0]}" for v in args.variant]
     plan = [(m, c) for m in main if m in server.models for c in ints(args.clients)]
@@ -274,10 +301,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
     for model, clients in plan:
-        # The echo answers zeros of the output's shape: its answers are parsed and compared too,
-        # so the client does the same work per answer for every handler.
-        check = ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
-        res = run_point(server.base, f"/predictions/{model}", token, bodies, check, clients,
+        res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol), clients,
                         args.seconds, args.warmup_seconds, args.max_requests, args.processes)
         res.update(handler=model, gpus=n, workers=workers, clients=clients)
         print(json.dumps(res), flush=True)
@@ -287,7 +311,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         p["worker_deaths_in_run"] = restarts
         p["ready_s"] = round(ready_s, 1)
         p["ours_cpu_threads"] = threads
-    return points
+    return points, firsts
 
 
 def summary(points: list, limits: dict) -> dict:
@@ -354,6 +378,15 @@ def write_markdown(path: Path, result: dict):
     if s["scaling"]:
         lines += ["", "Scaling across GPUs (clients scaled with the GPUs):", ""]
         lines += [f"- {r}" for r in s["scaling"]]
+    if result.get("first_requests"):
+        lines += ["", "First request after READY, one client (echo first, so the frontend's own first "
+                  "request is paid there); steady = median of the next 20 back to back; after idle = "
+                  "median of 5 requests each after a pause:", "",
+                  "| handler | GPUs | first ms | steady ms | first / steady | after idle ms | after idle / steady |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['handler']} | {r['gpus']} | {r['first_ms']} | {r['steady_median_ms']} | "
+                  f"{r['first_over_steady']} | {r.get('after_idle_median_ms', '-')} | "
+                  f"{r.get('after_idle_over_steady', '-')} |" for r in result["first_requests"]]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -405,10 +438,12 @@ def main(argv=None):
     sets = device_sets(args, n_gpu)
     limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}
     torch.cuda.empty_cache() if n_gpu else None
-    points = []
+    points, firsts = [], []
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
         for n in sets:
-            points += serve_set(args, n, bodies, refs, tol, spec, Path(tmp))
+            got, first = serve_set(args, n, bodies, refs, tol, spec, Path(tmp))
+            points += got
+            firsts += first
     name = Path(args.factory.rsplit(":", 1)[1]).name + f"_{spec.inputs[0].dtype}_{spec.backend}"
     from scripts.results_meta import header
 
@@ -421,6 +456,8 @@ def main(argv=None):
                      "seconds": args.seconds, "tolerance": tol},
         "limits": limits, "points": points, "summary": summary(points, limits),
     }
+    if firsts:
+        result["first_requests"] = firsts
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

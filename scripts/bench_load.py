@@ -99,6 +99,45 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     return summarize(rows, seconds, check is not None)
 
 
+def first_request(url, path, token, body, check, steady=20, idle_seconds=2.0, idle_repeats=5) -> dict:
+    """What one client sees of a model that has just become ready: its very first request (on a
+    new connection), then `steady` back-to-back requests on that connection, then requests each
+    after `idle_seconds` of silence. check: (reference outputs, tol). Every answer must be a 200
+    that matches, or this raises: a first-request figure of a failed answer means nothing."""
+    import statistics
+
+    u = urlparse(url)
+    headers = dict(HEADERS, Authorization=f"Bearer {token}")
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+
+    def one() -> float:
+        start = time.perf_counter()
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        ms = (time.perf_counter() - start) * 1e3
+        if resp.status != 200 or _mismatch(data, check[0], check[1]):
+            raise RuntimeError(f"{path}: answer {resp.status} {data[:200]!r} is not the reference output")
+        return ms
+
+    try:
+        first = one()
+        steady_ms = [one() for _ in range(steady)]
+        idle = []
+        for _ in range(idle_repeats):
+            time.sleep(idle_seconds)
+            idle.append(one())
+    finally:
+        conn.close()
+    med = statistics.median(steady_ms)
+    out = {"first_ms": round(first, 3), "steady_median_ms": round(med, 3),
+           "first_over_steady": round(first / med, 3)}
+    if idle:
+        out.update(after_idle_median_ms=round(statistics.median(idle), 3), idle_seconds=idle_seconds,
+                   after_idle_over_steady=round(statistics.median(idle) / med, 3))
+    return out
+
+
 def summarize(rows, seconds, checked) -> dict:
     import numpy as np
 

@@ -4,10 +4,12 @@
 #   e2e_resnet50_fp16_<tag>     ours (CUDA graphs, default) vs ours without graphs, 2 threads,
 #                               the stock handler (same threads; and without a budget) and the
 #                               echo transport limit, clients 1..128, on one GPU (GPUS=1,all: more)
-#   e2e_resnet50_fp16_b1_<tag>  batchSize 1 at one client: latency with and without graphs
+#   e2e_resnet50_fp16_b1_<tag>  batchSize 1 at one client: latency with and without graphs, and
+#                               the first request after READY (echo first) against steady/idle
 #   e2e_resnet50_cpu_<tag>      CPU workers (exported ResNet-50 fp32): thread budget sweep
-#   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours): scaling
+#   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
+#   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
 #   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo: a short check of a revision
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
 set -euo pipefail
@@ -24,19 +26,23 @@ for part in $PARTS; do
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
             --variant nographs:cuda_graphs=off --thread-sweep 2 --sweep-clients 64 ;;
     b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
-            --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours \
-            --variant nographs:cuda_graphs=off ;;
+            --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours,echo \
+            --variant nographs:cuda_graphs=off --first-request ;;
     cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
             --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
-            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours ;;
+            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
+    export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \
+              --device cuda --out "$W/r50ep"
+            $PY -m scripts.bench --artifact "$W/r50ep" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
+              --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
             --handlers ours,stock,echo ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, bench, check)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check)"; exit 2 ;;
   esac
 done

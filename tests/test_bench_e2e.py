@@ -16,7 +16,8 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
            "--factory", "examples/models.py:classifier", "--out", str(out), "--clients", "1,4",
            "--seconds", "1.5", "--warmup-seconds", "0.5", "--cpu-workers", "1", "--batch-size", "4",
-           "--thread-sweep", "1", "--sweep-clients", "2", "--processes", "1"]
+           "--thread-sweep", "1", "--sweep-clients", "2", "--processes", "1",
+           "--first-request", "--idle-seconds", "0.2"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -39,3 +40,11 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| ours | 0 | 4 |" in md and result["command"] in md
     assert out.with_suffix(".png").stat().st_size > 10_000
+    # first request after READY: echo first (the frontend's own first request), every answer
+    # checked (first_request raises on a wrong one), figures consistent with each other
+    firsts = result["first_requests"]
+    assert [f["handler"] for f in firsts] == ["echo", "ours", "stock"]
+    for f in firsts:
+        assert 0 < f["steady_median_ms"] and f["first_ms"] > 0 and f["after_idle_median_ms"] > 0
+        assert abs(f["first_over_steady"] - f["first_ms"] / f["steady_median_ms"]) < 0.01
+    assert "| ours | 0 |" in md.split("First request after READY")[1]

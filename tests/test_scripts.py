@@ -58,17 +58,30 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
 
     out = tmp_path / "bench.json"
     r = run("scripts/bench.py", "--artifact", str(artifacts.get("cls_aoti")), "--batch-sizes", "1,3",
-            "--iters", "3", "--warmup", "1", "--out", str(out))
+            "--iters", "3", "--warmup", "1", "--idle-seconds", "0.05", "--idle-repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert list(report)[:4] == ["device", "date", "torch", "command"]
     # the command that ran, from its argv, not a literal
     assert report["command"] == ("python -m scripts.bench --artifact " + str(artifacts.get("cls_aoti"))
-                                 + f" --batch-sizes 1,3 --iters 3 --warmup 1 --out {out}")
+                                 + f" --batch-sizes 1,3 --iters 3 --warmup 1 --idle-seconds 0.05 --idle-repeats 2"
+                                 f" --out {out}")
     rows = {(x["batch"], x["format"]): x for x in report["results"]}
     assert set(rows) == {(1, "safetensors"), (1, "json"), (3, "safetensors"), (3, "json")}
     assert all(x["floor_ms"] > 0 and x["ratio"] > 0 and {"decode", "run", "encode"} <= set(x["stages_ms"])
                for x in rows.values())
+    # first requests: each handler right after its load, each batch size's first call with the
+    # handler's own stage times; after-idle calls at the smallest batch only
+    first = report["first_request"]
+    assert set(first) == {"no_warmup", "warmup"}
+    for per in first.values():
+        assert set(per) == {"b1", "b3"}
+        b1 = per["b1"]
+        assert b1["first_ms"] > 0 and b1["after_idle_median_ms"] > 0 and b1["idle_seconds"] == 0.05
+        assert b1["first_over_steady"] == pytest.approx(b1["first_ms"] / b1["steady_median_ms"], rel=1e-3)
+        assert set(b1["first_stages_ms"]) == {"HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"}
+        assert "after_idle_median_ms" not in per["b3"]
+    assert "first request (warmup, batch 1)" in r.stdout
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
