@@ -35,6 +35,11 @@ class HandlerConfig:
     cuda_graph_batch_sizes: tuple = ()
     cuda_graph_max_batch: int = 64
     cuda_graph_memory_mb: float = 2048.0
+    # How a worker waits for its GPU work (run/cuda.py, sync_mode): spin (a core busy-polls:
+    # least latency), block (the thread sleeps until the GPU is done: its core serves the
+    # frontend and the sibling workers meanwhile) or auto (block when several of this model's
+    # workers share a GPU, spin when a worker has its GPU alone).
+    cuda_sync: str = "auto"
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
     split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
@@ -61,7 +66,7 @@ _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_t
 _TYPES = {
     "cpu_threads": int, "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
     "cuda_graphs": str, "cuda_graph_batch_sizes": tuple, "cuda_graph_max_batch": int,
-    "cuda_graph_memory_mb": float, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
+    "cuda_graph_memory_mb": float, "cuda_sync": str, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
     "max_rows_per_request": int, "max_body_mb": float, "max_json_mb": float, "crash_safe_load": bool,
     "crash_safe_timeout_s": float, "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
     "answer_load_failure": bool,
@@ -134,6 +139,10 @@ def _validate(values: dict) -> None:
         raise ConfigError(f"model-config.yaml handler.cuda_graphs = {values['cuda_graphs']!r} is invalid: "
                           "expected auto (capture and keep graphs only if they match the plain call), "
                           "on (a capture failure fails the load) or off")
+    if values.get("cuda_sync", "auto") not in ("auto", "spin", "block"):
+        raise ConfigError(f"model-config.yaml handler.cuda_sync = {values['cuda_sync']!r} is invalid: "
+                          "expected auto (block when several workers share a GPU), spin (least "
+                          "latency, one busy core per waiting worker) or block (the waiting worker sleeps)")
     if values.get("cuda_graph_max_batch", 1) < 1 or values.get("cuda_graph_memory_mb", 1.0) <= 0:
         raise ConfigError("model-config.yaml handler.cuda_graph_max_batch must be at least 1 and "
                           "handler.cuda_graph_memory_mb positive")

@@ -110,7 +110,9 @@ class CompiledModelHandler(BaseHandler):
         self.limits = Limits.of(self.config, spec)
         self.model = load_artifact(spec, placement, self.config)
         self.device = placement.torch_device
-        self.runner = runner_for(self.model, spec, self.device, self.config)
+        sharing = (threads.workers_per_gpu(getattr(context, "model_yaml_config", None), torch.cuda.device_count())
+                   if placement.kind == "cuda" else None)
+        self.runner = runner_for(self.model, spec, self.device, self.config, sharing)
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if self.config.warmup:
@@ -124,11 +126,11 @@ class CompiledModelHandler(BaseHandler):
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s; CPU threads: %s; %s",
+            "fp32 matmul precision %s; CPU threads: %s; %s%s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
-            graphs_note)
+            graphs_note, self.runner.describe_sync())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 

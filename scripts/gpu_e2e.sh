@@ -10,7 +10,8 @@
 #   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
-#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo: a short check of a revision
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin:
+#                               a short check of a revision
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
@@ -27,7 +28,7 @@ for part in $PARTS; do
             --variant nographs:cuda_graphs=off --thread-sweep 2 --sweep-clients 64 ;;
     b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
             --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours,echo \
-            --variant nographs:cuda_graphs=off --first-request ;;
+            --variant nographs:cuda_graphs=off --variant block:cuda_sync=block --first-request ;;
     cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
@@ -42,7 +43,7 @@ for part in $PARTS; do
               --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
-            --handlers ours,stock,echo ;;
+            --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
     *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check)"; exit 2 ;;
   esac
 done

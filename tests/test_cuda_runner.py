@@ -15,7 +15,7 @@ from handlers.run import runner_for  # noqa: E402
 from handlers.run.cuda import CudaRunner  # noqa: E402
 
 
-def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0):
+def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="auto"):
     spec = ArtifactSpec(backend="export", artifact="m", sha256="", device="cuda",
                         inputs=(TensorSpec("x", "float32", (None, 64)), TensorSpec("m", "bool", (None, 64))),
                         outputs=(TensorSpec("y", "float32", (None, 64)),), output_structure="tensor",
@@ -27,6 +27,7 @@ def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0):
     class Cfg:
         stream_priority = 0
         staging_piece_mb = piece_mb
+        cuda_sync = sync
 
     return runner_for(model, spec, dev, Cfg), spec
 
@@ -40,10 +41,10 @@ def reqs(*rows, seed=0):
     return [{"x": torch.randn(n, 64, generator=g), "m": torch.rand(n, 64, generator=g) > 0.5} for n in rows]
 
 
-@pytest.mark.parametrize("piece_mb", [0.0, 0.0005])
-def test_results_exact_across_chunks_and_pieces(piece_mb):
-    runner, _ = make(batch_min=2, batch_max=3, piece_mb=piece_mb)
-    assert isinstance(runner, CudaRunner)
+@pytest.mark.parametrize("piece_mb,sync", [(0.0, "spin"), (0.0005, "spin"), (0.0, "block")])
+def test_results_exact_across_chunks_and_pieces(piece_mb, sync):
+    runner, _ = make(batch_min=2, batch_max=3, piece_mb=piece_mb, sync=sync)
+    assert isinstance(runner, CudaRunner) and runner.sync == sync
     for rows in [(1,), (2, 1), (3, 2, 2), (1, 1, 1, 1, 1)]:
         rs = reqs(*rows, seed=sum(rows))
         out = runner.run(rs)
@@ -57,10 +58,12 @@ def test_device_inputs_persist_per_batch_size():
     seen = []
     runner, _ = make(fn=lambda x, m: seen.append((x.data_ptr(), m.data_ptr(), torch.cuda.current_stream()))
                      or x * 1.0)
-    for rows in (2, 3, 2, 3, 2):
+    # The device buffers are sized for the largest batch so far (warm-up runs the largest
+    # first); from then on each batch size finds its inputs at the same addresses.
+    for rows in (3, 2, 3, 2, 3, 2):
         runner.run(reqs(rows))
     ptrs = [(a, b) for a, b, _ in seen]
-    assert ptrs[0] == ptrs[2] == ptrs[4] and ptrs[1] == ptrs[3]
+    assert ptrs[0] == ptrs[2] == ptrs[4] and ptrs[1] == ptrs[3] == ptrs[5]
     assert all(s == runner.stream for _, _, s in seen)  # the model runs on the runner's stream
     assert runner.stream != torch.cuda.default_stream(0)
 

@@ -25,6 +25,10 @@ class Runner:
     def staging_bytes(self) -> int:
         raise NotImplementedError
 
+    def describe_sync(self) -> str:
+        """How the host waits for the device, for the load line ("" where nothing to say)."""
+        return ""
+
     def run(self, requests: list) -> list:
         """requests: list of {input name: CPU tensor} with equal rows per request.
         Returns, per request, {output name: CPU tensor holding exactly its rows}."""

@@ -59,8 +59,22 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
         dev[at:].zero_()
 
 
+def sync_mode(configured: str, workers_per_gpu) -> str:
+    """How the host waits for the GPU: "spin" or "block" (handler.cuda_sync). With the default
+    schedule the CUDA runtime busy-polls a core while a process waits (its heuristic spins
+    while a process has fewer contexts than the host has cores). Several workers sharing a GPU
+    mostly wait behind each other's work, so spinning keeps up to that many cores busy doing
+    nothing that the frontend and the other workers need (measured: docs/results/e2e_*); a
+    blocking wait (cudaEventBlockingSync) sleeps instead, at the cost of a wake-up. One worker
+    per GPU (unknown counts as one: TorchServe's default is one worker per GPU) spins."""
+    if configured != "auto":
+        return configured
+    return "block" if (workers_per_gpu or 1) > 1 else "spin"
+
+
 class CudaRunner(Runner):
-    def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0):
+    def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0,
+                 sync: str = "spin"):
         super().__init__(model, spec)
         self.device = device
         self.piece_bytes = piece_bytes
@@ -70,7 +84,9 @@ class CudaRunner(Runner):
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
-        self.done = torch.cuda.Event()
+        self.sync = sync
+        # blocking=True: cudaEventBlockingSync, synchronize() sleeps until the event completes
+        self.done = torch.cuda.Event(blocking=sync == "block")
         self.graphs = None  # graphs.GraphSet once prepare() captured some
 
     def prepare(self, config, kind) -> str:
@@ -144,6 +160,9 @@ class CudaRunner(Runner):
         # Model outputs were allocated on our stream and die here; the caching allocator reuses
         # their blocks only on that same stream, in order.
         return host
+
+    def describe_sync(self) -> str:
+        return f"; waits for the GPU by {'sleeping (blocking sync)' if self.sync == 'block' else 'spinning'}"
 
     def staging_bytes(self) -> int:
         return self.host_inputs.nbytes() + self.host_outputs.nbytes() + self.device_buffers.nbytes()
