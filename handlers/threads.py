@@ -75,18 +75,6 @@ def workers_from_yaml(model_yaml: Optional[dict]) -> Optional[int]:
     return None
 
 
-def workers_per_gpu(model_yaml: Optional[dict], visible_gpus: int) -> Optional[int]:
-    """How many of this model's workers share one GPU: TorchServe hands its workers the GPUs in
-    model-config.yaml's deviceIds (else every visible one) round-robin. None when the worker
-    count is not stated."""
-    workers = workers_from_yaml(model_yaml)
-    if workers is None:
-        return None
-    ids = (model_yaml or {}).get("deviceIds")
-    gpus = len(ids) if isinstance(ids, list) and ids else visible_gpus
-    return -(-workers // max(1, gpus))
-
-
 def apply(budget: ThreadBudget) -> ThreadBudget:
     """Sets torch's pools. The inter-op pool can be sized only before its first use; a worker
     that already used it keeps its size (reported in the returned budget)."""

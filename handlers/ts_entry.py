@@ -110,9 +110,7 @@ class CompiledModelHandler(BaseHandler):
         self.limits = Limits.of(self.config, spec)
         self.model = load_artifact(spec, placement, self.config)
         self.device = placement.torch_device
-        sharing = (threads.workers_per_gpu(getattr(context, "model_yaml_config", None), torch.cuda.device_count())
-                   if placement.kind == "cuda" else None)
-        self.runner = runner_for(self.model, spec, self.device, self.config, sharing)
+        self.runner = runner_for(self.model, spec, self.device, self.config)
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         if self.config.warmup:

@@ -28,13 +28,14 @@ for part in $PARTS; do
             --variant nographs:cuda_graphs=off --thread-sweep 2 --sweep-clients 64 ;;
     b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
             --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours,echo \
-            --variant nographs:cuda_graphs=off --variant block:cuda_sync=block --first-request ;;
+            --variant nographs:cuda_graphs=off --variant spin:cuda_sync=spin --first-request ;;
     cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
             --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
-            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo ;;
+            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo \
+            --variant spin:cuda_sync=spin ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
     export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \

@@ -77,35 +77,9 @@ def test_probe_child_inherits_the_budget():
     assert out.stdout.split() == ["2", "2"]
 
 
-# (model-config.yaml, visible GPUs) -> this model's workers sharing one GPU (round-robin)
-SHARING = [
-    ({"minWorkers": 6, "maxWorkers": 6}, 1, 6),
-    ({"minWorkers": 12, "maxWorkers": 12}, 2, 6),
-    ({"maxWorkers": 5}, 2, 3),                       # 3 on one GPU, 2 on the other: the busier one
-    ({"maxWorkers": 4, "deviceIds": [1]}, 2, 4),     # deviceIds narrows the GPUs
-    ({"maxWorkers": 2, "deviceIds": [0, 1]}, 8, 1),
-    ({"deviceIds": [0]}, 1, None),                   # worker count not stated
-    (None, 2, None),
-]
-
-
-@pytest.mark.parametrize("yaml_cfg,gpus,expected", SHARING)
-def test_workers_per_gpu(yaml_cfg, gpus, expected):
-    assert threads.workers_per_gpu(yaml_cfg, gpus) == expected
-
-
-@pytest.mark.parametrize("configured,sharing,expected", [
-    ("auto", 6, "block"), ("auto", 2, "block"), ("auto", 1, "spin"), ("auto", None, "spin"),
-    ("spin", 6, "spin"), ("block", 1, "block"),
-])
-def test_cuda_sync_mode(configured, sharing, expected):
-    from handlers.run.cuda import sync_mode
-
-    assert sync_mode(configured, sharing) == expected
-
 
 def test_cuda_sync_option_validated():
-    assert parse_config({}).cuda_sync == "auto"
-    assert parse_config({"handler": {"cuda_sync": "block"}}).cuda_sync == "block"
-    with pytest.raises(ConfigError, match=r"cuda_sync = 'yield' is invalid: expected auto"):
+    assert parse_config({}).cuda_sync == "block"
+    assert parse_config({"handler": {"cuda_sync": "spin"}}).cuda_sync == "spin"
+    with pytest.raises(ConfigError, match=r"cuda_sync = 'yield' is invalid: expected block"):
         parse_config({"handler": {"cuda_sync": "yield"}})

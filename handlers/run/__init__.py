@@ -5,18 +5,16 @@ import torch
 
 from .base import Runner
 from .cpu import CpuRunner
-from .cuda import CudaRunner, sync_mode
+from .cuda import CudaRunner
 
 RUNNERS = {"cpu": CpuRunner, "cuda": CudaRunner}
 
 
-def runner_for(model, spec, device: torch.device, config=None, workers_per_gpu=None) -> Runner:
-    """The runner for `device`'s kind; `config` (HandlerConfig) tunes the CUDA one, and
-    `workers_per_gpu` (this model's workers sharing one GPU, None: unknown) decides its
-    cuda_sync: auto."""
+def runner_for(model, spec, device: torch.device, config=None) -> Runner:
+    """The runner for `device`'s kind; `config` (HandlerConfig) tunes the CUDA one."""
     if device.type == "cuda":
         return CudaRunner(model, spec, device,
                           stream_priority=config.stream_priority if config else 0,
                           piece_bytes=int(config.staging_piece_mb * (1 << 20)) if config else 0,
-                          sync=sync_mode(getattr(config, "cuda_sync", "auto"), workers_per_gpu))
+                          sync=getattr(config, "cuda_sync", "block"))
     return RUNNERS[device.type](model, spec)

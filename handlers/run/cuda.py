@@ -59,22 +59,9 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
         dev[at:].zero_()
 
 
-def sync_mode(configured: str, workers_per_gpu) -> str:
-    """How the host waits for the GPU: "spin" or "block" (handler.cuda_sync). With the default
-    schedule the CUDA runtime busy-polls a core while a process waits (its heuristic spins
-    while a process has fewer contexts than the host has cores). Several workers sharing a GPU
-    mostly wait behind each other's work, so spinning keeps up to that many cores busy doing
-    nothing that the frontend and the other workers need (measured: docs/results/e2e_*); a
-    blocking wait (cudaEventBlockingSync) sleeps instead, at the cost of a wake-up. One worker
-    per GPU (unknown counts as one: TorchServe's default is one worker per GPU) spins."""
-    if configured != "auto":
-        return configured
-    return "block" if (workers_per_gpu or 1) > 1 else "spin"
-
-
 class CudaRunner(Runner):
     def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0,
-                 sync: str = "spin"):
+                 sync: str = "block"):
         super().__init__(model, spec)
         self.device = device
         self.piece_bytes = piece_bytes
@@ -85,7 +72,12 @@ class CudaRunner(Runner):
         self._views_grows = -1
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
         self.sync = sync
-        # blocking=True: cudaEventBlockingSync, synchronize() sleeps until the event completes
+        # How the host waits (handler.cuda_sync). With the default schedule the CUDA runtime
+        # busy-polls a core while a process waits for the GPU (it spins while the process has
+        # fewer contexts than the host has cores); several workers sharing a GPU mostly wait
+        # behind each other's work, so spinning keeps cores busy that the frontend and the
+        # sibling workers need. blocking=True creates the event with cudaEventBlockingSync:
+        # synchronize() sleeps until the GPU reaches it. The only host wait of a call is there.
         self.done = torch.cuda.Event(blocking=sync == "block")
         self.graphs = None  # graphs.GraphSet once prepare() captured some
 
