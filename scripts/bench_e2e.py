@@ -54,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--clients", default="1,16,64,128")
     p.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
     p.add_argument("--warmup-seconds", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every point this many times, every other round in reverse order")
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
     # the archive defaults (scripts/archive.py)
     p.add_argument("--batch-size", type=int, default=8)
@@ -300,18 +302,40 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
     if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
-    for model, clients in plan:
-        res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol), clients,
-                        args.seconds, args.warmup_seconds, args.max_requests, args.processes)
-        res.update(handler=model, gpus=n, workers=workers, clients=clients)
-        print(json.dumps(res), flush=True)
-        points.append(res)
+    rounds = {}
+    for r in range(args.rounds):
+        # Later points ran faster than earlier ones on the GPU machines (each of four A/B
+        # pairs favoured whichever ran last): every other round goes backwards, so drift over
+        # the run falls on every handler alike.
+        for model, clients in (plan if r % 2 == 0 else plan[::-1]):
+            res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
+                            clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes)
+            res.update(handler=model, gpus=n, workers=workers, clients=clients, round=r)
+            print(json.dumps(res), flush=True)
+            rounds.setdefault((model, clients), []).append(res)
+    points = [combine_rounds(rounds[key]) for key in plan]
     restarts = len(re.findall(r"Backend worker process died", server.log("logs/ts_log.log")))
     for p in points:
         p["worker_deaths_in_run"] = restarts
         p["ready_s"] = round(ready_s, 1)
         p["ours_cpu_threads"] = threads
     return points, firsts
+
+
+def combine_rounds(results: list) -> dict:
+    """One point from its rounds: counts summed, req/s and latency percentiles averaged over the
+    rounds (each round's req/s kept in `rounds_req_s`)."""
+    if len(results) == 1:
+        return {k: v for k, v in results[0].items() if k != "round"}
+    out = {k: v for k, v in results[0].items() if k != "round"}
+    for k in ("requests", "ok", "errors"):
+        out[k] = sum(r[k] for r in results)
+    out["mismatches"] = None if results[0]["mismatches"] is None else sum(r["mismatches"] for r in results)
+    out["error_samples"] = sorted({e for r in results for e in r["error_samples"]})[:3]
+    for k in ("req_s", "p50_ms", "p99_ms"):
+        out[k] = round(sum(r[k] for r in results) / len(results), 2)
+    out["rounds_req_s"] = [r["req_s"] for r in results]
+    return out
 
 
 def summary(points: list, limits: dict) -> dict:
@@ -357,11 +381,15 @@ def write_markdown(path: Path, result: dict):
              f"Serving: batchSize {result['settings']['batch_size']}, maxBatchDelay "
              f"{result['settings']['max_batch_delay']} ms, {result['settings']['workers_per_gpu']} workers per GPU "
              f"({result['settings']['cpu_workers']} on CPU); one-row binary (safetensors) requests; every "
-             "answer compared with the eager model.", "",
+             "answer compared with the eager model."
+             + (f" Each point measured in {result['settings']['rounds']} rounds, every other one in reverse "
+                "order; req/s is their mean (each round in brackets)." if result["settings"].get("rounds", 1) > 1
+                else ""), "",
              "| handler | GPUs | clients | req/s | p50 ms | p99 ms | errors | mismatches |",
              "|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
-        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {p['req_s']} | {p['p50_ms']} | "
+        per_round = f" ({' / '.join(map(str, p['rounds_req_s']))})" if "rounds_req_s" in p else ""
+        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {p['req_s']}{per_round} | {p['p50_ms']} | "
                      f"{p['p99_ms']} | {p['errors']} | {p['mismatches'] if p['mismatches'] is not None else '-'} |")
     lines += ["", "Limits measured in the same run (GPU limit: the artifact alone at the served batch "
               "size, plain call or CUDA graph replay whichever is faster, times the GPUs):", ""]
@@ -453,7 +481,7 @@ def main(argv=None):
         "model": name, "host_cores": os.cpu_count(),
         "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,
-                     "seconds": args.seconds, "tolerance": tol},
+                     "seconds": args.seconds, "rounds": args.rounds, "tolerance": tol},
         "limits": limits, "points": points, "summary": summary(points, limits),
     }
     if firsts:

@@ -10,9 +10,10 @@
 #   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
-#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin:
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=block:
 #                               a short check of a revision
-# PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings.
+# PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
+# (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
 PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${DELAY:-1}; GPUS=${GPUS:-1}
@@ -20,7 +21,7 @@ PY=${PY:-python3}; export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$W"
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
 [ -f "$W/r50/artifact.json" ] || $PY -m scripts.compile $R50 --backend aoti --precision fp16 --device cuda --out "$W/r50"
-E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50"
+E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
   case $part in
     main) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_$TAG" --gpus "$GPUS" --clients 1,16,64,128 \
@@ -28,14 +29,14 @@ for part in $PARTS; do
             --variant nographs:cuda_graphs=off --thread-sweep 2 --sweep-clients 64 ;;
     b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
             --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours,echo \
-            --variant nographs:cuda_graphs=off --variant spin:cuda_sync=spin --first-request ;;
+            --variant nographs:cuda_graphs=off --variant block:cuda_sync=block --first-request ;;
     cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
             --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
             --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo \
-            --variant spin:cuda_sync=spin ;;
+            --variant block:cuda_sync=block ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
     export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \
@@ -44,7 +45,7 @@ for part in $PARTS; do
               --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
-            --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
+            --handlers ours,stock,echo --variant block:cuda_sync=block ;;
     *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check)"; exit 2 ;;
   esac
 done

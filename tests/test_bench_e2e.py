@@ -15,7 +15,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     out = tmp_path / "e2e"
     cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
            "--factory", "examples/models.py:classifier", "--out", str(out), "--clients", "1,4",
-           "--seconds", "1.5", "--warmup-seconds", "0.5", "--cpu-workers", "1", "--batch-size", "4",
+           "--seconds", "1.0", "--warmup-seconds", "0.5", "--rounds", "2", "--cpu-workers", "1", "--batch-size", "4",
            "--thread-sweep", "1", "--sweep-clients", "2", "--processes", "1",
            "--first-request", "--idle-seconds", "0.2"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -27,6 +27,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     assert seen == {("ours", 1), ("ours", 4), ("stock", 1), ("stock", 4), ("echo", 1), ("echo", 4),
                     ("ours", 2), ("stock", 2), ("ours_t1", 2), ("stock_default", 2)}
     for p in result["points"]:
+        assert len(p["rounds_req_s"]) == 2 and p["req_s"] == round(sum(p["rounds_req_s"]) / 2, 2), p
         assert p["ok"] > 0 and p["errors"] == 0, p
         assert p["req_s"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"], p
         assert p["mismatches"] == 0, p  # the echo's zeros are checked too
@@ -38,7 +39,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     assert all(r["vs_transport"] for r in rows if r["clients"] != 2)  # echo runs on the main sweep only
     assert result["summary"]["thread_budget"][0]["set"] == "0:2"
     md = out.with_suffix(".md").read_text()
-    assert "| ours | 0 | 4 |" in md and result["command"] in md
+    assert "| ours | 0 | 4 |" in md and result["command"] in md and "in 2 rounds" in md
     assert out.with_suffix(".png").stat().st_size > 10_000
     # first request after READY: echo first (the frontend's own first request), every answer
     # checked (first_request raises on a wrong one), figures consistent with each other
@@ -48,3 +49,16 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
         assert 0 < f["steady_median_ms"] and f["first_ms"] > 0 and f["after_idle_median_ms"] > 0
         assert abs(f["first_over_steady"] - f["first_ms"] / f["steady_median_ms"]) < 0.01
     assert "| ours | 0 |" in md.split("First request after READY")[1]
+
+
+def test_rounds_combine_counts_and_average_rates():
+    from scripts.bench_e2e import combine_rounds
+
+    a = {"requests": 10, "ok": 9, "errors": 1, "error_samples": ["503: x"], "mismatches": 0, "req_s": 100.0,
+         "p50_ms": 2.0, "p99_ms": 4.0, "seconds": 1.0, "handler": "ours", "clients": 4, "round": 0}
+    b = dict(a, requests=12, ok=12, errors=0, error_samples=[], req_s=120.0, p50_ms=3.0, p99_ms=5.0, round=1)
+    c = combine_rounds([a, b])
+    assert (c["requests"], c["ok"], c["errors"], c["mismatches"]) == (22, 21, 1, 0)
+    assert (c["req_s"], c["p50_ms"], c["p99_ms"], c["rounds_req_s"]) == (110.0, 2.5, 4.5, [100.0, 120.0])
+    assert c["error_samples"] == ["503: x"] and "round" not in c
+    assert combine_rounds([a]) == {k: v for k, v in a.items() if k != "round"}

@@ -15,7 +15,7 @@ from handlers.run import runner_for  # noqa: E402
 from handlers.run.cuda import CudaRunner  # noqa: E402
 
 
-def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="block"):
+def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="spin"):
     spec = ArtifactSpec(backend="export", artifact="m", sha256="", device="cuda",
                         inputs=(TensorSpec("x", "float32", (None, 64)), TensorSpec("m", "bool", (None, 64))),
                         outputs=(TensorSpec("y", "float32", (None, 64)),), output_structure="tensor",

@@ -79,7 +79,7 @@ def test_probe_child_inherits_the_budget():
 
 
 def test_cuda_sync_option_validated():
-    assert parse_config({}).cuda_sync == "block"
-    assert parse_config({"handler": {"cuda_sync": "spin"}}).cuda_sync == "spin"
-    with pytest.raises(ConfigError, match=r"cuda_sync = 'yield' is invalid: expected block"):
+    assert parse_config({}).cuda_sync == "spin"
+    assert parse_config({"handler": {"cuda_sync": "block"}}).cuda_sync == "block"
+    with pytest.raises(ConfigError, match=r"cuda_sync = 'yield' is invalid: expected spin"):
         parse_config({"handler": {"cuda_sync": "yield"}})

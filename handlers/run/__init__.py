@@ -16,5 +16,5 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
         return CudaRunner(model, spec, device,
                           stream_priority=config.stream_priority if config else 0,
                           piece_bytes=int(config.staging_piece_mb * (1 << 20)) if config else 0,
-                          sync=getattr(config, "cuda_sync", "block"))
+                          sync=getattr(config, "cuda_sync", "spin"))
     return RUNNERS[device.type](model, spec)

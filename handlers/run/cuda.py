@@ -61,7 +61,7 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
 
 class CudaRunner(Runner):
     def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0,
-                 sync: str = "block"):
+                 sync: str = "spin"):
         super().__init__(model, spec)
         self.device = device
         self.piece_bytes = piece_bytes
@@ -74,10 +74,9 @@ class CudaRunner(Runner):
         self.sync = sync
         # How the host waits (handler.cuda_sync). With the default schedule the CUDA runtime
         # busy-polls a core while a process waits for the GPU (it spins while the process has
-        # fewer contexts than the host has cores); several workers sharing a GPU mostly wait
-        # behind each other's work, so spinning keeps cores busy that the frontend and the
-        # sibling workers need. blocking=True creates the event with cudaEventBlockingSync:
-        # synchronize() sleeps until the GPU reaches it. The only host wait of a call is there.
+        # fewer contexts than the host has cores). blocking=True creates the event with
+        # cudaEventBlockingSync: synchronize() sleeps until the GPU reaches it, leaving the core
+        # to the frontend and sibling workers. The only host wait of a call is this event.
         self.done = torch.cuda.Event(blocking=sync == "block")
         self.graphs = None  # graphs.GraphSet once prepare() captured some
 
