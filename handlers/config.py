@@ -8,7 +8,7 @@ so a typo never silently falls back to a default.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, get_type_hints
 
 from .errors import ConfigError
 
@@ -64,14 +64,8 @@ class HandlerConfig:
 
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
-_TYPES = {
-    "cpu_threads": int, "stream_priority": int, "staging_piece_mb": float, "float32_matmul_precision": str,
-    "cuda_graphs": str, "cuda_graph_batch_sizes": tuple, "cuda_graph_max_batch": int,
-    "cuda_graph_memory_mb": float, "cuda_sync": str, "warmup": bool, "warmup_batch_sizes": tuple, "split_oversized": bool,
-    "max_rows_per_request": int, "max_body_mb": float, "max_json_mb": float, "crash_safe_load": bool,
-    "crash_safe_timeout_s": float, "strict_versions": bool, "trt_multi_device_safe_mode": bool, "variant": str,
-    "answer_load_failure": bool,
-}
+# Each option's type, from the dataclass annotations (one place): int, float, str, bool, tuple.
+_TYPES = {k: t for k, t in get_type_hints(HandlerConfig).items() if k != "device_type"}
 
 
 def _coerce(key, value, kind):
