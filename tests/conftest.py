@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +47,22 @@ ARTIFACTS = {
     "cls_export_fixed4": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
                           "--backend", "export"],
 }
+
+
+def write_gpu_results(results: dict) -> None:
+    """GPU_RESULTS=path: write the device list, date, torch and this run's command
+    (scripts.results_meta.header) followed by `results`, the values a GPU test module measured.
+    Called from a module's autouse fixture after its tests, so a failing run writes too."""
+    path = os.environ.get("GPU_RESULTS")
+    if not path:
+        return
+    import torch
+
+    from scripts.results_meta import header
+
+    head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], env=("GPU_RESULTS",))
+    with open(path, "w") as f:
+        json.dump({**head, **results}, f, indent=2)
 
 
 def free_port() -> int:

@@ -140,3 +140,19 @@ def test_the_number_rule_itself():
     values = [1.1125, 1.0691, 1.1920928955078125e-07]
     assert backed("1.11", values) and backed("1.07", values) and backed("1.2e-7", values)
     assert not backed("22", values) and not backed("1.12", values) and not backed("1.3e-7", values)
+
+
+def test_gpu_results_writer(tmp_path, monkeypatch):
+    """The writer every GPU test module uses (conftest.write_gpu_results): provenance first, then
+    exactly the measured values; nothing written without GPU_RESULTS."""
+    from conftest import write_gpu_results
+
+    monkeypatch.delenv("GPU_RESULTS", raising=False)
+    write_gpu_results({"x": 1})
+    assert not list(tmp_path.iterdir())
+    out = tmp_path / "r.json"
+    monkeypatch.setenv("GPU_RESULTS", str(out))
+    write_gpu_results({"graphs": [{"mismatches": 0}]})
+    data = json.loads(out.read_text())
+    assert list(data) == ["device", "date", "torch", "command", "graphs"]
+    assert data["command"].startswith(f"GPU_RESULTS={out} python ") and data["graphs"] == [{"mismatches": 0}]

@@ -8,8 +8,6 @@
 GPU_RESULTS=PATH writes the counts observed (scripts/results_meta.header first), each recorded
 before the assertion on it.
 """
-import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import ARTIFACTS, Artifacts, build_mar
+from conftest import ARTIFACTS, Artifacts, build_mar, write_gpu_results
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -35,13 +33,7 @@ ST = safetensors_io.CONTENT_TYPE
 @pytest.fixture(scope="module", autouse=True)
 def results_file():
     yield
-    path = os.environ.get("GPU_RESULTS")
-    if path:
-        from scripts.results_meta import header
-
-        head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], env=("GPU_RESULTS",))
-        with open(path, "w") as f:
-            json.dump({**head, **RESULTS}, f, indent=2)
+    write_gpu_results(RESULTS)
 
 
 @pytest.fixture(scope="module")

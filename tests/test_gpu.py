@@ -2,14 +2,12 @@
 placement tests. Set GPU_RESULTS=path to write what was observed as JSON: device, date, torch
 and this run's real command first, then only values measured here, each recorded before the
 assertion on it (a failing run still writes what it saw)."""
-import json
-import os
 import shutil
 
 import pytest
 import torch
 
-from conftest import ARTIFACTS, Artifacts, build_mar, repin, rewrite_package_metadata
+from conftest import ARTIFACTS, Artifacts, build_mar, repin, rewrite_package_metadata, write_gpu_results
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -41,14 +39,7 @@ def gpu_artifacts(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def results_file():
     yield
-    path = os.environ.get("GPU_RESULTS")
-    if path:
-        from scripts.results_meta import header
-
-        head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                      env=("GPU_RESULTS",))
-        with open(path, "w") as f:
-            json.dump({**head, **{k: v for k, v in RESULTS.items() if v}}, f, indent=2)
+    write_gpu_results({k: v for k, v in RESULTS.items() if v})
 
 
 def eager_on(factory, device, inputs, half=False):

@@ -3,13 +3,11 @@ through the graph path against the plain path, with different values back to bac
 input or output buffer would show). Exact where both run the same kernels at the same padded
 batch; within the compile tolerance against the unpadded plain call. GPU_RESULTS=path writes
 the counts (device, date, torch, command first)."""
-import json
-import os
 
 import pytest
 import torch
 
-from conftest import Artifacts
+from conftest import Artifacts, write_gpu_results
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -34,12 +32,7 @@ def gpu_artifacts(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def results_file():
     yield
-    path = os.environ.get("GPU_RESULTS")
-    if path:
-        from scripts.results_meta import header
-
-        with open(path, "w") as f:
-            json.dump({**header(torch.cuda.get_device_name(0), env=("GPU_RESULTS",)), "graphs": RESULTS}, f, indent=2)
+    write_gpu_results({"graphs": RESULTS})
 
 
 def request(spec, rows, g):
