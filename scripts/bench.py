@@ -73,7 +73,7 @@ class StageRecorder:
         self.last[name] = value
 
 
-def first_requests(handler, ctx, sizes, inputs, args) -> dict:
+def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
     """Called right after the handler loaded: its first call at the smallest and the largest
     batch size (each the first of its size), then that size's steady state, then calls after
     `--idle-seconds` of idleness (median of `--idle-repeats`). A first call that costs more than
@@ -106,12 +106,15 @@ def first_requests(handler, ctx, sizes, inputs, args) -> dict:
             steady.append(timed(call, device, prep))
             stages.append(dict(rec.last))
         idle = []
-        for _ in range(args.idle_repeats if b == sizes[0] else 0):
+        for _ in range(idle_repeats if b == sizes[0] else 0):
             time.sleep(args.idle_seconds)
             idle.append(timed(call, device, prep))
         med = statistics.median(steady)
         row = {"batch": b, "first_ms": round(first_ms, 4), "steady_median_ms": round(med, 4),
                "first_over_steady": round(first_ms / med, 4),
+               # how a single call spreads: the first call set against the steady calls
+               "steady_p90_ms": round(statistics.quantiles(steady, n=10)[-1], 4),
+               "steady_calls_slower_than_first": sum(t > first_ms for t in steady), "steady_calls": len(steady),
                "first_stages_ms": {k: round(v, 4) for k, v in first_stages.items()},
                "steady_stages_ms": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 4)
                                     for k in first_stages}}
@@ -121,6 +124,34 @@ def first_requests(handler, ctx, sizes, inputs, args) -> dict:
                        first_over_after_idle=round(first_ms / statistics.median(idle), 4))
         out[f"b{b}"] = row
     return out
+
+
+def load_and_time_first(args, gpu, opts, sizes, inputs):
+    """`--first-loads` fresh loads of the handler with `opts`, each one's first requests timed
+    right after its load (first_requests; after-idle calls on the last load only). A first call
+    is one sample: the loads give several. Returns the last handler, its context, its load time
+    in seconds and the rows of the last load with every load's first/steady ratio beside them."""
+    import gc
+
+    import torch
+
+    runs = []
+    for i in range(args.first_loads):
+        if runs:
+            del h, c
+            gc.collect()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        t0 = time.perf_counter()
+        h, c = new_handler(args.artifact, gpu, opts)
+        if not runs:
+            load_s = time.perf_counter() - t0
+        last = i == args.first_loads - 1
+        runs.append(first_requests(h, c, sizes, inputs, args, args.idle_repeats if last else 0))
+    rows = runs[-1]
+    for b, row in rows.items():
+        ratios = [r[b]["first_over_steady"] for r in runs]
+        row.update(first_over_steady_loads=ratios, first_over_steady_median=round(statistics.median(ratios), 4))
+    return h, c, load_s, rows
 
 
 def plot(path: str, results: list, first: dict):
@@ -144,7 +175,8 @@ def plot(path: str, results: list, first: dict):
     ax.legend()
     rows = [(f"{h} b{r['batch']}", r) for h, per in first.items() for r in per.values()]
     ys = range(len(rows))
-    bx.bar([y - 0.2 for y in ys], [r["first_over_steady"] for _, r in rows], 0.4, label="first / steady")
+    bx.bar([y - 0.2 for y in ys], [r.get("first_over_steady_median", r["first_over_steady"]) for _, r in rows],
+           0.4, label="first / steady (median over loads)")
     bx.bar([y + 0.2 for y in ys], [r.get("after_idle_over_steady", 0) for _, r in rows], 0.4,
            label="after idle / steady")
     bx.axhline(1.1, color="red", lw=0.8, ls="--", label="1.1")
@@ -171,6 +203,8 @@ def main(argv=None):
     p.add_argument("--idle-seconds", type=float, default=2.0,
                    help="pause before each after-idle call of the first-request measurement")
     p.add_argument("--idle-repeats", type=int, default=5, help="after-idle calls (0: none)")
+    p.add_argument("--first-loads", type=int, default=3,
+                   help="fresh loads of the warmed-up handler(s) whose first requests are timed")
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
@@ -225,17 +259,16 @@ def main(argv=None):
                            else torch.zeros(shape, dtype=dt))
         return out
 
-    first = {"no_warmup": first_requests(*cold, sizes, inputs, args)}
+    first = {"no_warmup": first_requests(*cold, sizes, inputs, args, args.idle_repeats)}
     del cold
-    t0 = time.perf_counter()
-    handler, ctx = new_handler(args.artifact, gpu, {"crash_safe_load": False})
-    load_warm_s = time.perf_counter() - t0
-    first["warmup"] = first_requests(handler, ctx, sizes, inputs, args)
+    handler, ctx, load_warm_s, first["warmup"] = load_and_time_first(args, gpu, {"crash_safe_load": False},
+                                                                      sizes, inputs)
     device = handler.device
     off = None
     if args.graphs_contrast:
-        off = new_handler(args.artifact, gpu, {"crash_safe_load": False, "cuda_graphs": "off"})
-        first["warmup_no_graphs"] = first_requests(*off, sizes, inputs, args)
+        h_off, c_off, _, first["warmup_no_graphs"] = load_and_time_first(
+            args, gpu, {"crash_safe_load": False, "cuda_graphs": "off"}, sizes, inputs)
+        off = (h_off, c_off)
     print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
 
     results = []
@@ -378,8 +411,10 @@ def main(argv=None):
         for r in rows.values():
             idle = (f"; after {r['idle_seconds']:g} s idle {r['after_idle_median_ms']:.2f} ms "
                     f"(first / after idle {r['first_over_after_idle']:.2f}x)" if "idle_seconds" in r else "")
+            loads = (f" (over {len(r['first_over_steady_loads'])} loads: median "
+                     f"{r['first_over_steady_median']:.2f}x)" if "first_over_steady_loads" in r else "")
             print(f"first request ({name}, batch {r['batch']}): {r['first_ms']:.2f} ms vs steady "
-                  f"{r['steady_median_ms']:.2f} ms -> {r['first_over_steady']:.2f}x{idle}")
+                  f"{r['steady_median_ms']:.2f} ms -> {r['first_over_steady']:.2f}x{loads}{idle}")
     from scripts.results_meta import header
 
     report = {

@@ -58,14 +58,15 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
 
     out = tmp_path / "bench.json"
     r = run("scripts/bench.py", "--artifact", str(artifacts.get("cls_aoti")), "--batch-sizes", "1,3",
-            "--iters", "3", "--warmup", "1", "--idle-seconds", "0.05", "--idle-repeats", "2", "--out", str(out))
+            "--iters", "3", "--warmup", "1", "--idle-seconds", "0.05", "--idle-repeats", "2", "--first-loads", "2",
+            "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert list(report)[:4] == ["device", "date", "torch", "command"]
     # the command that ran, from its argv, not a literal
     assert report["command"] == ("python -m scripts.bench --artifact " + str(artifacts.get("cls_aoti"))
                                  + f" --batch-sizes 1,3 --iters 3 --warmup 1 --idle-seconds 0.05 --idle-repeats 2"
-                                 f" --out {out}")
+                                 f" --first-loads 2 --out {out}")
     rows = {(x["batch"], x["format"]): x for x in report["results"]}
     assert set(rows) == {(1, "safetensors"), (1, "json"), (3, "safetensors"), (3, "json")}
     assert all(x["floor_ms"] > 0 and x["ratio"] > 0 and {"decode", "run", "encode"} <= set(x["stages_ms"])
@@ -81,6 +82,11 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
         assert b1["first_over_steady"] == pytest.approx(b1["first_ms"] / b1["steady_median_ms"], rel=1e-3)
         assert set(b1["first_stages_ms"]) == {"HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"}
         assert "after_idle_median_ms" not in per["b3"]
+        assert 0 <= b1["steady_calls_slower_than_first"] <= b1["steady_calls"] and b1["steady_p90_ms"] > 0
+    # the warmed-up handler loaded twice: each load's first call, and their median
+    ratios = first["warmup"]["b1"]["first_over_steady_loads"]
+    assert len(ratios) == 2 and ratios[-1] == first["warmup"]["b1"]["first_over_steady"]
+    assert first["warmup"]["b1"]["first_over_steady_median"] == pytest.approx(sum(ratios) / 2, abs=1e-3)
     assert "first request (warmup, batch 1)" in r.stdout
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
