@@ -80,8 +80,6 @@ def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
     the steady state but no more than an idle one pays no first-execution cost of its own: what
     it pays, every call after a pause pays (clocks and caches going cold), and no warm-up can
     pay that in advance. Stage times come from the handler's own metrics."""
-    import torch
-
     from handlers import safetensors_io
 
     device = handler.device
@@ -140,7 +138,8 @@ def load_and_time_first(args, gpu, opts, sizes, inputs):
         if runs:
             del h, c
             gc.collect()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         t0 = time.perf_counter()
         h, c = new_handler(args.artifact, gpu, opts)
         if not runs:

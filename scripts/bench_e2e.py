@@ -325,9 +325,9 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
 def combine_rounds(results: list) -> dict:
     """One point from its rounds: counts summed, req/s and latency percentiles averaged over the
     rounds (each round's req/s kept in `rounds_req_s`)."""
-    if len(results) == 1:
-        return {k: v for k, v in results[0].items() if k != "round"}
     out = {k: v for k, v in results[0].items() if k != "round"}
+    if len(results) == 1:
+        return out
     for k in ("requests", "ok", "errors"):
         out[k] = sum(r[k] for r in results)
     out["mismatches"] = None if results[0]["mismatches"] is None else sum(r["mismatches"] for r in results)
