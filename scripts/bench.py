@@ -75,52 +75,55 @@ class StageRecorder:
 
 def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
     """Called right after the handler loaded: its first call at the smallest and the largest
-    batch size (each the first of its size), then that size's steady state, then calls after
-    `--idle-seconds` of idleness (median of `--idle-repeats`). A first call that costs more than
-    the steady state but no more than an idle one pays no first-execution cost of its own: what
-    it pays, every call after a pause pays (clocks and caches going cold), and no warm-up can
-    pay that in advance. Stage times come from the handler's own metrics."""
+    batch size (each the first of its size), then that size's steady state; after both, calls
+    at the smallest size after `--idle-seconds` of idleness (median of `--idle-repeats`; last, so
+    no first call follows a pause). A first call that costs more than the steady state but no
+    more than an idle one pays no first-execution cost of its own: what it pays, every call
+    after a pause pays (clocks and caches going cold), and no warm-up can pay that in advance.
+    Stage times come from the handler's own metrics."""
     from handlers import safetensors_io
 
     device = handler.device
     ctx.metrics = rec = StageRecorder()
-    out = {}
+    out, calls = {}, {}
     for b in sorted({sizes[0], sizes[-1]}):
         body = safetensors_io.dumps(inputs(b))
-        set_requests(ctx, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
         fresh = {}  # a new bytearray per call, as TorchServe's worker builds one, outside the timing
 
         def prep(body=body):
+            set_requests(ctx, [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}])
             fresh["b"] = bytearray(body)
 
         def call():
             res = handler.handle([{"body": fresh["b"]}], ctx)
             assert ctx.get_response_status(0)[0] in (None, 200), res[0][:300]
 
+        calls[b] = (call, prep)
         first_ms = timed(call, device, prep)
         first_stages = dict(rec.last)
         steady, stages = [], []
         for _ in range(max(5, args.iters // 2)):
             steady.append(timed(call, device, prep))
             stages.append(dict(rec.last))
-        idle = []
-        for _ in range(idle_repeats if b == sizes[0] else 0):
-            time.sleep(args.idle_seconds)
-            idle.append(timed(call, device, prep))
         med = statistics.median(steady)
-        row = {"batch": b, "first_ms": round(first_ms, 4), "steady_median_ms": round(med, 4),
-               "first_over_steady": round(first_ms / med, 4),
-               # how a single call spreads: the first call set against the steady calls
-               "steady_p90_ms": round(statistics.quantiles(steady, n=10)[-1], 4),
-               "steady_calls_slower_than_first": sum(t > first_ms for t in steady), "steady_calls": len(steady),
-               "first_stages_ms": {k: round(v, 4) for k, v in first_stages.items()},
-               "steady_stages_ms": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 4)
-                                    for k in first_stages}}
-        if idle:
-            row.update(after_idle_median_ms=round(statistics.median(idle), 4), idle_seconds=args.idle_seconds,
-                       after_idle_over_steady=round(statistics.median(idle) / med, 4),
-                       first_over_after_idle=round(first_ms / statistics.median(idle), 4))
-        out[f"b{b}"] = row
+        out[f"b{b}"] = {
+            "batch": b, "first_ms": round(first_ms, 4), "steady_median_ms": round(med, 4),
+            "first_over_steady": round(first_ms / med, 4),
+            # how a single call spreads: the first call set against the steady calls
+            "steady_p90_ms": round(statistics.quantiles(steady, n=10)[-1], 4),
+            "steady_calls_slower_than_first": sum(t > first_ms for t in steady), "steady_calls": len(steady),
+            "first_stages_ms": {k: round(v, 4) for k, v in first_stages.items()},
+            "steady_stages_ms": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 4)
+                                 for k in first_stages}}
+    idle, (call, prep) = [], calls[sizes[0]]
+    for _ in range(idle_repeats):
+        time.sleep(args.idle_seconds)
+        idle.append(timed(call, device, prep))
+    if idle:
+        row, med = out[f"b{sizes[0]}"], statistics.median(idle)
+        row.update(after_idle_median_ms=round(med, 4), idle_seconds=args.idle_seconds,
+                   after_idle_over_steady=round(med / row["steady_median_ms"], 4),
+                   first_over_after_idle=round(row["first_ms"] / med, 4))
     return out
 
 

@@ -413,3 +413,36 @@ def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
         assert torch.get_float32_matmul_precision() == expected
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(artifacts, monkeypatch):
+    """The request-path warm-up sends one JSON request, then a binary batch at every bucket the
+    runner reports (CUDA graph buckets; stood in for here, a CPU runner has none), largest
+    first, and ends with the smallest binary batch so the fast path is what the caches hold.
+    Uses TorchServe's own Context class and a real exported artifact."""
+    from ts.context import Context
+
+    from handlers import safetensors_io
+    from handlers.run.cpu import CpuRunner
+    from handlers.ts_entry import CompiledModelHandler, _headers
+
+    monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: [1, 2, 4])
+    seen = []
+    real_handle = CompiledModelHandler.handle
+
+    def handle(self, data, context):
+        cts = {_headers(context, i, "content-type")[0] for i in range(len(data))}
+        out = real_handle(self, data, context)
+        seen.append((len(data), cts.pop(), [context.get_response_status(i)[0] for i in range(len(data))]))
+        return out
+
+    monkeypatch.setattr(CompiledModelHandler, "handle", handle)
+    ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                  model_yaml_config={"handler": {"crash_safe_load": False}})
+    h = CompiledModelHandler()
+    h.initialize(ctx)
+    assert h.load_error is None and h.spec.batch_min == 1
+    st = safetensors_io.CONTENT_TYPE
+    assert [(n, ct) for n, ct, _ in seen] == [(1, "application/json"), (4, st), (2, st), (1, st)]
+    assert all(s in (None, 200) for _, _, statuses in seen for s in statuses)
+    assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back

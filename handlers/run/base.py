@@ -25,6 +25,10 @@ class Runner:
     def staging_bytes(self) -> int:
         raise NotImplementedError
 
+    def bucket_sizes(self) -> list:
+        """Batch sizes with a path of their own (captured CUDA graphs), for warm-up."""
+        return []
+
     def describe_sync(self) -> str:
         """How the host waits for the device, for the load line ("" where nothing to say)."""
         return ""

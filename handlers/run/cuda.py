@@ -152,6 +152,9 @@ class CudaRunner(Runner):
         # their blocks only on that same stream, in order.
         return host
 
+    def bucket_sizes(self) -> list:
+        return list(self.graphs.sizes) if self.graphs else []
+
     def describe_sync(self) -> str:
         return f"; waits for the GPU by {'sleeping (blocking sync)' if self.sync == 'block' else 'spinning'}"
 
