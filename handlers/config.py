@@ -36,11 +36,10 @@ class HandlerConfig:
     cuda_graph_max_batch: int = 64
     cuda_graph_memory_mb: float = 2048.0
     # How a worker waits for its GPU work (run/cuda.py): spin (a core busy-polls, CUDA's own
-    # choice) or block (the thread sleeps until the GPU is done; its core is free meanwhile).
-    # Measured end to end on H100 and 2x H200 (docs/results/e2e_*sync*, e2e_*check_h100,
-    # e2e_*b1_h100): no consistent difference (within the benchmark's order effect), so
-    # CUDA's default stays.
-    cuda_sync: str = "spin"
+    # choice), block (the thread sleeps until the GPU is done; its core is free meanwhile) or
+    # auto (spin when alone on its GPU, block when sibling workers share it; threads.cuda_wait
+    # has the measurements behind it).
+    cuda_sync: str = "auto"
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
     split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
@@ -134,10 +133,11 @@ def _validate(values: dict) -> None:
         raise ConfigError(f"model-config.yaml handler.cuda_graphs = {values['cuda_graphs']!r} is invalid: "
                           "expected auto (capture and keep graphs only if they match the plain call), "
                           "on (a capture failure fails the load) or off")
-    if values.get("cuda_sync", "spin") not in ("spin", "block"):
+    if values.get("cuda_sync", "auto") not in ("auto", "spin", "block"):
         raise ConfigError(f"model-config.yaml handler.cuda_sync = {values['cuda_sync']!r} is invalid: "
-                          "expected spin (the waiting worker busy-polls a core) or block (it sleeps "
-                          "until the GPU is done)")
+                          "expected auto (spin when a worker is alone on its GPU, else block), spin "
+                          "(the waiting worker busy-polls a core) or block (it sleeps until the GPU is "
+                          "done)")
     if values.get("cuda_graph_max_batch", 1) < 1 or values.get("cuda_graph_memory_mb", 1.0) <= 0:
         raise ConfigError("model-config.yaml handler.cuda_graph_max_batch must be at least 1 and "
                           "handler.cuda_graph_memory_mb positive")

@@ -9,6 +9,7 @@ handler.encode.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -101,9 +102,15 @@ class CompiledModelHandler(BaseHandler):
         spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), self.config)
         for note in notes:
             logger.warning("%s", note)
-        budget = threads.apply(threads.decide(
-            placement.kind, self.config.cpu_threads,
-            threads.workers_from_yaml(getattr(context, "model_yaml_config", None)), threads.usable_cores()))
+        model_yaml = getattr(context, "model_yaml_config", None) or {}
+        workers = threads.workers_from_yaml(model_yaml)
+        budget = threads.apply(threads.decide(placement.kind, self.config.cpu_threads, workers,
+                                              threads.usable_cores()))
+        sync_why = ""
+        if placement.kind == "cuda":
+            gpus = len(model_yaml.get("deviceIds") or ()) or torch.cuda.device_count()
+            sync, sync_why = threads.cuda_wait(self.config.cuda_sync, workers, gpus)
+            self.config = dataclasses.replace(self.config, cuda_sync=sync)
         probe_s = (crash_safe_probe(spec, placement, self.config, budget)
                    if self.config.crash_safe_load else 0.0)
         self.spec = spec
@@ -128,7 +135,7 @@ class CompiledModelHandler(BaseHandler):
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
-            graphs_note, self.runner.describe_sync())
+            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""))
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 

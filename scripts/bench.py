@@ -188,14 +188,70 @@ def plot(path: str, results: list, first: dict):
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+def markdown(report: dict) -> str:
+    """The results page of a bench.py JSON: its header and command, the side-by-side table and
+    the first-request table, every figure as the JSON holds it."""
+    art = report["artifact"]
+    lines = [f"# handle() in process: {art['backend']} artifact, inputs {', '.join(art['inputs'])}", "",
+             f"Device: {report['device']}. Date: {report['date']}. torch {report['torch']}. "
+             f"CPU threads: {report['cpu_threads']}. Written by `scripts/bench.py` from the JSON beside it.", "",
+             f"Command: `{report['command']}`", "",
+             "Medians of interleaved rounds. Floor: pinned host batch to the device, the model, outputs "
+             "into pinned host memory, one synchronize; the pageable floor first copies the request out "
+             "of its pageable body, as any handler must.", "",
+             "| batch | format | floor pinned ms | floor pageable ms | handle() ms | handle() no graphs ms "
+             "| handle / pinned | handle / pageable | graphs / no graphs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        cells = [r["batch"], r["format"], r["floor_ms"], r.get("floor_from_pageable_ms", "-"), r["handle_ms"],
+                 r.get("handle_no_graphs_ms", "-"), r["ratio"], r.get("ratio_vs_floor_from_pageable", "-"),
+                 r.get("graphs_over_no_graphs", "-")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "First request, each handler timed right after its own load (`no_warmup`: warm-up and CUDA "
+              "graphs off; `warmup`: the defaults; `warmup_no_graphs`: CUDA graphs off); over several "
+              "loads where a median is given. Stage times are the handler's own metrics of that call "
+              "(decode / run / encode ms):", "",
+              "| handler | batch | first ms | steady ms | first / steady | first / steady, each load "
+              "| median | steady p90 ms | after idle ms | after idle / steady | first stages | steady stages |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in report["first_request"].items():
+        for r in rows.values():
+            stages = [" / ".join(str(r[k].get(m, "-")) for m in ("HandlerDecodeTime", "HandlerRunTime",
+                                                                   "HandlerEncodeTime"))
+                      for k in ("first_stages_ms", "steady_stages_ms")]
+            cells = [name, r["batch"], r["first_ms"], r["steady_median_ms"], r["first_over_steady"],
+                     ", ".join(map(str, r.get("first_over_steady_loads") or [])) or "-",
+                     r.get("first_over_steady_median", "-"), r.get("steady_p90_ms", "-"),
+                     r.get("after_idle_median_ms", "-"), r.get("after_idle_over_steady", "-"), *stages]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    idle = next((r["idle_seconds"] for rows in report["first_request"].values() for r in rows.values()
+                 if "idle_seconds" in r), None)
+    if idle is not None:
+        lines += ["", f"After idle: the median of calls each made after {idle:g} s without requests, "
+                  "after both first calls."]
+    return "\n".join(lines) + "\n"
+
+
+def render(path: str) -> int:
+    """Rewrites the Markdown page (and plot) of an existing bench.py JSON."""
+    with open(path) as f:
+        report = json.load(f)
+    base = os.path.splitext(path)[0]
+    with open(base + ".md", "w") as f:
+        f.write(markdown(report))
+    plot(base + ".png", report["results"], report["first_request"])
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True)
+    p.add_argument("--artifact")
+    p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown page and plot of a results JSON")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--formats", default="safetensors,json")
-    p.add_argument("--out", help="write JSON results here (and a PNG beside it)")
+    p.add_argument("--out", help="write JSON results here (and a Markdown page and a PNG beside it)")
     p.add_argument("--pieces", default="0,1,4,16", type=lambda v: [float(x) for x in v.split(",") if x],
                    help="also time handle() with these staging piece sizes in MiB (CUDA only)")
     p.add_argument("--profile-handle", action="store_true",
@@ -210,6 +266,10 @@ def main(argv=None):
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
     args = p.parse_args(argv)
+    if args.render:
+        return render(args.render)
+    if not args.artifact:
+        p.error("--artifact is required (or --render JSON)")
 
     import torch
 
@@ -435,7 +495,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-        plot(os.path.splitext(args.out)[0] + ".png", results, first)
+        render(args.out)
     return 0
 
 

@@ -10,8 +10,8 @@
 #   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
-#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=block:
-#                               a short check of a revision
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin
+#                               (auto blocks with 6 workers per GPU): a short check of a revision
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
@@ -36,7 +36,7 @@ for part in $PARTS; do
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
             --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
             --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo \
-            --variant block:cuda_sync=block ;;
+            --variant spin:cuda_sync=spin ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
     export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \
@@ -45,7 +45,7 @@ for part in $PARTS; do
               --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
-            --handlers ours,stock,echo --variant block:cuda_sync=block ;;
+            --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
     *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check)"; exit 2 ;;
   esac
 done
