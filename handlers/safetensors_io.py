@@ -41,23 +41,35 @@ def _int(x) -> int:
     return x
 
 
-def loads(payload) -> dict:
-    buf = memoryview(payload)
-    if len(buf) < 8:
-        raise RequestError("safetensors payload shorter than its 8-byte header length")
-    (n,) = struct.unpack_from("<Q", buf, 0)
-    if n > MAX_HEADER or 8 + n > len(buf):
-        raise RequestError(f"safetensors header length {n} exceeds the payload ({len(buf)} bytes)")
+# Layouts of headers already validated (decode) and headers already written (encode). Clients
+# send the same header with every request and a model answers with the same shapes, so both
+# are keyed by what determines them: the header bytes, and (name, dtype, shape) per output.
+# Parsing and writing a header's JSON is the largest Python cost of a binary request (~15 and
+# ~10 us each on the CI CPU). Bounded: small headers only, a few entries, oldest dropped first.
+_CACHE_ENTRIES = 64
+_CACHE_HEADER_BYTES = 4096
+_layouts: dict = {}  # header bytes -> ([(name, dtype, shape, begin, count)], bytes the data needs)
+_headers: dict = {}  # ((name, dtype, shape), ...) -> (padded header bytes, [(offset, nbytes)])
+
+
+def _remember(cache: dict, key, value) -> None:
+    if len(cache) >= _CACHE_ENTRIES:
+        del cache[next(iter(cache))]
+    cache[key] = value
+
+
+def _layout(raw: bytes) -> tuple:
+    """The validated entries of header `raw` and the data length they need; RequestError when
+    the header is not a safetensors header a tensor can be read from."""
     try:
-        header = json.loads(bytes(buf[8:8 + n]))
+        header = json.loads(raw)
     except RecursionError:  # CPython's scanner guards nesting with the recursion limit
         raise RequestError("safetensors header is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int-string digit limit
         raise RequestError(f"safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise RequestError("safetensors header must be a JSON object")
-    data = buf[8 + n:]
-    out = {}
+    entries, need = [], 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -74,9 +86,33 @@ def loads(payload) -> dict:
             raise RequestError(f"safetensors entry {name!r} has a negative dimension {shape}")
         count = math.prod(shape)
         size = count * _ITEMSIZE[dtype]
-        if not (0 <= begin <= end <= len(data)) or end - begin != size:
+        if not 0 <= begin <= end or end - begin != size:
             raise RequestError(f"safetensors entry {name!r}: data_offsets [{begin}, {end}] do not hold "
-                               f"{shape} {info['dtype']} ({size} bytes) inside the {len(data)}-byte body")
+                               f"{shape} {info['dtype']} ({size} bytes)")
+        entries.append((name, dtype, tuple(shape), begin, count))
+        need = max(need, end)
+    return entries, need
+
+
+def loads(payload) -> dict:
+    buf = memoryview(payload)
+    if len(buf) < 8:
+        raise RequestError("safetensors payload shorter than its 8-byte header length")
+    (n,) = struct.unpack_from("<Q", buf, 0)
+    if n > MAX_HEADER or 8 + n > len(buf):
+        raise RequestError(f"safetensors header length {n} exceeds the payload ({len(buf)} bytes)")
+    raw = bytes(buf[8:8 + n])
+    known = _layouts.get(raw)
+    if known is None:
+        known = _layout(raw)
+        if n <= _CACHE_HEADER_BYTES:
+            _remember(_layouts, raw, known)
+    entries, need = known
+    data = buf[8 + n:]
+    if need > len(data):  # checked per payload: the same header may come with a short body
+        raise RequestError(f"safetensors data_offsets reach byte {need}, past the {len(data)}-byte body")
+    out = {}
+    for name, dtype, shape, begin, count in entries:
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
@@ -92,28 +128,44 @@ def loads(payload) -> dict:
     return out
 
 
-def dumps(tensors: dict) -> bytearray:
-    header, parts, offset = {}, [], 0
-    for name, t in tensors.items():
-        t = t.detach()  # made contiguous below, and kept referenced until its bytes are copied
-        if t.device.type != "cpu":
-            raise ValueError("safetensors encoding expects CPU tensors")
-        if t.dtype not in _FROM_TORCH:
-            raise ValueError(f"dtype {t.dtype} has no safetensors name")
-        n = t.numel() * _ITEMSIZE[t.dtype]
-        header[name] = {"dtype": _FROM_TORCH[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
-        parts.append((t.contiguous(), offset, n))
+def _header_for(key: tuple) -> tuple:
+    """The padded JSON header and each tensor's (offset, nbytes) for tensors described by `key`."""
+    header, spans, offset = {}, [], 0
+    for name, dtype, shape in key:
+        if dtype not in _FROM_TORCH:
+            raise ValueError(f"dtype {dtype} has no safetensors name")
+        n = math.prod(shape) * _ITEMSIZE[dtype]
+        header[name] = {"dtype": _FROM_TORCH[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        spans.append((offset, n))
         offset += n
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
+    return h, spans
+
+
+def dumps(tensors: dict) -> bytearray:
+    parts = []
+    for t in tensors.values():
+        t = t.detach()  # made contiguous below, and kept referenced until its bytes are copied
+        if t.device.type != "cpu":
+            raise ValueError("safetensors encoding expects CPU tensors")
+        parts.append(t)
+    key = tuple((name, t.dtype, tuple(t.shape)) for name, t in zip(tensors, parts))
+    known = _headers.get(key)
+    if known is None:
+        known = _header_for(key)
+        if len(known[0]) <= _CACHE_HEADER_BYTES:
+            _remember(_headers, key, known)
+    h, spans = known
+    size = spans[-1][0] + spans[-1][1] if spans else 0
     # One buffer of the final size, each tensor copied into it once (a 4K fp32 output is
     # ~100 MB: joining byte strings would copy it three times).
-    out = bytearray(8 + len(h) + offset)
+    out = bytearray(8 + len(h) + size)
     struct.pack_into("<Q", out, 0, len(h))
     out[8:8 + len(h)] = h
     base = ctypes.addressof(ctypes.c_char.from_buffer(out)) + 8 + len(h)
-    for t, at, n in parts:
+    for t, (at, n) in zip(parts, spans):
         if n:
+            t = t.contiguous()
             ctypes.memmove(base + at, t.data_ptr(), n)
     return out

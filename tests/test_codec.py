@@ -18,6 +18,14 @@ from handlers import safetensors_io
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+
+@pytest.fixture(autouse=True)
+def fresh_header_caches(monkeypatch):
+    """Each test starts with empty header caches: a layout cached by an earlier test (or under
+    an unbroken table) would hide what this test breaks on purpose."""
+    monkeypatch.setattr(safetensors_io, "_layouts", {})
+    monkeypatch.setattr(safetensors_io, "_headers", {})
+
 # Every dtype our codec names (its table is the contract); the reference handles all of them.
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -137,3 +145,28 @@ def test_detects_dropped_header_padding(monkeypatch):
 
     monkeypatch.setattr(safetensors_io, "dumps", shifted)
     assert any(p.startswith("ours->ref") for p in differences(SAMPLE))
+
+
+def test_cached_headers_give_the_reference_answers_again():
+    """Second and later calls take the header caches; their bytes and tensors must still be
+    exactly the reference's, with new values in the same layout (a cache that kept data would
+    show), and a body too short for a cached header is still refused."""
+    for seed in range(3):
+        tensors = {"a": random_tensor(torch.float16, (3, 2), seed), "b": random_tensor(torch.int64, (4,), seed + 9)}
+        assert differences(tensors) == []
+        blob = safetensors_torch.save(tensors)
+        assert bytes(safetensors_io.dumps(tensors)) == bytes(safetensors_io.dumps(dict(tensors)))
+        assert all(same(safetensors_io.loads(blob)[k], v) for k, v in tensors.items())
+    assert len(safetensors_io._layouts) == 1 and len(safetensors_io._headers) == 1
+    with pytest.raises(safetensors_io.RequestError, match="past the"):
+        safetensors_io.loads(blob[:-1])
+
+
+def test_header_caches_stay_bounded():
+    for rows in range(1, 3 * safetensors_io._CACHE_ENTRIES):
+        t = {"x": torch.zeros(rows, 2)}
+        assert same(safetensors_io.loads(safetensors_io.dumps(t))["x"], t["x"])
+    assert len(safetensors_io._layouts) == len(safetensors_io._headers) == safetensors_io._CACHE_ENTRIES
+    big = {f"name_{i:04d}" * 8: torch.zeros(1) for i in range(200)}  # a header over the size cap
+    assert set(safetensors_io.loads(safetensors_io.dumps(big))) == set(big)
+    assert not any(len(k) > safetensors_io._CACHE_HEADER_BYTES for k in safetensors_io._layouts)
