@@ -50,7 +50,8 @@ def parse_args(argv):
     p.add_argument("--factory", required=True, help="FILE.py:FACTORY of the eager model (stock + reference)")
     p.add_argument("--out", required=True, help="results path without extension")
     p.add_argument("--gpus", default="1,all", help="device sets: comma list of counts or 'all'")
-    # 128 clients stay inside config.properties' job_queue_size (100) plus the requests in flight
+    # config.properties' job_queue_size (100) bounds the requests waiting for a worker; more
+    # clients than that plus those in flight get 503 (counted as errors), so 128 is the top
     p.add_argument("--clients", default="1,16,64,128")
     p.add_argument("--seconds", type=float, default=10.0, help="measured time per point")
     p.add_argument("--warmup-seconds", type=float, default=2.0)
