@@ -80,10 +80,10 @@ def cuda_wait(configured: str, workers: Optional[int], gpus: int) -> tuple:
     block wins (handler.cuda_sync). `auto` spins while this worker is alone on its GPU and
     blocks when several of this model's workers share one (workers spread round-robin over
     `gpus`). A spinning wait busy-polls a core for the whole GPU call; with sibling workers
-    queued on the same GPU those cores are taken from them and from the frontend. Measured
-    (docs/results/e2e_resnet50_fp16_scaling_h200x2, b1_h100, order-balanced rounds): 6 workers
-    per GPU on two GPUs at 128 clients, block 13172 req/s vs spin 12445 and steadier; one GPU
-    equal; one worker at batch 1, spin's p50 0.08 ms lower."""
+    queued on the same GPU those cores are taken from them and from the frontend. Measured in
+    order-balanced rounds (docs/results/e2e_resnet50_fp16_sync_rounds_h200x2, _b1_h100): 6
+    workers per GPU on two GPUs at 128 clients, block 13172 req/s vs spin 12445 and steadier;
+    one GPU equal; one worker at batch 1, spin's p50 0.08 ms lower."""
     if configured in ("spin", "block"):
         return configured, "handler.cuda_sync"
     per_gpu = -(-(workers or 1) // max(1, gpus))
