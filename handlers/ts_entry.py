@@ -160,7 +160,8 @@ class CompiledModelHandler(BaseHandler):
         first-execution cost: metric objects, profiler labels, header parsing, admission, runner
         and encoders (measured without this: 1.2-1.3x a steady request). One JSON request, then
         binary batches at every CUDA graph bucket (each bucket's upload and replay through the
-        request path), largest first, ending with the smallest, repeated: the fast path is the
+        request path; without graphs, the warm-up sizes), largest first, ending with the
+        smallest, repeated: the fast path is the
         last one in the CPU caches (the JSON request's 150k-float list evicts them) and the
         interpreter has specialized it (measured on the CI CPU, first call over steady at batch 1,
         median of 12 loads, two runs: 1.21-1.24x with one binary call, 1.07-1.09x with eight). Stage timings are
@@ -168,7 +169,9 @@ class CompiledModelHandler(BaseHandler):
         rows = self.spec.batch_min
         cases = [(1, {"inputs": {k: v.tolist() for k, v in self._zeros(rows).items()}}, "application/json")]
         binary = safetensors_io.dumps(self._zeros(rows))
-        for size in sorted(set(self.runner.bucket_sizes()) | {rows}, reverse=True):
+        sizes = set(self.runner.bucket_sizes() or warmup_sizes(
+            self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes))
+        for size in sorted(sizes | {rows}, reverse=True):
             cases.append((max(1, size // rows), binary, safetensors_io.CONTENT_TYPE))
         # The interpreter specializes code only after it has run a few times (CPython 3.11
         # quickens a code object after 8 calls; 3.12 specializes an instruction on its second

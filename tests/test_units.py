@@ -415,19 +415,22 @@ def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
         torch.set_float32_matmul_precision(before)
 
 
-def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(artifacts, monkeypatch):
+@pytest.mark.parametrize("buckets,batches", [([1, 2, 4], [4, 2]), ([], [16, 8, 4, 2])])
+def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(artifacts, monkeypatch,
+                                                                               buckets, batches):
     """The request-path warm-up sends one JSON request, then a binary batch at every bucket the
-    runner reports (CUDA graph buckets; stood in for here, a CPU runner has none), largest
-    first, and ends with the smallest binary batch, 8 times, so the fast path is what the caches
-    hold and what the interpreter has specialized.
-    Uses TorchServe's own Context class and a real exported artifact."""
+    runner reports (CUDA graph buckets; stood in for here, a CPU runner has none) or, without
+    buckets, at the warm-up sizes (1..16 for this artifact), largest first, and ends with the
+    smallest binary batch, 8 times, so the fast path is what the caches hold and what the
+    interpreter has specialized. Uses TorchServe's own Context class and a real exported
+    artifact."""
     from ts.context import Context
 
     from handlers import safetensors_io
     from handlers.run.cpu import CpuRunner
     from handlers.ts_entry import CompiledModelHandler, _headers
 
-    monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: [1, 2, 4])
+    monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
     seen = []
     real_handle = CompiledModelHandler.handle
 
@@ -442,8 +445,8 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
                   model_yaml_config={"handler": {"crash_safe_load": False}})
     h = CompiledModelHandler()
     h.initialize(ctx)
-    assert h.load_error is None and h.spec.batch_min == 1
+    assert h.load_error is None and (h.spec.batch_min, h.spec.batch_max) == (1, 16)
     st = safetensors_io.CONTENT_TYPE
-    assert [(n, ct) for n, ct, _ in seen] == [(1, "application/json"), (4, st), (2, st)] + [(1, st)] * 8
+    assert [(n, ct) for n, ct, _ in seen] == [(1, "application/json")] + [(n, st) for n in batches] + [(1, st)] * 8
     assert all(s in (None, 200) for _, _, statuses in seen for s in statuses)
     assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back
