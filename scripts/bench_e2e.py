@@ -336,6 +336,9 @@ def combine_rounds(results: list) -> dict:
     for k in ("req_s", "p50_ms", "p99_ms"):
         out[k] = round(sum(r[k] for r in results) / len(results), 2)
     out["rounds_req_s"] = [r["req_s"] for r in results]
+    if all(r.get("cpu_cores") for r in results):
+        out["cpu_cores"] = {k: round(sum(r["cpu_cores"][k] for r in results) / len(results), 2)
+                            for k in results[0]["cpu_cores"]}
     return out
 
 
@@ -401,6 +404,7 @@ def write_markdown(path: Path, result: dict):
               "|---|---|---|---|---|---|"]
     lines += [f"| {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r['vs_transport']} | "
               f"{r['vs_gpu_limit']} |" for r in s["ours"]]
+    lines += _cores_table(result["points"])
     if s["thread_budget"]:
         lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
         lines += [f"- {r}" for r in s["thread_budget"]]
@@ -417,6 +421,24 @@ def write_markdown(path: Path, result: dict):
                   f"{r['first_over_steady']} | {r.get('after_idle_median_ms', '-')} | "
                   f"{r.get('after_idle_over_steady', '-')} |" for r in result["first_requests"]]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _cores_table(points: list) -> list:
+    """Where the host's cores went during each point (scripts/cpu_usage.py): cores busy on
+    average in the measured window, per process group."""
+    rows = [p for p in points if p.get("cpu_cores")]
+    if not rows:
+        return []
+    lines = ["", "Where the host's cores went (cores busy on average during the measured window; "
+             "frontend: TorchServe's Java process, workers: its Python workers, load generator: the "
+             "client processes):", "",
+             "| handler | GPUs | clients | frontend | workers | load generator | other | host busy | host cores |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in rows:
+        c = p["cpu_cores"]
+        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {c['frontend']} | {c['workers']} | "
+                     f"{c['load_generator']} | {c['other']} | {c['host_busy']} | {c['host_cores']} |")
+    return lines
 
 
 def plot(path: Path, result: dict):

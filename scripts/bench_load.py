@@ -15,6 +15,8 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from scripts import cpu_usage
+
 HEADERS = {"Content-Type": "application/x-safetensors"}
 
 
@@ -91,12 +93,17 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
                for j in range(procs)]
     for w in workers:
         w.start()
+    # where the host's cores went during the measured window (the clients' own clock)
+    time.sleep(max(0.0, t_warm - time.time()))
+    before = cpu_usage.snapshot()
+    time.sleep(max(0.0, t_end - time.time()))
+    cores = cpu_usage.usage(before, cpu_usage.snapshot())
     rows = []
     for _ in workers:
         rows += queue.get(timeout=seconds + warmup + 300)
     for w in workers:
         w.join()
-    return summarize(rows, seconds, check is not None)
+    return {**summarize(rows, seconds, check is not None), "cpu_cores": cores}
 
 
 def first_request(url, path, token, body, check, steady=20, idle_seconds=2.0, idle_repeats=5) -> dict:

@@ -40,6 +40,12 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     assert result["summary"]["thread_budget"][0]["set"] == "0:2"
     md = out.with_suffix(".md").read_text()
     assert "| ours | 0 | 4 |" in md and result["command"] in md and "in 2 rounds" in md
+    # where the cores went: the frontend, the workers and the clients all worked in every point
+    for p in result["points"]:
+        c = p["cpu_cores"]
+        assert c["frontend"] > 0 and c["workers"] > 0 and c["load_generator"] > 0, p
+        assert c["host_busy"] <= c["host_cores"] + 0.2, p
+    assert "Where the host's cores went" in md
     assert out.with_suffix(".png").stat().st_size > 10_000
     # first request after READY: echo first (the frontend's own first request), every answer
     # checked (first_request raises on a wrong one), figures consistent with each other
@@ -62,3 +68,23 @@ def test_rounds_combine_counts_and_average_rates():
     assert (c["req_s"], c["p50_ms"], c["p99_ms"], c["rounds_req_s"]) == (110.0, 2.5, 4.5, [100.0, 120.0])
     assert c["error_samples"] == ["503: x"] and "round" not in c
     assert combine_rounds([a]) == {k: v for k, v in a.items() if k != "round"}
+
+
+def test_cpu_usage_counts_a_busy_child_as_load_generator():
+    """A child of this process spinning on one core for the whole window shows as about one
+    core of load generator, inside the host's busy cores."""
+    import time
+
+    from scripts import cpu_usage
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.5)
+        before = cpu_usage.snapshot()
+        time.sleep(1.5)
+        got = cpu_usage.usage(before, cpu_usage.snapshot())
+    finally:
+        child.wait()
+    assert 0.7 <= got["load_generator"] <= 1.1, got
+    assert got["host_busy"] >= got["load_generator"] - 0.15 and got["host_cores"] >= 1, got
+    assert cpu_usage.usage(None, before) is None

@@ -1,0 +1,73 @@
+"""Where a host's cores go during a benchmark point: TorchServe's frontend (its Java process),
+its Python workers, the load generator (this process's children) and everything else, read from
+Linux's /proc between two snapshots. Counts CPU time, not wall time: 2.0 means two cores busy
+for the whole window.
+
+/proc/stat's first line holds the host's jiffies per state (user nice system idle iowait irq
+softirq steal ...); /proc/PID/stat fields 14 and 15 (utime, stime) a process's, both in
+SC_CLK_TCK units. A process that exits inside the window is not counted.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+GROUPS = ("frontend", "workers", "load_generator")
+
+
+def _host() -> tuple:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return sum(values) - idle, sum(values)
+
+
+def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
+    if b"org.pytorch.serve" in cmdline and b"java" in cmdline:
+        return "frontend"
+    if b"model_service_worker" in cmdline:
+        return "workers"
+    if ppid == me:
+        return "load_generator"
+    return None
+
+
+def snapshot() -> Optional[dict]:
+    """CPU jiffies so far per group and for the host, with the time; None without /proc."""
+    if not os.path.exists("/proc/stat"):
+        return None
+    me, groups = os.getpid(), dict.fromkeys(GROUPS, 0)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # exited while we looked
+            continue
+        name = _group(pid, cmdline, int(fields[1]), me)
+        if name:
+            groups[name] += int(fields[11]) + int(fields[12])
+    busy, total = _host()
+    return {"t": time.monotonic(), "groups": groups, "host_busy": busy, "host_total": total}
+
+
+def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Cores busy on average between two snapshots: per group, the rest of the host ("other")
+    and the host's total, next to how many cores it has."""
+    if not before or not after or after["t"] <= before["t"]:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = after["t"] - before["t"]
+    out = {g: round((after["groups"][g] - before["groups"][g]) / tick / seconds, 2) for g in GROUPS}
+    cores = os.cpu_count() or 1
+    # host jiffies count every core: their share busy times the cores is the cores in use
+    span = after["host_total"] - before["host_total"]
+    busy = (after["host_busy"] - before["host_busy"]) / span * cores if span else 0.0
+    out["other"] = round(max(0.0, busy - sum(out[g] for g in GROUPS)), 2)
+    out["host_busy"] = round(busy, 2)
+    out["host_cores"] = cores
+    return out
