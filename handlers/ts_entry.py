@@ -34,6 +34,9 @@ from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 
 logger = logging.getLogger(__name__)
 
+# The request bytes of one warm-up batch through handle() at most (see _warm_up_request_path).
+WARMUP_BATCH_BYTES = 64 << 20
+
 
 def _headers(context, idx: int, *names: str) -> list:
     """Values of `names` for request idx (None where absent). Content-Type may arrive per body
@@ -158,21 +161,31 @@ class CompiledModelHandler(BaseHandler):
         """Requests through handle(), set up as TorchServe's Service.predict sets up a batch
         (request ids, per-request headers, metrics ids), so the first client request pays no
         first-execution cost: metric objects, profiler labels, header parsing, admission, runner
-        and encoders (measured without this: 1.2-1.3x a steady request). One JSON request, then
-        binary batches at every CUDA graph bucket (each bucket's upload and replay through the
-        request path; without graphs, the warm-up sizes), largest first, ending with the
-        smallest, repeated: the fast path is the
-        last one in the CPU caches (the JSON request's 150k-float list evicts them) and the
-        interpreter has specialized it (measured on the CI CPU, first call over steady at batch 1,
-        median of 12 loads, two runs: 1.21-1.24x with one binary call, 1.07-1.09x with eight). Stage timings are
-        emitted as request "warmup"; the context's batch state is restored afterwards."""
+        and encoders (measured without this: 1.2-1.3x a steady request).
+
+        One JSON request (where one could pass max_json_mb), then binary batches at every CUDA
+        graph bucket (each bucket's upload and replay through the request path; without graphs,
+        the warm-up sizes) up to WARMUP_BATCH_BYTES, largest first, ending with the smallest,
+        repeated: the fast path is the last one in the CPU caches (the JSON request's 150k-float
+        list evicts them) and the interpreter has specialized it (measured on the CI CPU, first
+        call over steady at batch 1, median of 12 loads, two runs: 1.21-1.24x with one binary
+        call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
+        context's batch state is restored afterwards."""
         rows = self.spec.batch_min
-        cases = [(1, {"inputs": {k: v.tolist() for k, v in self._zeros(rows).items()}}, "application/json")]
         binary = safetensors_io.dumps(self._zeros(rows))
+        cases = []
+        # JSON spells each element in at least as many bytes as the binary body holds it: where
+        # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
+        if len(binary) <= self.config.max_json_mb * 2**20:
+            cases.append((1, {"inputs": {k: v.tolist() for k, v in self._zeros(rows).items()}}, "application/json"))
         sizes = set(self.runner.bucket_sizes() or warmup_sizes(
             self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes))
         for size in sorted(sizes | {rows}, reverse=True):
-            cases.append((max(1, size // rows), binary, safetensors_io.CONTENT_TYPE))
+            n = max(1, size // rows)
+            # Every answer of a batch is encoded into a buffer of its own: a batch of large
+            # frames (a 4K fp32 frame is 99.5 MB) would hold GBs at load, so those stay small.
+            if n == 1 or n * len(binary) <= WARMUP_BATCH_BYTES:
+                cases.append((n, binary, safetensors_io.CONTENT_TYPE))
         # The interpreter specializes code only after it has run a few times (CPython 3.11
         # quickens a code object after 8 calls; 3.12 specializes an instruction on its second
         # run): the smallest binary batch, the latency-bound case, runs 8 times in all.

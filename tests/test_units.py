@@ -415,13 +415,17 @@ def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
         torch.set_float32_matmul_precision(before)
 
 
-@pytest.mark.parametrize("buckets,batches", [([1, 2, 4], [4, 2]), ([], [16, 8, 4, 2])])
+@pytest.mark.parametrize("buckets,batches,json_mb,cap", [
+    ([1, 2, 4], [4, 2], 8.0, None),
+    ([], [16, 8, 4, 2], 8.0, None),
+    ([], [2], 0.001, 30_000),  # 12.4 KB bodies: no JSON under 1 KB, batches up to 30 KB
+])
 def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(artifacts, monkeypatch,
-                                                                               buckets, batches):
+                                                                               buckets, batches, json_mb, cap):
     """The request-path warm-up sends one JSON request, then a binary batch at every bucket the
     runner reports (CUDA graph buckets; stood in for here, a CPU runner has none) or, without
-    buckets, at the warm-up sizes (1..16 for this artifact), largest first, and ends with the
-    smallest binary batch, 8 times, so the fast path is what the caches hold and what the
+    buckets, at the warm-up sizes (1..16 for this artifact), largest first, up to a byte cap,
+    and ends with the smallest binary batch, 8 times (JSON only where max_json_mb admits it), so the fast path is what the caches hold and what the
     interpreter has specialized. Uses TorchServe's own Context class and a real exported
     artifact."""
     from ts.context import Context
@@ -431,6 +435,8 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     from handlers.ts_entry import CompiledModelHandler, _headers
 
     monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
+    if cap:
+        monkeypatch.setattr("handlers.ts_entry.WARMUP_BATCH_BYTES", cap)
     seen = []
     real_handle = CompiledModelHandler.handle
 
@@ -442,11 +448,12 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
 
     monkeypatch.setattr(CompiledModelHandler, "handle", handle)
     ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
-                  model_yaml_config={"handler": {"crash_safe_load": False}})
+                  model_yaml_config={"handler": {"crash_safe_load": False, "max_json_mb": json_mb}})
     h = CompiledModelHandler()
     h.initialize(ctx)
     assert h.load_error is None and (h.spec.batch_min, h.spec.batch_max) == (1, 16)
     st = safetensors_io.CONTENT_TYPE
-    assert [(n, ct) for n, ct, _ in seen] == [(1, "application/json")] + [(n, st) for n in batches] + [(1, st)] * 8
+    json_case = [(1, "application/json")] if json_mb >= 1 else []
+    assert [(n, ct) for n, ct, _ in seen] == json_case + [(n, st) for n in batches] + [(1, st)] * 8
     assert all(s in (None, 200) for _, _, statuses in seen for s in statuses)
     assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back
