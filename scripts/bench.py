@@ -188,6 +188,7 @@ def plot(path: str, results: list, first: dict):
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
 def markdown(report: dict) -> str:
     """The results page of a bench.py JSON: its header and command, the side-by-side table and
     the first-request table, every figure as the JSON holds it."""
