@@ -431,13 +431,15 @@ def _cores_table(points: list) -> list:
         return []
     lines = ["", "Where the host's cores went (cores busy on average during the measured window; "
              "frontend: TorchServe's Java process, workers: its Python workers, load generator: the "
-             "client processes):", "",
-             "| handler | GPUs | clients | frontend | workers | load generator | other | host busy | host cores |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "client processes; irq: interrupt handling, where loopback networking is mostly "
+             "accounted):", "",
+             "| handler | GPUs | clients | frontend | workers | load generator | irq | other | host busy | host cores |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in rows:
         c = p["cpu_cores"]
         lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {c['frontend']} | {c['workers']} | "
-                     f"{c['load_generator']} | {c['other']} | {c['host_busy']} | {c['host_cores']} |")
+                     f"{c['load_generator']} | {c.get('irq', '-')} | {c['other']} | {c['host_busy']} | "
+                     f"{c['host_cores']} |")
     return lines
 
 

@@ -1,10 +1,10 @@
 """Where a host's cores go during a benchmark point: TorchServe's frontend (its Java process),
-its Python workers, the load generator (this process's children) and everything else, read from
-Linux's /proc between two snapshots. Counts CPU time, not wall time: 2.0 means two cores busy
+its Python workers, the load generator (this process's children), interrupt handling and
+everything else, read from Linux's /proc between two snapshots. Counts CPU time, not wall time: 2.0 means two cores busy
 for the whole window.
 
 /proc/stat's first line holds the host's jiffies per state (user nice system idle iowait irq
-softirq steal ...); /proc/PID/stat fields 14 and 15 (utime, stime) a process's, both in
+softirq steal ...; absent trailing fields count as 0); /proc/PID/stat fields 14 and 15 (utime, stime) a process's, both in
 SC_CLK_TCK units. A process that exits inside the window is not counted.
 """
 from __future__ import annotations
@@ -17,10 +17,12 @@ GROUPS = ("frontend", "workers", "load_generator")
 
 
 def _host() -> tuple:
+    """(busy, interrupts, total) jiffies of the host; interrupts (irq + softirq) is where
+    loopback networking is mostly accounted, outside any process."""
     with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return sum(values) - idle, sum(values)
+        values = [int(v) for v in f.readline().split()[1:]] + [0] * 8
+    idle = values[3] + values[4]
+    return sum(values) - idle, values[5] + values[6], sum(values)
 
 
 def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
@@ -51,13 +53,13 @@ def snapshot() -> Optional[dict]:
         name = _group(pid, cmdline, int(fields[1]), me)
         if name:
             groups[name] += int(fields[11]) + int(fields[12])
-    busy, total = _host()
-    return {"t": time.monotonic(), "groups": groups, "host_busy": busy, "host_total": total}
+    busy, irq, total = _host()
+    return {"t": time.monotonic(), "groups": groups, "host_busy": busy, "host_irq": irq, "host_total": total}
 
 
 def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
-    """Cores busy on average between two snapshots: per group, the rest of the host ("other")
-    and the host's total, next to how many cores it has."""
+    """Cores busy on average between two snapshots: per group, interrupt handling ("irq"), the
+    rest of the host ("other") and the host's total, next to how many cores it has."""
     if not before or not after or after["t"] <= before["t"]:
         return None
     tick = os.sysconf("SC_CLK_TCK")
@@ -67,7 +69,9 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     # host jiffies count every core: their share busy times the cores is the cores in use
     span = after["host_total"] - before["host_total"]
     busy = (after["host_busy"] - before["host_busy"]) / span * cores if span else 0.0
-    out["other"] = round(max(0.0, busy - sum(out[g] for g in GROUPS)), 2)
+    irq = (after["host_irq"] - before["host_irq"]) / span * cores if span else 0.0
+    out["irq"] = round(irq, 2)
+    out["other"] = round(max(0.0, busy - irq - sum(out[g] for g in GROUPS)), 2)
     out["host_busy"] = round(busy, 2)
     out["host_cores"] = cores
     return out
