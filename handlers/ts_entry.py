@@ -172,12 +172,13 @@ class CompiledModelHandler(BaseHandler):
         call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
         context's batch state is restored afterwards."""
         rows = self.spec.batch_min
-        binary = safetensors_io.dumps(self._zeros(rows))
+        zeros = self._zeros(rows)
+        binary = safetensors_io.dumps(zeros)
         cases = []
         # JSON spells each element in at least as many bytes as the binary body holds it: where
         # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
         if len(binary) <= self.config.max_json_mb * 2**20:
-            cases.append((1, {"inputs": {k: v.tolist() for k, v in self._zeros(rows).items()}}, "application/json"))
+            cases.append((1, {"inputs": {k: v.tolist() for k, v in zeros.items()}}, "application/json"))
         sizes = set(self.runner.bucket_sizes() or warmup_sizes(
             self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes))
         for size in sorted(sizes | {rows}, reverse=True):

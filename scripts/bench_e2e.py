@@ -234,10 +234,9 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     store.mkdir(parents=True, exist_ok=True)
     wanted = ((args.multi_gpu_handlers or args.handlers) if n > 1 else args.handlers).split(",")
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
-    for item in (args.variant if "ours" in wanted else []):
-        vname, _, opts = item.partition(":")
-        extra = [x for kv in opts.split(",") if kv for x in ("--handler-option", kv)]
-        models[f"ours_{vname}"] = archive_ours(args, store, f"ours_{vname}", workers, ids, extra)
+    for item, name in (zip(args.variant, variant_models(args)) if "ours" in wanted else ()):
+        extra = [x for kv in item.partition(":")[2].split(",") if kv for x in ("--handler-option", kv)]
+        models[name] = archive_ours(args, store, name, workers, ids, extra)
     for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
@@ -279,8 +278,13 @@ def _echo_check(model: str, refs: list, tol: float):
     return ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
 
 
+def variant_models(args) -> list:
+    """The model names of the --variant archives (NAME:KEY=VALUE,... is served as ours_NAME)."""
+    return [f"ours_{v.partition(':')[0]}" for v in args.variant]
+
+
 def _first_requests(args, server, token, n, bodies, refs, tol) -> list:
-    order = ["echo", "ours"] + [f"ours_{v.partition(':')[0]}" for v in args.variant] + ["stock"]
+    order = ["echo", "ours"] + variant_models(args) + ["stock"]
     rows = []
     for model in [m for m in order if m in server.models]:
         refs_m, tol_m = _echo_check(model, refs, tol)
@@ -297,7 +301,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
     token = server.key()
     firsts = _first_requests(args, server, token, n, bodies, refs, tol) if args.first_request else []
     points = []
-    main = ["ours", "stock", "echo"] + [f"ours_{v.partition(':')[0]}" for v in args.variant]
+    main = ["ours", "stock", "echo"] + variant_models(args)
     plan = [(m, c) for m in main if m in server.models for c in ints(args.clients)]
     extra = [m for m in server.models if is_thread_sweep(m) or m == "stock_default"]
     if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep

@@ -88,3 +88,13 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
     assert 0.7 <= got["load_generator"] <= 1.1, got
     assert got["host_busy"] >= got["load_generator"] - 0.15 and got["host_cores"] >= 1 and got["irq"] >= 0, got
     assert cpu_usage.usage(None, before) is None
+
+
+def test_variant_models_name_each_variant_once():
+    """--variant NAME:OPTS is served as ours_NAME; the same names order the load points and the
+    first requests, so they come from one function."""
+    from scripts.bench_e2e import parse_args, variant_models
+
+    args = parse_args(["--artifact", "a", "--factory", "f.py:g", "--out", "o",
+                       "--variant", "nographs:cuda_graphs=off", "--variant", "spin:cuda_sync=spin,cpu_threads=2"])
+    assert variant_models(args) == ["ours_nographs", "ours_spin"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..threads import cuda_wait
 from .base import Runner
 from .cpu import CpuRunner
 from .cuda import CudaRunner
@@ -16,5 +17,7 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
         return CudaRunner(model, spec, device,
                           stream_priority=config.stream_priority if config else 0,
                           piece_bytes=int(config.staging_piece_mb * (1 << 20)) if config else 0,
-                          sync=getattr(config, "cuda_sync", "spin"))
+                          # auto with no worker count is the lone-worker choice; the handler
+                          # resolves auto with its worker count before it gets here
+                          sync=cuda_wait(getattr(config, "cuda_sync", "auto"), None, 1)[0])
     return RUNNERS[device.type](model, spec)
