@@ -341,9 +341,18 @@ def combine_rounds(results: list) -> dict:
         out[k] = round(sum(r[k] for r in results) / len(results), 2)
     out["rounds_req_s"] = [r["req_s"] for r in results]
     if all(r.get("cpu_cores") for r in results):
-        out["cpu_cores"] = {k: round(sum(r["cpu_cores"][k] for r in results) / len(results), 2)
-                            for k in results[0]["cpu_cores"]}
+        out["cpu_cores"] = _mean_cores([r["cpu_cores"] for r in results])
     return out
+
+
+def _mean_cores(rounds: list) -> dict:
+    """Core accounting averaged over rounds; nested groups (the busiest process) key by key, and
+    a value every round agrees on (the host's cores) kept as it is."""
+    def mean(k, v):
+        if isinstance(v, dict):
+            return _mean_cores([r[k] for r in rounds])
+        return v if all(r[k] == v for r in rounds) else round(sum(r[k] for r in rounds) / len(rounds), 2)
+    return {k: mean(k, v) for k, v in rounds[0].items()}
 
 
 def summary(points: list, limits: dict) -> dict:
@@ -436,14 +445,16 @@ def _cores_table(points: list) -> list:
     lines = ["", "Where the host's cores went (cores busy on average during the measured window; "
              "frontend: TorchServe's Java process, workers: its Python workers, load generator: the "
              "client processes; irq: interrupt handling, where loopback networking is mostly "
-             "accounted):", "",
+             "accounted; in brackets the busiest single process of the group, where a Python "
+             "process near 1.0 is bound by its interpreter lock):", "",
              "| handler | GPUs | clients | frontend | workers | load generator | irq | other | host busy | host cores |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in rows:
         c = p["cpu_cores"]
-        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {c['frontend']} | {c['workers']} | "
-                     f"{c['load_generator']} | {c.get('irq', '-')} | {c['other']} | {c['host_busy']} | "
-                     f"{c['host_cores']} |")
+        top = c.get("busiest", {})
+        workers, load = (f"{c[g]} ({top[g]})" if g in top else f"{c[g]}" for g in ("workers", "load_generator"))
+        lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {c['frontend']} | {workers} | "
+                     f"{load} | {c.get('irq', '-')} | {c['other']} | {c['host_busy']} | {c['host_cores']} |")
     return lines
 
 

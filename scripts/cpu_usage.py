@@ -39,7 +39,7 @@ def snapshot() -> Optional[dict]:
     """CPU jiffies so far per group and for the host, with the time; None without /proc."""
     if not os.path.exists("/proc/stat"):
         return None
-    me, groups = os.getpid(), dict.fromkeys(GROUPS, 0)
+    me, groups, procs = os.getpid(), dict.fromkeys(GROUPS, 0), {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -52,9 +52,12 @@ def snapshot() -> Optional[dict]:
             continue
         name = _group(pid, cmdline, int(fields[1]), me)
         if name:
-            groups[name] += int(fields[11]) + int(fields[12])
+            jiffies = int(fields[11]) + int(fields[12])
+            groups[name] += jiffies
+            procs[pid] = (name, jiffies)
     busy, irq, total = _host()
-    return {"t": time.monotonic(), "groups": groups, "host_busy": busy, "host_irq": irq, "host_total": total}
+    return {"t": time.monotonic(), "groups": groups, "procs": procs, "host_busy": busy, "host_irq": irq,
+            "host_total": total}
 
 
 def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
@@ -65,6 +68,12 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     tick = os.sysconf("SC_CLK_TCK")
     seconds = after["t"] - before["t"]
     out = {g: round((after["groups"][g] - before["groups"][g]) / tick / seconds, 2) for g in GROUPS}
+    # the busiest single process of each group: a Python process near 1.0 is bound by its GIL
+    busiest = dict.fromkeys(GROUPS, 0.0)
+    for pid, (name, jiffies) in after["procs"].items():
+        start = before["procs"].get(pid, (name, 0))[1]
+        busiest[name] = max(busiest[name], round((jiffies - start) / tick / seconds, 2))
+    out["busiest"] = busiest
     cores = os.cpu_count() or 1
     # host jiffies count every core: their share busy times the cores is the cores in use
     span = after["host_total"] - before["host_total"]

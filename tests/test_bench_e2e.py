@@ -68,6 +68,11 @@ def test_rounds_combine_counts_and_average_rates():
     assert (c["req_s"], c["p50_ms"], c["p99_ms"], c["rounds_req_s"]) == (110.0, 2.5, 4.5, [100.0, 120.0])
     assert c["error_samples"] == ["503: x"] and "round" not in c
     assert combine_rounds([a]) == {k: v for k, v in a.items() if k != "round"}
+    # core accounting, with its nested busiest-process group, averages key by key
+    cores = {"frontend": 2.0, "host_cores": 32, "busiest": {"workers": 0.5}}
+    c = combine_rounds([dict(a, cpu_cores=cores), dict(b, cpu_cores=dict(cores, frontend=3.0, busiest={"workers": 0.7}))])
+    assert c["cpu_cores"] == {"frontend": 2.5, "host_cores": 32, "busiest": {"workers": 0.6}}
+    assert isinstance(c["cpu_cores"]["host_cores"], int)
 
 
 def test_cpu_usage_counts_a_busy_child_as_load_generator():
@@ -78,6 +83,7 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
     from scripts import cpu_usage
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(2.5)"])
     try:
         time.sleep(0.5)
         before = cpu_usage.snapshot()
@@ -85,7 +91,10 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
         got = cpu_usage.usage(before, cpu_usage.snapshot())
     finally:
         child.wait()
+        idle.wait()
     assert 0.7 <= got["load_generator"] <= 1.1, got
+    # the busiest client process is the spinning one, not the sum of both
+    assert 0.7 <= got["busiest"]["load_generator"] <= got["load_generator"] + 0.01, got
     assert got["host_busy"] >= got["load_generator"] - 0.15 and got["host_cores"] >= 1 and got["irq"] >= 0, got
     assert cpu_usage.usage(None, before) is None
 
