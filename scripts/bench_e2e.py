@@ -349,8 +349,9 @@ def _mean_cores(rounds: list) -> dict:
     """Core accounting averaged over rounds; nested groups (the busiest process) key by key, and
     a value every round agrees on (the host's cores) kept as it is."""
     def mean(k, v):
-        if isinstance(v, dict):
-            return _mean_cores([r[k] for r in rounds])
+        if isinstance(v, dict):  # a key missing from a round (a thread kind not seen) counts 0
+            keys = {key for r in rounds for key in r.get(k, {})}
+            return _mean_cores([{key: r.get(k, {}).get(key, 0.0) for key in keys} for r in rounds])
         return v if all(r[k] == v for r in rounds) else round(sum(r[k] for r in rounds) / len(rounds), 2)
     return {k: mean(k, v) for k, v in rounds[0].items()}
 
@@ -455,6 +456,15 @@ def _cores_table(points: list) -> list:
         workers, load = (f"{c[g]} ({top[g]})" if g in top else f"{c[g]}" for g in ("workers", "load_generator"))
         lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {c['frontend']} | {workers} | "
                      f"{load} | {c.get('irq', '-')} | {c['other']} | {c['host_busy']} | {c['host_cores']} |")
+    threads = [p for p in rows if p["cpu_cores"].get("frontend_threads")]
+    if threads:
+        lines += ["", "The frontend's cores by thread kind (thread names with digits as #; `epollEventLoopG`: "
+                  "Netty's I/O threads for HTTP and for the workers' sockets, `W-#-...`: one per worker, "
+                  "`GC Thread#`/`G1 ...`: the garbage collector, `C# CompilerThre`: the JIT):", ""]
+        for p in threads:
+            kinds = sorted(p["cpu_cores"]["frontend_threads"].items(), key=lambda kv: -kv[1])
+            lines.append(f"- {p['handler']}, {p['gpus']} GPU(s), {p['clients']} clients: "
+                         + ", ".join(f"`{k}` {v}" for k, v in kinds))
     return lines
 
 

@@ -10,6 +10,7 @@ SC_CLK_TCK units. A process that exits inside the window is not counted.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Optional
 
@@ -35,11 +36,33 @@ def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     return None
 
 
+def _thread_kinds(pid: str) -> dict:
+    """CPU jiffies of a process's threads by kind: the thread's name (/proc/PID/task/TID/stat
+    field 2, which the JVM sets to the Java thread's name cut to 15 characters) with each run
+    of digits written as "#", so all "GC Thread#3"-like threads are one kind, as are the
+    "W-9000-ours_1.0" threads that talk to the workers, or Netty's "epollEventLoopG"."""
+    kinds: dict = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kinds
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue
+        name = re.sub(r"\d+", "#", head.partition("(")[2])
+        fields = rest.split()
+        kinds[name] = kinds.get(name, 0) + int(fields[11]) + int(fields[12])
+    return kinds
+
+
 def snapshot() -> Optional[dict]:
     """CPU jiffies so far per group and for the host, with the time; None without /proc."""
     if not os.path.exists("/proc/stat"):
         return None
-    me, groups, procs = os.getpid(), dict.fromkeys(GROUPS, 0), {}
+    me, groups, procs, threads = os.getpid(), dict.fromkeys(GROUPS, 0), {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -55,9 +78,11 @@ def snapshot() -> Optional[dict]:
             jiffies = int(fields[11]) + int(fields[12])
             groups[name] += jiffies
             procs[pid] = (name, jiffies)
+            if name == "frontend":
+                threads = _thread_kinds(pid)
     busy, irq, total = _host()
-    return {"t": time.monotonic(), "groups": groups, "procs": procs, "host_busy": busy, "host_irq": irq,
-            "host_total": total}
+    return {"t": time.monotonic(), "groups": groups, "procs": procs, "frontend_threads": threads,
+            "host_busy": busy, "host_irq": irq, "host_total": total}
 
 
 def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
@@ -74,6 +99,11 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
         start = before["procs"].get(pid, (name, 0))[1]
         busiest[name] = max(busiest[name], round((jiffies - start) / tick / seconds, 2))
     out["busiest"] = busiest
+    # the frontend's cores by thread kind, the busiest first (Netty event loops, GC, workers' I/O)
+    kinds = {k: (v - before["frontend_threads"].get(k, 0)) / tick / seconds
+             for k, v in after["frontend_threads"].items()}
+    out["frontend_threads"] = {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:8]
+                               if v >= 0.01}
     cores = os.cpu_count() or 1
     # host jiffies count every core: their share busy times the cores is the cores in use
     span = after["host_total"] - before["host_total"]

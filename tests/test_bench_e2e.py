@@ -99,6 +99,28 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
     assert cpu_usage.usage(None, before) is None
 
 
+def test_thread_kinds_add_up_to_a_busy_process():
+    """A spinning child's threads by kind add up to about one core, all under the name of its
+    main thread with the digits written as #."""
+    import os
+    import time
+
+    from scripts.cpu_usage import _thread_kinds
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.5)
+        before = _thread_kinds(str(child.pid))
+        time.sleep(1.5)
+        after = _thread_kinds(str(child.pid))
+    finally:
+        child.wait()
+    busy = {k: (v - before.get(k, 0)) / os.sysconf("SC_CLK_TCK") / 1.5 for k, v in after.items()}
+    assert 0.7 <= sum(busy.values()) <= 1.1, busy
+    assert all(not any(ch.isdigit() for ch in k) for k in busy), busy
+    assert _thread_kinds("999999999") == {}
+
+
 def test_variant_models_name_each_variant_once():
     """--variant NAME:OPTS is served as ours_NAME; the same names order the load points and the
     first requests, so they come from one function."""
