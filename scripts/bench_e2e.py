@@ -79,6 +79,9 @@ def parse_args(argv):
                         "steady and after-idle requests from one client (echo first: it takes the "
                         "frontend's own first-request cost)")
     p.add_argument("--idle-seconds", type=float, default=2.0, help="pause before each after-idle request")
+    p.add_argument("--ts-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a line added to the shipped config.properties of every server in the run "
+                        "(e.g. number_of_netty_threads=8); the command records it")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     return p.parse_args(argv)
 
@@ -252,7 +255,7 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     if "echo" in wanted:
         models["echo"] = archive_baseline(args, store, "echo", "echo_handler.py", workers, ids,
                                           {"echo": {"response": echo_response(spec, refs[0]).hex()}})
-    server = LocalTorchServe(work / f"ts{n}", store, models)
+    server = LocalTorchServe(work / f"ts{n}", store, models, extra_config="\n".join(args.ts_config))
     try:
         ready_s = server.wait_ready()
         logged = chosen_threads(server.log(), "ours")
