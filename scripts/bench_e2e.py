@@ -466,8 +466,10 @@ def _cores_table(points: list) -> list:
                   "`GC Thread#`/`G1 ...`: the garbage collector, `C# CompilerThre`: the JIT):", ""]
         for p in threads:
             kinds = sorted(p["cpu_cores"]["frontend_threads"].items(), key=lambda kv: -kv[1])
+            top = p["cpu_cores"].get("frontend_busiest_thread", {})
             lines.append(f"- {p['handler']}, {p['gpus']} GPU(s), {p['clients']} clients: "
-                         + ", ".join(f"`{k}` {v}" for k, v in kinds))
+                         + ", ".join(f"`{k}` {v}" + (f" (busiest thread {top[k]})" if k in top else "")
+                                     for k, v in kinds))
     return lines
 
 

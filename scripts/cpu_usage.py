@@ -36,26 +36,38 @@ def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     return None
 
 
-def _thread_kinds(pid: str) -> dict:
-    """CPU jiffies of a process's threads by kind: the thread's name (/proc/PID/task/TID/stat
-    field 2, which the JVM sets to the Java thread's name cut to 15 characters) with each run
-    of digits written as "#", so all "GC Thread#3"-like threads are one kind, as are the
-    "W-9000-ours_1.0" threads that talk to the workers, or Netty's "epollEventLoopG"."""
-    kinds: dict = {}
+def _threads(pid: str) -> dict:
+    """{thread id: (kind, CPU jiffies)} of a process. A thread's kind is its name
+    (/proc/PID/task/TID/stat field 2, which the JVM sets to the Java thread's name cut to 15
+    characters) with each run of digits written as "#", so all "GC Thread#3"-like threads are
+    one kind, as are the "W-9000-ours_1.0" threads that talk to the workers, or Netty's
+    "epollEventLoopG"."""
+    threads: dict = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return kinds
+        return threads
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 head, _, rest = f.read().rpartition(")")
         except OSError:
             continue
-        name = re.sub(r"\d+", "#", head.partition("(")[2])
         fields = rest.split()
-        kinds[name] = kinds.get(name, 0) + int(fields[11]) + int(fields[12])
-    return kinds
+        threads[tid] = (re.sub(r"\d+", "#", head.partition("(")[2]), int(fields[11]) + int(fields[12]))
+    return threads
+
+
+def _thread_cores(before: dict, after: dict, tick: int, seconds: float) -> tuple:
+    """Per thread kind: (cores of all its threads, cores of its busiest single thread). A thread
+    that started inside the window counts from zero."""
+    total: dict = {}
+    top: dict = {}
+    for tid, (kind, jiffies) in after.items():
+        cores = (jiffies - before.get(tid, (kind, 0))[1]) / tick / seconds
+        total[kind] = total.get(kind, 0.0) + cores
+        top[kind] = max(top.get(kind, 0.0), cores)
+    return total, top
 
 
 def snapshot() -> Optional[dict]:
@@ -79,7 +91,7 @@ def snapshot() -> Optional[dict]:
             groups[name] += jiffies
             procs[pid] = (name, jiffies)
             if name == "frontend":
-                threads = _thread_kinds(pid)
+                threads = _threads(pid)
     busy, irq, total = _host()
     return {"t": time.monotonic(), "groups": groups, "procs": procs, "frontend_threads": threads,
             "host_busy": busy, "host_irq": irq, "host_total": total}
@@ -99,11 +111,13 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
         start = before["procs"].get(pid, (name, 0))[1]
         busiest[name] = max(busiest[name], round((jiffies - start) / tick / seconds, 2))
     out["busiest"] = busiest
-    # the frontend's cores by thread kind, the busiest first (Netty event loops, GC, workers' I/O)
-    kinds = {k: (v - before["frontend_threads"].get(k, 0)) / tick / seconds
-             for k, v in after["frontend_threads"].items()}
-    out["frontend_threads"] = {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:8]
-                               if v >= 0.01}
+    # the frontend's cores by thread kind, the busiest kinds first (Netty event loops, GC, the
+    # workers' I/O threads), and its busiest single thread of each kind: a Netty event loop near
+    # 1.0 is saturated whatever the others do (each connection stays on one loop)
+    total, top = _thread_cores(before["frontend_threads"], after["frontend_threads"], tick, seconds)
+    kinds = [k for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:8] if v >= 0.01]
+    out["frontend_threads"] = {k: round(total[k], 2) for k in kinds}
+    out["frontend_busiest_thread"] = {k: round(top[k], 2) for k in kinds}
     cores = os.cpu_count() or 1
     # host jiffies count every core: their share busy times the cores is the cores in use
     span = after["host_total"] - before["host_total"]

@@ -99,26 +99,30 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
     assert cpu_usage.usage(None, before) is None
 
 
-def test_thread_kinds_add_up_to_a_busy_process():
-    """A spinning child's threads by kind add up to about one core, all under the name of its
-    main thread with the digits written as #."""
+def test_thread_cores_of_a_busy_process():
+    """A spinning child's threads add up to about one core, all under the name of its main
+    thread with the digits written as #, and its busiest thread is that one core."""
     import os
     import time
 
-    from scripts.cpu_usage import _thread_kinds
+    from scripts.cpu_usage import _thread_cores, _threads
 
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"])
     try:
         time.sleep(0.5)
-        before = _thread_kinds(str(child.pid))
+        before = _threads(str(child.pid))
         time.sleep(1.5)
-        after = _thread_kinds(str(child.pid))
+        after = _threads(str(child.pid))
     finally:
         child.wait()
-    busy = {k: (v - before.get(k, 0)) / os.sysconf("SC_CLK_TCK") / 1.5 for k, v in after.items()}
-    assert 0.7 <= sum(busy.values()) <= 1.1, busy
-    assert all(not any(ch.isdigit() for ch in k) for k in busy), busy
-    assert _thread_kinds("999999999") == {}
+    total, top = _thread_cores(before, after, os.sysconf("SC_CLK_TCK"), 1.5)
+    assert 0.7 <= sum(total.values()) <= 1.1, total
+    assert 0.7 <= max(top.values()) <= 1.1 and all(top[k] <= total[k] + 1e-9 for k in total), (top, total)
+    assert all(not any(ch.isdigit() for ch in k) for k in total), total
+    assert _threads("999999999") == {}
+    # two threads of one kind: the kind adds them up, the busiest is the larger; a new thread counts from 0
+    total, top = _thread_cores({"1": ("loop#", 100)}, {"1": ("loop#", 200), "2": ("loop#", 50)}, 100, 1.0)
+    assert total == {"loop#": 1.5} and top == {"loop#": 1.0}
 
 
 def test_variant_models_name_each_variant_once():
