@@ -83,7 +83,12 @@ def parse_args(argv):
                    help="a line added to the shipped config.properties of every server in the run "
                         "(e.g. number_of_netty_threads=8); the command records it")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for line in args.ts_config:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*=\S.*", line):
+            p.error(f"--ts-config {line!r}: expected KEY=VALUE, a config.properties line such as "
+                    "number_of_netty_threads=8")
+    return args
 
 
 def ints(text: str) -> list:
@@ -349,14 +354,18 @@ def combine_rounds(results: list) -> dict:
 
 
 def _mean_cores(rounds: list) -> dict:
-    """Core accounting averaged over rounds; nested groups (the busiest process) key by key, and
-    a value every round agrees on (the host's cores) kept as it is."""
-    def mean(k, v):
-        if isinstance(v, dict):  # a key missing from a round (a thread kind not seen) counts 0
-            keys = {key for r in rounds for key in r.get(k, {})}
-            return _mean_cores([{key: r.get(k, {}).get(key, 0.0) for key in keys} for r in rounds])
-        return v if all(r[k] == v for r in rounds) else round(sum(r[k] for r in rounds) / len(rounds), 2)
-    return {k: mean(k, v) for k, v in rounds[0].items()}
+    """Core accounting averaged over rounds, key by key and into nested groups (the busiest
+    process, the frontend's thread kinds). A key counts only in the rounds that have it: a thread
+    kind absent from a round fell below that round's cut (the busiest 8), it was not idle. A value
+    every round agrees on (the host's cores) is kept as it is."""
+    out = {}
+    for k in dict.fromkeys(k for r in rounds for k in r):
+        have = [r[k] for r in rounds if k in r]
+        if isinstance(have[0], dict):
+            out[k] = _mean_cores(have)
+        else:
+            out[k] = have[0] if all(v == have[0] for v in have) else round(sum(have) / len(have), 2)
+    return out
 
 
 def summary(points: list, limits: dict) -> dict:

@@ -39,7 +39,8 @@ def _mismatch(body: bytes, ref: dict, tol: float) -> bool:
         if have is None or have.shape != want.shape:
             return True
         bound = tol + tol * float(np.max(np.abs(want))) if want.size else 0.0
-        if want.size and float(np.max(np.abs(have.astype(np.float32) - want))) > bound:
+        # written as "not <=" so that a NaN in the answer (where the reference has none) is a mismatch
+        if want.size and not float(np.max(np.abs(have.astype(np.float32) - want))) <= bound:
             return True
     return False
 
@@ -107,32 +108,35 @@ def _parse_head(head: bytes) -> tuple:
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
         raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    length, close = None, False
+    # HTTP/1.0 closes after the answer unless it says keep-alive; HTTP/1.1 keeps it unless "close"
+    length, close = None, parts[0] == b"HTTP/1.0"
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name, value = name.strip().lower(), value.strip().lower()
         if name == b"content-length":
+            if not value.isdigit():
+                raise ValueError(f"answer's Content-Length {value[:40]!r} is not a byte count")
             length = int(value)
         elif name == b"transfer-encoding" and value != b"identity":
             raise ValueError(f"answer uses Transfer-Encoding {value!r}; this client reads Content-Length only")
         elif name == b"connection":
-            close = value == b"close"
+            tokens = {t.strip() for t in value.split(b",")}
+            close = b"close" in tokens or (close and b"keep-alive" not in tokens)
     if length is None:
         raise ValueError("answer has no Content-Length")
     return int(parts[1]), length, close
 
 
-def _client(host, port, path, headers, bodies, check, first, t0, t_warm, t_end, budget, out):
+def _client(host, port, requests, check, first, t0, t_warm, t_end, budget, out):
     conn = Connection(host, port)
-    requests = [build_request(host, port, path, headers, b) for b in bodies]
     i = first
     while time.time() < t_end and budget[0] > 0:
-        k = i % len(bodies)
+        k = i % len(requests)
         i += 1
         start = time.time()
         try:
             status, data = conn.exchange(requests[k])
-        except (OSError, ValueError) as e:
+        except Exception as e:  # any failure is an error row (status 0), never a silently dead client
             status, data = 0, repr(e).encode()
         done = time.time()
         if start < t_warm or done > t_end:
@@ -149,7 +153,8 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
     while time.time() < t0:
         time.sleep(0.005)
     results, left = [], [budget]
-    threads = [threading.Thread(target=_client, args=(u.hostname, u.port, path, headers, bodies, check,
+    requests = [build_request(u.hostname, u.port, path, headers, b) for b in bodies]  # shared, read-only
+    threads = [threading.Thread(target=_client, args=(u.hostname, u.port, requests, check,
                                                       offset + j, t0, t_warm, t_end, left, results))
                for j in range(n_threads)]
     for t in threads:
@@ -161,8 +166,9 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
 
 def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0) -> dict:
     """One measurement. check: (refs per body, tol) or None. Returns the point's figures."""
-    # half the host's cores at most: each process is one interpreter lock, and the server needs the rest
-    procs = processes or max(1, min(clients, (os.cpu_count() or 2) // 2))
+    # half the cores this process may run on at most: each process is one interpreter lock, and
+    # the server needs the rest
+    procs = processes or max(1, min(clients, len(os.sched_getaffinity(0)) // 2))
     procs = min(procs, clients)
     ctx = mp.get_context("spawn")  # the parent may hold a CUDA context: never fork it
     queue = ctx.Queue()

@@ -60,7 +60,8 @@ def _threads(pid: str) -> dict:
 
 def _thread_cores(before: dict, after: dict, tick: int, seconds: float) -> tuple:
     """Per thread kind: (cores of all its threads, cores of its busiest single thread). A thread
-    that started inside the window counts from zero."""
+    that started inside the window counts from zero; one that exited inside it is not counted
+    (its time stays in its process's total, so the kinds may add up to less than that)."""
     total: dict = {}
     top: dict = {}
     for tid, (kind, jiffies) in after.items():
@@ -71,10 +72,11 @@ def _thread_cores(before: dict, after: dict, tick: int, seconds: float) -> tuple
 
 
 def snapshot() -> Optional[dict]:
-    """CPU jiffies so far per group and for the host, with the time; None without /proc."""
+    """CPU jiffies so far per process of each group (and per frontend thread) and for the host,
+    with the time; None without /proc."""
     if not os.path.exists("/proc/stat"):
         return None
-    me, groups, procs, threads = os.getpid(), dict.fromkeys(GROUPS, 0), {}, {}
+    me, procs, threads = os.getpid(), {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -87,13 +89,11 @@ def snapshot() -> Optional[dict]:
             continue
         name = _group(pid, cmdline, int(fields[1]), me)
         if name:
-            jiffies = int(fields[11]) + int(fields[12])
-            groups[name] += jiffies
-            procs[pid] = (name, jiffies)
-            if name == "frontend":
-                threads = _threads(pid)
+            procs[pid] = (name, int(fields[11]) + int(fields[12]))
+            if name == "frontend":  # keyed by (pid, tid): several frontends merge, never collide
+                threads.update({(pid, tid): v for tid, v in _threads(pid).items()})
     busy, irq, total = _host()
-    return {"t": time.monotonic(), "groups": groups, "procs": procs, "frontend_threads": threads,
+    return {"t": time.monotonic(), "procs": procs, "frontend_threads": threads,
             "host_busy": busy, "host_irq": irq, "host_total": total}
 
 
@@ -104,12 +104,15 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
         return None
     tick = os.sysconf("SC_CLK_TCK")
     seconds = after["t"] - before["t"]
-    out = {g: round((after["groups"][g] - before["groups"][g]) / tick / seconds, 2) for g in GROUPS}
-    # the busiest single process of each group: a Python process near 1.0 is bound by its GIL
-    busiest = dict.fromkeys(GROUPS, 0.0)
+    # per process, so that one exiting inside the window drops out instead of subtracting its
+    # whole life from its group; the busiest single process of each group alongside (a Python
+    # process near 1.0 is bound by its GIL)
+    total, busiest = dict.fromkeys(GROUPS, 0.0), dict.fromkeys(GROUPS, 0.0)
     for pid, (name, jiffies) in after["procs"].items():
-        start = before["procs"].get(pid, (name, 0))[1]
-        busiest[name] = max(busiest[name], round((jiffies - start) / tick / seconds, 2))
+        cores = (jiffies - before["procs"].get(pid, (name, 0))[1]) / tick / seconds
+        total[name] += cores
+        busiest[name] = max(busiest[name], round(cores, 2))
+    out = {g: round(total[g], 2) for g in GROUPS}
     out["busiest"] = busiest
     # the frontend's cores by thread kind, the busiest kinds first (Netty event loops, GC, the
     # workers' I/O threads), and its busiest single thread of each kind: a Netty event loop near

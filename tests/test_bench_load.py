@@ -65,15 +65,15 @@ def test_same_answers_as_http_client_on_one_keep_alive_connection(server):
     host, port = server
     conn = Connection(host, port, timeout=30)
     bodies = [b"", b"x", bytes(range(256)) * 1176, bytes(2_000_003)]  # 0 B .. 2 MB (300 kB: one image)
+    first = None
     try:
         for path in ("/predict", "/busy", "/predict"):
             for body in bodies:
                 got = conn.exchange(build_request(host, port, path, HEADERS, body))
                 assert got == _stdlib(server, path, body), (path, len(body))
-        first = conn.sock
-        assert first is not None  # still the same socket: every answer above was read exactly
-        conn.exchange(build_request(host, port, "/predict", HEADERS, b"again"))
-        assert conn.sock is first
+                # one socket throughout: every answer, 503s included, was read exactly to its end
+                first = first or conn.sock
+                assert conn.sock is first and first is not None
     finally:
         conn.close()
 
@@ -99,3 +99,23 @@ def test_malformed_answer_heads_are_refused():
         _parse_head(b"SSH-2.0-OpenSSH\r\nContent-Length: 1")
     with pytest.raises(ValueError, match="no Content-Length"):
         _parse_head(b"HTTP/1.1 200 OK\r\nConnection: keep-alive")
+    with pytest.raises(ValueError, match="not a byte count"):
+        _parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: -3")
+    # close: a token among several; HTTP/1.0 closes unless it says keep-alive
+    assert _parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: upgrade, close")[2] is True
+    assert _parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1")[2] is True
+    assert _parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\nConnection: Keep-Alive")[2] is False
+
+
+def test_an_answer_with_nan_is_a_mismatch():
+    """|got - want| <= bound is False for NaN: a NaN answer to a finite reference is wrong."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    from scripts.bench_load import _mismatch
+
+    want = {"out": np.array([1.0, 2.0], dtype=np.float32)}
+    assert not _mismatch(save({"out": np.array([1.0, 2.0], dtype=np.float16)}), want, 1e-3)
+    assert _mismatch(save({"out": np.array([1.0, np.nan], dtype=np.float16)}), want, 1e-3)
+    assert _mismatch(save({"out": np.array([1.0, 2.5], dtype=np.float16)}), want, 1e-3)
+    assert _mismatch(b"not safetensors", want, 1e-3)
