@@ -12,6 +12,8 @@
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
 #   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin
 #                               (auto blocks with 6 workers per GPU): a short check of a revision
+#   cpu_per_call_resnet50_fp16_<tag>  handle() on 1 and 8 one-row requests: wall and CPU ms per call,
+#                               blocking and spinning (what a worker takes from the host's cores)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
@@ -46,6 +48,8 @@ for part in $PARTS; do
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
             --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check)"; exit 2 ;;
+    percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
+              --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check, percall)"; exit 2 ;;
   esac
 done
