@@ -6,7 +6,7 @@ Each connection sends prebuilt HTTP/1.1 requests and reads Content-Length answer
 (`Connection`). With `http.client` (and 8 processes) the load generator took 7.9 cores for
 13.5k req/s of 300 kB, 0.59 ms of CPU per request with the answer check, and its busiest
 process was 99% busy, so under its interpreter lock: at that rate it, not TorchServe, was the
-limit being measured (core accounting of the 2x H200 scaling run, session 7).
+limit being measured (docs/results/e2e_resnet50_fp16_scaling_httpclient_h200x2.md, core accounting).
 
 Answers are counted only when they complete inside the measured window, after a warm-up;
 every 200 answer is parsed with the `safetensors` package and compared with the reference
