@@ -192,12 +192,12 @@ def plot(path: str, results: list, first: dict):
 def markdown(report: dict) -> str:
     """The results page of a bench.py JSON: its header and command, the side-by-side table and
     the first-request table, every figure as the JSON holds it."""
+    from scripts.results_meta import page_head
+
     art = report["artifact"]
-    lines = [f"# handle() in process: {art['backend']} artifact, inputs {', '.join(art['inputs'])}", "",
-             f"Device: {report['device']}. Date: {report['date']}. torch {report['torch']}. "
-             f"CPU threads: {report['cpu_threads']}. Written by `scripts/bench.py` from the JSON beside it.", "",
-             f"Command: `{report['command']}`", "",
-             "Medians of interleaved rounds. Floor: pinned host batch to the device, the model, outputs "
+    lines = page_head(report, f"handle() in process: {art['backend']} artifact, inputs {', '.join(art['inputs'])}",
+                      f"CPU threads: {report['cpu_threads']}. Written by `scripts/bench.py` from the JSON beside it.")
+    lines += ["Medians of interleaved rounds. Floor: pinned host batch to the device, the model, outputs "
              "into pinned host memory, one synchronize; the pageable floor first copies the request out "
              "of its pageable body, as any handler must.", "",
              "| batch | format | floor pinned ms | floor pageable ms | handle() ms | handle() no graphs ms "

@@ -42,6 +42,7 @@ import yaml
 
 from scripts.bench_load import first_request, run_point
 from scripts.local_server import ROOT, LocalTorchServe, tool
+from scripts.results_meta import page_head
 
 
 def parse_args(argv):
@@ -405,10 +406,8 @@ def summary(points: list, limits: dict) -> dict:
 
 
 def write_markdown(path: Path, result: dict):
-    lines = [f"# End-to-end through TorchServe: {result['model']}", "",
-             f"Device: {result['device']}. Date: {result['date']}. torch {result['torch']}.", "",
-             f"Command: `{result['command']}`", "",
-             f"Serving: batchSize {result['settings']['batch_size']}, maxBatchDelay "
+    lines = page_head(result, f"End-to-end through TorchServe: {result['model']}")
+    lines += [f"Serving: batchSize {result['settings']['batch_size']}, maxBatchDelay "
              f"{result['settings']['max_batch_delay']} ms, {result['settings']['workers_per_gpu']} workers per GPU "
              f"({result['settings']['cpu_workers']} on CPU); one-row binary (safetensors) requests; every "
              "answer compared with the eager model."

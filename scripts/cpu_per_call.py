@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from scripts.results_meta import header, page_head
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,12 +73,9 @@ def measure(handler, ctx, bodies: list, calls: int, rounds: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# CPU per batch of one-row requests: {report['artifact_kind']} artifact, "
-             f"inputs {report['inputs']}", "",
-             f"Device: {report['device']}. Date: {report['date']}. torch {report['torch']}. "
-             "Written by `scripts/cpu_per_call.py` from the JSON beside it.", "",
-             f"Command: `{report['command']}`", "",
-             "`handle()` in process on a batch of one-row binary requests; wall and CPU time per call "
+    lines = page_head(report, f"CPU per batch of one-row requests: {report['artifact_kind']} artifact, "
+                      f"inputs {report['inputs']}", "Written by `scripts/cpu_per_call.py` from the JSON beside it.")
+    lines += ["`handle()` in process on a batch of one-row binary requests; wall and CPU time per call "
              "(the process's CPU clock: all its threads), medians of rounds. `block`: the worker sleeps "
              "while the GPU works (what `cuda_sync: auto` picks when workers share a GPU); `spin`: it "
              "polls. Building the requests' bytearrays is in each call and shown alone beside it.", "",
@@ -93,7 +92,6 @@ def main(argv=None) -> int:
 
     from handlers.metadata import read_spec
     from scripts.bench import StageRecorder, new_handler
-    from scripts.results_meta import header
 
     args = parse_args(argv)
     spec = read_spec(args.artifact)

@@ -41,3 +41,10 @@ def header(device, argv=None, env=()) -> dict:
 
     return {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "command": invocation(argv, env)}
+
+
+def page_head(report: dict, title: str, note: str = "") -> list:
+    """The first lines of a results page (Markdown) from a results dict's first keys: its title,
+    "Device: .. Date: .. torch .." (then `note`), and the command that wrote it."""
+    line = f"Device: {report['device']}. Date: {report['date']}. torch {report['torch']}."
+    return [f"# {title}", "", f"{line} {note}" if note else line, "", f"Command: `{report['command']}`", ""]
