@@ -12,6 +12,9 @@ import pytest
 
 from conftest import ROOT
 
+# a child process that keeps one core busy for 2.5 s (the core-accounting tests' load)
+SPIN_2_5_S = "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"
+
 
 def test_bench_e2e_smoke(artifacts, tmp_path):
     out = tmp_path / "e2e"
@@ -98,8 +101,7 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
 
     from scripts import cpu_usage
 
-    spin = "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"
-    children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    children = [subprocess.Popen([sys.executable, "-c", SPIN_2_5_S]) for _ in range(2)]
     try:
         time.sleep(0.5)
         before = cpu_usage.snapshot()
@@ -139,7 +141,7 @@ def test_thread_cores_of_a_busy_process():
 
     from scripts.cpu_usage import _thread_cores, _threads
 
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"])
+    child = subprocess.Popen([sys.executable, "-c", SPIN_2_5_S])
     try:
         time.sleep(0.5)
         before = _threads(str(child.pid))
