@@ -3,9 +3,9 @@
 The archive copies this file to the model directory's top level (TorchServe imports the
 handler by file name) next to the `handlers` package, hence the absolute imports.
 
-Per-stage timings, once per batch: TorchServe metrics HandlerDecodeTime, HandlerRunTime,
-HandlerEncodeTime (ms; README), and torch.profiler labels handler.decode / handler.run /
-handler.encode.
+Per-stage timings (handlers/stages.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
+HandlerEncodeTime (ms, means over at most handler.stage_metrics_s; README), and torch.profiler
+labels handler.decode / handler.run / handler.encode while a profiler records.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import os
 import time
 
 import torch
-from torch.profiler import record_function
 from ts.torch_handler.base_handler import BaseHandler
 
 from handlers import faults, oip, safetensors_io, scratch, threads
+from handlers.stages import StageTimes, label
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
-from handlers.config import parse_config
+from handlers.config import HandlerConfig, parse_config
 from handlers.envelope import refuse_envelope
 from handlers.errors import LoadError, ModelLoadFailed, RequestError, ServingError
 from handlers.kinds import kind_of
@@ -61,6 +61,7 @@ class CompiledModelHandler(BaseHandler):
         self.load_error = None  # a LoadError: this worker answers every request with it
         self.broken = None  # a sticky device fault: the worker is exiting (handlers/faults.py)
         self._grpc, self._failed = {}, []  # per batch: gRPC request idx -> id; errors answered
+        self.stages = StageTimes(self._metric, HandlerConfig.stage_metrics_s)
 
     def initialize(self, context):
         # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
@@ -99,6 +100,7 @@ class CompiledModelHandler(BaseHandler):
         t0 = time.perf_counter()
         props = context.system_properties
         self.config = parse_config(getattr(context, "model_yaml_config", None))
+        self.stages = StageTimes(self._metric, self.config.stage_metrics_s)
         # Undo what importing TorchServe's base_handler did (TF32 for all fp32 matmuls), so an
         # fp32 artifact answers like the model it was compiled from; see HandlerConfig.
         torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
@@ -128,6 +130,7 @@ class CompiledModelHandler(BaseHandler):
         graphs_note = self.runner.prepare(self.config, kind_of(spec))
         if self.config.warmup:
             self._warm_up_request_path(context)
+            self.stages.reset()  # the gauges' first means are the clients' batches
         warm_s = time.perf_counter() - t1
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
               if placement.kind == "cuda" else None)
@@ -331,19 +334,19 @@ class CompiledModelHandler(BaseHandler):
     def _handle(self, data, context) -> list:
         results = [None] * len(data)
         t0 = time.perf_counter()
-        with record_function("handler.decode"):
+        with label("decode"):
             valid = self._admit_all(data, context, results)
         t1 = time.perf_counter()
-        self._metric("HandlerDecodeTime", (t1 - t0) * 1000.0)
         if not valid:
+            self.stages.record(decode=(t1 - t0) * 1000.0)
             return results
-        with record_function("handler.run"):
+        with label("run"):
             outputs = self._infer([req.tensors for _, req in valid])
         t2 = time.perf_counter()
-        with record_function("handler.encode"):
+        with label("encode"):
             self._encode_all(valid, outputs, context, results)
-        self._metric("HandlerRunTime", (t2 - t1) * 1000.0)
-        self._metric("HandlerEncodeTime", (time.perf_counter() - t2) * 1000.0)
+        self.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0,
+                           encode=(time.perf_counter() - t2) * 1000.0)
         return results
 
     def _finish(self, results: list) -> list:

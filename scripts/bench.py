@@ -62,6 +62,11 @@ def timed(fn, device, prep=None):
     return (time.perf_counter() - t0) * 1000.0
 
 
+# first_requests reads every call's stage times: the handler emits them after every batch
+# (StageRecorder stands in for TorchServe's metrics, so emitting costs nothing here)
+EVERY_CALL_STAGES = {"stage_metrics_s": 0}
+
+
 class StageRecorder:
     """Stands in for TorchServe's metrics object: keeps the handler's stage times
     (HandlerDecodeTime, HandlerRunTime, HandlerEncodeTime) of the last call."""
@@ -144,7 +149,7 @@ def load_and_time_first(args, gpu, opts, sizes, inputs):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        h, c = new_handler(args.artifact, gpu, opts)
+        h, c = new_handler(args.artifact, gpu, {**opts, **EVERY_CALL_STAGES})
         if not runs:
             load_s = time.perf_counter() - t0
         last = i == args.first_loads - 1
@@ -302,7 +307,8 @@ def main(argv=None):
         prof = cProfile.Profile()
         prof.enable()
     # "no_warmup": no warm-up and no CUDA graphs (capture replays the model: a warm-up of its own)
-    cold = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False, "cuda_graphs": "off"})
+    cold = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False, "cuda_graphs": "off",
+                                            **EVERY_CALL_STAGES})
     load_cold_s = time.perf_counter() - t0
     if args.load_profile:
         prof.disable()

@@ -75,7 +75,7 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
 
     # the probe child is a fresh Python: it knows only the built-in kinds
     ctx = Context("toy", str(toy_artifact(tmp_path / "toy")), {"model": {"modelName": "toy"}}, 2, None,
-                  "0.12.0", model_yaml_config={"handler": {"crash_safe_load": False}})
+                  "0.12.0", model_yaml_config={"handler": {"crash_safe_load": False, "stage_metrics_s": 0}})
     ctx.metrics = Metrics()
     handler = CompiledModelHandler()
     handler.initialize(ctx)
@@ -87,7 +87,7 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
     assert out[0] == "3,6\n9,12"
     assert json.loads(out[1]) == {"outputs": {"y": [[1.5, 3.0]]}}
     assert ctx.get_response_content_type(0) == "text/csv"
-    # one metric per stage per batch
+    # one metric per stage per batch (stage_metrics_s: 0)
     assert ctx.metrics.times == ["HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"]
 
 

@@ -1,0 +1,65 @@
+"""Per-stage timings of a batch (decode, run, encode): TorchServe gauges and torch.profiler labels.
+
+Each TorchServe metric the handler adds is printed at once as a line on the worker's stdout
+(ts/metrics/caching_metric.py, `emit_metrics`), which the frontend's reader thread parses, and,
+with TorchServe's stock log configuration, also writes to ts_log.log twice. A gauge shows a
+scraper (Prometheus, every 15 s or so) only its latest value, so emitting three per batch, a
+thousand batches a second, buys nothing. The handler therefore adds up each stage's time and
+emits the mean over the batches since its last emission, at most once per `interval_s`
+(handler.stage_metrics_s; 0 emits every batch). A worker that goes idle keeps its last means
+until its next batch.
+
+The labels: `torch.profiler.record_function` costs about 10 us per use even when no profiler
+records (CI CPU, torch 2.13), three per batch, so the stages are labelled only while one does
+(`torch.autograd._profiler_enabled()`, 0.1 us).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch.profiler import record_function
+
+# stage -> (TorchServe metric name, torch.profiler label)
+STAGES = {"decode": ("HandlerDecodeTime", "handler.decode"),
+          "run": ("HandlerRunTime", "handler.run"),
+          "encode": ("HandlerEncodeTime", "handler.encode")}
+
+
+def label(stage: str):
+    """A context manager that labels `stage` in a torch.profiler trace while one records."""
+    if torch.autograd._profiler_enabled():
+        return record_function(STAGES[stage][1])
+    return contextlib.nullcontext()
+
+
+class StageTimes:
+    """Sums of milliseconds per stage, emitted as means through `emit(metric_name, ms)`."""
+
+    def __init__(self, emit: Callable[[str, float], None], interval_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self._emit, self.interval_s, self._clock = emit, interval_s, clock
+        self._last = None  # no emission yet: the first batch emits
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was recorded and not emitted (the warm-up's batches)."""
+        self._sums = dict.fromkeys(STAGES, 0.0)
+        self._counts = dict.fromkeys(STAGES, 0)
+
+    def record(self, **ms: float) -> None:
+        """One batch's milliseconds per stage (a batch refused in admission has no run or encode),
+        emitted now if `interval_s` has passed since the last emission."""
+        for stage, value in ms.items():
+            self._sums[stage] += value
+            self._counts[stage] += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return
+        self._last = now
+        for stage, (metric, _) in STAGES.items():
+            if self._counts[stage]:
+                self._emit(metric, self._sums[stage] / self._counts[stage])
+        self.reset()
