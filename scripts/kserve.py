@@ -6,6 +6,7 @@
 
 Writes
   DIR/storage/config/config.properties   kserve/config.properties plus model_snapshot
+  DIR/storage/config/log4j2.xml          the frontend's logging (log4j2.xml), named by its vmargs
   DIR/storage/model-store/NAME.mar       the archives, copied
   DIR/manifests/ISVC-PROTOCOL[-gpu].yaml one InferenceService per protocol and device
   DIR/digests.sha256                     the archives' SHA-256 (outside storage/), for
@@ -194,6 +195,8 @@ def main(argv=None):
         shutil.copy2(m["path"], os.path.join(storage, "model-store", os.path.basename(m["path"])))
     with open(os.path.join(storage, "config", "config.properties"), "w") as f:
         f.write(config_text(model_snapshot(mars)))
+    # config.properties' vmargs names /mnt/models/config/log4j2.xml
+    shutil.copy2(os.path.join(ROOT, "log4j2.xml"), os.path.join(storage, "config", "log4j2.xml"))
     verify_store.main(["record", "--store", os.path.join(storage, "model-store"),
                        "--digests", os.path.join(args.out, "digests.sha256")])
 

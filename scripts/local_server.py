@@ -46,6 +46,8 @@ class LocalTorchServe:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "tmp").mkdir(exist_ok=True)
         (self.workdir / "config.properties").write_text(cfg)
+        # config.properties names log4j2.xml relative to where TorchServe starts: here
+        shutil.copy2(ROOT / "log4j2.xml", self.workdir / "log4j2.xml")
         run_env = dict(os.environ if env is None else env)
         run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
         run_env.update(LOG_LOCATION=str(self.workdir / "logs"), METRICS_LOCATION=str(self.workdir / "logs"),

@@ -150,6 +150,8 @@ class TorchServe:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "tmp").mkdir(exist_ok=True)
         (workdir / "config.properties").write_text(cfg)
+        # config.properties names log4j2.xml relative to where TorchServe starts, as beside it here
+        shutil.copy2(ROOT / "log4j2.xml", workdir / "log4j2.xml")
         self.base = f"http://127.0.0.1:{self.ports['inf']}"
         self.mgmt = f"http://127.0.0.1:{self.ports['mgmt']}"
         self.models = models

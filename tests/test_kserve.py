@@ -93,6 +93,9 @@ def test_storage_layout_holds_the_archives_and_the_snapshot(layout):
         assert entry["marName"] == mar.name and entry["defaultVersion"] is True
         for key in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay", "responseTimeout"):
             assert entry[key] == model_cfg[key], key
+    # the frontend's logging, where config.properties' vmargs names it once mounted at /mnt/models
+    assert (storage / "config" / "log4j2.xml").read_bytes() == (ROOT / "log4j2.xml").read_bytes()
+    assert cfg["vmargs"] == "-Dlog4j.configurationFile=/mnt/models/config/log4j2.xml"
     assert snap["models"]["two"]["1.0"]["batchSize"] == 4
     assert snap["models"]["two"]["1.0"]["maxBatchDelay"] == 400
 
@@ -479,12 +482,14 @@ class KServeTorchServe:
                 line = re.sub(r"\d+$", str(self.ports[key]), line)
             elif key in (overrides or {}):
                 line = f"{key}={overrides[key]}"
+            elif key == "vmargs":  # the log configuration, where the runtime mounts the storage
+                line = line.replace("/mnt/models/", f"{mnt}/")
             lines.append(line)
         # distinct worker socket ports (/tmp/.ts.sock.<port>) from other servers of this run
         lines.append(f"initial_worker_port={TorchServe._next_worker_port()}")
         text = "\n".join(lines) + "\n"
         changed = {k for k, v in properties(text).items() if properties(original).get(k) != v}
-        assert changed == PORT_KEYS | {"initial_worker_port"} | set(overrides or {}), changed
+        assert changed == PORT_KEYS | {"initial_worker_port", "vmargs"} | set(overrides or {}), changed
         cfg_path.write_text(text)
         self.cfg = properties(text)
         self.base = self.cfg["inference_address"]

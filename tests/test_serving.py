@@ -230,6 +230,27 @@ def test_stage_timings_on_the_metrics_endpoint(main_server):
         assert f'{name}{{ModelName="two_export"' in metrics, (name, metrics[-2000:])
 
 
+def test_shipped_log_configuration_drops_per_request_lines_only(main_server):
+    """config.properties' vmargs loads log4j2.xml: start-up, worker output and the access log stay;
+    TorchServe's per-request and per-batch lines (DEBUG, each line twice with its built-in file)
+    are gone."""
+    f, m = two(1)
+    before = main_server.log("logs/access_log.log").count("POST /predictions/two_export")
+    for _ in range(5):
+        assert main_server.predict("two_export", {"inputs": {"features": f.tolist(), "mask": m.tolist()}}).ok
+    access = main_server.log("logs/access_log.log")
+    assert access.count("POST /predictions/two_export") - before == 5  # one line per request
+    ts_log = main_server.log("logs/ts_log.log")
+    assert "Initialize Inference server with" in ts_log  # start-up lines are kept
+    for gone in ("[DEBUG]", "Sending response for jobId", "Backend response time", "result=[METRICS]",
+                 "POST /predictions"):
+        assert gone not in ts_log, gone
+    model_log = main_server.log()
+    assert "loaded export artifact" in model_log and "Backend received inference at" not in model_log
+    lines = [ln for ln in ts_log.splitlines() if " - " in ln]
+    assert len(lines) == len(set(lines)), "a line written twice"
+
+
 def test_multipart_body_is_refused(main_server):
     """A multipart form with two fields reaches the handler as two parts: 400 naming them."""
     import requests

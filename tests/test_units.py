@@ -295,6 +295,20 @@ def test_config_parses_and_rejects_with_fix():
         parse_config({"handler": {"stage_metrics_s": -1}})
 
 
+def test_shipped_log4j2_xml_is_well_formed_and_named_by_both_configs():
+    """log4j falls back to logging nothing useful when its file does not parse (and says so only
+    on the frontend's stdout), so the file must parse; both configs must name it."""
+    import xml.etree.ElementTree as ET
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    loggers = {e.get("name"): e for e in ET.parse(root / "log4j2.xml").getroot().iter("Logger")}
+    assert loggers["org.pytorch.serve"].get("level") == "info"
+    assert loggers["ACCESS_LOG"].get("level") == "info"
+    assert all(e.get("additivity") == "false" for e in loggers.values() if e.find("AppenderRef") is not None)
+    assert "vmargs=-Dlog4j.configurationFile=log4j2.xml\n" in (root / "config.properties").read_text()
+
+
 # ---------------------------------------------------------------- stage timings
 
 
