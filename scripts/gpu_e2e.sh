@@ -14,6 +14,9 @@
 #                               (auto blocks with 6 workers per GPU): a short check of a revision
 #   cpu_per_call_resnet50_fp16_<tag>  handle() on 1 and 8 one-row requests: wall and CPU ms per call,
 #                               blocking and spinning (what a worker takes from the host's cores)
+#   e2e_resnet50_fp16_shipped_<tag>, e2e_resnet50_fp16_mps_<tag>  one GPU, 64 clients, ours/stock/echo,
+#                               without and then with CUDA MPS (the control daemon started for the
+#                               second run and stopped after it; the workers inherit its pipe directory)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
@@ -48,8 +51,17 @@ for part in $PARTS; do
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
             --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
+    mps) MPS="$E2E --artifact $W/r50 --gpus 1 --clients 64 --seconds 8 --batch-size $BATCH \
+            --workers-per-gpu $WORKERS --max-batch-delay $DELAY --handlers ours,stock,echo"
+         $MPS --out "$RESULTS/e2e_resnet50_fp16_shipped_$TAG"
+         export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
+         mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+         nvidia-cuda-mps-control -d
+         $MPS --out "$RESULTS/e2e_resnet50_fp16_mps_$TAG" || true
+         echo quit | nvidia-cuda-mps-control
+         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check, percall)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check, percall, mps)"; exit 2 ;;
   esac
 done
