@@ -42,8 +42,9 @@ class HandlerConfig:
     cuda_sync: str = "auto"
     # Stage timings (handlers/stages.py) are gauges: each is emitted as the mean over the batches
     # since its last emission, at most once per this many seconds (0: after every batch). Every
-    # emission is a stdout line TorchServe's frontend parses and logs; three per batch cost
-    # about 0.1-0.3 ms of worker CPU per batch (CI CPU).
+    # emission is a stdout line TorchServe's frontend parses; three per batch took about 0.3 ms of
+    # worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against 2.28 at
+    # the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
     stage_metrics_s: float = 1.0
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range

@@ -19,7 +19,6 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from handlers import faults, oip, safetensors_io, scratch, threads
-from handlers.stages import StageTimes, label
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import HandlerConfig, parse_config
@@ -29,6 +28,7 @@ from handlers.kinds import kind_of
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
+from handlers.stages import StageTimes, label
 from handlers.variants import choose_variant
 from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 
