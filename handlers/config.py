@@ -40,7 +40,7 @@ class HandlerConfig:
     # auto (spin when alone on its GPU, block when sibling workers share it; threads.cuda_wait
     # has the measurements behind it).
     cuda_sync: str = "auto"
-    # Stage timings (handlers/stages.py) are gauges: each is emitted as the mean over the batches
+    # Stage timings (handlers/stage_timings.py) are gauges: each is emitted as the mean over the batches
     # since its last emission, at most once per this many seconds (0: after every batch). Every
     # emission is a stdout line TorchServe's frontend parses; three per batch took about 0.3 ms of
     # worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against 2.28 at

@@ -3,7 +3,7 @@
 The archive copies this file to the model directory's top level (TorchServe imports the
 handler by file name) next to the `handlers` package, hence the absolute imports.
 
-Per-stage timings (handlers/stages.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
+Per-stage timings (handlers/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
 HandlerEncodeTime (ms, means over at most handler.stage_metrics_s; README), and torch.profiler
 labels handler.decode / handler.run / handler.encode while a profiler records.
 """
@@ -28,7 +28,7 @@ from handlers.kinds import kind_of
 from handlers.load import load_artifact
 from handlers.probe import crash_safe_probe
 from handlers.run import runner_for
-from handlers.stages import StageTimes, label
+from handlers.stage_timings import StageTimes, label
 from handlers.variants import choose_variant
 from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 

@@ -313,7 +313,7 @@ def test_shipped_log4j2_xml_is_well_formed_and_named_by_both_configs():
 
 
 def test_stage_times_emit_means_at_most_once_per_interval():
-    from handlers.stages import StageTimes
+    from handlers.stage_timings import StageTimes
 
     now, got = [100.0], []
     st = StageTimes(lambda name, ms: got.append((name, ms)), 1.0, clock=lambda: now[0])
@@ -338,7 +338,7 @@ def test_stage_times_emit_means_at_most_once_per_interval():
 
 
 def test_stage_times_every_batch_with_zero_interval():
-    from handlers.stages import StageTimes
+    from handlers.stage_timings import StageTimes
 
     got = []
     st = StageTimes(lambda name, ms: got.append(name), 0.0, clock=lambda: 5.0)
@@ -350,7 +350,7 @@ def test_stage_times_every_batch_with_zero_interval():
 def test_stage_labels_only_while_a_profiler_records():
     from torch.profiler import profile
 
-    from handlers.stages import label
+    from handlers.stage_timings import label
 
     with label("run"):  # no profiler: a plain no-op context
         torch.ones(2).add_(1)
