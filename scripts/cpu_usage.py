@@ -36,6 +36,19 @@ def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     return None
 
 
+def _stat(path: str) -> tuple:
+    """(name, fields after the name) of a /proc/.../stat file. The name, in brackets, may itself
+    hold spaces and brackets, so the fields start after the last ')'."""
+    with open(path) as f:
+        head, _, rest = f.read().rpartition(")")
+    return head.partition("(")[2], rest.split()
+
+
+def _jiffies(fields: list) -> int:
+    """utime + stime: stat fields 14 and 15, the 12th and 13th after the name."""
+    return int(fields[11]) + int(fields[12])
+
+
 def _threads(pid: str) -> dict:
     """{thread id: (kind, CPU jiffies)} of a process. A thread's kind is its name
     (/proc/PID/task/TID/stat field 2, which the JVM sets to the Java thread's name cut to 15
@@ -49,25 +62,24 @@ def _threads(pid: str) -> dict:
         return threads
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                head, _, rest = f.read().rpartition(")")
+            name, fields = _stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        fields = rest.split()
-        threads[tid] = (re.sub(r"\d+", "#", head.partition("(")[2]), int(fields[11]) + int(fields[12]))
+        threads[tid] = (re.sub(r"\d+", "#", name), _jiffies(fields))
     return threads
 
 
-def _thread_cores(before: dict, after: dict, tick: int, seconds: float) -> tuple:
-    """Per thread kind: (cores of all its threads, cores of its busiest single thread). A thread
-    that started inside the window counts from zero; one that exited inside it is not counted
-    (its time stays in its process's total, so the kinds may add up to less than that)."""
+def _cores_by_key(before: dict, after: dict, tick: int, seconds: float) -> tuple:
+    """{member: (key, jiffies)} snapshots (processes by group, threads by kind) to, per key,
+    (cores of all its members, cores of its busiest single member). A member that started inside
+    the window counts from zero; one that exited inside it is not counted (a thread's time stays
+    in its process's total, so the kinds may add up to less than that)."""
     total: dict = {}
     top: dict = {}
-    for tid, (kind, jiffies) in after.items():
-        cores = (jiffies - before.get(tid, (kind, 0))[1]) / tick / seconds
-        total[kind] = total.get(kind, 0.0) + cores
-        top[kind] = max(top.get(kind, 0.0), cores)
+    for member, (key, jiffies) in after.items():
+        cores = (jiffies - before.get(member, (key, 0))[1]) / tick / seconds
+        total[key] = total.get(key, 0.0) + cores
+        top[key] = max(top.get(key, 0.0), cores)
     return total, top
 
 
@@ -81,15 +93,14 @@ def snapshot() -> Optional[dict]:
         if not pid.isdigit():
             continue
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+            _, fields = _stat(f"/proc/{pid}/stat")
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:  # exited while we looked
             continue
         name = _group(pid, cmdline, int(fields[1]), me)
         if name:
-            procs[pid] = (name, int(fields[11]) + int(fields[12]))
+            procs[pid] = (name, _jiffies(fields))
             if name == "frontend":  # keyed by (pid, tid): several frontends merge, never collide
                 threads.update({(pid, tid): v for tid, v in _threads(pid).items()})
     busy, irq, total = _host()
@@ -107,17 +118,13 @@ def usage(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     # per process, so that one exiting inside the window drops out instead of subtracting its
     # whole life from its group; the busiest single process of each group alongside (a Python
     # process near 1.0 is bound by its GIL)
-    total, busiest = dict.fromkeys(GROUPS, 0.0), dict.fromkeys(GROUPS, 0.0)
-    for pid, (name, jiffies) in after["procs"].items():
-        cores = (jiffies - before["procs"].get(pid, (name, 0))[1]) / tick / seconds
-        total[name] += cores
-        busiest[name] = max(busiest[name], round(cores, 2))
-    out = {g: round(total[g], 2) for g in GROUPS}
-    out["busiest"] = busiest
+    total, top = _cores_by_key(before["procs"], after["procs"], tick, seconds)
+    out = {g: round(total.get(g, 0.0), 2) for g in GROUPS}
+    out["busiest"] = {g: round(top.get(g, 0.0), 2) for g in GROUPS}
     # the frontend's cores by thread kind, the busiest kinds first (Netty event loops, GC, the
     # workers' I/O threads), and its busiest single thread of each kind: a Netty event loop near
     # 1.0 is saturated whatever the others do (each connection stays on one loop)
-    total, top = _thread_cores(before["frontend_threads"], after["frontend_threads"], tick, seconds)
+    total, top = _cores_by_key(before["frontend_threads"], after["frontend_threads"], tick, seconds)
     kinds = [k for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:8] if v >= 0.01]
     out["frontend_threads"] = {k: round(total[k], 2) for k in kinds}
     out["frontend_busiest_thread"] = {k: round(top[k], 2) for k in kinds}

@@ -133,13 +133,13 @@ def test_a_process_exiting_inside_the_window_drops_out_of_its_group():
     assert got["workers"] == 1.5 and got["busiest"]["workers"] == 1.0, got  # (2 + 1) s over 2 s
 
 
-def test_thread_cores_of_a_busy_process():
+def test_cores_by_key_of_a_busy_process():
     """A spinning child's threads add up to about one core, all under the name of its main
     thread with the digits written as #, and its busiest thread is that one core."""
     import os
     import time
 
-    from scripts.cpu_usage import _thread_cores, _threads
+    from scripts.cpu_usage import _cores_by_key, _threads
 
     child = subprocess.Popen([sys.executable, "-c", SPIN_2_5_S])
     try:
@@ -149,13 +149,13 @@ def test_thread_cores_of_a_busy_process():
         after = _threads(str(child.pid))
     finally:
         child.wait()
-    total, top = _thread_cores(before, after, os.sysconf("SC_CLK_TCK"), 1.5)
+    total, top = _cores_by_key(before, after, os.sysconf("SC_CLK_TCK"), 1.5)
     assert 0.7 <= sum(total.values()) <= 1.1, total
     assert 0.7 <= max(top.values()) <= 1.1 and all(top[k] <= total[k] + 1e-9 for k in total), (top, total)
     assert all(not any(ch.isdigit() for ch in k) for k in total), total
     assert _threads("999999999") == {}
     # two threads of one kind: the kind adds them up, the busiest is the larger; a new thread counts from 0
-    total, top = _thread_cores({"1": ("loop#", 100)}, {"1": ("loop#", 200), "2": ("loop#", 50)}, 100, 1.0)
+    total, top = _cores_by_key({"1": ("loop#", 100)}, {"1": ("loop#", 200), "2": ("loop#", 50)}, 100, 1.0)
     assert total == {"loop#": 1.5} and top == {"loop#": 1.0}
 
 
