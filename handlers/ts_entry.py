@@ -18,7 +18,7 @@ import time
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
-from handlers import faults, oip, safetensors_io, scratch, threads
+from handlers import faults, frontend_frames, oip, safetensors_io, scratch, threads
 from handlers.admission import Limits, admit
 from handlers.batch import warmup_sizes
 from handlers.config import HandlerConfig, parse_config
@@ -132,16 +132,17 @@ class CompiledModelHandler(BaseHandler):
             self._warm_up_request_path(context)
             self.stages.reset()  # the gauges' first means are the clients' batches
         warm_s = time.perf_counter() - t1
+        reader = frontend_frames.install(self.config.buffered_reader)
         cc = (".".join(map(str, torch.cuda.get_device_capability(self.device)))
               if placement.kind == "cuda" else None)
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s; CPU threads: %s; %s%s",
+            "fp32 matmul precision %s; CPU threads: %s; %s%s; %s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
-            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""))
+            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader)
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 

@@ -73,6 +73,8 @@ def parse_args(argv):
     p.add_argument("--distinct-inputs", type=int, default=8)
     p.add_argument("--handlers", default="ours,stock,stock_default,echo",
                    help="which of ours, stock, stock_default, echo to serve and measure")
+    p.add_argument("--multi-gpu-clients", default=None,
+                   help="the client counts on device sets of several GPUs (default: --clients)")
     p.add_argument("--multi-gpu-handlers", default=None,
                    help="the handlers served on device sets of several GPUs (default: --handlers)")
     p.add_argument("--first-request", action="store_true",
@@ -311,9 +313,10 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
     firsts = _first_requests(args, server, token, n, bodies, refs, tol) if args.first_request else []
     points = []
     main = ["ours", "stock", "echo"] + variant_models(args)
-    plan = [(m, c) for m in main if m in server.models for c in ints(args.clients)]
+    clients = ints(args.multi_gpu_clients or args.clients) if n > 1 else ints(args.clients)
+    plan = [(m, c) for m in main if m in server.models for c in clients]
     extra = [m for m in server.models if is_thread_sweep(m) or m == "stock_default"]
-    if extra and args.sweep_clients not in ints(args.clients):  # the defaults beside the sweep
+    if extra and args.sweep_clients not in clients:  # the defaults beside the sweep
         extra = [m for m in ("ours", "stock") if m in server.models] + extra
     plan += [(m, args.sweep_clients) for m in extra]
     rounds = {}

@@ -251,6 +251,16 @@ def test_shipped_log_configuration_drops_per_request_lines_only(main_server):
     assert len(lines) == len(set(lines)), "a line written twice"
 
 
+def test_every_worker_reads_the_frontend_with_the_buffered_reader(main_server):
+    """Each worker's load line says it put handlers/frontend_frames.py in place of TorchServe's
+    reader; the requests of this whole module (binary, JSON, multipart, gRPC, hostile bodies)
+    then reach the handlers through it."""
+    loaded = [ln for ln in main_server.log().splitlines() if "] loaded " in ln or " - loaded " in ln]
+    assert loaded, "no load line in model_log.log"
+    for line in loaded:
+        assert line.rstrip().endswith("; buffered frame reader"), line
+
+
 def test_multipart_body_is_refused(main_server):
     """A multipart form with two fields reaches the handler as two parts: 400 naming them."""
     import requests

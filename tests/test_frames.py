@@ -1,0 +1,165 @@
+"""handlers/frontend_frames.py against TorchServe's own reader, over real sockets.
+
+Every message is written into a Unix socket pair (whole, or in small pieces from a thread, as a
+busy frontend's writes arrive) and read once by TorchServe's `retrieve_msg` and once by ours;
+the two results must be equal in value and in type, field by field.
+"""
+import itertools
+import os
+import random
+import socket
+import sys
+import threading
+import types
+
+import pytest
+from ts.protocol import otf_message_handler
+
+from handlers import frontend_frames
+from scripts.bench_frames import CLIENT_HEADERS, batch_message, encode_inference, encode_load
+
+BIG = 1 << 20  # past the reader's buffer: received straight into its own bytearray
+
+
+def _read(reader, data: bytes, pieces=None, messages=1):
+    """What `reader` returns for `messages` messages written as `data` (in pieces of the given
+    sizes, cycled, from a thread; None: one sendall)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def write():
+        if pieces is None:
+            a.sendall(data)
+            return
+        at, sizes = 0, itertools.cycle(pieces)
+        while at < len(data):
+            n = next(sizes)
+            a.sendall(data[at:at + n])
+            at += n
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        return [reader(b) for _ in range(messages)]
+    finally:
+        writer.join(timeout=30)
+        a.close()
+        b.close()
+
+
+def _typed(obj):
+    """obj with every value paired with its type, so equality also compares types."""
+    if isinstance(obj, dict):
+        return {k: _typed(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_typed(v) for v in obj]
+    return (type(obj).__name__, obj)
+
+
+def _same(data: bytes, pieces=None, messages=1):
+    ours = _read(frontend_frames.retrieve_msg, data, pieces, messages)
+    stock = _read(otf_message_handler.retrieve_msg, data, pieces, messages)
+    assert _typed(ours) == _typed(stock)
+    return ours
+
+
+MIXED = [
+    ("id-0", CLIENT_HEADERS, [("body", "application/x-safetensors", os.urandom(BIG + 3))]),
+    ("id-1", [], [("data", "application/octet-stream", b"")]),  # no headers, an empty value
+    ("", [("X-Empty", ""), ("X-Negative-Length", -7)], []),  # empty id, no parameters
+    ("id-3", [("Content-Type", "multipart/form-data")],
+     [("a", "application/octet-stream", os.urandom((1 << 16) - 1)),  # the largest buffered value
+      ("b", "application/octet-stream", os.urandom(1 << 16)),  # the smallest direct one
+      ("c", "application/json", b'{"x": [1, 2]}'), ("d", "text/plain", "h\u00e9llo".encode()),
+      ("e", "application/json", b"{not json"), ("f", "text/plain", b"\xff\xfe")]),
+]
+
+
+@pytest.mark.parametrize("pieces", [None, [1], [7, 4093, 3], [65536, 1, 131071]])
+def test_inference_messages_read_alike_however_they_arrive(pieces):
+    (cmd, msg), = _same(encode_inference(MIXED), pieces)
+    assert cmd == b"I" and len(msg) == len(MIXED)
+
+
+@pytest.mark.parametrize("decode", [None, "true", "false"])
+def test_json_and_text_values_decoded_as_torchserve_decodes_them(monkeypatch, decode):
+    if decode is None:
+        monkeypatch.delenv("TS_DECODE_INPUT_REQUEST", raising=False)
+    else:
+        monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", decode)
+    (_, msg), = _same(encode_inference(MIXED[3:]))
+    values = {p["name"]: p["value"] for p in msg[0]["parameters"]}
+    assert values["c"] == ({"x": [1, 2]} if decode != "false" else bytearray(b'{"x": [1, 2]}'))
+    assert values["e"] == bytearray(b"{not json")  # undecodable: handed over as received
+
+
+def test_back_to_back_messages_keep_what_was_read_ahead():
+    first, second = batch_message(3, 5000), encode_inference(MIXED)
+    out = _same(first + second + first, pieces=[70001], messages=3)
+    assert [len(m) for _, m in out] == [3, len(MIXED), 3]
+
+
+@pytest.mark.parametrize("gpu", [-1, 0, 3])
+def test_load_messages_read_alike(gpu):
+    data = encode_load(name="resnet", path="/models/r", batch_size=8, handler="ts_entry.py",
+                       gpu=gpu, envelope="", limit=True)
+    (cmd, msg), = _same(data + batch_message(2, 100), pieces=[5], messages=1)
+    assert cmd == b"L" and msg.get("gpu") == (gpu if gpu >= 0 else None)
+
+
+def test_random_messages_in_random_pieces():
+    rng = random.Random(7)
+    for _ in range(20):
+        requests = [(os.urandom(rng.randrange(0, 40)).hex(),
+                     [(f"H{j}", os.urandom(rng.randrange(0, 300)).hex()) for j in range(rng.randrange(0, 12))],
+                     [(f"p{j}", "application/octet-stream", os.urandom(rng.choice([0, 10, 70000, 300000])))
+                      for j in range(rng.randrange(0, 3))])
+                    for _ in range(rng.randrange(0, 9))]
+        _same(encode_inference(requests), [rng.randrange(1, 100000) for _ in range(5)])
+
+
+@pytest.mark.parametrize("data", [b"X", encode_inference(MIXED)[:1000], b""])
+def test_bad_command_and_a_vanished_frontend_end_alike(data):
+    """An unknown command raises ValueError in both; a frontend gone mid-message (or before one)
+    makes both exit the worker with status 0."""
+    outcomes = []
+    for reader in (frontend_frames.retrieve_msg, otf_message_handler.retrieve_msg):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        a.sendall(data)
+        a.close()
+        with pytest.raises((ValueError, SystemExit)) as caught:
+            reader(b)
+        b.close()
+        outcomes.append((caught.type, getattr(caught.value, "code", None)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0] == ((ValueError, None) if data == b"X" else (SystemExit, 0))
+
+
+def _worker_main(monkeypatch, retrieve=otf_message_handler.retrieve_msg, name="model_service_worker.py"):
+    main = types.ModuleType("__main__")
+    main.__file__ = f"/site-packages/ts/{name}"
+    main.retrieve_msg = retrieve
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    return main
+
+
+def test_install_replaces_the_reader_of_a_torchserve_worker_loop(monkeypatch):
+    main = _worker_main(monkeypatch)
+    assert frontend_frames.install(True) == "buffered frame reader"
+    assert main.retrieve_msg is frontend_frames.retrieve_msg
+    assert frontend_frames.install(True) == "buffered frame reader"  # idempotent
+
+
+@pytest.mark.parametrize("case", ["disabled", "not a worker", "other version", "already replaced"])
+def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
+    someone_elses = lambda conn: None  # noqa: E731
+    main = _worker_main(monkeypatch, retrieve=someone_elses if case == "already replaced" else
+                        otf_message_handler.retrieve_msg,
+                        name="pytest.py" if case == "not a worker" else "model_service_worker.py")
+    if case == "other version":
+        monkeypatch.setattr("ts.version.__version__", "0.13.0")
+    before = main.retrieve_msg
+    note = frontend_frames.install(case != "disabled")
+    assert main.retrieve_msg is before
+    assert note.startswith("TorchServe's frame reader (")
+    assert {"disabled": "buffered_reader: false", "not a worker": "not in a TorchServe worker",
+            "other version": "TorchServe 0.13.0", "already replaced": "not TorchServe's own"}[case] in note
