@@ -47,8 +47,11 @@ class HandlerConfig:
     # the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
     stage_metrics_s: float = 1.0
     # Read the frontend's messages with handlers/frontend_frames.py (a buffered reader of
-    # TorchServe's frame format) instead of TorchServe's field-by-field reader: about 0.6-0.9 ms
-    # less worker CPU per batch of eight 300 kB requests on the CI CPU (scripts/bench_frames.py).
+    # TorchServe's frame format) instead of TorchServe's field-by-field reader. A batch of eight
+    # 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
+    # (docs/results/frames_h200x2.md); end to end on two GPUs, 14224.25 req/s against 13373.1
+    # and 14703.65 against 14596.75 in two runs, the workers using 0.5 cores less each time
+    # (docs/results/e2e_resnet50_fp16_scaling_h200x2_s9.md, e2e_resnet50_fp16_reader_h200x2.md).
     buffered_reader: bool = True
     warmup: bool = True
     warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range

@@ -7,7 +7,10 @@
 #   e2e_resnet50_fp16_b1_<tag>  batchSize 1 at one client: latency with and without graphs, and
 #                               the first request after READY (echo first) against steady/idle
 #   e2e_resnet50_cpu_<tag>      CPU workers (exported ResNet-50 fp32): thread budget sweep
-#   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling
+#   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling;
+#                               ours_tsreader is ours reading the frontend with TorchServe's reader
+#   frames_<tag>                the worker reading a batch from the frontend: TorchServe's reader
+#                               against handlers/frontend_frames.py (CPU ms per batch, no GPU)
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
 #   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin
@@ -39,9 +42,10 @@ for part in $PARTS; do
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
-            --clients 64,128 --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
-            --max-batch-delay "$DELAY" --handlers ours,stock,echo --multi-gpu-handlers ours,echo \
-            --variant spin:cuda_sync=spin ;;
+            --clients 64,128 --multi-gpu-clients 128 --seconds 8 --batch-size "$BATCH" \
+            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,echo \
+            --multi-gpu-handlers ours,echo --variant tsreader:buffered_reader=false ;;
+    frames) $PY -m scripts.bench_frames --batch-sizes 1,8 --out "$RESULTS/frames_$TAG" ;;
     bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
     export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \
@@ -62,6 +66,6 @@ for part in $PARTS; do
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, bench, export, check, percall, mps)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps)"; exit 2 ;;
   esac
 done
