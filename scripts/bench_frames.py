@@ -8,6 +8,7 @@ thread's clock) of `ts.protocol.otf_message_handler.retrieve_msg` and of
 both return the same message.
 
     python -m scripts.bench_frames [--batch-sizes 1,8] [--body-bytes 301160] [--out docs/results/frames_TAG.json]
+    python -m scripts.bench_frames --replot docs/results/frames_TAG.json   # the PNG again
 """
 from __future__ import annotations
 
@@ -110,14 +111,40 @@ def measure(batch_sizes, body_bytes: int, count: int, rounds: int) -> list:
     return rows
 
 
+def plot(result: dict, path: Path) -> None:
+    """Bars of CPU ms per batch, TorchServe's reader beside the buffered one, per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["torchserve_ms"] for r in rows], 0.4, label="TorchServe's reader")
+    ax.bar([x + 0.2 for x in xs], [r["buffered_ms"] for r in rows], 0.4, label="buffered (handlers/frontend_frames.py)")
+    ax.set_xticks(list(xs), [f"{r['batch']} x {result['body_bytes']} B" for r in rows])
+    ax.set_xlabel("requests per batch x body bytes")
+    ax.set_ylabel("worker CPU ms per batch")
+    ax.set_title(f"Reading a batch from the frontend ({result['device']})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--body-bytes", type=int, default=301160, help="one 1x3x224x224 fp32 safetensors body")
     p.add_argument("--messages", type=int, default=200, help="messages per reader per round")
     p.add_argument("--rounds", type=int, default=5, help="the median of this many rounds is reported")
-    p.add_argument("--out", help="results path (.json; the Markdown goes beside it)")
+    p.add_argument("--out", help="results path (.json; the Markdown and the plot go beside it)")
+    p.add_argument("--replot", help="draw the plot of an existing results JSON again, and stop")
     a = p.parse_args(argv)
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return
     rows = measure([int(x) for x in a.batch_sizes.split(",")], a.body_bytes, a.messages, a.rounds)
     lines = ["| requests per batch | message bytes | TorchServe's reader, CPU ms | buffered, CPU ms | ratio |",
              "|---|---|---|---|---|"]
@@ -132,6 +159,7 @@ def main(argv=None):
         out.write_text(json.dumps(result, indent=1) + "\n")
         out.with_suffix(".md").write_text("\n".join(page_head(result, "Reading a batch from the frontend")
                                                     + lines) + "\n")
+        plot(result, out.with_suffix(".png"))
         print(f"wrote {out}")
 
 

@@ -163,3 +163,22 @@ def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
     assert note.startswith("TorchServe's frame reader (")
     assert {"disabled": "buffered_reader: false", "not a worker": "not in a TorchServe worker",
             "other version": "TorchServe 0.13.0", "already replaced": "not TorchServe's own"}[case] in note
+
+
+def test_bench_frames_writes_its_results(tmp_path):
+    """scripts/bench_frames.py: both readers timed on the same messages (it raises if they
+    disagree), results JSON with the common first keys, Markdown and plot beside it."""
+    import json
+
+    from scripts import bench_frames
+
+    bench_frames.main(["--batch-sizes", "1,3", "--body-bytes", "70000", "--messages", "5", "--rounds", "1",
+                       "--out", str(tmp_path / "frames")])
+    result = json.loads((tmp_path / "frames.json").read_text())
+    assert list(result)[:4] == ["device", "date", "torch", "command"]
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    for r in result["rows"]:
+        assert r["torchserve_ms"] > 0 and r["buffered_ms"] > 0
+        assert abs(r["ratio"] - r["buffered_ms"] / r["torchserve_ms"]) < 0.01  # from unrounded times
+    assert "| 3 |" in (tmp_path / "frames.md").read_text()
+    assert (tmp_path / "frames.png").stat().st_size > 1000
