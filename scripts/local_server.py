@@ -30,7 +30,34 @@ def tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
+def server_env(env: dict | None = None) -> dict:
+    """The environment to start TorchServe with: `env` (default: this process's), with the
+    directory of the torchserve tools first on PATH."""
+    out = dict(os.environ if env is None else env)
+    # A handler loaded in this process (tests) sets this for its own worker; a server's
+    # workers start from TorchServe's default, which the handler under test changes itself.
+    out.pop("TS_DECODE_INPUT_REQUEST", None)
+    out["PATH"] = f"{Path(tool('torchserve')).parent}{os.pathsep}{out.get('PATH', '')}"
+    return out
+
+
+# Worker socket ports (/tmp/.ts.sock.<port>, one per worker from initial_worker_port up): each
+# server of this process gets its own block of 100, and processes start apart by their pid, so
+# several servers (tests, benchmark device sets) never share a socket name.
+_worker_port = 9000 + (os.getpid() % 200) * 100
+
+
+def next_worker_port() -> int:
+    global _worker_port
+    _worker_port += 100
+    return _worker_port
+
+
 class LocalTorchServe:
+    """`torchserve --start --foreground` in its own directory (config, logs, temp files, keys),
+    from the shipped config.properties with ports, the model store and the worker socket ports
+    changed, plus `extra_config` lines."""
+
     def __init__(self, workdir: Path, store: Path, models: dict, env: dict | None = None,
                  extra_config: str = ""):
         self.workdir, self.store, self.models = Path(workdir), Path(store), models
@@ -41,15 +68,13 @@ class LocalTorchServe:
         cfg = re.sub(r"(?m)^grpc_inference_port=.*$", f"grpc_inference_port={self.ports['grpc']}", cfg)
         cfg = re.sub(r"(?m)^grpc_management_port=.*$", f"grpc_management_port={self.ports['grpc_mgmt']}", cfg)
         cfg = re.sub(r"(?m)^model_store=.*$", f"model_store={self.store}", cfg)
-        # distinct worker socket ports (/tmp/.ts.sock.<port>) so several servers can coexist
-        cfg += f"\ninitial_worker_port={20000 + free_port() % 20000}\n{extra_config}\n"
+        cfg += f"\ninitial_worker_port={next_worker_port()}\n{extra_config}\n"
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "tmp").mkdir(exist_ok=True)
         (self.workdir / "config.properties").write_text(cfg)
         # config.properties names log4j2.xml relative to where TorchServe starts: here
         shutil.copy2(ROOT / "log4j2.xml", self.workdir / "log4j2.xml")
-        run_env = dict(os.environ if env is None else env)
-        run_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{run_env.get('PATH', '')}"
+        run_env = server_env(env)
         run_env.update(LOG_LOCATION=str(self.workdir / "logs"), METRICS_LOCATION=str(self.workdir / "logs"),
                        TMPDIR=str(self.workdir / "tmp"))
         spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
@@ -60,37 +85,47 @@ class LocalTorchServe:
             stderr=subprocess.STDOUT, start_new_session=True)
         self.base = f"http://127.0.0.1:{self.ports['inf']}"
         self.mgmt = f"http://127.0.0.1:{self.ports['mgmt']}"
+        self._keys = None
 
-    def key(self, kind: str = "inference") -> str:
+    @property
+    def keys(self) -> dict:
+        """key_file.json, which TorchServe writes where it starts ({kind: {"key": ...}})."""
         path = self.workdir / "key_file.json"
         deadline = time.time() + 90
-        while True:  # TorchServe creates the file before it has written the keys into it
+        while self._keys is None:  # TorchServe creates the file before it has written the keys
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"torchserve did not start: {self.log('stdout.log')[-3000:]}")
             try:
-                return json.loads(path.read_text())[kind]["key"]
+                self._keys = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 time.sleep(0.3)
+        return self._keys
 
-    def workers(self, name: str) -> list:
-        req = urllib.request.Request(f"{self.mgmt}/models/{name}",
-                                     headers={"Authorization": f"Bearer {self.key('management')}"})
+    def key(self, kind: str = "inference") -> str:
+        return self.keys[kind]["key"]
+
+    def auth(self, kind: str = "inference") -> dict:
+        return {"Authorization": f"Bearer {self.key(kind)}"}
+
+    def model_status(self, name: str) -> list:
+        """The states of the model's workers (READY, ...); [] while it is not registered."""
+        req = urllib.request.Request(f"{self.mgmt}/models/{name}", headers=self.auth("management"))
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
                 return [w.get("status") for w in json.loads(r.read())[0].get("workers", [])]
-        except OSError:
+        except (OSError, ValueError, LookupError):
             return []
 
-    def wait_ready(self, timeout: float = 600) -> float:
+    def wait_ready(self, names=None, timeout: float = 600) -> float:
+        """Seconds until every worker of `names` (default: all models) is READY."""
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"torchserve exited: {self.log('stdout.log')[-3000:]}")
-            states = [self.workers(n) for n in self.models]
-            if all(s and all(x == "READY" for x in s) for s in states):
+            if all(s and all(x == "READY" for x in s) for s in map(self.model_status, names or self.models)):
                 return time.time() - t0
             time.sleep(1)
-        raise TimeoutError(f"models not ready after {timeout}s: {self.log()[-4000:]}")
+        raise TimeoutError(f"models {list(names or self.models)} not ready after {timeout}s: {self.log()[-4000:]}")
 
     def log(self, rel: str = "logs/model_log.log") -> str:
         p = self.workdir / rel

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
 PY = sys.executable
 # torchserve and torch-model-archiver: beside this Python (.venv), else on PATH (GPU kit)
 BIN = Path(PY).parent if (Path(PY).parent / "torchserve").exists() else Path(shutil.which("torchserve") or PY).parent
@@ -63,12 +61,6 @@ def write_gpu_results(results: dict) -> None:
     head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], env=("GPU_RESULTS",))
     with open(path, "w") as f:
         json.dump({**head, **results}, f, indent=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Artifacts:
@@ -121,89 +113,16 @@ def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
     return store / f"{name}.mar"
 
 
-def _env():
-    env = dict(os.environ)
-    # In-process handler tests set this in os.environ (ts_entry.initialize); servers started
-    # later must see TorchServe's default, which the handler under test changes by itself.
-    env.pop("TS_DECODE_INPUT_REQUEST", None)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
+_env = server_env
 
 
-class TorchServe:
-    """A real TorchServe started with `torchserve --start --foreground` in its own directory."""
+class TorchServe(LocalTorchServe):
+    """scripts.local_server's server (the shipped config, ports and paths changed), started at
+    construction and checked to have come up (its key file), with the calls tests make."""
 
-    def __init__(self, workdir: Path, store: Path, models: dict, grpc: bool = False):
-        self.workdir = workdir
-        self.store = store
-        self.ports = {k: free_port() for k in ("inf", "mgmt", "metrics", "grpc", "grpc_mgmt")}
-        cfg = (ROOT / "config.properties").read_text()
-        subs = {"8080": self.ports["inf"], "8081": self.ports["mgmt"], "8082": self.ports["metrics"],
-                "7070": self.ports["grpc"], "7071": self.ports["grpc_mgmt"]}
-        for old, new in subs.items():
-            cfg = re.sub(rf"(?m)^(\w+)=(.*){old}$", rf"\g<1>=\g<2>{new}", cfg)
-            cfg = re.sub(rf"(?m)^(grpc_\w+_port)={old}$", rf"\g<1>={new}", cfg)
-        cfg = re.sub(r"(?m)^model_store=.*$", f"model_store={store}", cfg)
-        # Several servers in one run: distinct worker socket ports (/tmp/.ts.sock.<port>) and
-        # pid files (torchserve keeps one in the temp dir and refuses a second instance).
-        cfg += f"\ninitial_worker_port={TorchServe._next_worker_port()}\n"
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "tmp").mkdir(exist_ok=True)
-        (workdir / "config.properties").write_text(cfg)
-        # config.properties names log4j2.xml relative to where TorchServe starts, as beside it here
-        shutil.copy2(ROOT / "log4j2.xml", workdir / "log4j2.xml")
-        self.base = f"http://127.0.0.1:{self.ports['inf']}"
-        self.mgmt = f"http://127.0.0.1:{self.ports['mgmt']}"
-        self.models = models
-        spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
-        env = _env()
-        env["LOG_LOCATION"] = str(workdir / "logs")
-        env["TMPDIR"] = str(workdir / "tmp")
-        env["METRICS_LOCATION"] = str(workdir / "logs")
-        self.proc = subprocess.Popen(
-            [str(BIN / "torchserve"), "--start", "--foreground", "--ncs", "--model-store", str(store),
-             "--models", spec, "--ts-config", str(workdir / "config.properties")],
-            cwd=workdir, env=env, stdout=open(workdir / "stdout.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self._keys = None
-        deadline = time.time() + 90
-        while not (workdir / "key_file.json").exists():
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"torchserve did not start: {self.log('stdout.log')[-3000:]}")
-            time.sleep(0.5)
-
-    _worker_port = 9000 + (os.getpid() % 200) * 100
-
-    @classmethod
-    def _next_worker_port(cls) -> int:
-        cls._worker_port += 100
-        return cls._worker_port
-
-    @property
-    def keys(self) -> dict:
-        if self._keys is None:
-            path = self.workdir / "key_file.json"
-            deadline = time.time() + 60
-            while not path.exists() and time.time() < deadline:
-                time.sleep(0.5)
-            while True:  # TorchServe creates the file before it has written the keys into it
-                try:
-                    self._keys = json.loads(path.read_text())
-                    break
-                except json.JSONDecodeError:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.2)
-        return self._keys
-
-    def auth(self, kind="inference"):
-        return {"Authorization": f"Bearer {self.keys[kind]['key']}"}
-
-    def model_status(self, name):
-        r = requests.get(f"{self.mgmt}/models/{name}", headers=self.auth("management"), timeout=10)
-        if r.status_code != 200:
-            return []
-        return [w.get("status") for w in r.json()[0].get("workers", [])]
+    def __init__(self, workdir: Path, store: Path, models: dict):
+        super().__init__(workdir, store, models)
+        assert self.keys  # raises with TorchServe's output if it did not start
 
     def describe(self, name) -> dict:
         """The handler's own description (customizedMetadata of GET /models/NAME?customized=true):
@@ -211,24 +130,6 @@ class TorchServe:
         r = requests.get(f"{self.mgmt}/models/{name}?customized=true", headers=self.auth("management"), timeout=30)
         meta = r.json()[0].get("customizedMetadata") if r.status_code == 200 else None
         return json.loads(meta) if isinstance(meta, str) and meta.startswith("{") else (meta or {})
-
-    def wait_ready(self, names=None, timeout=300):
-        names = names or list(self.models)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"torchserve exited: {self.log('stdout.log')[-3000:]}")
-            try:
-                if all(s and all(x == "READY" for x in s) for s in map(self.model_status, names)):
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"models {names} not ready: {self.log('logs/model_log.log')[-4000:]}")
-
-    def log(self, rel="logs/model_log.log") -> str:
-        p = self.workdir / rel
-        return p.read_text(errors="replace") if p.exists() else ""
 
     def predict(self, model, body, content_type="application/json", headers=None, auth=True, timeout=120):
         h = {"Content-Type": content_type}
@@ -239,11 +140,6 @@ class TorchServe:
         if isinstance(data, bytearray):  # requests sends only str/bytes bodies as-is
             data = bytes(data)
         return requests.post(f"{self.base}/predictions/{model}", data=data, headers=h, timeout=timeout)
-
-    def stop(self):
-        from scripts.local_server import stop_server
-
-        stop_server(self.proc, self.store)
 
 
 @pytest.fixture(scope="session")

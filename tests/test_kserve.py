@@ -27,7 +27,8 @@ import requests
 import torch
 import yaml
 
-from conftest import BIN, PY, ROOT, TorchServe, _env, build_mar, eager, free_port
+from conftest import BIN, PY, ROOT, _env, build_mar, eager
+from scripts.local_server import free_port, next_worker_port
 from test_serving import close, image, two
 
 STORAGE_URI = "gs://example-bucket/models/compiled-serving"
@@ -486,7 +487,7 @@ class KServeTorchServe:
                 line = line.replace("/mnt/models/", f"{mnt}/")
             lines.append(line)
         # distinct worker socket ports (/tmp/.ts.sock.<port>) from other servers of this run
-        lines.append(f"initial_worker_port={TorchServe._next_worker_port()}")
+        lines.append(f"initial_worker_port={next_worker_port()}")
         text = "\n".join(lines) + "\n"
         changed = {k for k, v in properties(text).items() if properties(original).get(k) != v}
         assert changed == PORT_KEYS | {"initial_worker_port", "vmargs"} | set(overrides or {}), changed
