@@ -122,7 +122,7 @@ class TorchServe(LocalTorchServe):
 
     def __init__(self, workdir: Path, store: Path, models: dict):
         super().__init__(workdir, store, models)
-        assert self.keys  # raises with TorchServe's output if it did not start
+        self.key()  # waits for the key file; raises with TorchServe's output if it did not start
 
     def describe(self, name) -> dict:
         """The handler's own description (customizedMetadata of GET /models/NAME?customized=true):
