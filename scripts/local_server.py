@@ -41,9 +41,11 @@ def server_env(env: dict | None = None) -> dict:
     return out
 
 
-# Worker socket ports (/tmp/.ts.sock.<port>, one per worker from initial_worker_port up): each
-# server of this process gets its own block of 100, and processes start apart by their pid, so
-# several servers (tests, benchmark device sets) never share a socket name.
+# TorchServe numbers its workers from initial_worker_port up: the port names each worker's socket
+# (java.io.tmpdir/.ts.sock.<port>, under the server's own TMPDIR here) and its threads in the
+# logs (W-<port>-<model>). Each server of this process gets its own block of 100 and processes
+# start apart by their pid, so worker names stay unique across the servers of a run, and
+# sockets stay apart even where two servers share a temp directory.
 _worker_port = 9000 + (os.getpid() % 200) * 100
 
 
