@@ -22,8 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
 PY = sys.executable
-# torchserve and torch-model-archiver: beside this Python (.venv), else on PATH (GPU kit)
-BIN = Path(PY).parent if (Path(PY).parent / "torchserve").exists() else Path(shutil.which("torchserve") or PY).parent
 
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
 ARTIFACTS = {
@@ -107,13 +105,10 @@ def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
            "--batch-size", "1", "--max-batch-delay", "5", *extra]
     for d in artifact_dirs:
         cmd += ["--artifact", str(d)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())
     if r.returncode != 0:
         raise RuntimeError(f"archive {name} failed:\n{r.stdout}\n{r.stderr}")
     return store / f"{name}.mar"
-
-
-_env = server_env
 
 
 class TorchServe(LocalTorchServe):

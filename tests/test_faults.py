@@ -20,9 +20,10 @@ import pytest
 import requests
 import torch
 
-from conftest import BIN, PY, ROOT, _env, build_mar, corrupt_inside_mar, eager
+from conftest import PY, ROOT, build_mar, corrupt_inside_mar, eager
 from handlers import safetensors_io
 from hostile import JSON, KINDS, good_request
+from scripts.local_server import server_env, tool
 
 TOL = 1e-4
 RESULTS = {}
@@ -273,9 +274,9 @@ def test_kill_9_under_load_loses_only_the_batch_in_flight_and_leaks_nothing(faul
 def test_stop_leaves_no_extraction_directories(fault_server):
     ts = fault_server
     tmp = ts.workdir / "tmp"
-    env = _env()
+    env = server_env()
     env["TMPDIR"] = str(tmp)
-    subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=ts.workdir, env=env, capture_output=True, timeout=120)
+    subprocess.run([tool("torchserve"), "--stop"], cwd=ts.workdir, env=env, capture_output=True, timeout=120)
     deadline = time.time() + 60
     while ts.proc.poll() is None and time.time() < deadline:
         time.sleep(1)

@@ -27,8 +27,8 @@ import requests
 import torch
 import yaml
 
-from conftest import BIN, PY, ROOT, _env, build_mar, eager
-from scripts.local_server import free_port, next_worker_port
+from conftest import PY, ROOT, build_mar, eager
+from scripts.local_server import free_port, next_worker_port, server_env, tool
 from test_serving import close, image, two
 
 STORAGE_URI = "gs://example-bucket/models/compiled-serving"
@@ -72,7 +72,7 @@ def layout(artifacts, tmp_path_factory):
            "--name", "compiled", "--namespace", "ml"]
     for m in mars:
         cmd += ["--mar", str(m)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())
     assert r.returncode == 0, r.stdout + r.stderr
     return {"out": out, "storage": out / "storage", "manifests": out / "manifests", "mars": mars,
             "stdout": r.stdout, "stderr": r.stderr}
@@ -496,11 +496,11 @@ class KServeTorchServe:
         self.base = self.cfg["inference_address"]
         self.mgmt = self.cfg["management_address"]
         self.grpc = f"127.0.0.1:{self.ports['grpc_inference_port']}"
-        self.env = _env()
+        self.env = server_env()
         self.env.update(KSERVE_ENV[protocol])
         self.env["TMPDIR"] = str(workdir / "tmp")  # the pod's own /tmp: pid file, worker sockets
         (workdir / "tmp").mkdir()
-        cmd = [str(BIN / "torchserve"), "--start", f"--model-store={mnt}/model-store",
+        cmd = [tool("torchserve"), "--start", f"--model-store={mnt}/model-store",
                f"--ts-config={cfg_path}"]
         # The launcher exits once the frontend runs; the frontend keeps its stdout: a file, not a pipe.
         with open(workdir / "stdout.log", "w") as out:
@@ -534,7 +534,7 @@ class KServeTorchServe:
         assert not found, f"worker restarts ({found}): {text[-3000:]}"
 
     def stop(self):
-        subprocess.run([str(BIN / "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
+        subprocess.run([tool("torchserve"), "--stop"], cwd=self.workdir, env=self.env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
 
 
