@@ -486,7 +486,7 @@ class KServeTorchServe:
             elif key == "vmargs":  # the log configuration, where the runtime mounts the storage
                 line = line.replace("/mnt/models/", f"{mnt}/")
             lines.append(line)
-        # distinct worker socket ports (/tmp/.ts.sock.<port>) from other servers of this run
+        # worker ports apart from the other servers of this run (scripts/local_server.next_worker_port)
         lines.append(f"initial_worker_port={next_worker_port()}")
         text = "\n".join(lines) + "\n"
         changed = {k for k, v in properties(text).items() if properties(original).get(k) != v}
