@@ -36,10 +36,11 @@ class HandlerConfig:
     cuda_graph_max_batch: int = 64
     cuda_graph_memory_mb: float = 2048.0
     # How a worker waits for its GPU work (run/cuda.py): spin (a core busy-polls, CUDA's own
-    # choice), block (the thread sleeps until the GPU is done; its core is free meanwhile) or
-    # auto (spin when alone on its GPU, block when sibling workers share it; threads.cuda_wait
-    # has the measurements behind it).
+    # choice), block (the thread sleeps until the GPU is done; its core is free meanwhile),
+    # hybrid (polls for up to cuda_spin_us, then sleeps) or auto (spin when alone on its GPU,
+    # else what threads.cuda_wait says, with the measurements behind it).
     cuda_sync: str = "auto"
+    cuda_spin_us: float = 200.0
     # Stage timings (handlers/stage_timings.py) are gauges: each is emitted as the mean over the batches
     # since its last emission, at most once per this many seconds (0: after every batch). Every
     # emission is a stdout line TorchServe's frontend parses; three per batch took about 0.3 ms of
@@ -149,11 +150,14 @@ def _validate(values: dict) -> None:
         raise ConfigError(f"model-config.yaml handler.cuda_graphs = {values['cuda_graphs']!r} is invalid: "
                           "expected auto (capture and keep graphs only if they match the plain call), "
                           "on (a capture failure fails the load) or off")
-    if values.get("cuda_sync", "auto") not in ("auto", "spin", "block"):
+    if values.get("cuda_sync", "auto") not in ("auto", "spin", "block", "hybrid"):
         raise ConfigError(f"model-config.yaml handler.cuda_sync = {values['cuda_sync']!r} is invalid: "
                           "expected auto (spin when a worker is alone on its GPU, else block), spin "
-                          "(the waiting worker busy-polls a core) or block (it sleeps until the GPU is "
-                          "done)")
+                          "(the waiting worker busy-polls a core), block (it sleeps until the GPU is "
+                          "done) or hybrid (it polls for up to handler.cuda_spin_us, then sleeps)")
+    if values.get("cuda_spin_us", 0.0) < 0:
+        raise ConfigError("model-config.yaml handler.cuda_spin_us must be 0 or a positive number of "
+                          "microseconds")
     if values.get("cuda_graph_max_batch", 1) < 1 or values.get("cuda_graph_memory_mb", 1.0) <= 0:
         raise ConfigError("model-config.yaml handler.cuda_graph_max_batch must be at least 1 and "
                           "handler.cuda_graph_memory_mb positive")

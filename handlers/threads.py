@@ -84,7 +84,7 @@ def cuda_wait(configured: str, workers: Optional[int], gpus: int) -> tuple:
     order-balanced rounds (docs/results/e2e_resnet50_fp16_sync_rounds_h200x2, _b1_h100): 6
     workers per GPU on two GPUs at 128 clients, block 13172 req/s vs spin 12445 and steadier;
     one GPU equal; one worker at batch 1, spin's p50 0.08 ms lower."""
-    if configured in ("spin", "block"):
+    if configured in ("spin", "block", "hybrid"):
         return configured, "handler.cuda_sync"
     per_gpu = -(-(workers or 1) // max(1, gpus))
     if per_gpu > 1:

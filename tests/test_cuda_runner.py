@@ -15,7 +15,7 @@ from handlers.run import runner_for  # noqa: E402
 from handlers.run.cuda import CudaRunner  # noqa: E402
 
 
-def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="spin"):
+def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="spin", spin_us=200.0):
     spec = ArtifactSpec(backend="export", artifact="m", sha256="", device="cuda",
                         inputs=(TensorSpec("x", "float32", (None, 64)), TensorSpec("m", "bool", (None, 64))),
                         outputs=(TensorSpec("y", "float32", (None, 64)),), output_structure="tensor",
@@ -28,6 +28,7 @@ def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="spin"):
         stream_priority = 0
         staging_piece_mb = piece_mb
         cuda_sync = sync
+        cuda_spin_us = spin_us
 
     return runner_for(model, spec, dev, Cfg), spec
 
@@ -41,7 +42,7 @@ def reqs(*rows, seed=0):
     return [{"x": torch.randn(n, 64, generator=g), "m": torch.rand(n, 64, generator=g) > 0.5} for n in rows]
 
 
-@pytest.mark.parametrize("piece_mb,sync", [(0.0, "spin"), (0.0005, "spin"), (0.0, "block")])
+@pytest.mark.parametrize("piece_mb,sync", [(0.0, "spin"), (0.0005, "spin"), (0.0, "block"), (0.0, "hybrid")])
 def test_results_exact_across_chunks_and_pieces(piece_mb, sync):
     runner, _ = make(batch_min=2, batch_max=3, piece_mb=piece_mb, sync=sync)
     assert isinstance(runner, CudaRunner) and runner.sync == sync
@@ -84,3 +85,21 @@ def test_a_failing_call_leaves_the_runner_usable():
         runner.run(reqs(2, seed=1))
     rs = reqs(2, seed=2)
     assert torch.equal(runner.run(rs)[0]["y"], ref(rs[0]))
+
+
+@pytest.mark.parametrize("spin_us", [0.0, 50.0, 1e6])
+def test_hybrid_wait_outlasting_its_spin_still_waits_for_the_gpu(spin_us):
+    """A GPU call far longer than the spin (a chain of large matmuls) falls through to the
+    blocking synchronize: the outputs read after the wait are the finished ones."""
+    def slow(x, m):
+        y = x
+        big = torch.randn(2048, 2048, device=x.device)
+        for _ in range(30):
+            big = big @ big / 2048.0
+        return torch.where(m, y * 2.0, y - 1.0) + big[0, 0] * 0.0
+    runner, _ = make(fn=slow, sync="hybrid", spin_us=spin_us)
+    assert "spinning up to" in runner.describe_sync()
+    rs = reqs(3, 1, seed=5)
+    out = runner.run(rs)
+    for r, o in zip(rs, out):
+        torch.testing.assert_close(o["y"], ref(r), rtol=0, atol=0)

@@ -19,5 +19,6 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
                           piece_bytes=int(config.staging_piece_mb * (1 << 20)) if config else 0,
                           # auto with no worker count is the lone-worker choice; the handler
                           # resolves auto with its worker count before it gets here
-                          sync=cuda_wait(getattr(config, "cuda_sync", "auto"), None, 1)[0])
+                          sync=cuda_wait(getattr(config, "cuda_sync", "auto"), None, 1)[0],
+                          spin_us=getattr(config, "cuda_spin_us", 0.0))
     return RUNNERS[device.type](model, spec)

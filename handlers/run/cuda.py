@@ -17,6 +17,7 @@ addresses; per-batch-size graph capture would replay against exactly these views
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -38,6 +39,15 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
     stream (an event synchronize after every call)."""
     run_rows = dev.shape[0]
     h = host.view(name, dev.shape, dev.dtype)
+    if len(parts) == 1 and piece_bytes <= 0:  # the common case: one request block, one piece
+        n = parts[0].shape[0]
+        h[:n].copy_(parts[0])
+        if n == run_rows:
+            dev.copy_(h, non_blocking=True)
+        else:
+            dev[:n].copy_(h[:n], non_blocking=True)
+            dev[n:].zero_()
+        return
     row_bytes = max(1, h[:1].numel() * h.element_size())
     step = max(1, piece_bytes // row_bytes) if piece_bytes > 0 else max(1, run_rows)
     at = sent = 0
@@ -61,7 +71,7 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
 
 class CudaRunner(Runner):
     def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0,
-                 sync: str = "spin"):
+                 sync: str = "spin", spin_us: float = 0.0):
         super().__init__(model, spec)
         self.device = device
         self.piece_bytes = piece_bytes
@@ -71,13 +81,20 @@ class CudaRunner(Runner):
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
         self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
+        # The stream the weights were uploaded on: the worker thread's current stream, which
+        # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
+        self.producer = torch.cuda.current_stream(device)
         self.sync = sync
+        self.spin_s = spin_us / 1e6
         # How the host waits (handler.cuda_sync). With the default schedule the CUDA runtime
         # busy-polls a core while a process waits for the GPU (it spins while the process has
         # fewer contexts than the host has cores). blocking=True creates the event with
         # cudaEventBlockingSync: synchronize() sleeps until the GPU reaches it, leaving the core
-        # to the frontend and sibling workers. The only host wait of a call is this event.
-        self.done = torch.cuda.Event(blocking=sync == "block")
+        # to the frontend and sibling workers; waking a sleeping thread costs latency. `hybrid`
+        # polls the event (cudaEventQuery, which never blocks) for up to spin_us, then sleeps:
+        # a short GPU call is caught while spinning, a long one does not hold a core. The only
+        # host wait of a call is this event.
+        self.done = torch.cuda.Event(blocking=sync in ("block", "hybrid"))
         self.graphs = None  # graphs.GraphSet once prepare() captured some
 
     def prepare(self, config, kind) -> str:
@@ -132,7 +149,7 @@ class CudaRunner(Runner):
 
     def call(self, parts: dict, run_rows: int) -> dict:
         bucket = self.graphs.for_rows(run_rows) if self.graphs else None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(self.producer)
         try:
             with torch.cuda.stream(self.stream):
                 dev = bucket.inputs if bucket else self._device_inputs(parts, run_rows)
@@ -147,16 +164,29 @@ class CudaRunner(Runner):
             # Also after a failure: pinned input pieces may still be in flight, and the next
             # request rewrites them.
             self.done.record(self.stream)
-            self.done.synchronize()
+            self._wait()
         # Model outputs were allocated on our stream and die here; the caching allocator reuses
         # their blocks only on that same stream, in order.
         return host
+
+    def _wait(self) -> None:
+        if self.sync == "hybrid":
+            query, clock = self.done.query, time.perf_counter
+            deadline = clock() + self.spin_s
+            while not query():
+                if clock() > deadline:
+                    break
+            else:
+                return
+        self.done.synchronize()
 
     def bucket_sizes(self) -> list:
         return list(self.graphs.sizes) if self.graphs else []
 
     def describe_sync(self) -> str:
-        return f"; waits for the GPU by {'sleeping (blocking sync)' if self.sync == 'block' else 'spinning'}"
+        how = {"block": "sleeping (blocking sync)", "spin": "spinning",
+               "hybrid": f"spinning up to {self.spin_s * 1e6:.0f} us, then sleeping (blocking sync)"}
+        return f"; waits for the GPU by {how[self.sync]}"
 
     def staging_bytes(self) -> int:
         return self.host_inputs.nbytes() + self.host_outputs.nbytes() + self.device_buffers.nbytes()
