@@ -4,6 +4,9 @@ classifier: a small image classifier with BatchNorm buffers and a dynamic batch 
 two_input:  two named inputs (float features, bool mask) and a dict of outputs; its forward
             creates tensors with `device=` arguments and holds a buffer and a tensor constant,
             the things that stay on the old device when a program moves to another GPU.
+text:       token ids and an attention mask of any length up to 128 (int64, [B, S]): a small text
+            model whose embedding tables make ids past 999 invalid, and whose answer for a text
+            does not depend on padding (the mask excludes padded positions).
 """
 import torch
 from torch import nn
@@ -125,3 +128,31 @@ class Outer(nn.Module):
 
 def outer() -> nn.Module:
     return Outer().eval()
+
+
+class TextClassifier(nn.Module):
+    """input_ids, attention_mask (int64, [B, S], S <= 128) -> logits [B, 4] and per-token
+    features [B, S, 32]: token + position embeddings, one self-attention layer that ignores
+    masked positions, mean-pooled over the unmasked ones."""
+
+    def __init__(self, vocab: int = 1000, width: int = 32, max_len: int = 128):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, input_ids, attention_mask):
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        h = self.tokens(input_ids) + self.positions(pos)
+        keep = attention_mask.to(h.dtype).unsqueeze(-1)
+        bias = (1.0 - attention_mask.to(h.dtype)).unsqueeze(1) * -1e4  # [B, 1, S] over keys
+        a, _ = self.attn(h, h, h, attn_mask=bias.repeat_interleave(4, dim=0).expand(-1, h.shape[1], -1),
+                         need_weights=False)
+        h = (h + a) * keep
+        pooled = h.sum(1) / keep.sum(1).clamp(min=1.0)
+        return {"logits": self.head(pooled), "features": h}
+
+
+def text() -> nn.Module:
+    return _seeded(TextClassifier(), 5)

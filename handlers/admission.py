@@ -4,7 +4,8 @@ Steps, once per request: the payload out of TorchServe's request dict; the body 
 the limit (413); the wire format, chosen once (415 for an unsupported media type); for JSON,
 the body size against the (smaller) JSON limit before anything is parsed (413), then the
 strict, bounded parse (wire/strict_json.py); decode; the tensors against the artifact's input
-contract (400); the row count against the limits (413); the response format from Accept.
+contract (400); their values against the value contract (400, handlers/values.py); the row count
+against the limits (413); the response format from Accept.
 
 The JSON limit can apply before parsing only because the worker hands JSON bodies over as
 bytes: ts_entry sets TS_DECODE_INPUT_REQUEST=false at initialize (TorchServe 0.12's worker
@@ -19,6 +20,7 @@ from typing import Optional
 from .config import HandlerConfig
 from .errors import PayloadTooLarge, RequestError
 from .metadata import ArtifactSpec
+from .values import ValueContract
 from .wire import WireFormat, binary_format, json_format, response_format, strict_json
 from .wire.tensors import check_inputs
 
@@ -30,11 +32,13 @@ class Limits:
     batch_max: int  # the artifact's rows per call
     split_oversized: bool  # rows beyond batch_max: split into several calls, else refuse
     max_json_bytes: int = 8 << 20  # JSON bodies, checked before parsing (handler.max_json_mb)
+    values: ValueContract = ValueContract()  # valid input values (handlers/values.py)
 
     @classmethod
     def of(cls, config: HandlerConfig, spec: ArtifactSpec) -> "Limits":
         return cls(int(config.max_body_mb * (1 << 20)), config.max_rows_per_request, spec.batch_max,
-                   config.split_oversized, int(config.max_json_mb * (1 << 20)))
+                   config.split_oversized, int(config.max_json_mb * (1 << 20)),
+                   ValueContract.of(spec, config))
 
 
 @dataclass
@@ -108,5 +112,6 @@ def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optio
     wire = (wire or json_format(body)).for_request(body)
     tensors, request_id = wire.decode(body, spec)
     tensors, rows = check_inputs(tensors, spec)
+    limits.values.check(tensors)
     check_rows(rows, limits)
     return Admitted(tensors, rows, wire, response_format(wire, accept), request_id)

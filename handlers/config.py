@@ -7,7 +7,7 @@ so a typo never silently falls back to a default.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
 from .errors import ConfigError
@@ -74,6 +74,13 @@ class HandlerConfig:
     # request 503 ModelLoadFailed with the reason (TorchServe then lists it READY; README);
     # false = raise, so TorchServe restarts the worker with back-off and requests wait.
     answer_load_failure: bool = True
+    # Value contracts (handlers/values.py): check each request's integer inputs against the valid
+    # ranges in artifact.json (an id past an embedding table would abort an AOTI worker on the CPU
+    # or poison the CUDA context on a GPU); value_ranges adds or tightens bounds, {input: [lo, hi]};
+    # refuse_nonfinite refuses NaN and infinity in floating-point inputs.
+    check_values: bool = True
+    value_ranges: dict = field(default_factory=dict)
+    refuse_nonfinite: bool = False
 
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
@@ -98,12 +105,26 @@ def _coerce(key, value, kind):
     elif kind is str:
         if isinstance(value, str):
             return value
+    elif kind is dict:
+        return _ranges(key, value)
     elif kind is tuple:
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and v > 0 for v in value):
             return tuple(value)
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                 tuple: "a list of positive integers"}[kind]
     raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected {expected}")
+
+
+def _ranges(key, value) -> dict:
+    """{input: [lo, hi]} with integer bounds, lo <= hi, as {input: (lo, hi)}."""
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) for b in v) and v[0] <= v[1]
+        for k, v in value.items())
+    if not ok:
+        raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping "
+                          "of input names to [lowest, highest] integers, e.g. {input_ids: [0, 30521]}")
+    return {k: (v[0], v[1]) for k, v in value.items()}
 
 
 def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from .errors import ServingError
+from .errors import RequestError, ServingError
 
 logger = logging.getLogger(__name__)
 # Substrings of CUDA's error strings for errors that poison the context (cudaGetErrorString)
@@ -44,6 +44,20 @@ def is_oom(e: BaseException) -> bool:
 def is_sticky(e: BaseException) -> bool:
     msg = str(e)
     return any(s in msg for s in STICKY)
+
+
+def client_fault(e: BaseException, spec) -> "RequestError | None":
+    """A failure of one request's own run that its values caused: an index past a table or
+    dimension, raised by an exported program's Python-level run (IndexError, torch's "index out
+    of range"). Only where the artifact takes integer inputs; any other failure is the server's.
+    Value contracts (handlers/values.py) refuse such requests in admission where the graph gave a
+    bound; this catches the rest, which the load line lists as unchecked."""
+    msg = str(e)
+    ints = [s.name for s in spec.inputs if s.dtype.startswith(("int", "uint"))]
+    if not ints or not (isinstance(e, IndexError) or "index out of range" in msg or "out of bounds" in msg):
+        return None
+    return RequestError(f"the model cannot index with this request's values ({type(e).__name__}: "
+                        f"{msg[:300]}); check the values of {', '.join(ints)} against the model's tables")
 
 
 def release_cache() -> None:

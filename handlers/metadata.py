@@ -17,9 +17,11 @@ from .errors import LoadError
 
 METADATA_FILE = "artifact.json"
 # Version of the artifact.json layout (stored under its "format" key): bumped when fields change
-# meaning, so an old handler refuses a newer file instead of misreading it.
-LAYOUT_VERSION = 1
-FORMAT_VERSION = LAYOUT_VERSION  # the earlier name, kept for callers on other branches
+# meaning, so an old handler refuses a newer file instead of misreading it. Layout 2 added named
+# dynamic dimensions ("dims", names in shapes) and per-input "values"; layout 1 files
+# (only the batch varies, nothing else recorded) read as before.
+LAYOUT_VERSION = 2
+READS = (1, 2)
 DTYPES = NAMES  # torch's dtype names, from the one table in dtypes.py
 
 
@@ -27,23 +29,43 @@ DTYPES = NAMES  # torch's dtype names, from the one table in dtypes.py
 class TensorSpec:
     name: str
     dtype: str
-    # Dimension 0 is the batch dimension; None marks a dimension that varies (the batch when
-    # the artifact was exported with a dynamic batch range).
+    # Dimension 0 is the batch dimension; None marks it when it varies (the batch range is
+    # ArtifactSpec.batch_min..batch_max). Other dimensions: an int (fixed) or the name of a
+    # dynamic dimension whose range is in ArtifactSpec.dims.
     shape: tuple
+    # Valid values of an integer or bool input: {"min", "max", "source"} (inclusive bounds and
+    # where they come from), or {"checked": False, "why"} where the values reach an indexing
+    # operation no bound could be derived for; None where no check applies.
+    values: Optional[dict] = None
 
     @property
     def rank(self) -> int:
         return len(self.shape)
 
+    @property
+    def value_range(self) -> Optional[tuple]:
+        v = self.values or {}
+        return (int(v["min"]), int(v["max"])) if "min" in v and "max" in v else None
+
     def describe(self) -> str:
         dims = "x".join("B" if d is None else str(d) for d in self.shape)
-        return f"{self.name}: {self.dtype}[{dims}]"
+        r = self.value_range
+        return f"{self.name}: {self.dtype}[{dims}]" + (f" in [{r[0]}, {r[1]}]" if r else "")
 
-    def zeros(self, rows: int, device=None):
-        """A zero tensor of this input with `rows` rows (warm-up, graph capture, the probe)."""
+    def concrete(self, rows: int, sizes: Optional[dict] = None) -> tuple:
+        """The shape with `rows` rows and each named dimension at `sizes[name]`."""
+        return (rows,) + tuple(sizes[d] if isinstance(d, str) else d for d in self.shape[1:])
+
+    def zeros(self, rows: int, device=None, sizes: Optional[dict] = None):
+        """A valid all-low tensor of this input with `rows` rows and named dimensions at `sizes`
+        (warm-up, graph capture, the probe): zeros, or the lowest valid value where zero is not."""
         import torch
 
-        return torch.zeros((rows,) + tuple(self.shape[1:]), dtype=torch_dtype(self.dtype), device=device)
+        t = torch.zeros(self.concrete(rows, sizes), dtype=torch_dtype(self.dtype), device=device)
+        r = self.value_range
+        if r and not r[0] <= 0 <= r[1] and t.dtype != torch.bool:
+            t.fill_(r[0])
+        return t
 
 
 @dataclass(frozen=True)
@@ -65,6 +87,8 @@ class ArtifactSpec:
     machine: str = ""
     compiler: str = ""
     extra: dict = field(default_factory=dict)  # kind-specific facts (TensorRT versions, ...)
+    # Named dynamic dimensions other than the batch: name -> (min, max), inclusive.
+    dims: dict = field(default_factory=dict)
     variant_dir: str = ""  # set at read time: the directory the metadata came from
 
     @property
@@ -79,6 +103,16 @@ class ArtifactSpec:
     def dynamic_batch(self) -> bool:
         return self.batch_min != self.batch_max
 
+    def min_sizes(self) -> dict:
+        """Each named dimension at its smallest valid size."""
+        return {name: lo for name, (lo, _hi) in self.dims.items()}
+
+    def example(self, rows: int, device=None, sizes: Optional[dict] = None) -> dict:
+        """{input: valid low tensor} with `rows` rows, named dimensions at `sizes` (default:
+        their minimum)."""
+        sizes = sizes or self.min_sizes()
+        return {s.name: s.zeros(rows, device, sizes) for s in self.inputs}
+
     @property
     def artifact_path(self) -> str:
         return os.path.join(self.variant_dir, self.artifact)
@@ -88,20 +122,42 @@ class ArtifactSpec:
         d.pop("variant_dir")
         d["format"] = LAYOUT_VERSION
         for key in ("inputs", "outputs"):
-            d[key] = [{"name": s["name"], "dtype": s["dtype"], "shape": list(s["shape"])} for s in d[key]]
+            d[key] = [{"name": s["name"], "dtype": s["dtype"], "shape": list(s["shape"]),
+                       **({"values": s["values"]} if s["values"] else {})} for s in d[key]]
         d["cuda_archs"] = list(self.cuda_archs)
+        d["dims"] = {k: {"min": lo, "max": hi} for k, (lo, hi) in self.dims.items()}
         return d
 
 
-def _tensor_specs(raw, where: str):
+def _tensor_specs(raw, where: str, dims: dict):
     specs = []
     for i, item in enumerate(raw):
         try:
-            specs.append(TensorSpec(str(item["name"]), str(item["dtype"]), tuple(item["shape"])))
-        except (KeyError, TypeError) as e:
+            shape = tuple(item["shape"])
+            values = item.get("values")
+            spec = TensorSpec(str(item["name"]), str(item["dtype"]), shape, dict(values) if values else None)
+            spec.value_range  # noqa: B018  (min/max must be integers)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"{where}[{i}] in {METADATA_FILE} is malformed ({e}); "
-                            "expected {name, dtype, shape}. Re-run scripts/compile.py.") from e
+                            "expected {name, dtype, shape[, values]}. Re-run scripts/compile.py.") from e
+        bad = [d for d in shape[1:] if not (isinstance(d, int) and d >= 0) and not (isinstance(d, str) and d in dims)]
+        if bad or (shape and shape[0] is not None and not isinstance(shape[0], int)):
+            raise LoadError(f"{where}[{i}] ({spec.name}) in {METADATA_FILE} has shape {list(shape)}: "
+                            "dimension 0 must be the batch (null or an integer), the others integers or "
+                            f"names listed under \"dims\" ({sorted(dims) or 'none'}). Re-run scripts/compile.py.")
+        specs.append(spec)
     return tuple(specs)
+
+
+def _dims(raw, path: str) -> dict:
+    try:
+        dims = {str(k): (int(v["min"]), int(v["max"])) for k, v in (raw or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LoadError(f"{path}: \"dims\" is malformed ({e}); expected {{NAME: {{min, max}}}}") from e
+    for k, (lo, hi) in dims.items():
+        if not 0 <= lo <= hi:
+            raise LoadError(f"{path}: dimension {k!r} has range [{lo}, {hi}]; need 0 <= min <= max")
+    return dims
 
 
 def read_spec(directory: str) -> ArtifactSpec:
@@ -114,9 +170,9 @@ def read_spec(directory: str) -> ArtifactSpec:
                         "written by scripts/compile.py next to the artifact") from None
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON ({e}); rebuild it with scripts/compile.py") from e
-    if raw.get("format") != LAYOUT_VERSION:
+    if raw.get("format") not in READS:
         raise LoadError(f"{path} has layout version (key `format`) {raw.get('format')!r}; this handler "
-                        f"reads {LAYOUT_VERSION}. Recompile with this version of scripts/compile.py.")
+                        f"reads {', '.join(map(str, READS))}. Recompile with this version of scripts/compile.py.")
     missing = [k for k in ("backend", "artifact", "sha256", "device", "inputs", "outputs",
                            "output_structure", "batch_min", "batch_max", "torch_version") if k not in raw]
     if missing:
@@ -126,18 +182,20 @@ def read_spec(directory: str) -> ArtifactSpec:
     if os.path.basename(artifact) != artifact or artifact in ("", ".", ".."):
         raise LoadError(f"{path}: artifact {artifact!r} must be a file name inside the model "
                         "directory, not a path")
-    for s in _tensor_specs(raw["inputs"], "inputs") + _tensor_specs(raw["outputs"], "outputs"):
+    dims = _dims(raw.get("dims"), path)
+    inputs, outputs = _tensor_specs(raw["inputs"], "inputs", dims), _tensor_specs(raw["outputs"], "outputs", dims)
+    for s in inputs + outputs:
         if s.dtype not in DTYPES:
             raise LoadError(f"{path}: {s.name} has dtype {s.dtype!r}; expected one of {', '.join(DTYPES)}")
     return ArtifactSpec(
         backend=raw["backend"], artifact=artifact, sha256=raw["sha256"], device=raw["device"],
-        inputs=_tensor_specs(raw["inputs"], "inputs"), outputs=_tensor_specs(raw["outputs"], "outputs"),
+        inputs=inputs, outputs=outputs,
         output_structure=raw["output_structure"], batch_min=int(raw["batch_min"]),
         batch_max=int(raw["batch_max"]), torch_version=raw["torch_version"],
         compute_capability=raw.get("compute_capability"), cuda_archs=tuple(raw.get("cuda_archs") or ()),
         cpu_isa=raw.get("cpu_isa"), platform=raw.get("platform", ""), machine=raw.get("machine", ""),
         compiler=raw.get("compiler", ""), extra=dict(raw.get("extra") or {}),
-        variant_dir=directory,
+        dims=dims, variant_dir=directory,
     )
 
 

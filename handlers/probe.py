@@ -89,7 +89,7 @@ def main():
         placement = Placement(kind, index if index >= 0 else None)
         model = load_artifact(spec, placement, parse_config({"handler": {"cuda_graphs": graphs}}))
         with torch.inference_mode():
-            args = [s.zeros(spec.batch_min, placement.torch_device) for s in spec.inputs]
+            args = list(spec.example(spec.batch_min, placement.torch_device).values())
             model(*args)
         if kind == "cuda":
             torch.cuda.synchronize()

@@ -60,6 +60,7 @@ class CompiledModelHandler(BaseHandler):
         self.initialized = False
         self.load_error = None  # a LoadError: this worker answers every request with it
         self.broken = None  # a sticky device fault: the worker is exiting (handlers/faults.py)
+        self.limits = None  # set by a load that got as far as reading the artifact's contract
         self._grpc, self._failed = {}, []  # per batch: gRPC request idx -> id; errors answered
         self.stages = StageTimes(self._metric, HandlerConfig.stage_metrics_s)
 
@@ -138,11 +139,12 @@ class CompiledModelHandler(BaseHandler):
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
             "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
-            "fp32 matmul precision %s; CPU threads: %s; %s%s; %s",
+            "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
-            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader)
+            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader,
+            self.limits.values.describe())
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 
@@ -153,13 +155,17 @@ class CompiledModelHandler(BaseHandler):
             logger.debug("metric %s not recorded: %s", name, e)
 
     def _zeros(self, rows: int) -> dict:
-        return {s.name: s.zeros(rows) for s in self.spec.inputs}
+        return self.spec.example(rows)
 
     def _warm_up(self) -> None:
         """The model across a few batch sizes: kernels, allocator, staging buffers."""
         for size in warmup_sizes(self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes):
             with torch.inference_mode():
                 self.runner.run([self._zeros(size)])
+        if self.spec.dims:  # the longest request too: the allocator sees its largest blocks now
+            longest = {k: hi for k, (_lo, hi) in self.spec.dims.items()}
+            with torch.inference_mode():
+                self.runner.run([self.spec.example(self.spec.batch_min, sizes=longest)])
 
     def _warm_up_request_path(self, context) -> None:
         """Requests through handle(), set up as TorchServe's Service.predict sets up a batch
@@ -246,6 +252,10 @@ class CompiledModelHandler(BaseHandler):
             if faults.is_oom(e):
                 faults.release_cache()
             if len(batch) == 1:
+                client = faults.client_fault(e, self.spec)
+                if client is not None:
+                    logger.warning("request refused by the model itself: %s", client.message)
+                    return [client]
                 if faults.is_oom(e):
                     logger.warning("out of device memory on one request: %s", e)
                     return [faults.OutOfDeviceMemory(f"out of device memory for this request ({e}); "
@@ -315,8 +325,9 @@ class CompiledModelHandler(BaseHandler):
             return [self.describe_handle()]
         self._failed = []
         try:
+            json_cap = self.limits.max_json_bytes if self.limits else int(HandlerConfig.max_json_mb * (1 << 20))
             self._grpc = {i: oip.request_id(r) for i, r in enumerate(data)
-                          if oip.is_grpc(context, i, r, self.limits.max_json_bytes)}
+                          if oip.is_grpc(context, i, r, json_cap)}
         except Exception:  # a malformed gRPC request: answered below as REST, with its error
             logger.exception("could not tell gRPC requests apart")
             self._grpc = {}

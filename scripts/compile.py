@@ -2,11 +2,16 @@
 """Compile a model into a servable artifact plus its artifact.json.
 
   python -m scripts.compile --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
-      [--dynamic-batch MIN:MAX] --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
+      [--dynamic-batch MIN:MAX] [--dim NAME=MIN:MAX ...] [--input-range INPUT=LO:HI ...]
+      --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
 
 FACTORY returns an nn.Module in eval mode; SHAPE like 8x3x32x32 (dimension 0 is the batch,
-and the example batch must lie inside MIN:MAX). Input names must be the forward()'s parameter
-names, in order. The artifact is checked against eager before metadata is written.
+and the example batch must lie inside MIN:MAX). A dimension may be a name declared with --dim,
+e.g. `--input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:512`: requests may
+then carry any length in that range (inputs sharing a name must agree). Input names must be the
+forward()'s parameter names, in order. Integer inputs that index a table get their valid values
+from the graph (scripts/contract.py); --input-range adds or tightens a bound. The artifact is
+checked against eager before metadata is written.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from handlers.kinds import KINDS
 from handlers.kinds.aoti_package import package_metadata
-from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, dtype_name, sha256_file, write_spec
+from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, sha256_file, write_spec
+from scripts import contract
 
 # Kinds that compile.py produces from an exported program (the bare .so is extracted: --bare-so).
 COMPILABLE = tuple(name for name, kind in KINDS.items() if kind.compile_needs is not None)
@@ -54,20 +60,47 @@ def pick_compiler(explicit=None) -> str:
         return cxx
 
 
-def parse_input(text: str) -> TensorSpec:
+def parse_input(text: str, named=()) -> TensorSpec:
     parts = text.split(":")
     if len(parts) != 3:
         raise CompileError(f"--input {text!r}: expected NAME:SHAPE:DTYPE, e.g. image:8x3x32x32:float32")
     name, shape, dtype = parts
-    try:
-        dims = tuple(int(d) for d in shape.lower().split("x"))
-    except ValueError:
-        raise CompileError(f"--input {text!r}: SHAPE must be integers joined by 'x', e.g. 8x3x32x32") from None
-    if not dims or any(d <= 0 for d in dims):
+    dims = []
+    for i, d in enumerate(shape.split("x")):
+        if d.isdigit():
+            dims.append(int(d))
+        elif i > 0 and d in named:
+            dims.append(d)
+        else:
+            raise CompileError(f"--input {text!r}: SHAPE must be integers joined by 'x' (8x3x32x32), or "
+                               f"names declared with --dim after the batch (8xS with --dim S=1:512); got {d!r}")
+    dims = tuple(dims)
+    if not dims or any(isinstance(d, int) and d <= 0 for d in dims):
         raise CompileError(f"--input {text!r}: every dimension must be positive")
     if dtype not in DTYPES:
         raise CompileError(f"--input {text!r}: dtype must be one of {', '.join(DTYPES)}")
     return TensorSpec(name, dtype, dims)
+
+
+def parse_dims(items) -> dict:
+    """--dim NAME=MIN:MAX values as {name: (min, max)}."""
+    out = {}
+    for text in items or ():
+        name, _, rng = text.partition("=")
+        try:
+            lo, hi = (int(x) for x in rng.split(":"))
+        except ValueError:
+            raise CompileError(f"--dim {text!r}: expected NAME=MIN:MAX, e.g. S=8:512") from None
+        if not (name.isidentifier() and 1 <= lo <= hi):
+            raise CompileError(f"--dim {text!r}: need an identifier NAME and 1 <= MIN <= MAX")
+        out[name] = (lo, hi)
+    return out
+
+
+def example_size(lo: int, hi: int) -> int:
+    """The example length a named dimension is exported with: inside its range, not 1 (export
+    specializes a dimension whose example is 0 or 1)."""
+    return min(hi, max(lo, 16, 2))
 
 
 def load_factory(ref: str):
@@ -91,12 +124,13 @@ def example_inputs(specs, device):
     out = []
     for s in specs:
         dt = getattr(torch, s.dtype)
+        shape = tuple(s.shape)
         if dt == torch.bool:
-            t = torch.rand(s.shape, generator=g) > 0.3
+            t = torch.rand(shape, generator=g) > 0.3
         elif dt.is_floating_point:
-            t = torch.randn(s.shape, generator=g).to(dt)
+            t = torch.randn(shape, generator=g).to(dt)
         else:
-            t = torch.randint(0, 8, s.shape, generator=g).to(dt)
+            t = torch.randint(0, 8, shape, generator=g).to(dt)
         out.append(t.to(device))
     return out
 
@@ -131,6 +165,10 @@ def main(argv=None):
     p.add_argument("--input", action="append", required=True, dest="raw_inputs",
                    help="NAME:SHAPE:DTYPE, once per forward() argument, in order")
     p.add_argument("--dynamic-batch", help="MIN:MAX range of dimension 0; omit for a fixed batch")
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=MIN:MAX",
+                   help="a named dynamic dimension used in --input shapes (e.g. S=8:512)")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
+                   help="valid values of an integer input (adds to or tightens the bound from the graph)")
     p.add_argument("--backend", required=True, choices=COMPILABLE,
                    help="artifact kind (handlers/kinds/): " + ", ".join(COMPILABLE))
     p.add_argument("--device", required=True, choices=("cpu", "cuda"))
@@ -144,7 +182,11 @@ def main(argv=None):
     p.add_argument("--cxx", help="aoti: C++ compiler for the wrapper (default: g++-12 if present, else $CXX)")
     p.add_argument("--out", required=True, help="output directory (created)")
     args = p.parse_args(argv)
-    args.inputs = [parse_input(t) for t in args.raw_inputs]
+    args.dims = parse_dims(args.dim)
+    args.inputs = [parse_input(t, args.dims) for t in args.raw_inputs]
+    unused = set(args.dims) - {d for s in args.inputs for d in s.shape[1:]}
+    if unused:
+        raise CompileError(f"--dim {', '.join(sorted(unused))} is not used in any --input shape")
     dyn = None
     if args.dynamic_batch:
         try:
@@ -166,6 +208,10 @@ def main(argv=None):
 
     kind = KINDS[args.backend]
     check_needs(kind)
+    if args.dims and args.backend == "tensorrt":
+        raise CompileError("--dim: named dynamic dimensions are not supported with --backend tensorrt "
+                           "(its engines take per-input shape ranges this script does not build yet); "
+                           "use --backend aoti or export")
     compiler = pick_compiler(args.cxx) if "cxx" in kind.compile_needs else ""
     import torch
 
@@ -185,7 +231,9 @@ def main(argv=None):
     names = [s.name for s in args.inputs]
     if params[:len(names)] != names:
         raise CompileError(f"--input names {names} must match forward()'s parameters {params}, in order")
-    inputs = example_inputs(args.inputs, device)
+    sizes = {n: example_size(lo, hi) for n, (lo, hi) in args.dims.items()}
+    inputs = example_inputs([TensorSpec(s.name, s.dtype, s.concrete(s.shape[0], sizes)) for s in args.inputs],
+                            device)
     if args.precision == "fp16":
         module = module.half()
         inputs = [t.half() if t.is_floating_point() else t for t in inputs]
@@ -193,15 +241,23 @@ def main(argv=None):
                        for s in args.inputs]
 
     dynamic_shapes = None
-    if dyn:
-        batch = torch.export.Dim("batch", min=dyn[0], max=dyn[1])
-        dynamic_shapes = {n: {0: batch} for n in names}
+    if dyn or args.dims:
+        named = {n: torch.export.Dim(n, min=lo, max=hi) for n, (lo, hi) in args.dims.items()}
+        batch = torch.export.Dim("batch", min=dyn[0], max=dyn[1]) if dyn else None
+        dynamic_shapes = {s.name: {a: named[d] for a, d in enumerate(s.shape) if isinstance(d, str)}
+                          | ({0: batch} if batch else {}) for s in args.inputs}
     os.makedirs(args.out, exist_ok=True)
     with torch.no_grad():
         eager = module(*inputs)
         structure, named = output_structure(eager)
         t0 = time.perf_counter()
         ep = torch.export.export(module, tuple(inputs), dynamic_shapes=dynamic_shapes)
+    hints = {f"{s.name}.{a}": d for s in args.inputs for a, d in enumerate(s.shape) if isinstance(d, str)}
+    try:
+        found = contract.read(ep, [n for n, _ in named], hints)
+        values = contract.tighten(found.values, contract.parse_ranges(args.input_range), names)
+    except contract.ContractError as e:
+        raise CompileError(str(e)) from None
     path = os.path.join(args.out, ARTIFACT)
     args.dyn = dyn
     extra = kind.compile(ep, inputs, path, args)
@@ -217,13 +273,11 @@ def main(argv=None):
         if args.device == "cuda" and meta.get("AOTI_COMPUTE_CAPABILITY"):
             c = meta["AOTI_COMPUTE_CAPABILITY"]
             cc, archs = f"{c[:-1]}.{c[-1]}", [f"sm_{c}"]
-    lo, hi = dyn if dyn else (batches.pop(),) * 2
+    lo, hi = found.batch
     spec = ArtifactSpec(
         backend=args.backend, artifact=ARTIFACT, sha256=sha256_file(path), device=args.device,
-        inputs=tuple(TensorSpec(s.name, s.dtype, (None if dyn else s.shape[0],) + s.shape[1:])
-                     for s in args.inputs),
-        outputs=tuple(TensorSpec(n, dtype_name(t.dtype), (None if dyn else t.shape[0],) + tuple(t.shape[1:]))
-                      for n, t in named),
+        inputs=tuple(TensorSpec(n, dt, tuple(shape), values.get(n)) for n, dt, shape in found.inputs),
+        outputs=tuple(TensorSpec(n, dt, tuple(shape)) for n, dt, shape in found.outputs), dims=found.dims,
         output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
         compute_capability=cc, cuda_archs=tuple(archs or ()), cpu_isa=isa, platform=sys.platform,
         machine=platform.machine(), compiler=compiler, extra=extra, variant_dir=args.out)
@@ -262,7 +316,7 @@ def main(argv=None):
 
         extract_bare_so(spec, os.path.join(args.out, "bare_so"))
     print(f"wrote {path} ({args.backend}, {args.device}, batch {lo}..{hi}) in {compile_s:.1f}s; "
-          f"max |artifact - eager| = {worst:.2e}")
+          f"max |artifact - eager| = {worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}")
     return 0
 
 

@@ -34,8 +34,24 @@ class Runner:
         return ""
 
     def run(self, requests: list) -> list:
-        """requests: list of {input name: CPU tensor} with equal rows per request.
-        Returns, per request, {output name: CPU tensor holding exactly its rows}."""
+        """requests: list of {input name: CPU tensor}. Returns, per request, {output name: CPU
+        tensor holding exactly its rows}. Requests whose named dynamic dimensions differ (texts
+        of different lengths) run as groups of equal shape, each answered as it would be alone;
+        the outputs of all but the last group are copied out of the reused buffers."""
+        if len(requests) > 1 and self.spec.dims:
+            groups = {}
+            for i, r in enumerate(requests):
+                groups.setdefault(tuple(t.shape[1:] for t in r.values()), []).append(i)
+            if len(groups) > 1:
+                out = [None] * len(requests)
+                for n, idxs in enumerate(groups.values()):
+                    last = n == len(groups) - 1
+                    for i, o in zip(idxs, self._run_one_shape([requests[i] for i in idxs])):
+                        out[i] = o if last else {k: v.clone() for k, v in o.items()}
+                return out
+        return self._run_one_shape(requests)
+
+    def _run_one_shape(self, requests: list) -> list:
         counts = [next(iter(r.values())).shape[0] for r in requests]
         chunks = plan_chunks(sum(counts), self.spec.batch_min, self.spec.batch_max)
         names = self.spec.input_names

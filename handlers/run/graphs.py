@@ -54,7 +54,7 @@ class GraphBucket:
 
 
 def _static_inputs(spec, rows: int, device) -> list:
-    return [s.zeros(rows, device) for s in spec.inputs]
+    return list(spec.example(rows, device).values())
 
 
 def capture(model, spec, rows: int, device, stream, pool) -> GraphBucket:
@@ -94,9 +94,10 @@ def first_difference(model, bucket: GraphBucket, stream, seed: int) -> Optional[
 def why_not_capturable(kind, spec) -> Optional[str]:
     if not getattr(kind, "graph_capturable", False):
         return f"{spec.backend} artifacts keep their own runtime's launch path"
-    dynamic = [s.name for s in spec.inputs if any(d is None for d in s.shape[1:])]
+    dynamic = [s.name for s in spec.inputs if any(d is None or isinstance(d, str) for d in s.shape[1:])]
     if dynamic:
-        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions"
+        # a graph replays one shape: requests of every length run through the artifact's own call
+        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions ({', '.join(spec.dims) or '?'})"
     return None
 
 

@@ -62,7 +62,9 @@ def spec_of(spec: ArtifactSpec, name: str) -> TensorSpec:
                        f"{', '.join(s.describe() for s in spec.inputs)}")
 
 
-def check_tensor(spec: TensorSpec, t: torch.Tensor, where: str) -> None:
+def check_tensor(spec: TensorSpec, t: torch.Tensor, where: str, dims: dict = {}, seen: dict = None) -> None:
+    """dtype, rank and every dimension against the contract; a named dimension within its range
+    in `dims` and equal to the size it had in earlier inputs (`seen`: name -> (size, where))."""
     want = BY_NAME[spec.dtype].torch
     if t.dtype != want:
         raise RequestError(f"{where}: dtype {str(t.dtype).replace('torch.', '')} does not match the "
@@ -71,11 +73,24 @@ def check_tensor(spec: TensorSpec, t: torch.Tensor, where: str) -> None:
         raise RequestError(f"{where}: shape {list(t.shape)} has rank {t.dim()}, expected rank "
                            f"{spec.rank} ({spec.describe()}, batch first)")
     for axis, (got, exp) in enumerate(zip(t.shape, spec.shape)):
-        if axis > 0 and exp is not None and got != exp:
+        if axis > 0 and isinstance(exp, str):
+            _check_named(exp, got, axis, dims, seen if seen is not None else {}, where, spec)
+        elif axis > 0 and exp is not None and got != exp:
             raise RequestError(f"{where}: shape {list(t.shape)} has {got} at dimension {axis}, the "
                                f"artifact needs {exp} ({spec.describe()})")
     if t.shape[0] == 0:
         raise RequestError(f"{where}: batch dimension is 0; send at least one row")
+
+
+def _check_named(name: str, got: int, axis: int, dims: dict, seen: dict, where: str, spec: TensorSpec) -> None:
+    lo, hi = dims[name]
+    if not lo <= got <= hi:
+        raise RequestError(f"{where}: dimension {axis} ({name}) is {got}; this artifact accepts {name} "
+                           f"from {lo} to {hi} ({spec.describe()})")
+    if name in seen and seen[name][0] != got:
+        raise RequestError(f"{where}: dimension {axis} ({name}) is {got} but {seen[name][1]} has {name} = "
+                           f"{seen[name][0]}; inputs sharing {name} must agree")
+    seen.setdefault(name, (got, where))
 
 
 def check_inputs(tensors: dict, spec: ArtifactSpec) -> tuple:
@@ -86,8 +101,9 @@ def check_inputs(tensors: dict, spec: ArtifactSpec) -> tuple:
     missing = [s.describe() for s in spec.inputs if s.name not in tensors]
     if missing:
         raise RequestError(f"missing input(s): {'; '.join(missing)}")
+    seen = {}
     for s in spec.inputs:
-        check_tensor(s, tensors[s.name], f"input {s.name!r}")
+        check_tensor(s, tensors[s.name], f"input {s.name!r}", spec.dims, seen)
     rows = {t.shape[0] for t in tensors.values()}
     if len(rows) != 1:
         sizes = ", ".join(f"{n}={t.shape[0]}" for n, t in tensors.items())
