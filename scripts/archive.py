@@ -5,6 +5,9 @@ nothing is pip-installed per model.
 
   python -m scripts.archive --artifact DIR --name NAME [--out model_store]
       [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
+  python -m scripts.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
+  python -m scripts.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
+      [--input-range INPUT=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
       [--handler-option KEY=VALUE ...]
 """
@@ -59,7 +62,7 @@ def response_row_bytes(spec) -> int:
 
     total = 0
     for o in spec.outputs:
-        if any(d is None for d in o.shape[1:]):
+        if any(not isinstance(d, int) for d in o.shape[1:]):
             return 0
         n = torch.empty((), dtype=getattr(torch, o.dtype)).element_size()
         for d in o.shape[1:]:
@@ -76,10 +79,26 @@ def default_batch_size(specs) -> int:
     return max(1, min([8] + [s.batch_max for s in specs]))
 
 
+def imported(path: str, i: int, args, tmp: str) -> str:
+    """A directory as it is; a .pt2 file imported into a directory of its own first."""
+    if os.path.isdir(path):
+        return path
+    if not os.path.exists(path):
+        fail(f"--artifact {path}: no such file or directory")
+    from scripts.import_artifact import import_artifact
+
+    return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", action="append", required=True,
-                   help="directory written by scripts/compile.py; repeat for variants")
+                   help="directory written by scripts/compile.py (repeat for variants), or a .pt2 file "
+                        "from torch.export.save or aoti_compile_and_package")
+    p.add_argument("--program", help="with an AOTInductor package: the torch.export program it was "
+                                     "compiled from (the package does not record its input shapes)")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
+                   help="with a .pt2 file: valid values of an integer input")
     p.add_argument("--name", required=True)
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
     p.add_argument("--version", default="1.0")
@@ -124,6 +143,7 @@ def main(argv=None):
         shutil.copytree(os.path.join(ROOT, "handlers"), os.path.join(stage, "handlers"),
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         specs = []
+        args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
         if len(args.artifact) == 1:
             specs.append(copy_variant(args.artifact[0], stage))
         else:

@@ -215,8 +215,8 @@ def _dim_of(d, symbols: dict, where: str, hints: dict):
     if not getattr(expr, "is_Symbol", False):
         raise ContractError(f"{where} is the expression {expr} of other dimensions; the handler checks "
                             "each dimension on its own. Export it as its own Dim, or fix it.")
-    if expr not in symbols:
-        symbols[expr] = hints.get(where) or where
+    if expr not in symbols:  # the user's own name (compile's --dim), else D1, D2, ... in order
+        symbols[expr] = hints.get(where) or f"D{sum(1 for v in symbols.values() if v != 'batch') + 1}"
     return symbols[expr]
 
 
@@ -244,6 +244,32 @@ def _tensors(nodes, names) -> list:
     return out
 
 
+def _children(spec) -> list:
+    if spec is None:
+        return []
+    if callable(getattr(spec, "children", None)):  # torch >= 2.12
+        return list(spec.children())
+    return list(getattr(spec, "children_specs", None) or [])
+
+
+def output_layout(ep) -> tuple:
+    """("tensor" | "tuple" | "dict", output names) from the program's output pytree: names are
+    the dict keys, output_i for a tuple, output for one tensor (as scripts/compile.py names
+    them). Nested outputs are refused: the handler answers with flat named tensors."""
+    spec = ep.call_spec.out_spec
+    kids = _children(spec)
+    if spec is None or spec.type is None or not kids:
+        return "tensor", ["output"]
+    if any(k.type is not None and _children(k) for k in kids):
+        raise ContractError(f"the program returns a nested structure ({spec}); return a tensor, a "
+                            "tuple of tensors or a dict of tensors")
+    if spec.type is dict:
+        return "dict", [str(k) for k in spec.context]
+    if spec.type in (tuple, list):
+        return "tuple", [f"output_{i}" for i in range(len(kids))]
+    raise ContractError(f"the program returns {spec.type.__name__}; return a tensor, a tuple or a dict of tensors")
+
+
 def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     """The contract of `ep`. `output_names` name the flattened outputs; `hints` maps
     "input.axis" to a dimension name the user chose (compile's --dim)."""
@@ -257,6 +283,7 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     outs = _tensors(list(out_node.args[0]), output_names)
     symbols = {}
     shaped = {}
+    hints = {**{f"{n}.0": "batch" for n, _ in ins}, **hints}
     for kind, items in (("in", ins), ("out", outs)):
         for name, val in items:
             shaped[(kind, name)] = [_dim_of(d, symbols, f"{name}.{a}", hints) for a, d in enumerate(val.shape)]

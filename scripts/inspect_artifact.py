@@ -62,7 +62,13 @@ def main(argv=None):
             print(f"[{label}] cpu isa        needs {spec.cpu_isa}")
         print(f"[{label}] platform       needs {spec.platform}/{spec.machine}")
         print(f"[{label}] inputs         {'; '.join(s.describe() for s in spec.inputs)}; "
-              f"batch {spec.batch_min}..{spec.batch_max}")
+              f"batch {spec.batch_min}..{spec.batch_max}"
+              + "".join(f"; {k} {lo}..{hi}" for k, (lo, hi) in spec.dims.items()))
+        print(f"[{label}] outputs        {'; '.join(s.describe() for s in spec.outputs)}")
+        unchecked = [s.name for s in spec.inputs if s.values and s.values.get("checked") is False]
+        if unchecked:
+            print(f"[{label}] values         UNCHECKED: {', '.join(unchecked)} reach an indexing operation "
+                  "with no derivable bound; add one with --input-range or handler.value_ranges")
         placement, problems, warnings = assess(spec, gpu_id, args.device_type)
         if not problems and args.trial_load:
             try:
