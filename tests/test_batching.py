@@ -90,8 +90,9 @@ def test_oversized_request_refused_when_split_disabled(main_server):
 
 def test_model_failure_fails_only_the_culprit(main_server):
     """A request valid by the input contract on which the model itself fails (an id outside the
-    embedding table): the batch fails, the handler retries the requests one by one, the culprit
-    gets 500 naming the failure and every other request its own correct answer."""
+    embedding table, with the value checks switched off): the batch fails, the handler retries
+    the requests one by one, the culprit gets 400 naming the failure (its own values caused it)
+    and every other request its own correct answer."""
     g = torch.Generator().manual_seed(500)
     ids = [torch.randint(0, 8, (1 + i % 3, 3), generator=g) for i in range(8)]
     ids[3] = torch.tensor([[1, 2, 3], [4, 8, 5]])  # 8: one past the table
@@ -99,9 +100,11 @@ def test_model_failure_fails_only_the_culprit(main_server):
     responses = fire(main_server, "lookup", [{"inputs": {"ids": x.tolist()}} for x in ids])
     for i, (r, x) in enumerate(zip(responses, ids)):
         if i == 3:
-            assert r.status_code == 500, r.text
-            assert r.json() == {"code": 500, "type": "InternalError",
-                                "message": "model execution failed: IndexError: index out of range in self"}
+            assert r.status_code == 400, r.text
+            assert r.json() == {"code": 400, "type": "InvalidInput",
+                                "message": "the model cannot index with this request's values (IndexError: "
+                                           "index out of range in self); check the values of ids against "
+                                           "the model's tables"}
         else:
             assert r.status_code == 200, (i, r.text)
             close(r.json()["outputs"], eager("lookup", x))
@@ -110,6 +113,28 @@ def test_model_failure_fails_only_the_culprit(main_server):
     lines = [ln for ln in main_server.log().splitlines() if "retrying requests one by one" in ln][before:]
     assert len(lines) == 1 and "index out of range in self" in lines[0], lines
     alone = main_server.predict("lookup", {"inputs": {"ids": [[9, 0, 0]]}})
-    assert alone.status_code == 500 and "index out of range" in alone.json()["message"]
+    assert alone.status_code == 400 and "index out of range" in alone.json()["message"]
     ok = main_server.predict("lookup", {"inputs": {"ids": ids[0].tolist()}})
     assert ok.status_code == 200  # the worker survived
+
+
+def test_value_contract_refuses_bad_ids_before_the_model(main_server):
+    """The same model with its value contract (the default): ids past the 8-row table or
+    negative are refused in admission with the range the graph gave, inside a batch of good
+    requests that are all answered correctly; nothing reaches the model, nothing is retried."""
+    g = torch.Generator().manual_seed(501)
+    ids = [torch.randint(0, 8, (1 + i % 3, 3), generator=g) for i in range(8)]
+    ids[2] = torch.tensor([[1, 2, 3], [4, 8, 5]])
+    ids[5] = torch.tensor([[0, -1, 0]])
+    before = main_server.log().count("retrying requests one by one")
+    responses = fire(main_server, "lookup_checked", [{"inputs": {"ids": x.tolist()}} for x in ids])
+    for i, (r, x) in enumerate(zip(responses, ids)):
+        if i in (2, 5):
+            value, pos = (8, [1, 1]) if i == 2 else (-1, [0, 1])
+            assert r.status_code == 400, r.text
+            assert r.json()["message"] == (f"input 'ids' holds {value} at position {pos}; this model accepts "
+                                           "values from 0 to 7 (embedding table of 8 rows)"), r.text
+        else:
+            assert r.status_code == 200, (i, r.text)
+            close(r.json()["outputs"], eager("lookup", x))
+    assert main_server.log().count("retrying requests one by one") == before
