@@ -224,10 +224,12 @@ def _range(ep, sym) -> tuple:
     vr = ep.range_constraints.get(sym)
     lo = int(vr.lower) if vr is not None else 0
     upper = vr.upper if vr is not None else None
-    try:
-        hi = int(upper)
-    except (TypeError, ValueError, OverflowError):
-        hi = None
+    hi = None
+    if upper is not None and getattr(upper, "is_finite", True) is not False:  # sympy's int_oo is not
+        try:
+            hi = int(upper)
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            hi = None
     if hi is None or hi > 2**31:
         raise ContractError(f"dimension {sym} has no upper bound in the program; export it with "
                             "torch.export.Dim(name, min=..., max=...) so requests can be bounded")

@@ -1,0 +1,210 @@
+"""The contract read from a torch.export program (scripts/contract.py): named dimensions with
+their ranges, output names, and the value ranges the graph walk derives for integer inputs
+that index something; the per-request value check (handlers/values.py); layout-1 files still
+load; requests of different lengths run in groups (handlers/run/base.py)."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from handlers.config import parse_config
+from handlers.errors import LoadError, RequestError
+from handlers.metadata import ArtifactSpec, TensorSpec, read_spec, write_spec
+from handlers.values import ValueContract
+from scripts import contract
+
+
+def export(module, *inputs, dynamic=None):
+    return torch.export.export(module.eval(), tuple(inputs), dynamic_shapes=dynamic)
+
+
+class Through(nn.Module):
+    """ids reach the table through a view, a cast between integer types and `+ 2`."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(10, 3)
+
+    def forward(self, ids):
+        return self.table((ids.view(-1).to(torch.int32) + 2).long())
+
+
+class TwoUses(nn.Module):
+    """One input indexes two tables (7 and 5 rows): the bounds intersect."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(7, 2), nn.Embedding(5, 2)
+
+    def forward(self, ids):
+        return self.a(ids) + self.b(ids)
+
+
+class Gathers(nn.Module):
+    def forward(self, x, idx, sel):
+        return torch.gather(x, 1, idx).sum(1) + torch.index_select(x, 1, sel).sum(1).sum(0)
+
+
+class Scaled(nn.Module):
+    """ids * 3 before the table: not a shift by a constant, so no bound is derived."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(30, 2)
+
+    def forward(self, ids, flags):
+        return self.table(ids * 3).sum(1) + flags.float().unsqueeze(-1)
+
+
+def test_bound_flows_through_views_casts_and_a_constant_shift():
+    ep = export(Through(), torch.tensor([[1, 2]]))
+    assert contract.value_ranges(ep) == {"ids": {"min": -2, "max": 7,
+                                                 "source": "embedding table of 10 rows (after adding 2)"}}
+
+
+def test_two_tables_intersect():
+    got = contract.value_ranges(export(TwoUses(), torch.tensor([[1, 2]])))
+    assert (got["ids"]["min"], got["ids"]["max"]) == (0, 4)
+
+
+def test_gather_and_index_select_bound_by_the_dimension_they_index():
+    x = torch.randn(2, 6)
+    got = contract.value_ranges(export(Gathers(), x, torch.tensor([[0, 5], [1, 2]]), torch.tensor([0, 3])))
+    assert (got["idx"]["min"], got["idx"]["max"]) == (0, 5) and (got["sel"]["min"], got["sel"]["max"]) == (0, 5)
+
+
+def test_no_derivable_bound_is_reported_unchecked_and_non_indexing_inputs_get_nothing():
+    got = contract.value_ranges(export(Scaled(), torch.tensor([[1, 2]]), torch.tensor([1])))
+    assert got["ids"]["checked"] is False and "aten.mul" in got["ids"]["why"]
+    assert "flags" not in got
+    spec = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("ids", "int64", (None, 2), got["ids"]),),
+                        (), "tensor", 1, 4, torch.__version__)
+    vc = ValueContract.of(spec, parse_config({}))
+    assert vc.ranges == () and "UNCHECKED: ids" in vc.describe()
+
+
+def test_named_dims_and_outputs_are_read_with_their_ranges():
+    class M(nn.Module):
+        def forward(self, ids, mask):
+            return {"per_token": ids.float() * mask, "total": (ids * mask).sum(1)}
+
+    ep = export(M(), torch.ones(3, 9, dtype=torch.long), torch.ones(3, 9, dtype=torch.long),
+                dynamic={"ids": {0: Dim("b", min=1, max=8), 1: Dim("s", min=4, max=40)},
+                         "mask": {0: Dim("b", min=1, max=8), 1: Dim("s", min=4, max=40)}})
+    structure, names = contract.output_layout(ep)
+    found = contract.read(ep, names)
+    assert (structure, names) == ("dict", ["per_token", "total"])
+    assert found.batch == (1, 8) and found.dims == {"D1": (4, 40)}
+    assert found.inputs == [("ids", "int64", [None, "D1"]), ("mask", "int64", [None, "D1"])]
+    assert found.outputs == [("per_token", "float32", [None, "D1"]), ("total", "int64", [None])]
+
+
+def test_a_dimension_without_an_upper_bound_is_refused_with_the_fix():
+    class M(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    ep = export(M(), torch.ones(2, 5), dynamic={"x": {0: Dim("b", min=1, max=8), 1: Dim("s")}})
+    with pytest.raises(contract.ContractError, match="torch.export.Dim"):
+        contract.read(ep, ["output"])
+
+
+def test_user_ranges_tighten_and_an_empty_intersection_is_refused():
+    derived = {"ids": {"min": 0, "max": 999, "source": "embedding table of 1000 rows"}}
+    got = contract.tighten(derived, contract.parse_ranges(["ids=5:2000"]), ["ids"])
+    assert (got["ids"]["min"], got["ids"]["max"]) == (5, 999)
+    with pytest.raises(contract.ContractError, match="empty"):
+        contract.tighten(derived, {"ids": (1000, 2000)}, ["ids"])
+    with pytest.raises(contract.ContractError, match="LO:HI"):
+        contract.parse_ranges(["ids=zero:9"])
+
+
+def spec_with(values, dtype="int64"):
+    return ArtifactSpec("export", "m", "", "cpu", (TensorSpec("ids", dtype, (None, "S"), values),),
+                        (), "tensor", 1, 4, torch.__version__, dims={"S": (1, 16)})
+
+
+def test_value_check_names_the_first_offending_value_its_position_and_the_range():
+    vc = ValueContract.of(spec_with({"min": 0, "max": 9, "source": "embedding table of 10 rows"}), parse_config({}))
+    vc.check({"ids": torch.tensor([[0, 9, 3]])})
+    with pytest.raises(RequestError) as e:
+        vc.check({"ids": torch.tensor([[0, 1, 2], [3, 10, -4]])})
+    assert e.value.status == 400
+    assert e.value.message == ("input 'ids' holds 10 at position [1, 1]; this model accepts values from 0 to 9 "
+                               "(embedding table of 10 rows)")
+
+
+def test_handler_options_add_tighten_and_switch_off_checks():
+    spec = spec_with({"min": 0, "max": 9, "source": "t"})
+    tight = ValueContract.of(spec, parse_config({"handler": {"value_ranges": {"ids": [2, 50]}}}))
+    assert [(c.lo, c.hi) for c in tight.ranges] == [(2, 9)]
+    with pytest.raises(RequestError, match="from 2 to 9"):
+        tight.check({"ids": torch.tensor([[1]])})
+    assert ValueContract.of(spec, parse_config({"handler": {"check_values": False}})).ranges == ()
+    floats = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("x", "float32", (None, 2)),), (), "tensor",
+                          1, 4, torch.__version__)
+    finite = ValueContract.of(floats, parse_config({"handler": {"refuse_nonfinite": True}}))
+    with pytest.raises(RequestError, match="nan at position \\[0, 1\\]"):
+        finite.check({"x": torch.tensor([[1.0, float("nan")]])})
+    ValueContract.of(floats, parse_config({})).check({"x": torch.tensor([[float("inf"), 0.0]])})
+
+
+def test_value_check_agrees_with_a_plain_loop_on_random_batches():
+    """Differential: the vectorised check against an element-by-element reference."""
+    vc = ValueContract.of(spec_with({"min": -3, "max": 40, "source": "s"}), parse_config({}))
+    g = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        t = torch.randint(-6, 44, (int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))),
+                          generator=g)
+        flat = t.flatten().tolist()
+        bad = next((i for i, v in enumerate(flat) if not -3 <= v <= 40), None)
+        if bad is None:
+            vc.check({"ids": t})
+            continue
+        with pytest.raises(RequestError) as e:
+            vc.check({"ids": t})
+        pos = [bad // t.shape[1], bad % t.shape[1]]
+        assert f"holds {flat[bad]} at position {pos}" in e.value.message
+
+
+def test_layout_1_files_still_load_and_layout_2_round_trips(tmp_path):
+    old = {"format": 1, "backend": "export", "artifact": "model.pt2", "sha256": "x", "device": "cpu",
+           "inputs": [{"name": "x", "dtype": "float32", "shape": [None, 4]}],
+           "outputs": [{"name": "output", "dtype": "float32", "shape": [None, 2]}],
+           "output_structure": "tensor", "batch_min": 1, "batch_max": 8, "torch_version": "2.13.0"}
+    (tmp_path / "artifact.json").write_text(json.dumps(old))
+    spec = read_spec(str(tmp_path))
+    assert spec.dims == {} and spec.inputs[0].values is None
+    new = ArtifactSpec("export", "model.pt2", "x", "cpu",
+                       (TensorSpec("ids", "int64", (None, "S"), {"min": 0, "max": 9, "source": "t"}),),
+                       (TensorSpec("y", "float32", (None, "S", 3)),), "tensor", 1, 8, "2.13.0", dims={"S": (2, 30)})
+    write_spec(new, str(tmp_path))
+    again = read_spec(str(tmp_path))
+    assert again.dims == {"S": (2, 30)} and again.inputs == new.inputs and again.outputs == new.outputs
+    raw = json.loads((tmp_path / "artifact.json").read_text())
+    raw["inputs"][0]["shape"] = [None, "T"]
+    (tmp_path / "artifact.json").write_text(json.dumps(raw))
+    with pytest.raises(LoadError, match="names listed under \"dims\""):
+        read_spec(str(tmp_path))
+
+
+def test_runner_groups_requests_of_different_lengths_each_as_if_alone():
+    from handlers.kinds import LoadedModel
+    from handlers.run import runner_for
+
+    spec = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("ids", "int64", (None, "S")),),
+                        (TensorSpec("y", "float32", (None, "S")), TensorSpec("n", "float32", (None,))),
+                        "dict", 1, 4, torch.__version__, dims={"S": (1, 50)})
+
+    def fn(ids):
+        return {"y": ids.float().cumsum(1), "n": ids.float().sum(1) / ids.shape[1]}
+
+    runner = runner_for(LoadedModel(fn, spec, torch.device("cpu"), "test"), spec, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    reqs = [{"ids": torch.randint(0, 9, (r, n), generator=g)} for r, n in [(1, 5), (2, 17), (1, 5), (3, 1), (1, 17)]]
+    out = runner.run(reqs)
+    for r, o in zip(reqs, out):
+        want = fn(r["ids"])
+        assert torch.equal(o["y"], want["y"]) and torch.equal(o["n"], want["n"])
