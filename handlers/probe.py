@@ -10,8 +10,12 @@ it with a signal.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -74,6 +78,80 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
                    "\n".join(lines[-5:]))
         raise LoadError(msg)
     return time.perf_counter() - t0
+
+
+VERDICTS = "probe-verdicts"
+
+
+def _verdict_key(spec: ArtifactSpec, placement: Placement, config) -> dict:
+    """What a trial load's success depends on: the artifact's bytes, where it loads, how (AOTI
+    loads differently with CUDA graphs), the torch build and this machine."""
+    import torch
+
+    from .machine import this_machine
+
+    return {"sha256": spec.sha256, "placement": str(placement), "cuda_graphs": config.cuda_graphs,
+            "torch": torch.__version__, "cuda": torch.version.cuda or "",
+            "machine": this_machine(placement).describe()}
+
+
+def _verdict_path(key: dict):
+    from . import scratch
+
+    root = scratch.shared_root()
+    if root is None:
+        return None
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return os.path.join(root, VERDICTS, name + ".ok")
+
+
+def _trusted(path: str, key: dict) -> bool:
+    """A regular file of this user that no one else may write, holding exactly `key`."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+        with open(path) as f:
+            return json.load(f) == key
+    except (OSError, ValueError):
+        return False
+
+
+def _record(path: str, key: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(key, f)
+        os.replace(tmp, path)
+    except OSError:  # a verdict not kept costs the next start a trial load, nothing else
+        pass
+
+
+def probe_once(spec: ArtifactSpec, placement: Placement, config, budget=None) -> tuple:
+    """The crash-safe trial load, unless one already passed for the same artifact bytes,
+    placement, torch build and machine (a verdict kept in this user's private scratch root, so a
+    restarted worker and its siblings skip it). Returns (seconds, note for the load line)."""
+    key = _verdict_key(spec, placement, config)
+    path = _verdict_path(key)
+    if path is None:
+        secs = crash_safe_probe(spec, placement, config, budget)
+        return secs, f"trial load {secs:.2f}s"
+    t0 = time.perf_counter()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    # Workers starting together queue on one lock per key: the first runs the trial load, the
+    # others find its verdict (flock is released when the descriptor closes, also on a raise).
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _trusted(path, key):
+            return 0.0, f"trial load passed before (verdict reused; waited {time.perf_counter() - t0:.2f}s)"
+        secs = crash_safe_probe(spec, placement, config, budget)
+        _record(path, key)
+        return secs, f"trial load {secs:.2f}s"
+    finally:
+        os.close(fd)
 
 
 def main():

@@ -30,6 +30,7 @@ import tempfile
 logger = logging.getLogger(__name__)
 ROOT_NAME = "compiled-serving"
 _entered = None
+_root = None  # the private root the worker directories live under (shared by this user's workers)
 
 
 def _alive(pid: int) -> bool:
@@ -104,5 +105,12 @@ def enter() -> str:
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
     except ValueError:  # not the main thread (tests calling initialize from a thread)
         pass
-    _entered = mine
+    global _root
+    _entered, _root = mine, root
     return mine
+
+
+def shared_root():
+    """The private root of this user's worker directories (None before enter()): a directory of
+    this user that no one else may write, which outlives any one worker."""
+    return _root

@@ -26,7 +26,7 @@ from handlers.envelope import refuse_envelope
 from handlers.errors import LoadError, ModelLoadFailed, RequestError, ServingError
 from handlers.kinds import kind_of
 from handlers.load import load_artifact
-from handlers.probe import crash_safe_probe
+from handlers.probe import probe_once
 from handlers.run import runner_for
 from handlers.stage_timings import StageTimes, label
 from handlers.variants import choose_variant
@@ -117,8 +117,8 @@ class CompiledModelHandler(BaseHandler):
             gpus = len(model_yaml.get("deviceIds") or ()) or torch.cuda.device_count()
             sync, sync_why = threads.cuda_wait(self.config.cuda_sync, workers, gpus)
             self.config = dataclasses.replace(self.config, cuda_sync=sync)
-        probe_s = (crash_safe_probe(spec, placement, self.config, budget)
-                   if self.config.crash_safe_load else 0.0)
+        _, probe_note = (probe_once(spec, placement, self.config, budget)
+                               if self.config.crash_safe_load else (0.0, "no trial load"))
         self.spec = spec
         self.limits = Limits.of(self.config, spec)
         self.model = load_artifact(spec, placement, self.config)
@@ -138,10 +138,10 @@ class CompiledModelHandler(BaseHandler):
               if placement.kind == "cuda" else None)
         logger.info(
             "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
-            "(crash-safe probe %.2fs), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
+            "(%s), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
             "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
-            load_s, probe_s, warm_s, ", ".join(s.describe() for s in spec.inputs),
+            load_s, probe_note, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
             graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader,
             self.limits.values.describe())
