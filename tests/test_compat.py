@@ -159,6 +159,9 @@ def test_refused_with_message_and_answered(broken, broken_server, name):
     assert r.status_code == 503 and r.json()["type"] == "ModelLoadFailed", r.text
     assert needle in r.json()["message"], r.text
     assert broken_server.describe(name)["ready"] is False
+    # answering the request touched nothing the failed load never set
+    mine = [ln for ln in broken_server.log().splitlines() if f"-{name}_" in ln]
+    assert not [ln for ln in mine if "AttributeError" in ln], mine[-10:]
 
 
 @pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
