@@ -71,6 +71,11 @@ def parse_args(argv):
     p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
     p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
     p.add_argument("--distinct-inputs", type=int, default=8)
+    p.add_argument("--lengths", default="",
+                   help="named dynamic dimensions per request: uniform:LO:HI or choice:A,B,C (default: "
+                        "uniform over each dimension's range)")
+    p.add_argument("--mask-inputs", default="",
+                   help="inputs sent as all ones (default: the inputs whose name contains 'mask')")
     p.add_argument("--handlers", default="ours,stock,stock_default,echo",
                    help="which of ours, stock, stock_default, echo to serve and measure")
     p.add_argument("--multi-gpu-clients", default=None,
@@ -104,27 +109,69 @@ def load_factory(ref: str):
     return lf(ref)
 
 
+def draw_lengths(text: str, dims: dict, g) -> dict:
+    """One size per named dimension from `--lengths` (uniform:LO:HI or choice:A,B,C; default:
+    uniform over the dimension's range), clamped into each dimension's range."""
+    import torch
+
+    out = {}
+    for name, (lo, hi) in dims.items():
+        kind, _, rest = (text or f"uniform:{lo}:{hi}").partition(":")
+        if kind == "choice":
+            options = [int(x) for x in rest.split(",")]
+            n = options[int(torch.randint(0, len(options), (1,), generator=g))]
+        elif kind == "uniform":
+            a, b = (int(x) for x in rest.split(":"))
+            n = int(torch.randint(a, b + 1, (1,), generator=g))
+        else:
+            raise SystemExit(f"--lengths {text!r}: expected uniform:LO:HI or choice:A,B,C")
+        out[name] = min(hi, max(lo, n))
+    return out
+
+
+def one_request(spec, args, g) -> dict:
+    """One row of every input: floats random normal, integers inside their valid values (the
+    value contract's range, else 0..99), mask inputs all ones (a request carries exactly its own
+    length), named dimensions drawn from --lengths."""
+    import torch
+
+    sizes = draw_lengths(args.lengths, spec.dims, g)
+    masks = set(args.mask_inputs.split(",")) if args.mask_inputs else {s.name for s in spec.inputs if "mask" in s.name}
+    out = {}
+    for s in spec.inputs:
+        shape, dtype = s.concrete(1, sizes), getattr(torch, s.dtype)
+        if s.name in masks:
+            out[s.name] = torch.ones(shape, dtype=dtype)
+        elif dtype.is_floating_point:
+            out[s.name] = torch.randn(shape, generator=g).to(dtype)
+        elif dtype == torch.bool:
+            out[s.name] = torch.rand(shape, generator=g) > 0.5
+        else:
+            lo, hi = s.value_range or (0, 99)
+            out[s.name] = torch.randint(lo, min(hi, lo + 1_000_000) + 1, shape, generator=g).to(dtype)
+    return out
+
+
 def references(args, spec, device):
-    """Distinct one-row inputs, their safetensors bodies and the eager outputs."""
+    """Distinct one-row requests, their safetensors bodies and the eager outputs."""
     import torch
     from safetensors.torch import save
 
-    (inp,) = spec.inputs  # the benchmark drives single-input models
-    dtype = getattr(torch, inp.dtype)
+    half = any(s.dtype == "float16" for s in spec.inputs + spec.outputs)
     model = load_factory(str(ROOT / args.factory) if not os.path.isabs(args.factory) else args.factory)()
     model = model.eval().to(device)
-    if dtype == torch.float16:
+    if half:
         model = model.half()
     g = torch.Generator().manual_seed(0)
     bodies, refs = [], []
     for _ in range(args.distinct_inputs):
-        x = torch.randn((1,) + tuple(inp.shape[1:]), generator=g).to(dtype)
+        x = one_request(spec, args, g)
         with torch.inference_mode():
-            y = model(x.to(device))
-        y = y if isinstance(y, dict) else {spec.output_names[0]: y}
-        bodies.append(save({inp.name: x}))
+            y = model(*[x[s.name].to(device) for s in spec.inputs])
+        y = y if isinstance(y, dict) else dict(zip(spec.output_names, y if isinstance(y, (tuple, list)) else [y]))
+        bodies.append(save(x))
         refs.append({k: v.float().cpu().numpy() for k, v in y.items()})
-    tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    tol = 1e-2 if half else 1e-4
     return bodies, refs, tol
 
 
@@ -158,8 +205,8 @@ def gpu_limit(spec, device, batch: int, iters: int = 30) -> dict:
 
     model = load_artifact(spec, Placement(device.type, device.index), parse_config({}))
     b = max(spec.batch_min, min(batch, spec.batch_max))
-    xs = [torch.zeros((b,) + tuple(s.shape[1:]), dtype=getattr(torch, s.dtype), device=device)
-          for s in spec.inputs]
+    # named dimensions at the middle of their range: one length for every row of the batch
+    xs = list(spec.example(b, device, {k: (lo + hi) // 2 for k, (lo, hi) in spec.dims.items()}).values())
     with torch.inference_mode():
         plain = _median_ms(lambda: model(*xs), device, iters)
         replay = None
@@ -186,7 +233,8 @@ def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=(
     return store / f"{name}.mar"
 
 
-def archive_baseline(args, store: Path, name: str, handler: str, workers: int, device_ids, section: dict) -> Path:
+def archive_baseline(args, store: Path, name: str, handler: str, workers: int, device_ids, section: dict,
+                     artifact=None) -> Path:
     cfg = {"minWorkers": workers, "maxWorkers": workers, "batchSize": args.batch_size,
            "maxBatchDelay": args.max_batch_delay, "responseTimeout": 120, **section}
     if device_ids:
@@ -199,6 +247,9 @@ def archive_baseline(args, store: Path, name: str, handler: str, workers: int, d
         files = Path(tmp) / "files"
         files.mkdir()
         shutil.copy2(ROOT / args.factory.rsplit(":", 1)[0], files / "models.py")
+        if artifact:  # the stock AOTI handler: the package and the handler it extends
+            shutil.copy2(artifact, files / os.path.basename(artifact))
+            shutil.copy2(ROOT / "scripts" / "baselines" / "stock_handler.py", files / "stock_handler.py")
         cmd = [tool("torch-model-archiver"), "--model-name", name, "--version", "1.0",
                "--handler", str(ROOT / "scripts" / "baselines" / handler), "--extra-files", str(files),
                "--config-file", str(cfg_path), "--export-path", str(store), "--force"]
@@ -251,12 +302,18 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
-    stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "input": spec.inputs[0].name,
-             "output": spec.output_names[0],
-             "precision": "fp16" if spec.inputs[0].dtype == "float16" else "fp32"}
+    half = any(s.dtype == "float16" for s in spec.inputs + spec.outputs)
+    stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "inputs": spec.input_names,
+             "outputs": spec.output_names, "precision": "fp16" if half else "fp32"}
     if "stock" in wanted:
         models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
                                            {"stock": {**stock, "cpu_threads": budget}})
+    if "stock_aoti" in wanted:
+        if spec.backend != "aoti":
+            raise SystemExit("bench_e2e: --handlers stock_aoti needs an AOTInductor artifact (--backend aoti)")
+        models["stock_aoti"] = archive_baseline(args, store, "stock_aoti", "stock_aoti_handler.py", workers, ids,
+                                                {"stock": {**stock, "artifact": spec.artifact, "cpu_threads": 1}},
+                                                spec.artifact_path)
     if "stock_default" in wanted:
         models["stock_default"] = archive_baseline(args, store, "stock_default", "stock_handler.py",
                                                    workers, ids, {"stock": stock})
@@ -312,7 +369,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
     token = server.key()
     firsts = _first_requests(args, server, token, n, bodies, refs, tol) if args.first_request else []
     points = []
-    main = ["ours", "stock", "echo"] + variant_models(args)
+    main = ["ours", "stock", "stock_aoti", "echo"] + variant_models(args)
     clients = ints(args.multi_gpu_clients or args.clients) if n > 1 else ints(args.clients)
     plan = [(m, c) for m in main if m in server.models for c in clients]
     extra = [m for m in server.models if is_thread_sweep(m) or m == "stock_default"]
@@ -380,7 +437,7 @@ def summary(points: list, limits: dict) -> dict:
     for (h, n, c), p in sorted(by.items()):
         if h != "ours":
             continue
-        stock, echo = by.get(("stock", n, c)), by.get(("echo", n, c))
+        stock, echo, aoti = by.get(("stock", n, c)), by.get(("echo", n, c)), by.get(("stock_aoti", n, c))
         img_limit = limits.get(str(n), {}).get("img_s")
         variants = {k[0]: v for k, v in by.items() if k[1:] == (n, c) and k[0].startswith("ours_")
                     and not is_thread_sweep(k[0])}
@@ -388,6 +445,7 @@ def summary(points: list, limits: dict) -> dict:
                      **{f"{k}_p50_ms": v["p50_ms"] for k, v in variants.items()},
                      **{f"{k}_req_s": v["req_s"] for k, v in variants.items()},
                      "vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
+                     "vs_stock_aoti": round(p["req_s"] / aoti["req_s"], 2) if aoti and aoti["req_s"] else None,
                      "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
                      "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None})
     threads = {}
@@ -428,10 +486,10 @@ def write_markdown(path: Path, result: dict):
     for n, lim in result["limits"].items():
         lines.append(f"- {n} GPU(s): {lim}")
     s = result["summary"]
-    lines += ["", "| GPUs | clients | ours req/s | ours / stock | ours / transport | ours / GPU limit |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r['vs_transport']} | "
-              f"{r['vs_gpu_limit']} |" for r in s["ours"]]
+    lines += ["", "| GPUs | clients | ours req/s | ours / stock eager | ours / stock AOTI | ours / transport "
+              "| ours / GPU limit |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r.get('vs_stock_aoti')} | "
+              f"{r['vs_transport']} | {r['vs_gpu_limit']} |" for r in s["ours"]]
     lines += _cores_table(result["points"])
     if s["thread_budget"]:
         lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
@@ -493,7 +551,7 @@ def plot(path: Path, result: dict):
     sets = sorted({p["gpus"] for p in result["points"]})
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.2), squeeze=False)
     for ax, n in zip(axes[0], sets):
-        for h in ("ours", "stock", "echo"):
+        for h in ("ours", "stock", "stock_aoti", "echo"):
             pts = sorted((p["clients"], p["req_s"]) for p in result["points"] if p["handler"] == h and p["gpus"] == n)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label={"echo": "transport limit (echo)"}.get(h, h))

@@ -167,3 +167,37 @@ def test_variant_models_name_each_variant_once():
     args = parse_args(["--artifact", "a", "--factory", "f.py:g", "--out", "o",
                        "--variant", "nographs:cuda_graphs=off", "--variant", "spin:cuda_sync=spin,cpu_threads=2"])
     assert variant_models(args) == ["ours_nographs", "ours_spin"]
+
+
+def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(artifacts, tmp_path):
+    """Two int64 inputs (ids inside the value contract's range, the mask all ones), lengths
+    drawn per request; every answer of ours, the stock handler and the echo checked."""
+    out = tmp_path / "text"
+    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("text_tiny_export")),
+           "--factory", "examples/text_encoder.py:text_encoder_tiny", "--out", str(out), "--clients", "2",
+           "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
+           "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,echo",
+           "--lengths", "uniform:4:40", "--distinct-inputs", "6"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {p["handler"] for p in result["points"]} == {"ours", "stock", "echo"}
+    for p in result["points"]:
+        assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
+    assert "--lengths uniform:4:40" in result["command"]
+    from scripts.bench_e2e import draw_lengths, one_request
+    import torch
+    from handlers.metadata import read_spec
+
+    spec = read_spec(str(artifacts.get("text_tiny_export")))
+
+    class Args:
+        lengths, mask_inputs = "uniform:4:40", ""
+
+    g = torch.Generator().manual_seed(0)
+    reqs = [one_request(spec, Args, g) for _ in range(30)]
+    lengths = {x["input_ids"].shape[1] for x in reqs}
+    assert len(lengths) > 5 and min(lengths) >= 4 and max(lengths) <= 40
+    assert all(bool((x["attention_mask"] == 1).all()) for x in reqs)
+    assert all(0 <= int(x["input_ids"].min()) and int(x["input_ids"].max()) <= 999 for x in reqs)
+    assert draw_lengths("choice:8,300", spec.dims, g)["S"] in (8, 64)  # clamped into the range
