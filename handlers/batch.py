@@ -73,3 +73,78 @@ def warmup_sizes(batch_min: int, batch_max: int, configured=()) -> list:
         keep = [sizes[round(i * (len(sizes) - 1) / 4)] for i in range(5)]
         sizes = sorted(set(keep))
     return sizes
+
+
+@dataclass(frozen=True)
+class PadPlan:
+    """Padding along named dynamic dimensions, where the archive declares it safe
+    (handler.pad): each request's inputs are padded with their pad value up to the smallest
+    bucket that holds its length, so requests of different lengths share a call; each output
+    that carries the dimension is cut back to the request's own length afterwards."""
+
+    buckets: dict  # dimension name -> ascending bucket sizes (the range's maximum last)
+    values: dict  # input name -> pad value
+    in_axes: tuple  # (input name, axis, dimension name)
+    out_axes: tuple  # (output name, axis, dimension name)
+
+    @classmethod
+    def of(cls, spec, pad: dict, configured=()) -> "PadPlan | None":
+        """None without pad values; ValueError naming the fix when they do not cover every input
+        with a named dimension, name unknown inputs, or a bucket lies outside a range."""
+        if not pad or not spec.dims:
+            return None
+        names = {s.name for s in spec.inputs}
+        unknown = sorted(set(pad) - names)
+        in_axes = tuple((s.name, a, d) for s in spec.inputs for a, d in enumerate(s.shape) if isinstance(d, str))
+        missing = sorted({n for n, _, _ in in_axes} - set(pad))
+        if unknown or missing:
+            raise ValueError(f"handler.pad must give a pad value for exactly the inputs with a named dimension "
+                             f"({', '.join(sorted({n for n, _, _ in in_axes}))}); unknown: {unknown or 'none'}, "
+                             f"missing: {missing or 'none'}")
+        buckets = {d: bucket_sizes(lo, hi, configured) for d, (lo, hi) in spec.dims.items()}
+        out_axes = tuple((s.name, a, d) for s in spec.outputs for a, d in enumerate(s.shape) if isinstance(d, str))
+        return cls(buckets, dict(pad), in_axes, out_axes)
+
+    def describe(self) -> str:
+        return ", ".join(f"{d} to {b}" for d, b in self.buckets.items())
+
+    def bucket(self, dim: str, size: int) -> int:
+        return next(b for b in self.buckets[dim] if b >= size)
+
+    def pad(self, request: dict) -> tuple:
+        """(padded request, {dimension: real size})."""
+        import torch
+
+        sizes = {d: request[n].shape[a] for n, a, d in self.in_axes}
+        out = dict(request)
+        for n, a, d in self.in_axes:
+            t, want = out[n], self.bucket(d, sizes[d])
+            if t.shape[a] < want:
+                shape = list(t.shape)
+                shape[a] = want
+                full = torch.full(shape, self.values[n], dtype=t.dtype)
+                full.narrow(a, 0, t.shape[a]).copy_(t)
+                out[n] = full
+        return out, sizes
+
+    def cut(self, outputs: dict, sizes: dict) -> dict:
+        out = dict(outputs)
+        for n, a, d in self.out_axes:
+            if n in out and out[n].shape[a] != sizes[d]:
+                out[n] = out[n].narrow(a, 0, sizes[d])
+        return out
+
+
+def bucket_sizes(lo: int, hi: int, configured=()) -> list:
+    """Configured lengths inside [lo, hi] (hi added), else the powers of two in range and hi."""
+    if configured:
+        bad = [b for b in configured if not lo <= b <= hi]
+        if bad:
+            raise ValueError(f"handler.pad_buckets {bad} lie outside the dimension's range [{lo}, {hi}]")
+        return sorted(set(configured) | {hi})
+    sizes, p = {hi}, 1
+    while p < hi:
+        if p >= lo:
+            sizes.add(p)
+        p *= 2
+    return sorted(sizes)

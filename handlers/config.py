@@ -81,6 +81,13 @@ class HandlerConfig:
     check_values: bool = True
     value_ranges: dict = field(default_factory=dict)
     refuse_nonfinite: bool = False
+    # Padding along named dynamic dimensions (handlers/batch.py PadPlan), declared by whoever
+    # archives a model that masks padding: {input: pad value} for every input with such a
+    # dimension. Requests are padded up to a length bucket (pad_buckets; empty: the powers of two
+    # in the dimension's range and its maximum) so texts of different lengths share one call;
+    # outputs with the dimension are cut back to each request's own length. Empty: never pad.
+    pad: dict = field(default_factory=dict)
+    pad_buckets: tuple = ()
 
 
 _HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
@@ -106,7 +113,7 @@ def _coerce(key, value, kind):
         if isinstance(value, str):
             return value
     elif kind is dict:
-        return _ranges(key, value)
+        return _pad_values(key, value) if key == "pad" else _ranges(key, value)
     elif kind is tuple:
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and v > 0 for v in value):
             return tuple(value)
@@ -125,6 +132,15 @@ def _ranges(key, value) -> dict:
         raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping "
                           "of input names to [lowest, highest] integers, e.g. {input_ids: [0, 30521]}")
     return {k: (v[0], v[1]) for k, v in value.items()}
+
+
+def _pad_values(key, value) -> dict:
+    ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
+                                         and not isinstance(v, bool) for k, v in value.items())
+    if not ok:
+        raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping of "
+                          "input names to the value padding holds, e.g. {input_ids: 0, attention_mask: 0}")
+    return dict(value)
 
 
 def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:

@@ -144,7 +144,7 @@ class CompiledModelHandler(BaseHandler):
             load_s, probe_note, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
             graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader,
-            self.limits.values.describe())
+            self.limits.values.describe() + (f"; padding {self.runner.pad.describe()}" if self.runner.pad else ""))
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 
@@ -162,10 +162,14 @@ class CompiledModelHandler(BaseHandler):
         for size in warmup_sizes(self.spec.batch_min, self.spec.batch_max, self.config.warmup_batch_sizes):
             with torch.inference_mode():
                 self.runner.run([self._zeros(size)])
-        if self.spec.dims:  # the longest request too: the allocator sees its largest blocks now
-            longest = {k: hi for k, (_lo, hi) in self.spec.dims.items()}
+        # every length bucket (padding), or the longest request: the allocator sees its blocks now
+        pad = self.runner.pad
+        lengths = ([{d: b for d in pad.buckets} for b in sorted({b for v in pad.buckets.values() for b in v})]
+                   if pad else [{k: hi for k, (_lo, hi) in self.spec.dims.items()}] if self.spec.dims else [])
+        for sizes in lengths:
+            sizes = {d: min(n, self.spec.dims[d][1]) for d, n in sizes.items()}
             with torch.inference_mode():
-                self.runner.run([self.spec.example(self.spec.batch_min, sizes=longest)])
+                self.runner.run([self.spec.example(self.spec.batch_min, sizes=sizes)])
 
     def _warm_up_request_path(self, context) -> None:
         """Requests through handle(), set up as TorchServe's Service.predict sets up a batch

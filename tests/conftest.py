@@ -40,9 +40,9 @@ ARTIFACTS = {
     "lookup_export": ["--model", "examples/models.py:lookup", "--input", "ids:4x3:int64",
                       "--dynamic-batch", "1:32", "--backend", "export"],
     # a text encoder whose length varies: two int64 inputs (ids within the vocabulary, a mask)
-    "text_tiny_export": ["--model", "examples/text_encoder.py:text_encoder_tiny", "--input", "input_ids:4xS:int64",
-                         "--input", "attention_mask:4xS:int64", "--dim", "S=4:64", "--dynamic-batch", "1:16",
-                         "--backend", "export"],
+    "text_tiny_aoti": ["--model", "examples/text_encoder.py:text_encoder_tiny", "--input", "input_ids:4xS:int64",
+                       "--input", "attention_mask:4xS:int64", "--dim", "S=4:64", "--dynamic-batch", "1:16",
+                       "--backend", "aoti"],
     # fixed batch of 4: everything is padded or split to exactly 4 rows
     "cls_export_fixed4": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",
                           "--backend", "export"],

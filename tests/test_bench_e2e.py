@@ -171,17 +171,19 @@ def test_variant_models_name_each_variant_once():
 
 def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(artifacts, tmp_path):
     """Two int64 inputs (ids inside the value contract's range, the mask all ones), lengths
-    drawn per request; every answer of ours, the stock handler and the echo checked."""
+    drawn per request; every answer of ours, the stock handlers (eager, and calling the same
+    AOTInductor package) and the echo checked."""
     out = tmp_path / "text"
-    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("text_tiny_export")),
+    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("text_tiny_aoti")),
            "--factory", "examples/text_encoder.py:text_encoder_tiny", "--out", str(out), "--clients", "2",
            "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
-           "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,echo",
+           "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,stock_aoti,echo",
            "--lengths", "uniform:4:40", "--distinct-inputs", "6"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
-    assert {p["handler"] for p in result["points"]} == {"ours", "stock", "echo"}
+    assert {p["handler"] for p in result["points"]} == {"ours", "stock", "stock_aoti", "echo"}
+    assert all(r["vs_stock_aoti"] for r in result["summary"]["ours"])
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
     assert "--lengths uniform:4:40" in result["command"]
@@ -189,7 +191,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     import torch
     from handlers.metadata import read_spec
 
-    spec = read_spec(str(artifacts.get("text_tiny_export")))
+    spec = read_spec(str(artifacts.get("text_tiny_aoti")))
 
     class Args:
         lengths, mask_inputs = "uniform:4:40", ""

@@ -208,3 +208,29 @@ def test_runner_groups_requests_of_different_lengths_each_as_if_alone():
     for r, o in zip(reqs, out):
         want = fn(r["ids"])
         assert torch.equal(o["y"], want["y"]) and torch.equal(o["n"], want["n"])
+
+
+def test_pad_plan_pads_to_buckets_cuts_outputs_and_names_the_fix():
+    from handlers.batch import PadPlan
+
+    spec = ArtifactSpec("export", "m", "", "cpu",
+                        (TensorSpec("ids", "int64", (None, "S")), TensorSpec("mask", "int64", (None, "S")),
+                         TensorSpec("x", "float32", (None, 3))),
+                        (TensorSpec("tok", "float32", (None, "S", 2)), TensorSpec("pooled", "float32", (None, 2))),
+                        "dict", 1, 4, torch.__version__, dims={"S": (3, 50)})
+    plan = PadPlan.of(spec, {"ids": 7, "mask": 0})
+    assert plan.buckets == {"S": [4, 8, 16, 32, 50]} and [plan.bucket("S", n) for n in (3, 4, 5, 33, 50)] == [4, 4, 8, 50, 50]
+    req = {"ids": torch.tensor([[1, 2, 3, 4, 5]]), "mask": torch.ones(1, 5, dtype=torch.int64), "x": torch.ones(1, 3)}
+    padded, sizes = plan.pad(req)
+    assert sizes == {"S": 5} and padded["ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7]]
+    assert padded["mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]] and padded["x"] is req["x"]
+    cut = plan.cut({"tok": torch.zeros(1, 8, 2), "pooled": torch.zeros(1, 2)}, sizes)
+    assert cut["tok"].shape == (1, 5, 2) and cut["pooled"].shape == (1, 2)
+    assert PadPlan.of(spec, {}) is None
+    with pytest.raises(ValueError, match="missing: \\['mask'\\]"):
+        PadPlan.of(spec, {"ids": 0})
+    with pytest.raises(ValueError, match="unknown: \\['nope'\\]"):
+        PadPlan.of(spec, {"ids": 0, "mask": 0, "nope": 1})
+    with pytest.raises(ValueError, match="outside"):
+        PadPlan.of(spec, {"ids": 0, "mask": 0}, (2, 16))
+    assert PadPlan.of(spec, {"ids": 0, "mask": 0}, (16,)).buckets == {"S": [16, 50]}

@@ -63,6 +63,9 @@ def user_server(user_files, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("user_store")
     batched = ["--batch-size", "8", "--max-batch-delay", "300"]
     mars = {"text_ep": build_mar(d / "program.pt2", "text_ep", store, *batched),
+            # padding declared safe (the model masks it): lengths share calls in buckets
+            "text_pad": build_mar(d / "program.pt2", "text_pad", store, *batched, "--handler-option",
+                                  "pad={input_ids: 0, attention_mask: 0}", "--handler-option", "pad_buckets=[8, 32]"),
             "text_aoti": build_mar(d / "package.pt2", "text_aoti", store, "--program", str(d / "program.pt2"),
                                    *batched)}
     return serve(mars)
@@ -88,7 +91,7 @@ def worker_pids(ts, model) -> list:
     return sorted(w.get("pid") for w in r.json()[0]["workers"])
 
 
-@pytest.mark.parametrize("model", ["text_ep", "text_aoti"])
+@pytest.mark.parametrize("model", ["text_ep", "text_aoti", "text_pad"])
 def test_mixed_lengths_in_one_batch_each_equal_to_eager_alone(user_server, user_files, model):
     _, ref_model = user_files
     lengths = [3, 64, 10, 3, 33, 2, 17, 64]
@@ -103,7 +106,7 @@ def test_mixed_lengths_in_one_batch_each_equal_to_eager_alone(user_server, user_
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("model", ["text_ep", "text_aoti"])
+@pytest.mark.parametrize("model", ["text_ep", "text_aoti", "text_pad"])
 def test_lengths_and_ids_outside_the_contract_are_400_with_the_range(user_server, model):
     long_, short = text_inputs(MAX_LEN + 1), text_inputs(1)
     for ids, mask in (long_, short):
@@ -203,3 +206,7 @@ def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
     r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(d / "package.pt2"), "--name", "x",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "--program PROGRAM.pt2" in r.stderr and "torch.export.save" in r.stderr, r.stderr
+
+
+def test_padding_is_announced_in_the_load_line(user_server):
+    assert "padding D1 to [8, 32, 64]" in user_server.log()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import PadPlan
+from ..errors import ConfigError
 from ..threads import cuda_wait
 from .base import Runner
 from .cpu import CpuRunner
@@ -12,7 +14,17 @@ RUNNERS = {"cpu": CpuRunner, "cuda": CudaRunner}
 
 
 def runner_for(model, spec, device: torch.device, config=None) -> Runner:
-    """The runner for `device`'s kind; `config` (HandlerConfig) tunes the CUDA one."""
+    """The runner for `device`'s kind; `config` (HandlerConfig) tunes the CUDA one and says
+    whether requests are padded along named dimensions (handler.pad)."""
+    runner = _runner(model, spec, device, config)
+    try:
+        runner.pad = PadPlan.of(spec, getattr(config, "pad", None), getattr(config, "pad_buckets", ()))
+    except ValueError as e:
+        raise ConfigError(f"{e}. Fix the archive's model-config.yaml (scripts.archive --handler-option).") from None
+    return runner
+
+
+def _runner(model, spec, device: torch.device, config=None) -> Runner:
     if device.type == "cuda":
         return CudaRunner(model, spec, device,
                           stream_priority=config.stream_priority if config else 0,

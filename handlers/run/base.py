@@ -12,6 +12,7 @@ class Runner:
     def __init__(self, model, spec):
         self.model = model
         self.spec = spec
+        self.pad = None  # batch.PadPlan where the archive declares padding safe (handler.pad)
 
     def call(self, parts: dict, run_rows: int) -> dict:
         """One call of the artifact on the request rows `parts` ({input: [row blocks]}), padded
@@ -37,7 +38,15 @@ class Runner:
         """requests: list of {input name: CPU tensor}. Returns, per request, {output name: CPU
         tensor holding exactly its rows}. Requests whose named dynamic dimensions differ (texts
         of different lengths) run as groups of equal shape, each answered as it would be alone;
-        the outputs of all but the last group are copied out of the reused buffers."""
+        the outputs of all but the last group are copied out of the reused buffers. With a pad
+        plan, each request is first padded up to its length bucket and its outputs are cut back."""
+        if self.pad is not None:
+            padded = [self.pad.pad(r) for r in requests]
+            outs = self._run_groups([p for p, _ in padded])
+            return [self.pad.cut(o, sizes) for o, (_, sizes) in zip(outs, padded)]
+        return self._run_groups(requests)
+
+    def _run_groups(self, requests: list) -> list:
         if len(requests) > 1 and self.spec.dims:
             groups = {}
             for i, r in enumerate(requests):

@@ -1,7 +1,9 @@
 """The handler a user writes to serve an AOTInductor package without this project: the
 "stock AOTI" peer of scripts/bench_e2e.py (the same artifact ours serves). StockHandler's
 request handling, with the model loaded by `torch._inductor.aoti_load_package` on the assigned
-GPU instead of built from the factory; one CPU thread (model-config.yaml `stock.cpu_threads`)."""
+GPU instead of built from the factory (it returns the model's own output structure, so
+StockHandler.forward reads it as it reads the eager model's); one CPU thread
+(model-config.yaml `stock.cpu_threads`)."""
 import os
 
 import torch
@@ -16,7 +18,3 @@ class StockAotiHandler(StockHandler):
             torch.cuda.set_device(self.device)
             return torch._inductor.aoti_load_package(path, device_index=self.device.index)
         return torch._inductor.aoti_load_package(path)
-
-    def forward(self, tensors):
-        out = self.model(*tensors)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
