@@ -143,8 +143,9 @@ class CompiledModelHandler(BaseHandler):
             spec.backend, spec.artifact, self.model.loader, placement, placement.note, cc or "n/a",
             load_s, probe_note, warm_s, ", ".join(s.describe() for s in spec.inputs),
             spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
-            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""), reader,
-            self.limits.values.describe() + (f"; padding {self.runner.pad.describe()}" if self.runner.pad else ""))
+            graphs_note, self.runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
+            self.limits.values.describe() + (f"; padding {self.runner.pad.describe()}" if self.runner.pad else ""),
+            reader)
         self._metric("ArtifactLoadTime", load_s * 1000.0)
         self._metric("ArtifactWarmupTime", warm_s * 1000.0)
 

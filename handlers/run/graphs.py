@@ -97,7 +97,7 @@ def why_not_capturable(kind, spec) -> Optional[str]:
     dynamic = [s.name for s in spec.inputs if any(d is None or isinstance(d, str) for d in s.shape[1:])]
     if dynamic:
         # a graph replays one shape: requests of every length run through the artifact's own call
-        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions ({', '.join(spec.dims) or '?'})"
+        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions ({', '.join(getattr(spec, 'dims', {})) or 'unnamed'})"
     return None
 
 
