@@ -80,7 +80,7 @@ def response_row_bytes(spec) -> int:
 
 
 def default_batch_size(specs) -> int:
-    """8 (measured for ResNet-50 class models, README "Serving settings"), at most what every
+    """8 (measured for ResNet-50 class models, docs/performance.md "Serving settings"), at most what every
     variant accepts per call, and 1 where a row of the outputs is several MiB (see the warning)."""
     if any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
         return 1
@@ -94,7 +94,7 @@ def main(argv=None):
     p.add_argument("--name", required=True)
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
     p.add_argument("--version", default="1.0")
-    # Defaults measured end to end through TorchServe (README "Serving settings",
+    # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
     # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes for the model (default: 6 for a CUDA artifact, measured per "

@@ -25,7 +25,7 @@ $PY -m pip download --quiet --no-deps --dest "$scratch/wheels" \
 cp "$scratch"/wheels/torch_model_archiver-*.whl "$OUT/"
 
 # The frontend jar is stored deflated inside the wheel; unpacked and packed again with xz it
-# travels at a fraction of the size, and env.sh zips it back into place.
+# travels at a fraction of the size, and kit_env.sh zips it back into place.
 $PY -m zipfile -e "$scratch"/wheels/torchserve-*.whl "$scratch/py"
 jar=$scratch/py/ts/frontend/model-server.jar
 $PY -m zipfile -e "$jar" "$scratch/jar"

@@ -66,8 +66,7 @@ def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_p
     want = max(1, (os.cpu_count() or 1) // 4)
     assert f"--workers {want} (a CPU artifact on {os.cpu_count()} cores" in r.stdout, r.stdout
     with zipfile.ZipFile(tmp_path / "sized.mar") as z:
-        cfg = yaml.safe_load(z.read("MAR-INF/model-config.yaml")) if "MAR-INF/model-config.yaml" in z.namelist() \
-            else yaml.safe_load(next(z.read(n) for n in z.namelist() if n.endswith("model-config.yaml")))
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
     assert cfg["minWorkers"] == cfg["maxWorkers"] == want, cfg
 
 
