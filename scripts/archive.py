@@ -29,6 +29,17 @@ from handlers.errors import LoadError
 from handlers.metadata import METADATA_FILE, read_spec, sha256_file
 
 
+def default_workers(devices, cpus: int):
+    """(workers, why) for artifacts built for `devices` ("cpu"/"cuda") on a machine with `cpus` cores.
+    A CUDA worker spends its time waiting on the GPU, so several share one GPU (6 measured end to end,
+    docs/results/e2e_*); a CPU worker's operators already run on several threads each, so more
+    workers than cores/4 only make them contend for the same cores."""
+    if any(d != "cpu" for d in devices):
+        return 6, "a CUDA artifact: 6 workers, the measured setting for one GPU"
+    n = max(1, cpus // 4)
+    return n, f"a CPU artifact on {cpus} cores: one worker per 4 cores, at least 1"
+
+
 def fail(msg):
     raise SystemExit(f"archive.py: error: {msg}")
 
@@ -72,7 +83,7 @@ def response_row_bytes(spec) -> int:
 
 
 def default_batch_size(specs) -> int:
-    """8 (measured for ResNet-50 class models, README "Serving settings"), at most what every
+    """8 (measured for ResNet-50 class models, docs/performance.md "Serving settings"), at most what every
     variant accepts per call, and 1 where a row of the outputs is several MiB (see the warning)."""
     if any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
         return 1
@@ -102,10 +113,11 @@ def main(argv=None):
     p.add_argument("--name", required=True)
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
     p.add_argument("--version", default="1.0")
-    # Defaults measured end to end through TorchServe (README "Serving settings",
+    # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
     # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
-    p.add_argument("--workers", type=int, default=6,
-                   help="worker processes for the model; on a GPU host use 6 per GPU (default 6)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes for the model (default: 6 for a CUDA artifact, measured per "
+                        "GPU; for a CPU artifact one per 4 cores of this machine, at least 1)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="TorchServe batchSize (default: 8, at most the artifact's max batch; 1 for "
                         "outputs of several MiB per row)")
@@ -117,6 +129,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.name.replace("_", "").replace("-", "").isalnum():
         fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
+
+    if args.workers is None:
+        try:
+            devices = [read_spec(a).device for a in args.artifact]
+        except LoadError as e:
+            fail(str(e))
+        args.workers, why = default_workers(devices, os.cpu_count() or 1)
+        print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
 
     handler_opts = {}
     for item in args.handler_option:

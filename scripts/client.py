@@ -63,10 +63,54 @@ def outputs_of(answer: dict, fmt: str) -> dict:
     return {k: torch.tensor(v) for k, v in answer.get("outputs", {}).items()}
 
 
+def _tensor(name: str, value):
+    import numpy as np
+    import torch
+    try:
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(value)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"input {name!r}: not a rectangular numeric array ({e})") from None
+
+
+def read_inputs(items) -> dict:
+    """{name: CPU tensor} from --input items: NAME=FILE (.npy or .json, one array) or FILE
+    (.safetensors or .json object, every input). JSON numbers keep numpy's reading of them
+    (float64 / int64): a JSON request sends the values, and the handler casts to the input's dtype."""
+    import numpy as np
+
+    from handlers import safetensors_io
+    out = {}
+    for item in items:
+        name, _, path = item.rpartition("=")
+        ext = os.path.splitext(path)[1].lower()
+        if ext == ".safetensors" and not name:
+            with open(path, "rb") as f:
+                out.update(safetensors_io.loads(f.read()))
+        elif ext == ".json":
+            with open(path) as f:
+                value = json.load(f)
+            if name:
+                out[name] = _tensor(name, value)
+            elif isinstance(value, dict):
+                out.update({k: _tensor(k, v) for k, v in value.items()})
+            else:
+                raise ValueError(f"--input {item}: a JSON file without NAME= must hold an object "
+                                 "{name: array}; for one array write --input NAME=FILE.json")
+        elif ext == ".npy" and name:
+            out[name] = _tensor(name, np.load(path, allow_pickle=False))
+        else:
+            raise ValueError(f"--input {item!r}: expected NAME=FILE.npy, NAME=FILE.json, FILE.json "
+                             "or FILE.safetensors")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--example", action="append", required=True, help="NAME:SHAPE:DTYPE, seeded random data")
+    p.add_argument("--example", action="append", default=[], help="NAME:SHAPE:DTYPE, seeded random data")
+    p.add_argument("--input", action="append", default=[], metavar="[NAME=]FILE",
+                   help="input values from a file: NAME=FILE.npy or NAME=FILE.json (one array), or "
+                        "FILE.safetensors / FILE.json holding {name: array} (all inputs)")
     p.add_argument("--format", default="json", choices=("json", "v1", "v2", "safetensors"))
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--key-file", help="default: ./key_file.json, else the repository root's")
@@ -81,8 +125,15 @@ def main(argv=None):
     from handlers.dtypes import BY_TORCH
     from scripts.compile import example_inputs, load_factory, parse_input
 
+    if not args.example and not args.input:
+        p.error("give the inputs: --input FILE (values from a file) or --example NAME:SHAPE:DTYPE (random)")
     specs = [parse_input(e) for e in args.example]
     tensors = dict(zip([s.name for s in specs], example_inputs(specs, "cpu")))
+    from handlers.errors import RequestError
+    try:
+        tensors.update(read_inputs(args.input))
+    except (OSError, ValueError, RequestError) as e:
+        p.error(str(e))
     if args.format == "safetensors":
         body, ct = bytes(safetensors_io.dumps(tensors)), safetensors_io.CONTENT_TYPE
     elif args.format == "v2":

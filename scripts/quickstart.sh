@@ -2,8 +2,23 @@
 # One command from a fresh clone: set up, compile the example classifier with AOTInductor for
 # this machine's device, archive it, start real TorchServe (token auth on, loopback only) and
 # print the answer to a real request.
+#
+#   scripts/quickstart.sh          set up, serve the example model, call it
+#   scripts/quickstart.sh --stop   stop the TorchServe this script started (no other)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `torchserve --stop` stops the server whose pid file is in the temp directory: with a temp
+# directory of the quickstart's own, it finds only the server the quickstart started, never
+# another TorchServe on the machine.
+STATE=${QUICKSTART_STATE:-$PWD/logs/quickstart}
+mkdir -p "$STATE/tmp"
+stop_ours() {
+  if [ -x .venv/bin/torchserve ] && [ -f "$STATE/tmp/.model_server.pid" ]; then
+    TMPDIR="$STATE/tmp" .venv/bin/torchserve --stop && sleep 2
+  fi
+  return 0
+}
+if [ "${1:-}" = "--stop" ]; then stop_ours; exit 0; fi
 scripts/setup_env.sh
 PY=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"
@@ -15,16 +30,14 @@ if [ ! -f "$ART/artifact.json" ]; then
       --dynamic-batch 1:16 --backend aoti --device "$DEVICE" --out "$ART"
 fi
 echo "== archiving model_store/classifier.mar"
-# Serving settings: the archive defaults (6 workers, batches of 8, 1 ms) are sized for one GPU;
-# on a CPU-only machine one worker leaves the cores to that worker's threads.
-WORKERS=$([ "$DEVICE" = cuda ] && echo 6 || echo 1)
-$PY -m scripts.archive --artifact "$ART" --name classifier --workers "$WORKERS"
-if torchserve --stop >/dev/null 2>&1; then sleep 2; fi
+# workers: the archive picks them from the artifact's device and this machine's cores, and says so
+$PY -m scripts.archive --artifact "$ART" --name classifier
+stop_ours
 mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"
-torchserve --start --ncs --model-store model_store \
+TMPDIR="$STATE/tmp" torchserve --start --ncs --model-store model_store \
     --models classifier=classifier.mar --ts-config config.properties > logs/torchserve_console.log 2>&1
 $PY -m scripts.client --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
     --factory examples/models.py:classifier
 echo
-echo "TorchServe is running. Keys: $PWD/key_file.json. Stop it with: .venv/bin/torchserve --stop"
+echo "TorchServe is running. Keys: $PWD/key_file.json. Stop it with: scripts/quickstart.sh --stop"

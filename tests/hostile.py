@@ -69,7 +69,7 @@ def _kinds() -> dict:
         "scalar_null": (JSON, b"null", 400, "JSON body must be an object"),
         "string_body": (JSON, b'"inputs"', 400, "JSON body must be an object"),
         "not_utf8": (JSON, b'{"inputs": "\xff\xfe"}', 400, "not UTF-8"),
-        "empty_body": (JSON, b"", 400, "malformed JSON"),
+        "empty_body": (JSON, b"", 400, "empty JSON body"),
         "truncated_json": (JSON, ours(fl, ml)[:-7], 400, "malformed JSON"),
         "v1_instances_object": (JSON, b'{"instances": {"features": 1}}', 400, "non-empty list"),
         "ours_inputs_string": (JSON, b'{"inputs": {"features": "abc", "mask": "def"}}', 400, "nested list"),

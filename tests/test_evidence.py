@@ -4,7 +4,8 @@ Results files (docs/results/*.json) are written whole by the command recorded in
 (scripts/results_meta.header): their first keys are device, date, torch, command, in that
 order, and the Markdown beside each one quotes that same command.
 
-README numbers. Every *measured* number quoted in the README section "## Results" (up to the
+README numbers. Every *measured* number quoted in a "## Results" section of README.md or of a
+docs/*.md page (up to the
 next "## " heading, subsections included) must be a numeric value of some committed
 docs/results/*.json, as the README rounds it. The rule, applied by `quoted_numbers`:
 
@@ -42,7 +43,7 @@ _THRESHOLD = re.compile(r"(?:<=|≤|<|>=|≥|target|tolerance)\s*$", re.I)
 
 def results_section(readme: str) -> str:
     m = re.search(r"(?m)^## Results\b.*?$", readme)
-    assert m, "README has no '## Results' section"
+    assert m, "no '## Results' section"
     nxt = re.search(r"(?m)^## ", readme[m.end():])
     return readme[m.end(): m.end() + nxt.start() if nxt else len(readme)]
 
@@ -121,14 +122,40 @@ def test_results_files_hold_no_hand_added_fields():
         assert not found, (p.name, found)
 
 
-def test_every_readme_number_in_results_is_backed():
-    section = results_section((ROOT / "README.md").read_text())
+# the pages whose "## Results" section quotes measurements: the README's headline table and the
+# performance page; any other docs/*.md page that grows a "## Results" section is checked too
+PAGES_WITH_RESULTS = ("README.md", "docs/performance.md")
+
+
+def pages_with_results() -> list:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [p for p in pages if re.search(r"(?m)^## Results\b", p.read_text())]
+
+
+def test_the_pages_that_quote_results_have_a_results_section():
+    found = {str(p.relative_to(ROOT)) for p in pages_with_results()}
+    assert set(PAGES_WITH_RESULTS) <= found, found
+
+
+@pytest.mark.parametrize("page", pages_with_results(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_number_in_a_results_section_is_backed(page):
+    section = results_section(page.read_text())
     values = all_values()
     quoted = quoted_numbers(section)
-    assert quoted, "the Results section quotes no measurement: the rule matched nothing"
+    assert quoted, f"the Results section of {page.name} quotes no measurement: the rule matched nothing"
     unbacked = [(n, ctx) for n, ctx in quoted if not backed(n, values)]
-    assert not unbacked, "README numbers no committed results file holds:\n" + "\n".join(
+    assert not unbacked, f"{page.name} numbers no committed results file holds:\n" + "\n".join(
         f"  {n!r} in ...{ctx}..." for n, ctx in unbacked)
+
+
+def test_results_index_lists_every_results_set():
+    index = (ROOT / "docs/results/README.md").read_text()
+    stems = {p.stem for p in (ROOT / "docs/results").glob("*.json")}
+    missing = sorted(s for s in stems if f"`{s}`" not in index)
+    assert not missing, f"docs/results/README.md does not list: {missing}"
+    linked = set(re.findall(r"\]\(([^)]+)\)", index)) - {"../performance.md"}
+    gone = sorted(x for x in linked if not (ROOT / "docs/results" / x).exists())
+    assert not gone, f"docs/results/README.md links files that do not exist: {gone}"
 
 
 def test_the_number_rule_itself():

@@ -104,8 +104,9 @@ def test_bad_requests_get_4xx_and_worker_survives(main_server, model):
         ({"inputs": [{"name": "features", "shape": [2, 16]}]}, "v2 inputs[0] must have name, shape, datatype and data"),
         # JSON that is not an object
         ([[1.0] * 16], "JSON body must be an object"),
-        # empty body
-        (b"", "malformed JSON body: Expecting value at line 1 column 1"),
+        # empty body, and a body that is not JSON at all: two different fixes, two messages
+        (b"", "empty JSON body: send a JSON object"),
+        (b"hello", "JSON body is not JSON at all (it starts with 'hello')"),
     ]
     for body, needle in cases:
         r = main_server.predict(model, body)

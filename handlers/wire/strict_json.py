@@ -40,11 +40,24 @@ def loads(payload, what: str = "JSON body"):
     try:
         return json.loads(payload)
     except json.JSONDecodeError as e:
-        raise RequestError(f"malformed {what}: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise RequestError(_decode_error(payload, what, e)) from None
     except RecursionError:
         raise RequestError(f"{what} is nested too deeply; tensors need at most a few levels") from None
     except ValueError as e:  # CPython's int-string limit: "Exceeds the limit (4300 digits) ..."
         raise RequestError(f"{what} holds a number literal that is too long ({e})") from None
+
+
+def _decode_error(text: str, what: str, e: json.JSONDecodeError) -> str:
+    """Three cases a sender fixes differently: nothing sent, something that is not JSON at all,
+    and JSON that breaks off or goes wrong part way. Runs only on the error path."""
+    body = text.lstrip()
+    if not body:
+        return (f"empty {what}: send a JSON object such as {{\"inputs\": ...}} (Content-Type "
+                "application/json) or a safetensors payload (Content-Type application/x-safetensors)")
+    if e.pos == len(text) - len(body):  # the very first non-blank character is not JSON
+        return (f"{what} is not JSON at all (it starts with {body[:16]!r}); send JSON (Content-Type "
+                "application/json) or a safetensors payload (Content-Type application/x-safetensors)")
+    return f"malformed {what}: {e.msg} at line {e.lineno} column {e.colno}"
 
 
 def _finite_or_name(x):

@@ -1,0 +1,145 @@
+"""A newcomer's first day: the quickstart stops only the server it started, the archive picks its
+worker count from the artifact's device and the machine (and says so), an empty body and a
+non-JSON body get different messages, and scripts.client sends values read from a file."""
+import json
+import os
+import re
+import subprocess
+import time
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import PY, ROOT, build_mar
+from handlers import safetensors_io
+from handlers.errors import RequestError
+from handlers.wire import strict_json
+from scripts.archive import default_workers
+from scripts.client import read_inputs
+from scripts.local_server import LocalTorchServe
+
+
+# -- the two body messages (the same strings TorchServe's 400 carries, tests/test_serving.py)
+
+@pytest.mark.parametrize("body", [b"", b"  \n", ""])
+def test_empty_body_says_empty(body):
+    with pytest.raises(RequestError) as e:
+        strict_json.loads(body)
+    assert str(e.value).startswith("empty JSON body: send a JSON object"), e.value
+    assert "Expecting value" not in str(e.value)
+
+
+@pytest.mark.parametrize("body, start", [(b"hello", "'hello'"), (b"  <xml/>", "'<xml/>'"),
+                                         (b"\x00\x01", "'\\x00\\x01'")])
+def test_non_json_body_says_not_json_and_shows_its_start(body, start):
+    with pytest.raises(RequestError) as e:
+        strict_json.loads(body)
+    assert f"JSON body is not JSON at all (it starts with {start})" in str(e.value), e.value
+    assert "application/x-safetensors" in str(e.value)
+
+
+def test_broken_json_still_says_where():
+    with pytest.raises(RequestError) as e:
+        strict_json.loads(b'{"inputs": [1, 2')
+    assert str(e.value).startswith("malformed JSON body: Expecting ',' delimiter at line 1 column"), e.value
+
+
+# -- archive worker defaults
+
+def test_default_workers_by_device_and_cores():
+    assert default_workers(["cpu"], 2)[0] == 1
+    assert default_workers(["cpu"], 16)[0] == 4
+    assert default_workers(["cpu", "cpu"], 1)[0] == 1
+    assert default_workers(["cuda"], 2)[0] == 6
+    assert default_workers(["cpu", "cuda"], 64)[0] == 6
+    assert "2 cores" in default_workers(["cpu"], 2)[1]
+
+
+def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_path):
+    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(artifacts.get("cls_export")),
+                        "--name", "sized", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    want = max(1, (os.cpu_count() or 1) // 4)
+    assert f"--workers {want} (a CPU artifact on {os.cpu_count()} cores" in r.stdout, r.stdout
+    with zipfile.ZipFile(tmp_path / "sized.mar") as z:
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    assert cfg["minWorkers"] == cfg["maxWorkers"] == want, cfg
+
+
+def test_archive_says_which_artifact_it_could_not_read(tmp_path):
+    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(tmp_path), "--name", "x",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no artifact.json in" in r.stderr, r.stderr
+
+
+# -- client values from a file
+
+def test_read_inputs_from_npy_json_and_safetensors(tmp_path):
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.save(tmp_path / "a.npy", a)
+    (tmp_path / "b.json").write_text(json.dumps([[1, 2], [3, 4]]))
+    (tmp_path / "all.json").write_text(json.dumps({"c": [0.5, 1.5]}))
+    (tmp_path / "d.safetensors").write_bytes(bytes(safetensors_io.dumps({"d": torch.ones(2, 2, dtype=torch.bool)})))
+    got = read_inputs([f"a={tmp_path / 'a.npy'}", f"b={tmp_path / 'b.json'}", str(tmp_path / "all.json"),
+                       str(tmp_path / "d.safetensors")])
+    assert torch.equal(got["a"], torch.from_numpy(a))
+    assert got["b"].tolist() == [[1, 2], [3, 4]]
+    assert got["c"].tolist() == [0.5, 1.5]
+    assert got["d"].dtype == torch.bool and got["d"].all()
+    with pytest.raises(ValueError, match="expected NAME=FILE.npy"):
+        read_inputs([str(tmp_path / "a.npy")])  # one array needs its input's name
+    (tmp_path / "ragged.json").write_text("[[1, 2], [3]]")
+    with pytest.raises(ValueError, match="input 'r': not a rectangular numeric array"):
+        read_inputs([f"r={tmp_path / 'ragged.json'}"])
+
+
+@pytest.fixture(scope="module")
+def cls_server(artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("first_day_store")
+    return serve({"cls_export": build_mar(artifacts.get("cls_export"), "cls_export", store)})
+
+
+@pytest.mark.parametrize("fmt", ["json", "safetensors"])
+def test_client_sends_values_from_a_file_and_matches_eager(cls_server, tmp_path, fmt):
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    np.save(tmp_path / "image.npy", x)
+    keys = tmp_path / "key_file.json"
+    keys.write_text(json.dumps(cls_server.keys))
+    r = subprocess.run([PY, "-m", "scripts.client", "--model", "cls_export", "--url", cls_server.base,
+                        "--key-file", str(keys), "--input", f"image={tmp_path / 'image.npy'}", "--format", fmt,
+                        "--check-eager", "--factory", "examples/models.py:classifier"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "(OK)" in r.stdout, r.stdout + r.stderr
+    # the file's two rows were sent (the random --example path is not taken without --example)
+    assert re.search(r"predicted classes \{'output': \[\d+, \d+\]\}", r.stdout), r.stdout
+
+
+# -- quickstart stops only its own server
+
+def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
+    (tmp_path / "store").mkdir()
+    ours = LocalTorchServe(tmp_path / "ours", tmp_path / "store", {})
+    other = LocalTorchServe(tmp_path / "other", tmp_path / "store", {})
+    try:
+        ours.keys, other.keys  # both frontends up (they write key_file.json once listening)
+        r = subprocess.run(["bash", "scripts/quickstart.sh", "--stop"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "QUICKSTART_STATE": str(tmp_path / "ours")})
+        assert r.returncode == 0, r.stdout + r.stderr
+        deadline = time.time() + 60
+        while ours.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert ours.proc.poll() is not None, "the quickstart's server is still running"
+        assert other.proc.poll() is None, "the quickstart stopped a TorchServe it did not start"
+        # and with no server of its own, --stop stops nothing
+        r = subprocess.run(["bash", "scripts/quickstart.sh", "--stop"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "QUICKSTART_STATE": str(tmp_path / "none")})
+        assert r.returncode == 0, r.stderr
+        time.sleep(2)
+        assert other.proc.poll() is None
+    finally:
+        ours.stop()
+        other.stop()
