@@ -2,13 +2,16 @@
 
   python -m scripts.kserve --mar model_store/NAME.mar [--mar ...] --storage-uri URI --out DIR
       [--name ISVC] [--namespace NS] [--protocol v1|v2|grpc-v2 ...] [--device cpu|gpu ...]
-      [--cpu 1] [--memory 2Gi] [--gpus 1] [--force] [--digests FILE]
+      [--cpu N] [--memory SIZE] [--gpus N] [--force-gpu] [--force] [--digests FILE]
+      [--image REPO] [--image-torch X.Y] [--builtin-runtime]
 
 Writes
   DIR/storage/config/config.properties   kserve/config.properties plus model_snapshot
   DIR/storage/config/log4j2.xml          the frontend's logging (log4j2.xml), named by its vmargs
   DIR/storage/model-store/NAME.mar       the archives, copied
-  DIR/manifests/ISVC-PROTOCOL[-gpu].yaml one InferenceService per protocol and device
+  DIR/manifests/ISVC-PROTOCOL[-gpu].yaml one InferenceService per protocol and device, naming
+                                         our ClusterServingRuntime (kserve/servingruntime.yaml)
+  DIR/manifests/servingruntime.yaml      that runtime with the image the archives need
   DIR/digests.sha256                     the archives' SHA-256 (outside storage/), for
                                          `python -m scripts.verify_store check`
 
@@ -42,7 +45,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_TEMPLATE = os.path.join(ROOT, "kserve", "config.properties")
 PROTOCOLS = ("v1", "v2", "grpc-v2")
 DEVICES = ("cpu", "gpu")
-RUNTIME = "kserve-torchserve"
+# Our ClusterServingRuntime (kserve/servingruntime.yaml, image built from kserve/Dockerfile).
+RUNTIME = "compiled-torchserve"
+RUNTIME_TEMPLATE = os.path.join(ROOT, "kserve", "servingruntime.yaml")
+# KServe's built-in runtime: its image pins TorchServe 0.12.0 with torch 2.4, older than this
+# handler needs (torch >= 2.7); usable only with --builtin-runtime, for archives whose artifacts
+# are not native AOTInductor packages AND a handler build that supports that torch -- i.e. none
+# of this repository's archives today. Kept for clusters that still have it.
+BUILTIN_RUNTIME = "kserve-torchserve"
+IMAGE_REPO = "ghcr.io/example/compiled-serving"
+# Memory a pod needs: the Java frontend plus each worker's resident memory, MiB. WORKER_CPU_MIB is
+# the RSS of one CPU worker of the example model measured here (tests/test_cluster_runtime.py
+# asserts the measurement stays below it); WORKER_GPU_MIB is host RSS plus nothing for the GPU,
+# whose per-worker memory (1,178 MiB for a BERT-style fp16 encoder on an H100) is not a
+# Kubernetes resource: size the GPU by nvidia.com/gpu and check it against that figure.
+FRONTEND_MIB = 768
+WORKER_CPU_MIB = 512
+CPU_PER_WORKER = 1
 # TorchServe's gRPC inference port (grpc_inference_port in kserve/config.properties): grpc-v2
 # traffic goes to it directly, over h2c, as KServe's TorchServe gRPC samples route it.
 GRPC_PORT = 7070
@@ -73,15 +92,63 @@ def read_mar(path: str) -> dict:
         if not cfg_name or cfg_name not in names:
             fail(f"{path}: has no model-config.yaml; build it with scripts/archive.py")
         cfg = yaml.safe_load(z.read(cfg_name)) or {}
-        devices = set()
+        devices, torches = set(), set()
         for n in names:
             if n == "artifact.json" or n.endswith("/artifact.json"):
-                devices.add(json.loads(z.read(n)).get("device"))
+                art = json.loads(z.read(n))
+                devices.add(art.get("device"))
+                torches.add(major_minor(str(art.get("torch_version", ""))))
     name = model.get("modelName")
     if not name:
         fail(f"{path}: MANIFEST.json names no model")
     return {"name": name, "version": model.get("modelVersion") or "1.0", "config": cfg,
-            "devices": devices, "path": path}
+            "devices": devices, "torches": torches, "path": path}
+
+
+def major_minor(version: str) -> str:
+    """'2.11.0+cu130' -> '2.11' (a native AOTInductor package needs this torch major.minor)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return f"{m.group(1)}.{m.group(2)}" if m else "unknown"
+
+
+def image_tag(repo: str, torch_mm: str, device: str) -> str:
+    """The serving image an archive needs: kserve/Dockerfile built with TORCH_VERSION=torch_mm.*."""
+    return f"{repo}:torch{torch_mm}-{'cuda' if device == 'gpu' else 'cpu'}"
+
+
+def check_image_torch(mars: list, image_torch: str | None) -> str:
+    """The torch major.minor of the image the archives need: --image-torch if given, else the
+    one their artifact.json files record; a mismatch or a mixture is refused."""
+    if image_torch is None:
+        found = sorted(set().union(*(m["torches"] for m in mars)))
+        if len(found) != 1:
+            fail(f"the archives were compiled with different torch versions ({', '.join(found)}); "
+                 "one image serves one torch: lay them out separately, each with its own --name")
+        return found[0]
+    for m in mars:
+        other = sorted(t for t in m["torches"] if t != image_torch)
+        if other:
+            fail(f"{m['path']}: compiled with torch {', '.join(other)}, the image has torch {image_torch}; "
+                 f"a native AOTInductor package loads only under the torch it was compiled with. Build "
+                 f"the image with --build-arg TORCH_VERSION={other[0]}.* and pass --image-torch {other[0]}, "
+                 f"or recompile the artifact under torch {image_torch}")
+    return image_torch
+
+
+def workers(m: dict) -> int:
+    return max(int(m["config"].get("minWorkers", 1)), 1)
+
+
+def sized_resources(mars: list, device: str, gpus: int) -> dict:
+    """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS)."""
+    n = sum(workers(m) for m in mars)
+    mem = FRONTEND_MIB + n * WORKER_CPU_MIB
+    res = {"cpu": str(max(n * CPU_PER_WORKER, 1)), "memory": f"{mem}Mi"}
+    out = {"requests": dict(res), "limits": dict(res)}
+    if device == "gpu":
+        # Extended resources are set as limits (Kubernetes copies them to requests).
+        out["limits"]["nvidia.com/gpu"] = str(gpus)
+    return out
 
 
 def model_snapshot(mars: list) -> dict:
@@ -108,26 +175,36 @@ def config_text(snapshot: dict) -> str:
             f"model_snapshot={json.dumps(snapshot, separators=(',', ':'))}\n")
 
 
-def manifest(name, namespace, protocol, device, storage_uri, cpu, memory, gpus) -> dict:
-    res = {"cpu": str(cpu), "memory": str(memory)}
-    resources = {"requests": dict(res), "limits": dict(res)}
-    if device == "gpu":
-        # Extended resources are set as limits (Kubernetes copies them to requests).
-        resources["limits"]["nvidia.com/gpu"] = str(gpus)
+def manifest(name, namespace, protocol, storage_uri, resources, runtime) -> dict:
     model = {
         "modelFormat": {"name": "pytorch"},
-        "runtime": RUNTIME,
+        "runtime": runtime,
         "protocolVersion": protocol,
         "storageUri": storage_uri,
         "resources": resources,
     }
-    if protocol == "grpc-v2":
+    if protocol == "grpc-v2" and runtime == BUILTIN_RUNTIME:
         model["ports"] = [{"name": "h2c", "containerPort": GRPC_PORT, "protocol": "TCP"}]
     meta = {"name": name}
     if namespace:
         meta["namespace"] = namespace
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
             "spec": {"predictor": {"model": model}}}
+
+
+def runtime_docs(repo: str, torch_mm: str, devices: list) -> list:
+    """kserve/servingruntime.yaml with the image tag the archives need, one runtime per device
+    (the GPU one named RUNTIME-gpu)."""
+    with open(RUNTIME_TEMPLATE) as f:
+        template = yaml.safe_load(f)
+    docs = []
+    for device in devices:
+        doc = json.loads(json.dumps(template))
+        if device == "gpu":
+            doc["metadata"]["name"] = f"{RUNTIME}-gpu"
+        doc["spec"]["containers"][0]["image"] = image_tag(repo, torch_mm, device)
+        docs.append(doc)
+    return docs
 
 
 def check_digests(paths, digests_file) -> None:
@@ -155,8 +232,18 @@ def main(argv=None):
     p.add_argument("--namespace")
     p.add_argument("--protocol", action="append", choices=PROTOCOLS, help="default: all three")
     p.add_argument("--device", action="append", choices=DEVICES, help="default: cpu and gpu")
-    p.add_argument("--cpu", default="1", help="CPU request and limit (default 1)")
-    p.add_argument("--memory", default="2Gi", help="memory request and limit (default 2Gi)")
+    p.add_argument("--cpu", help="CPU request and limit (default: one per worker of the archives)")
+    p.add_argument("--memory", help=f"memory request and limit (default: {FRONTEND_MIB}Mi + "
+                                    f"{WORKER_CPU_MIB}Mi per worker)")
+    p.add_argument("--force-gpu", action="store_true",
+                   help="write gpu manifests even when an archive has no cuda variant")
+    p.add_argument("--image", default=IMAGE_REPO, help=f"serving image repository (default {IMAGE_REPO})")
+    p.add_argument("--image-torch",
+                   help="torch major.minor the image was built with (default: the torch the "
+                        "archives' artifact.json records)")
+    p.add_argument("--builtin-runtime", action="store_true",
+                   help=f"name KServe's {BUILTIN_RUNTIME} instead of ours (it cannot load archives "
+                        "compiled with torch >= 2.5; see docs/kserve.md)")
     p.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu limit of the gpu manifests")
     p.add_argument("--force", action="store_true", help="replace an existing DIR/storage and DIR/manifests")
     p.add_argument("--digests", help="operator-kept digest list (python -m scripts.verify_store record): "
@@ -169,6 +256,7 @@ def main(argv=None):
         fail("--gpus must be at least 1")
     check_digests(args.mar, args.digests)
     mars = [read_mar(m) for m in args.mar]
+    image_torch = check_image_torch(mars, args.image_torch)
     seen = {}
     for m in mars:
         for key, what in (("name", "model name"), ("path", "file name")):
@@ -202,20 +290,36 @@ def main(argv=None):
 
     wanted = {"cpu": "cpu", "gpu": "cuda"}
     written = []
+    runtime = BUILTIN_RUNTIME if args.builtin_runtime else RUNTIME
+    devices = []
     for device in args.device or DEVICES:
         lacking = [m["name"] for m in mars if wanted[device] not in m["devices"]]
+        if lacking and device == "gpu" and not args.force_gpu:
+            print(f"kserve: note: no gpu manifests: {', '.join(lacking)} has no cuda variant "
+                  "(archive one, or pass --force-gpu)", file=sys.stderr)
+            continue
         if lacking:
             print(f"kserve: warning: {', '.join(lacking)} has no {wanted[device]} variant; the {device} "
                   f"manifests will not serve it until you archive one (scripts/archive.py --artifact ...)",
                   file=sys.stderr)
+        devices.append(device)
+        resources = sized_resources(mars, device, args.gpus)
+        for key, value in (("cpu", args.cpu), ("memory", args.memory)):
+            if value:
+                resources["requests"][key] = resources["limits"][key] = str(value)
         for protocol in args.protocol or PROTOCOLS:
             name = f"{isvc}-{protocol}" + ("-gpu" if device == "gpu" else "")
-            doc = manifest(name, args.namespace, protocol, device, args.storage_uri, args.cpu,
-                           args.memory, args.gpus)
+            rt = f"{runtime}-gpu" if device == "gpu" and runtime == RUNTIME else runtime
+            doc = manifest(name, args.namespace, protocol, args.storage_uri, resources, rt)
             path = os.path.join(manifests, f"{name}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(doc, f, sort_keys=False)
             written.append(path)
+    if not args.builtin_runtime:
+        path = os.path.join(manifests, "servingruntime.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump_all(runtime_docs(args.image, image_torch, devices), f, sort_keys=False)
+        written.append(path)
     names = ", ".join(m["name"] for m in mars)
     print(f"wrote {storage} (models: {names}) and {len(written)} manifest(s) in {manifests}\n"
           f"upload {storage}/ to {args.storage_uri}, then: kubectl apply -f <manifest>")

@@ -69,7 +69,10 @@ def layout(artifacts, tmp_path_factory):
     mars = [build_mar(artifacts.get(art), name, store, *extra) for name, (art, extra) in MODELS.items()]
     out = tmp_path_factory.mktemp("kserve_out")
     cmd = [PY, "-m", "scripts.kserve", "--storage-uri", STORAGE_URI, "--out", str(out),
-           "--name", "compiled", "--namespace", "ml"]
+           "--name", "compiled", "--namespace", "ml",
+           # the built-in runtime's layout, GPU manifests included and one CPU (the default runtime
+           # and sizing are tests/test_cluster_runtime.py's)
+           "--builtin-runtime", "--force-gpu", "--cpu", "1"]
     for m in mars:
         cmd += ["--mar", str(m)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())

@@ -1,0 +1,10 @@
+#!/bin/sh
+# The front door's environment (kserve/front_door.py): the kserve SDK pins protobuf/grpcio
+# versions that differ from the test venv's, so it lives in its own venv, .venv-kserve
+# (git-ignored). Exact versions; re-run after changing them.
+set -eu
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv-kserve/bin/python ] || "$PY" -m venv .venv-kserve
+.venv-kserve/bin/python -m pip install -q "kserve==0.21.0" "httpx>=0.27" "tritonclient[grpc,http]>=2.40"
+touch .venv-kserve/.installed

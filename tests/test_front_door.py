@@ -1,0 +1,166 @@
+"""The front door (scripts/front_door.py: the kserve SDK's ModelServer forwarding to TorchServe)
+in front of the entrypoint's TorchServe, called with standard clients: v2 REST (JSON), v1 REST,
+the v2 metadata/ready/health routes, and tritonclient gRPC on `inference.GRPCInferenceService`
+(run in .venv-kserve, which scripts/setup_kserve_env.sh creates)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT, eager
+from scripts.local_server import free_port
+from test_cluster_runtime import Container, layout, good_mar  # noqa: F401 (fixtures)
+from test_serving import close, two
+
+KPY = Path(ROOT) / ".venv-kserve" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def kserve_env():
+    if not (Path(ROOT) / ".venv-kserve" / ".installed").exists():
+        r = subprocess.run(["sh", "scripts/setup_kserve_env.sh"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+        if r.returncode != 0:
+            pytest.skip(f"scripts/setup_kserve_env.sh could not install the kserve SDK: {r.stderr[-500:]}")
+    return KPY
+
+
+@pytest.fixture(scope="module")
+def door(kserve_env, layout, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("door")
+    c = Container(layout[0] / "storage", root)
+    http, grpc = free_port(), free_port()
+    log = open(root / "front_door.log", "w")
+    p = None
+    try:
+        c.wait("ready")
+        p = subprocess.Popen([str(kserve_env), "-m", "scripts.front_door", "--ts-config",
+                              str(root / "run" / "config.properties"), "--model-store",
+                              str(root / "mnt" / "models" / "model-store"), "--http_port", str(http),
+                              "--grpc_port", str(grpc)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert p.poll() is None, (root / "front_door.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{base}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.5)
+        yield {"base": base, "grpc": f"127.0.0.1:{grpc}", "container": c}
+    finally:
+        if p is not None:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=60)
+        log.close()
+        c.stop()
+
+
+def v2_body(f, m):
+    return {"inputs": [{"name": "features", "shape": list(f.shape), "datatype": "FP32", "data": f.flatten().tolist()},
+                       {"name": "mask", "shape": list(m.shape), "datatype": "BOOL", "data": m.flatten().tolist()}]}
+
+
+def check(outputs, f, m):
+    ref = eager("two_input", f, m)
+    close({o["name"]: torch.tensor(o["data"]).reshape(o["shape"]) for o in outputs}, ref)
+
+
+def test_routes_metadata_and_rest_v1_v2_equal_eager(door):
+    base = door["base"]
+    assert requests.get(f"{base}/v2/health/live", timeout=5).json() == {"live": True}
+    assert requests.get(f"{base}/v2/models/two/ready", timeout=5).json()["ready"] is True
+    meta = requests.get(f"{base}/v2/models/two", timeout=5).json()
+    assert meta["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 16]},
+                              {"name": "mask", "datatype": "BOOL", "shape": [-1, 16]}]
+    assert [o["name"] for o in meta["outputs"]] == list(eager("two_input", *two(1)))
+    f, m = two(3, seed=11)
+    r = requests.post(f"{base}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
+    assert r.status_code == 200, r.text
+    check(r.json()["outputs"], f, m)
+    r = requests.post(f"{base}/v1/models/two:predict",
+                      json={"instances": [{"features": f[j].tolist(), "mask": m[j].tolist()} for j in range(3)]},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    ref = eager("two_input", f, m)
+    for j, p in enumerate(r.json()["predictions"]):
+        close({k: torch.tensor(v) for k, v in p.items()}, {k: v[j] for k, v in ref.items()})
+    bad = v2_body(f, m)
+    bad["inputs"][1]["name"] = "nope"
+    r = requests.post(f"{base}/v2/models/two/infer", json=bad, timeout=60)
+    assert r.status_code == 400 and "unknown input 'nope'" in r.text, r.text
+    r = requests.post(f"{base}/v1/models/two:predict", json={"instances": [{"features": [0.5] * 16,
+                                                                            "mask": [0.5] * 16}]}, timeout=60)
+    assert r.status_code == 400 and "input 'mask'" in r.text, r.text
+
+
+def test_concurrent_requests_meet_in_one_batch_and_a_bad_one_fails_alone(door):
+    inputs = [two(1, seed=30 + i) for i in range(4)]
+    bad_at = 1
+    barrier = threading.Barrier(len(inputs))
+
+    def one(i):
+        body = v2_body(*inputs[i])
+        if i == bad_at:
+            body["inputs"][0]["shape"] = [1, 15]
+            body["inputs"][0]["data"] = body["inputs"][0]["data"][:15]
+        barrier.wait()
+        return requests.post(f"{door['base']}/v2/models/two/infer", json=body, timeout=60)
+
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        responses = list(pool.map(one, range(len(inputs))))
+    for i, r in enumerate(responses):
+        if i == bad_at:
+            assert r.status_code == 400 and "the artifact needs 16" in r.text, r.text
+        else:
+            assert r.status_code == 200, r.text
+            check(r.json()["outputs"], *inputs[i])
+    log = door["container"].log()
+    sizes = [int(n) for n in re.findall(r"batch of (\d+): 1 of \d+ request\(s\) rejected", log)]
+    assert sizes and max(sizes) > 1, log[-3000:]
+    assert "process died" not in door["container"].log("ts_log.log")
+
+
+GRPC_CLIENT = """
+import sys, json, numpy as np, tritonclient.grpc as g
+c = g.InferenceServerClient(sys.argv[1])
+out = {"ready": c.is_model_ready("two"), "live": c.is_server_live()}
+meta = c.get_model_metadata("two", as_json=True)
+out["inputs"] = [i["name"] for i in meta["inputs"]]
+f = np.array(json.loads(sys.argv[2]), np.float32); m = np.array(json.loads(sys.argv[3]), bool)
+a = g.InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f)
+b = g.InferInput("mask", list(m.shape), "BOOL"); b.set_data_from_numpy(m)
+r = c.infer("two", [a, b])
+out["outputs"] = [{"name": o.name, "shape": list(o.shape), "data": r.as_numpy(o.name).flatten().tolist()}
+                  for o in r.get_response().outputs]
+b = g.InferInput("mask", [f.shape[0], 15], "BOOL"); b.set_data_from_numpy(m[:, :15].copy())
+try:
+    c.infer("two", [a, b])
+except g.InferenceServerException as e:
+    out["bad"] = [e.status(), e.message()]
+print(json.dumps(out))
+"""
+
+
+def test_tritonclient_grpc_reaches_the_standard_service(door, kserve_env):
+    import json
+
+    f, m = two(2, seed=21)
+    r = subprocess.run([str(kserve_env), "-c", GRPC_CLIENT, door["grpc"], json.dumps(f.tolist()),
+                        json.dumps(m.tolist())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ready"] and out["live"] and out["inputs"] == ["features", "mask"]
+    check(out["outputs"], f, m)
+    assert out["bad"][0] == "StatusCode.INVALID_ARGUMENT" and "the artifact needs 16" in out["bad"][1], out
