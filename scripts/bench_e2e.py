@@ -297,7 +297,9 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     wanted = ((args.multi_gpu_handlers or args.handlers) if n > 1 else args.handlers).split(",")
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
     for item, name in (zip(args.variant, variant_models(args)) if "ours" in wanted else ()):
-        extra = [x for kv in item.partition(":")[2].split(",") if kv for x in ("--handler-option", kv)]
+        # KEY=VALUE pairs split at the commas that start a new KEY= (a value may hold commas)
+        extra = [x for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]) if kv
+                 for x in ("--handler-option", kv)]
         models[name] = archive_ours(args, store, name, workers, ids, extra)
     for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,

@@ -5,6 +5,8 @@
 #
 #   scripts/quickstart.sh          set up, serve the example model, call it
 #   scripts/quickstart.sh --stop   stop the TorchServe this script started (no other)
+#   scripts/quickstart.sh --serve NAME   restart it serving model_store/NAME.mar too (README,
+#                                  "Serve your own model")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `torchserve --stop` stops the server whose pid file is in the temp directory: with a temp
@@ -19,6 +21,21 @@ stop_ours() {
   return 0
 }
 if [ "${1:-}" = "--stop" ]; then stop_ours; exit 0; fi
+if [ "${1:-}" = "--serve" ]; then
+  name=${2:?usage: scripts/quickstart.sh --serve NAME (serves model_store/NAME.mar)}
+  if [ ! -f "model_store/$name.mar" ]; then
+    echo "no model_store/$name.mar: build it first with .venv/bin/python -m scripts.archive --name $name ..." >&2
+    exit 1
+  fi
+  stop_ours
+  models="$name=$name.mar"
+  if [ -f model_store/classifier.mar ] && [ "$name" != classifier ]; then models="classifier=classifier.mar,$models"; fi
+  mkdir -p logs
+  TMPDIR="$STATE/tmp" .venv/bin/torchserve --start --ncs --model-store model_store --models "$models" \
+      --ts-config config.properties > logs/torchserve_console.log 2>&1
+  echo "TorchServe is serving $models on 127.0.0.1:8080. Stop it with: scripts/quickstart.sh --stop"
+  exit 0
+fi
 scripts/setup_env.sh
 PY=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"
