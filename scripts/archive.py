@@ -130,14 +130,6 @@ def main(argv=None):
     if not args.name.replace("_", "").replace("-", "").isalnum():
         fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
 
-    if args.workers is None:
-        try:
-            devices = [read_spec(a).device for a in args.artifact]
-        except LoadError as e:
-            fail(str(e))
-        args.workers, why = default_workers(devices, os.cpu_count() or 1)
-        print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
-
     handler_opts = {}
     for item in args.handler_option:
         if "=" not in item:
@@ -164,6 +156,14 @@ def main(argv=None):
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         specs = []
         args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
+        if args.workers is None:  # after the import: a .pt2 file has no artifact.json until then
+            try:
+                devices = [read_spec(a).device for a in args.artifact]
+            except LoadError as e:
+                fail(str(e))
+            args.workers, why = default_workers(devices, os.cpu_count() or 1)
+            print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
+            cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
         if len(args.artifact) == 1:
             specs.append(copy_variant(args.artifact[0], stage))
         else:
