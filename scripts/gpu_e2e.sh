@@ -20,6 +20,9 @@
 #   e2e_resnet50_fp16_shipped_<tag>, e2e_resnet50_fp16_mps_<tag>  one GPU, 64 clients, ours/stock/echo,
 #                               without and then with CUDA MPS (the control daemon started for the
 #                               second run and stopped after it; the workers inherit its pipe directory)
+#   e2e_text_encoder_fp16_<tag>  text encoder, lengths 16..128 per request: ours, ours_pad (padding
+#                               to length buckets), stock eager, stock_aoti (same package), echo
+#   e2e_mlp_fp16_<tag>          small MLP: ours, ours_hybrid, ours_spin, stock, stock_aoti, echo
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
@@ -64,8 +67,26 @@ for part in $PARTS; do
          $MPS --out "$RESULTS/e2e_resnet50_fp16_mps_$TAG" || true
          echo quit | nvidia-cuda-mps-control
          unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
+    text) # the text encoder (examples/text_encoder.py, 6 layers, hidden 384) with a varying length:
+          # every request draws its length from 16..128; ours groups by length, ours_pad pads to
+          # length buckets (the model masks padding); stock_aoti calls the same package the plain way
+          [ -f "$W/text/artifact.json" ] || $PY -m scripts.compile --model examples/text_encoder.py:text_encoder \
+            --input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:256 --dynamic-batch 1:64 \
+            --backend aoti --precision fp16 --device cuda --out "$W/text"
+          $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --rounds 1 --artifact "$W/text" \
+            --out "$RESULTS/e2e_text_encoder_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
+            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
+            --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" ;;
+    mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
+         # ours (cuda_sync=auto) against the hybrid and spin waits
+         [ -f "$W/mlp/artifact.json" ] || $PY -m scripts.compile --model examples/mlp.py:mlp \
+           --input x:8x256:float32 --dynamic-batch 1:64 --backend aoti --precision fp16 --device cuda --out "$W/mlp"
+         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds 1 --artifact "$W/mlp" \
+           --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
+           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
+           --variant hybrid:cuda_sync=hybrid --variant spin:cuda_sync=spin ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp)"; exit 2 ;;
   esac
 done
