@@ -189,7 +189,7 @@ def _validate(values: dict) -> None:
                           "on (a capture failure fails the load) or off")
     if values.get("cuda_sync", "auto") not in ("auto", "spin", "block", "hybrid"):
         raise ConfigError(f"model-config.yaml handler.cuda_sync = {values['cuda_sync']!r} is invalid: "
-                          "expected auto (spin when a worker is alone on its GPU, else block), spin "
+                          "expected auto (spin when a worker is alone on its GPU, else hybrid), spin "
                           "(the waiting worker busy-polls a core), block (it sleeps until the GPU is "
                           "done) or hybrid (it polls for up to handler.cuda_spin_us, then sleeps)")
     if values.get("cuda_spin_us", 0.0) < 0:
