@@ -26,8 +26,9 @@ class HandlerConfig:
     # of the next piece. Measured on H100 it gained nothing (docs/results), hence off.
     staging_piece_mb: float = 0.0
     # TorchServe's base_handler, on import, switches every fp32 matmul to TF32 on Ampere and
-    # newer ("Enabled tensor cores"): ~1e-4 relative error that nobody asked for. We put
-    # torch's default back unless the archive asks for "high" (TF32) or "medium" (bf16).
+    # newer ("Enabled tensor cores"): ~1e-4 relative error that nobody asked for. Our entry does
+    # not import it, and the load sets this precision whatever else in the worker did: torch's
+    # default unless the archive asks for "high" (TF32) or "medium" (bf16).
     float32_matmul_precision: str = "highest"
     # CUDA graphs per batch bucket (run/graphs.py): auto | on | off, which batch sizes (empty:
     # powers of two up to cuda_graph_max_batch), and a cap on the memory the graphs hold.
@@ -62,7 +63,7 @@ class HandlerConfig:
     # TorchServe accept 128 MiB (max_request_size).
     max_body_mb: float = 128.0
     # A JSON body may not be larger (413, checked before parsing). JSON costs a Python object
-    # per number: ~0.3 s of worker time per MiB end to end (issue #17: 124 MiB took 36 s), and
+    # per number: ~0.3 s of worker time per MiB end to end (measured: a 124 MiB body took 36 s), and
     # the batch behind it waits; binary bodies cost a copy.
     max_json_mb: float = 8.0
     crash_safe_load: bool = True  # try loading in a child process first (catches native crashes)

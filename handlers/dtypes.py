@@ -34,7 +34,6 @@ NAMES = tuple(d.name for d in TABLE)
 BY_NAME = {d.name: d for d in TABLE}
 BY_TORCH = {d.torch: d for d in TABLE}
 BY_V2 = {d.v2: d for d in TABLE}
-BY_SAFETENSORS = {d.safetensors: d for d in TABLE}
 
 
 def torch_dtype(name: str) -> torch.dtype:

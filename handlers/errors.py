@@ -17,11 +17,6 @@ class ServingError(Exception):
     def to_dict(self) -> dict:
         return {"code": self.status, "type": self.error_type, "message": self.message}
 
-    @property
-    def kind(self) -> str:
-        """The earlier name of error_type, kept for callers on other branches."""
-        return self.error_type
-
 
 class RequestError(ServingError):
     """The request is malformed or does not match the artifact's input contract."""

@@ -4,7 +4,7 @@ exits and swept on the next start.
 aoti_load_package extracts the package (wrapper library, weights) into a fresh
 `aotinductor_*` directory under std::filesystem::temp_directory_path(), which reads TMPDIR at
 call time; the loader object is never destroyed when a worker process exits, so every worker
-start used to leave one behind (issue #17: a real model's weights per restart). enter() points
+start used to leave one behind (a real model's weights on disk per restart). enter() points
 TMPDIR of this process (and of its children: the crash-safe probe) at
 TMPDIR/compiled-serving/worker-PID and removes it when the worker is gone, however it ends:
 measured through real TorchServe, neither a stop nor kill -9 runs the worker's atexit handlers,

@@ -23,6 +23,40 @@ sys.path.insert(0, str(ROOT))
 from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
 PY = sys.executable
 
+# A test is marked `server` when it compiles, starts TorchServe or runs the project's scripts in
+# a process of their own: a fixture of SERVER_FIXTURES in its closure, or those calls in its own
+# code. `pytest -m "not server"` runs the in-process rest (docs/testing.md).
+SERVER_FIXTURES = {"artifacts", "serve", "main_server"}
+SERVER_CALLS = ("subprocess", "torchserve", "LocalTorchServe", "Popen")
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        try:
+            code = inspect.getsource(item.function)
+        except (OSError, TypeError):
+            code = ""
+        module_fixtures = {name for name in fixtures if name not in ("request", "tmp_path", "monkeypatch")
+                           and _fixture_code(item, name, SERVER_CALLS)}
+        if fixtures & SERVER_FIXTURES or module_fixtures or any(c in code for c in SERVER_CALLS):
+            item.add_marker(pytest.mark.server)
+
+
+def _fixture_code(item, name: str, needles) -> bool:
+    """Whether fixture `name` of this item's module calls any of `needles` in its own code."""
+    import inspect
+
+    fn = getattr(item.module, name, None)
+    fn = getattr(fn, "__wrapped__", fn)
+    try:
+        return any(n in inspect.getsource(fn) for n in needles)
+    except (OSError, TypeError):
+        return False
+
+
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
 ARTIFACTS = {
     "cls_aoti": ["--model", "examples/models.py:classifier", "--input", "image:4x3x32x32:float32",

@@ -88,7 +88,7 @@ def test_grpc_bad_request_carries_the_error_object(grpc_client):
 
 
 def test_grpc_hostile_kinds_answer_each_with_its_error_object(grpc_client):
-    """Issue #17: these bodies used to fail their whole batch, which gRPC reported as UNAVAILABLE.
+    """These bodies used to fail their whole batch, which gRPC reported as UNAVAILABLE.
     Each now arrives as its own error object (TorchServe 0.12's gRPC drops the status code)."""
     from hostile import KINDS
 

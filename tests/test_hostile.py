@@ -59,14 +59,9 @@ def strict_loads(text):
 
 
 def handler():
-    from handlers.ts_entry import CompiledModelHandler
+    from worker_kit import make_worker, serving_handler
 
-    h = CompiledModelHandler()
-    h.spec, h.limits, h.model_name = SPEC, LIMITS, "hostile"
-    h.config = parse_config({})
-    h.runner = CpuRunner(model, SPEC)
-    h.initialized = True
-    return h
+    return serving_handler(make_worker(SPEC, CpuRunner(model, SPEC), LIMITS, parse_config({}), name="hostile"))
 
 
 def context(content_types):
@@ -239,11 +234,11 @@ def test_error_answers_are_strict_json():
 def test_handle_never_raises_even_when_our_code_fails(monkeypatch):
     """A bug in admission or encoding fails its own request with 500; a bug outside any request
     answers every request 500; nothing escapes handle()."""
-    from handlers import ts_entry
+    from handlers import pipeline
 
     h = handler()
     calls = {"n": 0}
-    real = ts_entry.admit
+    real = pipeline.admit
 
     def flaky(request, *a, **kw):
         calls["n"] += 1
@@ -251,12 +246,12 @@ def test_handle_never_raises_even_when_our_code_fails(monkeypatch):
             raise KeyError("bug")
         return real(request, *a, **kw)
 
-    monkeypatch.setattr(ts_entry, "admit", flaky)
+    monkeypatch.setattr(pipeline, "admit", flaky)
     goods = [good_request(i) for i in range(3)]
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
     assert answer(ctx, 1, outs[1])[0] == 500 and answer(ctx, 0, outs[0])[0] == 200 and answer(ctx, 2, outs[2])[0] == 200
-    monkeypatch.setattr(h, "_handle", lambda *a: 1 / 0)
+    monkeypatch.setattr(pipeline, "_run", lambda *a: 1 / 0)
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
     assert all(answer(ctx, i, o)[0] == 500 for i, o in enumerate(outs))
@@ -324,7 +319,7 @@ def test_out_of_memory_fails_only_its_request(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 GiB")
         return model(features, mask)
 
-    h.runner = CpuRunner(picky, SPEC)
+    h.worker.runner = CpuRunner(picky, SPEC)
     goods = [good_request(0), good_request(3), good_request(2)]  # 1, 1 and 3 rows
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
@@ -343,7 +338,7 @@ def test_sticky_device_error_answers_then_exits(monkeypatch):
     def broken(features, mask):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    h.runner = CpuRunner(broken, SPEC)
+    h.worker.runner = CpuRunner(broken, SPEC)
     goods = [good_request(0), good_request(2)]
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)

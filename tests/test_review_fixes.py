@@ -9,8 +9,9 @@ import torch
 from handlers import oip
 from handlers.admission import Limits, admit
 from handlers.errors import PayloadTooLarge, ServingError
-from handlers.ts_entry import CompiledModelHandler
+from handlers.pipeline import infer
 from test_units import make_spec
+from worker_kit import make_worker, ready_health
 
 
 class ReusingRunner:
@@ -28,15 +29,13 @@ class ReusingRunner:
 
 
 def test_one_by_one_retry_keeps_each_requests_own_answer():
-    h = CompiledModelHandler()
-    h.runner, h.broken = ReusingRunner(), None
+    worker = make_worker(make_spec(), ReusingRunner())
     batch = [{"x": torch.full((1, 4), float(i))} for i in range(3)]
-    outs = h._infer(batch)
+    outs = infer(worker, ready_health(), batch)
     assert [o["y"][0, 0].item() for o in outs] == [0.0, 10.0, 20.0]  # not [20, 20, 20]
 
 
 def test_retry_stops_running_after_a_device_fault():
-    h = CompiledModelHandler()
     calls = []
 
     class Sticky:  # the batch fails for an ordinary reason, its first request with a device fault
@@ -45,17 +44,17 @@ def test_retry_stops_running_after_a_device_fault():
             raise RuntimeError("CUDA error: device-side assert triggered" if len(requests) == 1
                                else "simulated batch failure")
 
-    h.runner, h.broken = Sticky(), None
+    worker, health = make_worker(make_spec(), Sticky()), ready_health()
     import handlers.faults as faults
 
     real = faults.exit_soon
     faults.exit_soon = lambda reason, delay_s=0: None
     try:
-        outs = h._infer([{"x": torch.zeros(1, 4)}] * 3)
+        outs = infer(worker, health, [{"x": torch.zeros(1, 4)}] * 3)
     finally:
         faults.exit_soon = real
     assert calls == [3, 1] and all(isinstance(o, ServingError) for o in outs)
-    assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2
+    assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2 and health.state == "broken"
 
 
 def test_v2_binary_json_part_obeys_the_json_cap():

@@ -503,11 +503,12 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
 
     from handlers import safetensors_io
     from handlers.run.cpu import CpuRunner
-    from handlers.ts_entry import CompiledModelHandler, _headers
+    from handlers.pipeline import request_headers as _headers
+    from handlers.ts_entry import CompiledModelHandler
 
     monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
     if cap:
-        monkeypatch.setattr("handlers.ts_entry.WARMUP_BATCH_BYTES", cap)
+        monkeypatch.setattr("handlers.startup.WARMUP_BATCH_BYTES", cap)
     seen = []
     real_handle = CompiledModelHandler.handle
 

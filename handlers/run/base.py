@@ -23,9 +23,6 @@ class Runner:
         """Load-time preparation after warm-up (CUDA graphs); returns a note for the load line."""
         raise NotImplementedError
 
-    def staging_bytes(self) -> int:
-        raise NotImplementedError
-
     def bucket_sizes(self) -> list:
         """Batch sizes with a path of their own (captured CUDA graphs), for warm-up."""
         return []

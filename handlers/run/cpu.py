@@ -17,5 +17,3 @@ class CpuRunner(Runner):
     def prepare(self, config, kind) -> str:
         return "CPU: no CUDA graphs"
 
-    def staging_bytes(self) -> int:
-        return self.inputs.nbytes()

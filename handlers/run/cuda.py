@@ -188,5 +188,3 @@ class CudaRunner(Runner):
                "hybrid": f"spinning up to {self.spin_s * 1e6:.0f} us, then sleeping (blocking sync)"}
         return f"; waits for the GPU by {how[self.sync]}"
 
-    def staging_bytes(self) -> int:
-        return self.host_inputs.nbytes() + self.host_outputs.nbytes() + self.device_buffers.nbytes()

@@ -1,0 +1,196 @@
+"""One TorchServe batch through the worker: admit -> run -> encode, exactly one reply per request.
+
+The batch's own state (which requests came over OIP gRPC, which failed) is a local `Batch`, never
+the handler's: nothing of one batch survives into the next. Anything that goes wrong becomes the
+answer of the request it belongs to, or of every request when it belongs to none; the only
+exception raised is a batch of OIP gRPC calls that all failed (TorchServe's gRPC frontend turns
+a raised PredictionException into each call's status).
+
+Per-stage timings (handlers/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
+HandlerEncodeTime (ms, means over at most handler.stage_metrics_s), and torch.profiler labels
+handler.decode / handler.run / handler.encode while a profiler records.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from . import faults, oip
+from .admission import admit
+from .config import HandlerConfig
+from .errors import RequestError, ServingError
+from .stage_timings import label
+from .wire.v2_binary import HEADER as V2_HEADER_LENGTH
+from .worker import Health, Worker
+
+logger = logging.getLogger(__name__)
+
+
+def request_headers(context, idx: int, *names: str) -> list:
+    """Values of `names` for request idx (None where absent). Content-Type may arrive per body
+    part (REST) or as a request header, in any case."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return [None] * len(names)
+    parts = [headers[p] for p in ("body", "data") if isinstance(headers.get(p), dict)]
+    lowered = {k.lower(): v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
+    out = []
+    for name in names:
+        key = name.lower()
+        out.append(next((p[key] for p in parts if p.get(key)), None) or lowered.get(key))
+    return out
+
+
+class Batch:
+    """One TorchServe batch's replies: request idx -> body, statuses set on the context."""
+
+    def __init__(self, data: list, context, worker: Optional[Worker], model_name: str):
+        self.context, self.worker, self.model_name = context, worker, model_name
+        self.version = worker.version if worker else ""
+        self.results: list = [None] * len(data)
+        self.failed: list = []
+        try:
+            cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
+            self.grpc = {i: oip.request_id(r) for i, r in enumerate(data) if oip.is_grpc(context, i, r, cap)}
+        except Exception:  # a malformed gRPC request: answered as REST, with its error
+            logger.exception("could not tell gRPC requests apart")
+            self.grpc = {}
+
+    def fail(self, idx: int, err: ServingError) -> None:
+        self.failed.append(err)
+        self.context.set_response_status(err.status, err.error_type, idx)
+        self.context.set_response_content_type(idx, "application/json")
+        self.results[idx] = (oip.error_reply(err, self.grpc[idx], self.model_name, self.version)
+                             if idx in self.grpc else json.dumps(err.to_dict()))
+
+    def answer(self, idx: int, req, out: dict) -> None:
+        if idx in self.grpc:
+            body, content_type = oip.reply(out, req.request_id, self.model_name, self.version), "application/json"
+        else:
+            body, content_type = req.encode(out, self.model_name)
+            for key, value in req.respond_as.response_headers.items():
+                self.context.set_response_header(idx, key, value)
+        self.context.set_response_content_type(idx, content_type)
+        self.results[idx] = body
+
+    def finish(self) -> list:
+        """A batch of gRPC requests that all failed raises, so each call gets a real status."""
+        if self.grpc and len(self.grpc) == len(self.failed) == len(self.results):
+            raise oip.batch_failure(self.failed)
+        return self.results
+
+
+def serve(worker: Optional[Worker], health: Health, data: list, context, model_name: str) -> list:
+    """The replies to one TorchServe batch (handlers/ts_entry.py's handle)."""
+    batch = Batch(data, context, worker, model_name)
+    refusal = health.refusal()
+    if refusal is not None:
+        for idx in range(len(data)):
+            batch.fail(idx, refusal)
+        return batch.finish()
+    try:
+        _run(worker, health, data, batch)
+    except Exception as e:
+        logger.exception("batch failed outside any one request")
+        err, batch.failed = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}"), []
+        for idx in range(len(data)):
+            batch.fail(idx, err)
+    return batch.finish()
+
+
+def _run(worker: Worker, health: Health, data: list, batch: Batch) -> None:
+    t0 = time.perf_counter()
+    with label("decode"):
+        valid = admit_all(worker, data, batch)
+    t1 = time.perf_counter()
+    if not valid:
+        worker.stages.record(decode=(t1 - t0) * 1000.0)
+        return
+    with label("run"):
+        outputs = infer(worker, health, [req.tensors for _, req in valid])
+    t2 = time.perf_counter()
+    with label("encode"):
+        encode_all(valid, outputs, batch)
+    worker.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0,
+                         encode=(time.perf_counter() - t2) * 1000.0)
+
+
+def admit_all(worker: Worker, data: list, batch: Batch) -> list:
+    """[(idx, Admitted)] for the valid requests; the others get their error in the batch."""
+    valid = []
+    for idx, request in enumerate(data):
+        try:
+            content_type, accept, v2_length = request_headers(batch.context, idx, "Content-Type", "Accept",
+                                                              V2_HEADER_LENGTH)
+            valid.append((idx, admit(request, worker.spec, worker.limits, content_type, accept, v2_length)))
+        except RequestError as e:
+            batch.fail(idx, e)
+        except Exception as e:  # our bug, or memory: this request's own 500, never the batch's
+            logger.exception("admission of request %d failed unexpectedly", idx)
+            batch.fail(idx, ServingError(f"internal error while reading the request: "
+                                         f"{type(e).__name__}: {str(e)[:300]}"))
+    if len(valid) < len(data):
+        logger.info("batch of %d: %d of %d request(s) rejected before inference", len(data),
+                    len(data) - len(valid), len(data))
+    return valid
+
+
+def encode_all(valid: list, outputs: list, batch: Batch) -> None:
+    for (idx, req), out in zip(valid, outputs):
+        if isinstance(out, ServingError):
+            batch.fail(idx, out)
+            continue
+        try:
+            batch.answer(idx, req, out)
+        except Exception as e:  # one response that cannot be written fails alone
+            logger.exception("encoding the response of request %d failed", idx)
+            batch.fail(idx, ServingError(f"internal error while writing the response: "
+                                         f"{type(e).__name__}: {str(e)[:300]}"))
+
+
+def infer(worker: Worker, health: Health, batch: list) -> list:
+    """Runs the batch; if it fails, runs each request alone so one bad request fails alone.
+    Device faults: handlers/faults.py."""
+    try:
+        with torch.inference_mode():
+            return worker.runner.run(batch)
+    except Exception as e:
+        if faults.is_sticky(e):
+            health.broken(f"{type(e).__name__}: {e}")
+            faults.exit_soon(health.reason)
+            return [ServingError(f"model execution failed with a device fault; this worker is "
+                                 f"restarting: {health.reason}")] * len(batch)
+        if faults.is_oom(e):
+            faults.release_cache()
+        if len(batch) == 1:
+            return [_one_failed(worker, e)]
+        logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
+    results = []
+    for one in batch:
+        refusal = health.refusal()
+        if refusal is not None:  # a device fault on an earlier one: the context is unusable
+            results.append(refusal)
+            continue
+        out = infer(worker, health, [one])[0]
+        # The runner's outputs live in reused buffers until its next call: keep a copy.
+        results.append(out if isinstance(out, ServingError) else {k: v.clone() for k, v in out.items()})
+    return results
+
+
+def _one_failed(worker: Worker, e: Exception) -> ServingError:
+    """The answer of a single request the model failed on: the client's fault where the model
+    itself said so (handlers/faults.client_fault), out of memory, or a 500 naming the error."""
+    client = faults.client_fault(e, worker.spec)
+    if client is not None:
+        logger.warning("request refused by the model itself: %s", client.message)
+        return client
+    if faults.is_oom(e):
+        logger.warning("out of device memory on one request: %s", e)
+        return faults.OutOfDeviceMemory(f"out of device memory for this request ({e}); retry later or send fewer rows")
+    logger.exception("inference failed")
+    return ServingError(f"model execution failed: {type(e).__name__}: {e}")

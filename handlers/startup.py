@@ -1,0 +1,167 @@
+"""A worker's start: config -> variant -> thread budget and GPU wait -> trial load -> load ->
+runner -> warm-up, once, into a `Worker` (handlers/worker.py), and the one load line that says
+what was chosen and why."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from . import frontend_frames, safetensors_io, threads
+from .admission import Limits
+from .batch import warmup_sizes
+from .config import parse_config
+from .errors import LoadError
+from .kinds import kind_of
+from .load import load_artifact
+from .probe import probe_once
+from .run import runner_for
+from .stage_timings import StageTimes
+from .variants import choose_variant
+from .worker import Worker
+
+logger = logging.getLogger(__name__)
+
+# The request bytes of one warm-up batch through handle() at most (see warm_up_request_path).
+WARMUP_BATCH_BYTES = 64 << 20
+
+
+def start(context, metric, serving, handle) -> Worker:
+    """The loaded, warmed-up worker; raises LoadError with what the artifact needs, what the
+    machine has and the fix. `serving(worker)` is called once the model is loaded, before the
+    request-path warm-up sends requests through the entry's `handle(data, context)`."""
+    t0 = time.perf_counter()
+    props, yaml_config = context.system_properties, getattr(context, "model_yaml_config", None) or {}
+    config = parse_config(yaml_config)
+    # The archive's precision, whatever else in the process set (importing TorchServe's
+    # base_handler switches fp32 matmuls to TF32), so an fp32 artifact answers like the model
+    # it was compiled from; see HandlerConfig.
+    torch.set_float32_matmul_precision(config.float32_matmul_precision)
+    spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config)
+    for note in notes:
+        logger.warning("%s", note)
+    workers = threads.workers_from_yaml(yaml_config)
+    budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, workers, threads.usable_cores()))
+    sync_why = ""
+    if placement.kind == "cuda":
+        gpus = len(yaml_config.get("deviceIds") or ()) or torch.cuda.device_count()
+        sync, sync_why = threads.cuda_wait(config.cuda_sync, workers, gpus)
+        config = dataclasses.replace(config, cuda_sync=sync)
+    _, probe_note = probe_once(spec, placement, config, budget) if config.crash_safe_load else (0.0, "no trial load")
+    model = load_artifact(spec, placement, config)
+    manifest = context.manifest.get("model", {})
+    worker = Worker(name=manifest.get("modelName", "model"), version=str(manifest.get("modelVersion") or ""),
+                    config=config, spec=spec, limits=Limits.of(config, spec), model=model,
+                    runner=runner_for(model, spec, placement.torch_device, config),
+                    device=placement.torch_device, stages=StageTimes(metric, config.stage_metrics_s),
+                    metric=metric)
+    load_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    serving(worker)
+    if config.warmup:
+        warm_up(worker)
+    graphs_note = worker.runner.prepare(config, kind_of(spec))
+    if config.warmup:
+        warm_up_request_path(worker, context, handle)
+        worker.stages.reset()  # the gauges' first means are the clients' batches
+    warm_s = time.perf_counter() - t1
+    reader = frontend_frames.install(config.buffered_reader)
+    cc = (".".join(map(str, torch.cuda.get_device_capability(worker.device)))
+          if placement.kind == "cuda" else None)
+    runner = worker.runner
+    logger.info(
+        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
+        "(%s), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
+        "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
+        spec.backend, spec.artifact, model.loader, placement, placement.note, cc or "n/a",
+        load_s, probe_note, warm_s, ", ".join(s.describe() for s in spec.inputs),
+        spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
+        graphs_note, runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
+        worker.limits.values.describe() + (f"; padding {runner.pad.describe()}" if runner.pad else ""),
+        reader)
+    metric("ArtifactLoadTime", load_s * 1000.0)
+    metric("ArtifactWarmupTime", warm_s * 1000.0)
+    return worker
+
+
+def warm_up(worker: Worker) -> None:
+    """The model across a few batch sizes: kernels, allocator, staging buffers."""
+    spec, runner = worker.spec, worker.runner
+    for size in warmup_sizes(spec.batch_min, spec.batch_max, worker.config.warmup_batch_sizes):
+        with torch.inference_mode():
+            runner.run([spec.example(size)])
+    # every length bucket (padding), or the longest request: the allocator sees its blocks now
+    pad = runner.pad
+    lengths = ([{d: b for d in pad.buckets} for b in sorted({b for v in pad.buckets.values() for b in v})]
+               if pad else [{k: hi for k, (_lo, hi) in spec.dims.items()}] if spec.dims else [])
+    for sizes in lengths:
+        sizes = {d: min(n, spec.dims[d][1]) for d, n in sizes.items()}
+        with torch.inference_mode():
+            runner.run([spec.example(spec.batch_min, sizes=sizes)])
+
+
+def warm_up_request_path(worker: Worker, context, handle) -> None:
+    """Requests through handle(), set up as TorchServe's Service.predict sets up a batch
+    (request ids, per-request headers, metrics ids), so the first client request pays no
+    first-execution cost: metric objects, profiler labels, header parsing, admission, runner
+    and encoders (measured without this: 1.2-1.3x a steady request).
+
+    One JSON request (where one could pass max_json_mb), then binary batches at every CUDA
+    graph bucket (each bucket's upload and replay through the request path; without graphs,
+    the warm-up sizes) up to WARMUP_BATCH_BYTES, largest first, ending with the smallest,
+    repeated: the fast path is the last one in the CPU caches (the JSON request's 150k-float
+    list evicts them) and the interpreter has specialized it (measured on the CI CPU, first
+    call over steady at batch 1, median of 12 loads, two runs: 1.21-1.24x with one binary
+    call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
+    context's batch state is restored afterwards."""
+    spec, config = worker.spec, worker.config
+    rows = spec.batch_min
+    zeros = spec.example(rows)
+    binary = safetensors_io.dumps(zeros)
+    cases = []
+    # JSON spells each element in at least as many bytes as the binary body holds it: where
+    # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
+    if len(binary) <= config.max_json_mb * 2**20:
+        cases.append((1, {"inputs": {k: v.tolist() for k, v in zeros.items()}}, "application/json"))
+    sizes = set(worker.runner.bucket_sizes() or warmup_sizes(spec.batch_min, spec.batch_max,
+                                                             config.warmup_batch_sizes))
+    for size in sorted(sizes | {rows}, reverse=True):
+        n = max(1, size // rows)
+        # Every answer of a batch is encoded into a buffer of its own: a batch of large
+        # frames (a 4K fp32 frame is 99.5 MB) would hold GBs at load, so those stay small.
+        if n == 1 or n * len(binary) <= WARMUP_BATCH_BYTES:
+            cases.append((n, binary, safetensors_io.CONTENT_TYPE))
+    # The interpreter specializes code only after it has run a few times (CPython 3.11
+    # quickens a code object after 8 calls; 3.12 specializes an instruction on its second
+    # run): the smallest binary batch, the latency-bound case, runs 8 times in all.
+    cases += cases[-1:] * 7
+    metrics = getattr(context, "metrics", None)
+    saved = (context.request_ids, context.request_processor, getattr(metrics, "request_ids", None))
+    try:
+        for n, body, content_type in cases:
+            _warm_up_batch(context, handle, n, body, content_type)
+    finally:
+        context.request_ids, context.request_processor = saved[0], saved[1]
+        if metrics is not None:
+            metrics.request_ids = saved[2]
+
+
+def _warm_up_batch(context, handle, n: int, body, content_type: str) -> None:
+    """`n` copies of one request through handle(); a failed answer fails the load."""
+    from ts.context import RequestProcessor
+
+    context.request_ids = {i: "warmup" for i in range(n)}
+    context.request_processor = [RequestProcessor({"body": {"content-type": content_type}}) for _ in range(n)]
+    if getattr(context, "metrics", None) is not None:
+        context.metrics.request_ids = context.request_ids
+    out = handle([{"body": body} for _ in range(n)], context)
+    for i in range(n):
+        status = context.get_response_status(i)[0]
+        if status not in (None, 200):
+            err = LoadError(f"the warm-up request ({content_type}, batch of {n}) failed: {out[i]}")
+            # a 5xx (device memory while several workers start, say) may pass on a
+            # restart: let TorchServe restart the worker instead of answering 503 forever
+            err.recurs = status < 500
+            raise err

@@ -1,0 +1,37 @@
+"""A started worker built by hand for in-process tests of the request pipeline: what
+handlers/startup.py would build, around a runner the test supplies."""
+from __future__ import annotations
+
+import torch
+
+from handlers.admission import Limits
+from handlers.config import parse_config
+from handlers.stage_timings import StageTimes
+from handlers.ts_entry import CompiledModelHandler
+from handlers.worker import Health, Worker
+
+
+def make_worker(spec, runner, limits=None, config=None, name="model") -> Worker:
+    config = config or parse_config({})
+
+    def metric(name, ms):
+        pass
+
+    return Worker(name=name, version="", config=config, spec=spec, limits=limits or Limits.of(config, spec),
+                  model=None, runner=runner, device=torch.device("cpu"),
+                  stages=StageTimes(metric, config.stage_metrics_s), metric=metric)
+
+
+def ready_health() -> Health:
+    health = Health()
+    health.ready()
+    return health
+
+
+def serving_handler(worker: Worker) -> CompiledModelHandler:
+    """The TorchServe entry class as it stands after a successful initialize."""
+    h = CompiledModelHandler()
+    h.model_name = worker.name
+    h._serving(worker)
+    h.initialized = True
+    return h
