@@ -7,7 +7,7 @@ exception raised is a batch of OIP gRPC calls that all failed (TorchServe's gRPC
 a raised PredictionException into each call's status).
 
 Per-stage timings (handlers/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
-HandlerEncodeTime (ms, means over at most handler.stage_metrics_s), and torch.profiler labels
+HandlerEncodeTime and HandlerTime (ms, means over at most handler.stage_metrics_s), and torch.profiler labels
 handler.decode / handler.run / handler.encode while a profiler records.
 """
 from __future__ import annotations
@@ -109,15 +109,16 @@ def _run(worker: Worker, health: Health, data: list, batch: Batch) -> None:
         valid = admit_all(worker, data, batch)
     t1 = time.perf_counter()
     if not valid:
-        worker.stages.record(decode=(t1 - t0) * 1000.0)
+        worker.stages.record(decode=(t1 - t0) * 1000.0, total=(t1 - t0) * 1000.0)
         return
     with label("run"):
         outputs = infer(worker, health, [req.tensors for _, req in valid])
     t2 = time.perf_counter()
     with label("encode"):
         encode_all(valid, outputs, batch)
-    worker.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0,
-                         encode=(time.perf_counter() - t2) * 1000.0)
+    t3 = time.perf_counter()
+    worker.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0, encode=(t3 - t2) * 1000.0,
+                         total=(t3 - t0) * 1000.0)
 
 
 def admit_all(worker: Worker, data: list, batch: Batch) -> list:

@@ -1,4 +1,6 @@
-"""Per-stage timings of a batch (decode, run, encode): TorchServe gauges and torch.profiler labels.
+"""Per-stage timings of a batch (decode, run, encode, and the whole batch as HandlerTime, the
+metric TorchServe's BaseHandler records): TorchServe gauges, torch.profiler labels, and
+TorchServe's profiler switch (ENABLE_TORCH_PROFILER).
 
 Each TorchServe metric the handler adds is printed at once as a line on the worker's stdout
 (ts/metrics/caching_metric.py, `emit_metrics`), which the frontend's reader thread parses, and,
@@ -16,8 +18,9 @@ records (CI CPU, torch 2.13), three per batch, so the stages are labelled only w
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import record_function
@@ -25,7 +28,23 @@ from torch.profiler import record_function
 # stage -> (TorchServe metric name, torch.profiler label)
 STAGES = {"decode": ("HandlerDecodeTime", "handler.decode"),
           "run": ("HandlerRunTime", "handler.run"),
-          "encode": ("HandlerEncodeTime", "handler.encode")}
+          "encode": ("HandlerEncodeTime", "handler.encode"),
+          "total": ("HandlerTime", "handler.handle")}
+# Where TorchServe's BaseHandler writes a profiled batch's trace, one folder per model
+PROFILE_ROOT = "/tmp/pytorch_profiler"
+
+
+def batch_profiler(model_name: str) -> Optional[Callable]:
+    """With ENABLE_TORCH_PROFILER set (any value, as TorchServe's BaseHandler reads it): a
+    factory of torch.profiler.profile for one batch, CPU and CUDA activity with shapes, each
+    batch's trace written for TensorBoard under PROFILE_ROOT/MODEL; else None."""
+    if not os.environ.get("ENABLE_TORCH_PROFILER"):
+        return None
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    path = os.path.join(PROFILE_ROOT, model_name)
+    return lambda: profile(activities=activities, record_shapes=True, on_trace_ready=tensorboard_trace_handler(path))
 
 
 def label(stage: str):

@@ -17,6 +17,7 @@ import os
 from typing import Optional
 
 from handlers import pipeline, scratch, startup
+from handlers.stage_timings import batch_profiler
 from handlers.config import parse_config
 from handlers.envelope import refuse_envelope
 from handlers.errors import LoadError
@@ -32,6 +33,7 @@ class CompiledModelHandler:
         self.health = Health()
         self.worker: Optional[Worker] = None
         self.model_name = "model"
+        self.profile = None  # ENABLE_TORCH_PROFILER: a torch.profiler per batch (stage_timings.py)
 
     def initialize(self, context):
         # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
@@ -57,6 +59,7 @@ class CompiledModelHandler:
             self.worker = None
             self.health.load_failed(self.model_name, e.message)
             self._metric("ModelLoadFailed", 1.0)
+        self.profile = batch_profiler(self.model_name)  # after the warm-up: clients' batches only
         self.initialized = True  # last: loaded, or answering with the load error
 
     def _serving(self, worker: Worker) -> None:
@@ -69,6 +72,9 @@ class CompiledModelHandler:
         self.context = context
         if _is_describe(context):
             return [self.describe_handle()]
+        if self.profile is not None:
+            with self.profile():
+                return pipeline.serve(self.worker, self.health, data, context, self.model_name)
         return pipeline.serve(self.worker, self.health, data, context, self.model_name)
 
     def describe_handle(self):

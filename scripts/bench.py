@@ -69,7 +69,7 @@ EVERY_CALL_STAGES = {"stage_metrics_s": 0}
 
 class StageRecorder:
     """Stands in for TorchServe's metrics object: keeps the handler's stage times
-    (HandlerDecodeTime, HandlerRunTime, HandlerEncodeTime) of the last call."""
+    (HandlerDecodeTime, HandlerRunTime, HandlerEncodeTime, HandlerTime) of the last call."""
 
     def __init__(self):
         self.last = {}

@@ -88,7 +88,7 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
     assert json.loads(out[1]) == {"outputs": {"y": [[1.5, 3.0]]}}
     assert ctx.get_response_content_type(0) == "text/csv"
     # one metric per stage per batch (stage_metrics_s: 0)
-    assert ctx.metrics.times == ["HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"]
+    assert ctx.metrics.times == ["HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime", "HandlerTime"]
 
 
 def test_unknown_kind_is_refused_with_the_known_ones(tmp_path):

@@ -348,3 +348,22 @@ def test_sticky_device_error_answers_then_exits(monkeypatch):
     status, body = answer(ctx, 0, later[0])
     assert status == 503 and body["type"] == "WorkerRestarting"
     assert json.loads(h.describe_handle())["ready"] is False
+
+
+def test_torchserve_profiler_switch_writes_a_trace_per_batch(monkeypatch, tmp_path):
+    """ENABLE_TORCH_PROFILER, read as TorchServe's BaseHandler reads it: each batch is profiled
+    and its trace written under PROFILE_ROOT/MODEL; the answers stay the same."""
+    from handlers import stage_timings
+
+    monkeypatch.setenv("ENABLE_TORCH_PROFILER", "true")
+    monkeypatch.setattr(stage_timings, "PROFILE_ROOT", str(tmp_path))
+    h = handler()
+    h.profile = stage_timings.batch_profiler(h.model_name)
+    goods = [good_request(i) for i in range(2)]
+    ctx = context([g[0] for g in goods])
+    outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
+    assert all(answer(ctx, i, o)[0] == 200 for i, o in enumerate(outs))
+    traces = list((tmp_path / "hostile").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and "handler.run" in traces[0].read_text()
+    monkeypatch.delenv("ENABLE_TORCH_PROFILER")
+    assert stage_timings.batch_profiler("hostile") is None

@@ -80,7 +80,7 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
         b1 = per["b1"]
         assert b1["first_ms"] > 0 and b1["after_idle_median_ms"] > 0 and b1["idle_seconds"] == 0.05
         assert b1["first_over_steady"] == pytest.approx(b1["first_ms"] / b1["steady_median_ms"], rel=1e-3)
-        assert set(b1["first_stages_ms"]) == {"HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"}
+        assert set(b1["first_stages_ms"]) == {"HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime", "HandlerTime"}
         assert "after_idle_median_ms" not in per["b3"]
         assert 0 <= b1["steady_calls_slower_than_first"] <= b1["steady_calls"] and b1["steady_p90_ms"] > 0
     # the warmed-up handler loaded twice: each load's first call, and their median

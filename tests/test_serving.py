@@ -227,7 +227,7 @@ def test_stage_timings_on_the_metrics_endpoint(main_server):
     f, m = two(2)
     assert main_server.predict("two_export", {"inputs": {"features": f.tolist(), "mask": m.tolist()}}).ok
     metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
-    for name in ("HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"):
+    for name in ("HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime", "HandlerTime"):
         assert f'{name}{{ModelName="two_export"' in metrics, (name, metrics[-2000:])
 
 
