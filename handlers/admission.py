@@ -22,6 +22,7 @@ from .errors import PayloadTooLarge, RequestError
 from .metadata import ArtifactSpec
 from .values import ValueContract
 from .wire import WireFormat, binary_format, json_format, response_format, strict_json
+from .wire.base import Encoded
 from .wire.tensors import check_inputs
 
 
@@ -49,9 +50,8 @@ class Admitted:
     respond_as: WireFormat  # the response's wire format (the request's unless Accept says otherwise)
     request_id: Optional[str] = None  # KServe v2 "id", echoed back
 
-    def encode(self, outputs: dict, model_name: str):
-        """Returns (body, content type)."""
-        return self.respond_as.encode(outputs, self.request_id, model_name), self.respond_as.media_type
+    def encode(self, outputs: dict, model_name: str) -> Encoded:
+        return self.respond_as.encoded(outputs, self.request_id, model_name)
 
 
 def payload_of(request: dict):

@@ -72,8 +72,8 @@ class Batch:
         if idx in self.grpc:
             body, content_type = oip.reply(out, req.request_id, self.model_name, self.version), "application/json"
         else:
-            body, content_type = req.encode(out, self.model_name)
-            for key, value in req.respond_as.response_headers.items():
+            body, content_type, headers = req.encode(out, self.model_name)
+            for key, value in headers.items():
                 self.context.set_response_header(idx, key, value)
         self.context.set_response_content_type(idx, content_type)
         self.results[idx] = body

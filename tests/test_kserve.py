@@ -286,8 +286,8 @@ def test_v2_binary_request_decodes_exactly_and_answers_in_binary():
     assert req.request_id == "u1"
     outs = {"y": t["x"] * 2, "b": t["h"].to(torch.bfloat16)}
     # no outputs named: tritonclient sets binary_data_output, so every output comes back binary
-    reply, ctype = req.encode(outs, "mod")
-    head = int(req.respond_as.response_headers[v2_binary.HEADER])
+    reply, ctype, headers = req.encode(outs, "mod")
+    head = int(headers[v2_binary.HEADER])
     assert ctype == "application/octet-stream" and isinstance(reply, bytes)
     res = InferResult.from_response_body(reply, header_length=head)
     assert np.array_equal(res.as_numpy("y"), outs["y"].numpy())
@@ -305,14 +305,14 @@ def test_v2_output_selection_and_binary_flags():
     t = sample(2)
     body, length = triton_body(t, outputs=[httpclient.InferRequestedOutput("y", binary_data=False)])
     req = v2_admit(body, length)
-    reply, ctype = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
-    assert ctype == "application/json" and req.respond_as.response_headers == {}
+    reply, ctype, headers = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    assert ctype == "application/json" and headers == {}
     got = json.loads(reply)
     assert [o["name"] for o in got["outputs"]] == ["y"]  # only what was asked for
     body, length = triton_body(t, outputs=[httpclient.InferRequestedOutput("b", binary_data=True)])
     req = v2_admit(body, length)
-    reply, _ = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
-    res = InferResult.from_response_body(reply, header_length=int(req.respond_as.response_headers[v2_binary.HEADER]))
+    reply, _, headers = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    res = InferResult.from_response_body(reply, header_length=int(headers[v2_binary.HEADER]))
     assert [o["name"] for o in res.get_response()["outputs"]] == ["b"]
     with pytest.raises(RequestError, match="unknown output"):
         v2_admit(*triton_body(t, outputs=[httpclient.InferRequestedOutput("nope")]))
@@ -320,8 +320,8 @@ def test_v2_output_selection_and_binary_flags():
     body, length = triton_body(t, binary=False)
     assert length is None
     req = admit({"body": json.loads(body)}, SPEC, LIMITS)
-    reply, ctype = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
-    assert ctype == "application/octet-stream" and v2_binary.HEADER in req.respond_as.response_headers
+    reply, ctype, headers = req.encode({"y": t["x"], "b": t["h"].bfloat16()}, "mod")
+    assert ctype == "application/octet-stream" and v2_binary.HEADER in headers
 
 
 def _frame(header: dict, raw: bytes) -> tuple:

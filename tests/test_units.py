@@ -459,7 +459,7 @@ def test_response_format_follows_accept():
     assert decode({"body": st}, make_spec(), accept="*/*").respond_as.name == WireName.SAFETENSORS
     assert decode(v1, make_spec(), accept="application/json").respond_as.name == WireName.KSERVE_V1
     assert decode(ours, make_spec(), accept=safetensors_io.CONTENT_TYPE).respond_as.name == WireName.SAFETENSORS
-    body, ct = decode(v1, make_spec()).encode({"y": torch.ones(1, 4)}, "m")
+    body, ct, _ = decode(v1, make_spec()).encode({"y": torch.ones(1, 4)}, "m")
     assert ct == "application/json" and json.loads(body) == {"predictions": [[1.0] * 4]}
 
 

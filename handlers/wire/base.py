@@ -5,7 +5,7 @@ envelope (chosen by the shape of the parsed JSON object). The registry is wire/_
 from __future__ import annotations
 
 from enum import Enum
-from typing import Optional
+from typing import NamedTuple, Optional
 
 JSON_MEDIA = "application/json"
 
@@ -19,11 +19,18 @@ class WireName(str, Enum):
     SAFETENSORS = "safetensors"
 
 
+class Encoded(NamedTuple):
+    """One encoded response: its body, Content-Type and any headers it needs (v2 binary)."""
+
+    body: object  # str or bytes-like
+    media_type: str
+    headers: dict
+
+
 class WireFormat:
     name = ""  # a WireName, or any other string for a registered format
     media_type = JSON_MEDIA  # Content-Type of its bodies
     binary = False  # True: chosen by media type / bytes; False: a JSON envelope
-    response_headers: dict = {}  # set by encode where the reply needs headers (v2 binary)
 
     def matches_bytes(self, payload) -> bool:
         """Binary formats: whether bytes without a Content-Type are this format."""
@@ -44,8 +51,15 @@ class WireFormat:
         raise NotImplementedError
 
     def encode(self, outputs: dict, request_id: Optional[str], model_name: str):
-        """{output name: CPU tensor} -> response body (str or bytes-like)."""
+        """{output name: CPU tensor} -> the response body (str or bytes-like, sent as this
+        format's media_type), or an Encoded where the reply's media type or headers depend on
+        the request (KServe v2 binary)."""
         raise NotImplementedError
+
+    def encoded(self, outputs: dict, request_id: Optional[str], model_name: str) -> Encoded:
+        """encode() as an Encoded value, whichever it returned."""
+        out = self.encode(outputs, request_id, model_name)
+        return out if isinstance(out, Encoded) else Encoded(out, self.media_type, {})
 
 
 def dump_json(body) -> str:

@@ -20,7 +20,7 @@ import torch
 from ..dtypes import BY_NAME, BY_TORCH, BY_V2
 from ..errors import RequestError
 from . import v2_binary
-from .base import JSON_MEDIA, WireFormat, WireName, dump_json
+from .base import JSON_MEDIA, Encoded, WireFormat, WireName, dump_json
 from .strict_json import json_values
 from .tensors import from_nested, spec_of
 
@@ -97,7 +97,6 @@ class KServeV2(WireFormat):
     def __init__(self, header_length=None, request=None):
         self.header_length = header_length  # set: the binary extension (v2_binary.HEADER)
         self.request = request  # v2_binary.Request, set by for_request
-        self.response_headers = {}
 
     def matches_json(self, body):
         return isinstance(body.get("inputs"), list)
@@ -137,16 +136,13 @@ class KServeV2(WireFormat):
         binary = v2_binary.binary_names(request, outputs)
         body = reply({n: t for n, t in outputs.items() if n not in binary}, request_id, model_name)
         if not binary:
-            self.media_type, self.response_headers = JSON_MEDIA, {}
-            return dump_json(body)
+            return Encoded(dump_json(body), JSON_MEDIA, {})
         raws = {n: v2_binary.raw_bytes(outputs[n]) for n in binary}
         entries = {e["name"]: e for e in body["outputs"]}
         body["outputs"] = [entries.get(n) or v2_binary.binary_entry(n, t, len(raws[n]))
                            for n, t in outputs.items()]  # the model's output order
         framed, header_length = v2_binary.frame(body, [raws[n] for n in outputs if n in binary])
-        self.media_type = v2_binary.MEDIA
-        self.response_headers = {v2_binary.HEADER: str(header_length)}
-        return framed
+        return Encoded(framed, v2_binary.MEDIA, {v2_binary.HEADER: str(header_length)})
 
 
 FORMAT = KServeV2()
