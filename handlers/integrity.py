@@ -1,6 +1,6 @@
 """The artifact file is the one artifact.json pins, before anything in it runs or is unpickled:
 loading an AOTInductor package dlopens a shared library and torch.export.load unpickles, so
-an artifact is code. Checked once per variant per process (variants.open_variant).
+an artifact is code. Checked once for the variant a worker serves (variants.choose_variant).
 
 What it can know: that the artifact and the artifact.json of the same archive agree. It cannot
 detect an archive replaced whole (both rewritten; the .mar also carries this handler's Python):

@@ -23,9 +23,9 @@ import time
 from .config import parse_config
 from .device import Placement
 from .errors import LoadError
+from .kinds import recognise
 from .load import load_artifact
-from .metadata import ArtifactSpec
-from .variants import open_variant
+from .metadata import ArtifactSpec, read_spec
 
 SIGNAL_HINTS = {
     "SIGSEGV": "a segmentation fault: typically an AOTInductor wrapper built with a toolchain "
@@ -163,7 +163,9 @@ def main():
         # The parent's thread budget (handlers/threads.py ThreadBudget.child_env).
         if os.environ.get("TS_HANDLER_CPU_THREADS"):
             torch.set_num_threads(int(os.environ["TS_HANDLER_CPU_THREADS"]))
-        spec = open_variant(variant_dir)
+        # The parent checked this artifact's SHA-256 when it chose the variant, moments ago:
+        # recognised here from its files, not hashed a second time.
+        spec = recognise(read_spec(variant_dir))
         placement = Placement(kind, index if index >= 0 else None)
         model = load_artifact(spec, placement, parse_config({"handler": {"cuda_graphs": graphs}}))
         with torch.inference_mode():

@@ -1,9 +1,12 @@
 """Variant choice: which of the archive's artifacts this worker serves, and where.
 
 Each variant directory holds one artifact.json and its artifact (one per compute capability
-or CPU ISA, say). A variant is read, its file checked against the pinned SHA-256 (once per
-load), recognised from its own files (kinds.recognise), placed (device.py) and judged
-(rules.py); exact fits win over ones that only warn, then archive order.
+or CPU ISA, say). Every variant's artifact.json is placed (device.py) and judged (rules.py);
+then, best first (exact fits before ones that only warn, then archive order), a variant's file
+is checked against its pinned SHA-256, recognised from its own files (kinds.recognise) and
+judged again with what they say, until one fits as well as artifact.json promised. A load
+hashes the variant it serves once; it hashes others only where the chosen one's own files
+disagree with its artifact.json.
 """
 from __future__ import annotations
 
@@ -62,17 +65,26 @@ def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
 
 def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
     """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
-    tried, ok = [], []
+    tried, ranked = [], []
     for d in _variant_dirs(model_dir, config):
-        spec = open_variant(d)
+        spec = read_spec(d)
+        placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
+        if fatal:
+            tried.append(f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal))
+        ranked.append((bool(fatal), bool(warn), len(ranked), d))
+    ranked.sort()  # by artifact.json: exact fits, then warnings, then archive order; refused last
+    best = None
+    for _, promised_warn, _, d in ranked:
+        spec = open_variant(d)  # hashed and recognised: now its own files speak
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
             tried.append(f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal))
             continue
-        ok.append((bool(warn), len(ok), spec, placement, warn))  # exact fits first, then archive order
-    if not ok:
+        if best is None or (best[2] and not warn):
+            best = (spec, placement, warn)
+        if not warn or promised_warn:  # as good as its artifact.json promised: no better one follows
+            break
+    if best is None:
         raise IncompatibleArtifact("no artifact in this archive can run on this worker. This machine: "
-                                   f"{describe_machine(gpu_id)}. " + " ".join(tried))
-    ok.sort(key=lambda t: (t[0], t[1]))
-    _, _, spec, placement, warn = ok[0]
-    return spec, placement, warn
+                                   f"{describe_machine(gpu_id)}. " + " ".join(dict.fromkeys(tried)))
+    return best

@@ -5,6 +5,7 @@ Every case starts from a real compiled artifact and alters what a real mismatch 
 (package metadata, artifact.json, the file itself), re-pinning the SHA-256 where a rebuilt
 artifact would carry a new one."""
 import os
+import shutil
 import subprocess
 import time
 import zipfile
@@ -375,8 +376,8 @@ def test_probe_reports_a_python_error_as_the_load_error(artifacts):
     from handlers.probe import crash_safe_probe
     from handlers.config import parse_config
     from handlers.errors import LoadError
+    from handlers.kinds import recognise
     from handlers.load import load_artifact
-    from handlers.variants import open_variant
 
     d = artifacts.copy("cls_export", "probe_pyerror")
     path = os.path.join(d, "model.pt2")
@@ -384,11 +385,13 @@ def test_probe_reports_a_python_error_as_the_load_error(artifacts):
         f.truncate(os.path.getsize(path) // 2)
     repin(d)
     spec = read_spec(str(d))
-    with pytest.raises(LoadError) as in_process:  # the child's steps: open (integrity), then load
-        load_artifact(open_variant(str(d)), Placement("cpu", None))
+    # the child's steps: recognise, then load (the parent checked integrity when it chose the
+    # variant; this truncated file was re-pinned, so only loading it fails)
+    with pytest.raises(LoadError) as in_process:
+        load_artifact(recognise(read_spec(str(d))), Placement("cpu", None))
     with pytest.raises(LoadError) as probed:
         crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
-    assert "not a valid .pt2 archive" in str(probed.value)
+    assert "torch.export.load failed for model.pt2" in str(probed.value)
     assert str(probed.value) == str(in_process.value)
 
 
@@ -433,3 +436,29 @@ def test_probe_names_an_abort(artifacts, fake_python):
     assert msg.startswith("loading model.pt2 (export) on cpu crashed the trial process with SIGABRT: "
                           "an abort in native code"), msg
     assert msg.endswith("Last output: terminate called after throwing"), msg
+
+
+def test_a_load_hashes_only_the_variant_it_serves(artifacts, tmp_path, monkeypatch):
+    """Two fitting variants: the first (archive order) is chosen and hashed, the second is never
+    read past its artifact.json, so its corrupt file does not stop the load; the chosen one's
+    corruption does, with the integrity message."""
+    from handlers import variants
+    from handlers.config import parse_config
+    from handlers.errors import LoadError
+
+    model_dir = tmp_path / "m"
+    for i in range(2):
+        shutil.copytree(artifacts.get("cls_export"), model_dir / "variants" / f"{i:02d}_export_cpu")
+    with open(model_dir / "variants" / "01_export_cpu" / "model.pt2", "r+b") as f:
+        f.truncate(100)  # no longer matches its pinned SHA-256
+    hashed = []
+    real = variants.verify_integrity
+    monkeypatch.setattr(variants, "verify_integrity", lambda spec, zipped: (hashed.append(spec.variant_dir),
+                                                                            real(spec, zipped)))
+    spec, placement, warn = variants.choose_variant(str(model_dir), None, parse_config({}))
+    assert spec.variant_dir.endswith("00_export_cpu") and placement.kind == "cpu" and not warn
+    assert [os.path.basename(d) for d in hashed] == ["00_export_cpu"]
+    with open(model_dir / "variants" / "00_export_cpu" / "model.pt2", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(LoadError, match="SHA-256"):
+        variants.choose_variant(str(model_dir), None, parse_config({}))
