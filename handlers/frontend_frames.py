@@ -178,6 +178,11 @@ def install(enabled: bool) -> str:
     main = sys.modules.get("__main__")
     if os.path.basename(getattr(main, "__file__", "") or "") != "model_service_worker.py":
         return "TorchServe's frame reader (not in a TorchServe worker process)"
+    if "--async" in sys.argv:
+        # TorchServe's async worker (model-config asyncCommunication) reads requests in
+        # ts/async_service.py with that module's own retrieve_msg, never the loop's: replacing
+        # the loop's would change nothing, and that reader was not tested against this one.
+        return "TorchServe's frame reader (TorchServe's async worker reads with its own loop)"
     if getattr(main, "retrieve_msg", None) is retrieve_msg:
         return "buffered frame reader"
     try:

@@ -149,7 +149,7 @@ def test_install_replaces_the_reader_of_a_torchserve_worker_loop(monkeypatch):
     assert frontend_frames.install(True) == "buffered frame reader"  # idempotent
 
 
-@pytest.mark.parametrize("case", ["disabled", "not a worker", "other version", "already replaced"])
+@pytest.mark.parametrize("case", ["disabled", "not a worker", "other version", "already replaced", "async worker"])
 def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
     someone_elses = lambda conn: None  # noqa: E731
     main = _worker_main(monkeypatch, retrieve=someone_elses if case == "already replaced" else
@@ -157,12 +157,15 @@ def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
                         name="pytest.py" if case == "not a worker" else "model_service_worker.py")
     if case == "other version":
         monkeypatch.setattr("ts.version.__version__", "0.13.0")
+    if case == "async worker":  # model_service_worker.py started as TorchServe starts an async one
+        monkeypatch.setattr(sys, "argv", ["model_service_worker.py", "--sock-type", "unix", "--async"])
     before = main.retrieve_msg
     note = frontend_frames.install(case != "disabled")
     assert main.retrieve_msg is before
     assert note.startswith("TorchServe's frame reader (")
     assert {"disabled": "buffered_reader: false", "not a worker": "not in a TorchServe worker",
-            "other version": "TorchServe 0.13.0", "already replaced": "not TorchServe's own"}[case] in note
+            "other version": "TorchServe 0.13.0", "already replaced": "not TorchServe's own",
+            "async worker": "async worker reads with its own loop"}[case] in note
 
 
 def test_bench_frames_writes_its_results(tmp_path):
