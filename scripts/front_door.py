@@ -9,6 +9,10 @@ ready, /v2/health/live|ready) and gRPC `inference.GRPCInferenceService` are the 
 request is forwarded to TorchServe's inference API over one pooled async HTTP client, so
 concurrent requests still meet in one TorchServe batch. A 4xx from the handler is raised as the
 SDK's InvalidInput (REST 400, gRPC INVALID_ARGUMENT) with the handler's message.
+
+tritonclient.http sends a JSON-only v2 request with no Content-Type, and the SDK (0.21) reads a
+body without one as the binary extension and refuses it ("the 'inference-header-content-length'
+header is missing"): JsonWithoutContentType names such a body application/json first.
 """
 from __future__ import annotations
 
@@ -98,6 +102,21 @@ class Forward(kserve.Model):
         raise InferenceError(message, status=str(r.status_code))
 
 
+class JsonWithoutContentType:
+    """ASGI middleware: a POST without Content-Type and without the binary extension's
+    Inference-Header-Content-Length header is JSON (the v2 protocol's only other body)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            names = {k.lower() for k, _ in scope["headers"]}
+            if b"content-type" not in names and b"inference-header-content-length" not in names:
+                scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def handler_state(mgmt: str, name: str):
     """(ready, load_error) from TorchServe's workers and the handler's describe_handle JSON."""
     try:
@@ -140,6 +159,9 @@ def main():
         models.append(Forward(name, addr["inference_address"], archive_io(mar), client))
     wait_for_models(models, addr["management_address"], args.wait_s)
     sys.argv = [sys.argv[0], *rest]
+    from kserve.model_server import app  # the SDK's one FastAPI app, which ModelServer serves
+
+    app.add_middleware(JsonWithoutContentType)
     server = kserve.ModelServer()
     for m in models:
         if not m.ready:  # registered, not ready: its ready route and metadata say why

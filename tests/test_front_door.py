@@ -164,3 +164,99 @@ def test_tritonclient_grpc_reaches_the_standard_service(door, kserve_env):
     assert out["ready"] and out["live"] and out["inputs"] == ["features", "mask"]
     check(out["outputs"], f, m)
     assert out["bad"][0] == "StatusCode.INVALID_ARGUMENT" and "the artifact needs 16" in out["bad"][1], out
+
+
+SDK_CLIENTS = """
+import asyncio, sys, json, numpy as np
+from kserve import InferenceGRPCClient, InferenceRESTClient, RESTConfig
+from kserve.protocol.infer_type import InferInput, InferRequest
+base, grpc_url = sys.argv[1], sys.argv[2]
+f = np.array(json.loads(sys.argv[3]), np.float32); m = np.array(json.loads(sys.argv[4]), bool)
+
+def request(mask):
+    a = InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f)
+    b = InferInput("mask", list(mask.shape), "BOOL"); b.set_data_from_numpy(mask)
+    return InferRequest(model_name="two", infer_inputs=[a, b])
+
+def outputs(res):
+    return [{"name": o.name, "shape": list(o.shape), "data": o.as_numpy().flatten().tolist()} for o in res.outputs]
+
+async def main():
+    out = {}
+    rest = InferenceRESTClient(RESTConfig(protocol="v2", timeout=60))
+    out["rest"] = outputs(await rest.infer(base, request(m), model_name="two"))
+    try:
+        await rest.infer(base, request(m[:, :15].copy()), model_name="two")
+        out["rest_bad"] = "answered"
+    except Exception as e:
+        out["rest_bad"] = f"{type(e).__name__}: {e}"
+    await rest.close()
+    grpc = InferenceGRPCClient(grpc_url, timeout=60)
+    out["grpc"] = outputs(await grpc.infer(request(m)))
+    try:
+        await grpc.infer(request(m[:, :15].copy()))
+        out["grpc_bad"] = "answered"
+    except Exception as e:
+        out["grpc_bad"] = f"{type(e).__name__}: {getattr(e, 'code', lambda: '')()} {e}"
+    await grpc.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+TRITON_HTTP_CLIENT = """
+import sys, json, numpy as np, tritonclient.http as h
+c = h.InferenceServerClient(sys.argv[1])
+f = np.array(json.loads(sys.argv[2]), np.float32); m = np.array(json.loads(sys.argv[3]), bool)
+out = {"ready": c.is_model_ready("two")}
+for binary in (False, True):
+    a = h.InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f, binary_data=binary)
+    b = h.InferInput("mask", list(m.shape), "BOOL"); b.set_data_from_numpy(m, binary_data=binary)
+    r = c.infer("two", [a, b], outputs=[h.InferRequestedOutput(n, binary_data=binary) for n in sys.argv[4].split(",")])
+    out[f"binary_{binary}"] = [{"name": o["name"], "shape": o["shape"], "data": r.as_numpy(o["name"]).flatten().tolist()}
+                               for o in r.get_response()["outputs"]]
+b = h.InferInput("mask", [f.shape[0], 15], "BOOL"); b.set_data_from_numpy(m[:, :15].copy())
+try:
+    c.infer("two", [a, b])
+    out["bad"] = "answered"
+except h.InferenceServerException as e:
+    out["bad"] = [e.status(), e.message()]
+print(json.dumps(out))
+"""
+
+
+def _run_client(kserve_env, code, *args) -> dict:
+    import json
+
+    r = subprocess.run([str(kserve_env), "-c", code, *args], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kserve_sdk_rest_and_grpc_clients_equal_eager_and_bad_input_is_the_clients_fault(door, kserve_env):
+    """The kserve SDK's own InferenceRESTClient (v2) and InferenceGRPCClient, as a KServe user
+    calls a model: answers equal eager; an input of the wrong shape fails with 400 /
+    INVALID_ARGUMENT naming what the artifact needs."""
+    import json
+
+    f, m = two(3, seed=22)
+    out = _run_client(kserve_env, SDK_CLIENTS, door["base"], door["grpc"], json.dumps(f.tolist()),
+                      json.dumps(m.tolist()))
+    check(out["rest"], f, m)
+    check(out["grpc"], f, m)
+    assert "400" in out["rest_bad"] and "the artifact needs 16" in out["rest_bad"], out["rest_bad"]
+    assert "INVALID_ARGUMENT" in out["grpc_bad"] and "the artifact needs 16" in out["grpc_bad"], out["grpc_bad"]
+
+
+def test_tritonclient_http_json_and_binary_equal_eager(door, kserve_env):
+    """tritonclient.http, with JSON tensors and with the binary tensor extension both ways."""
+    import json
+
+    f, m = two(2, seed=23)
+    names = ",".join(eager("two_input", f, m))
+    out = _run_client(kserve_env, TRITON_HTTP_CLIENT, door["base"].removeprefix("http://"),
+                      json.dumps(f.tolist()), json.dumps(m.tolist()), names)
+    assert out["ready"]
+    check(out["binary_False"], f, m)
+    check(out["binary_True"], f, m)
+    assert str(out["bad"][0]) == "400" and "the artifact needs 16" in out["bad"][1], out["bad"]
