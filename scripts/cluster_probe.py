@@ -2,7 +2,9 @@
 
   python -m scripts.cluster_probe live     the frontend answers /ping
   python -m scripts.cluster_probe ready    every model of model_snapshot has a READY worker AND
-                                           its handler says ready (describe_handle's JSON)
+                                           its handler says ready (describe_handle's JSON) AND,
+                                           where the entrypoint started the front door, it
+                                           answers /v2/health/ready
 
 Exit 0 when the answer is yes; else 1, with the reason on stdout (the kubelet records it in the
 pod's events). TorchServe reports a worker READY even when its load failed and it only answers
@@ -76,7 +78,22 @@ def check(kind: str, cfg: dict) -> str | None:
         return "the config names no model (model_snapshot)"
     mgmt = local(cfg["management_address"])
     problems = [p for p in (model_problem(mgmt, n) for n in names) if p]
+    door = front_door()
+    if door and not problems:
+        try:
+            get_json(f"{door}/v2/health/ready")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            problems.append(f"front door: /v2/health/ready: {e}")
     return "; ".join(problems) or None
+
+
+def front_door() -> str | None:
+    """The front door's address, which kserve/entrypoint.sh writes beside the config it started."""
+    try:
+        with open(os.path.join(os.environ.get("RUNTIME_DIR", "/tmp/torchserve"), "front_door")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def main(argv=None) -> int:

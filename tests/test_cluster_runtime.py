@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -145,9 +146,15 @@ def test_dockerfile_parses_and_names_what_the_runtime_runs():
     assert entry == ["/opt/serve/kserve/entrypoint.sh"]
     rt = yaml.safe_load((Path(ROOT) / "kserve" / "servingruntime.yaml").read_text())
     c = rt["spec"]["containers"][0]
-    expose = [rest for op, rest in ops if op == "EXPOSE"]
-    assert [str(p["containerPort"]) for p in c["ports"]] == expose
-    assert "torchserve==${TORCHSERVE_VERSION}" in " ".join(rest for op, rest in ops if op == "RUN")
+    expose = " ".join(rest for op, rest in ops if op == "EXPOSE").split()
+    assert {str(p["containerPort"]) for p in c["ports"]} <= set(expose) and "8081" in expose  # 8081: OIP gRPC
+    runs = " ".join(rest for op, rest in ops if op == "RUN")
+    assert "torchserve==${TORCHSERVE_VERSION}" in runs
+    # the front door's Python: the same kserve pin as scripts/setup_kserve_env.sh, and the entrypoint is told
+    kserve_pin = re.search(r'"kserve==[^"]+"', (Path(ROOT) / "scripts" / "setup_kserve_env.sh").read_text()).group(0)
+    assert f"/opt/front-door/bin/pip install {kserve_pin}" in runs
+    env = " ".join(rest for op, rest in ops if op == "ENV")
+    assert "FRONT_DOOR_PYTHON=/opt/front-door/bin/python" in env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,14 +165,17 @@ class Container:
     """kserve/entrypoint.sh with the container's environment; MODEL_ROOT is a copy of the
     layout's storage with free loopback ports."""
 
-    def __init__(self, storage: Path, root: Path):
+    def __init__(self, storage: Path, root: Path, front_door_python=None):
+        """front_door_python: the image's FRONT_DOOR_PYTHON (the kserve SDK's Python), so the
+        entrypoint starts the front door on HTTP_PORT/GRPC_PORT in front of TorchServe."""
         self.root = root
         mnt = root / "mnt" / "models"
         shutil.copytree(storage, mnt)
         cfg = mnt / "config" / "config.properties"
         text = cfg.read_text()
-        self.ports = {k: free_port() for k in ("management", "metrics", "grpc", "grpc_mgmt")}
-        for key, value in (("management_address", f"http://127.0.0.1:{self.ports['management']}"),
+        self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
+        for key, value in (("inference_address", f"http://127.0.0.1:{self.ports['inference']}"),
+                           ("management_address", f"http://127.0.0.1:{self.ports['management']}"),
                            ("metrics_address", f"http://127.0.0.1:{self.ports['metrics']}"),
                            ("grpc_inference_port", self.ports["grpc"]),
                            ("grpc_management_port", self.ports["grpc_mgmt"])):
@@ -174,6 +184,10 @@ class Container:
         self.http = free_port()
         self.env = server_env()
         self.env.update(MODEL_ROOT=str(mnt), RUNTIME_DIR=str(root / "run"), HTTP_PORT=str(self.http))
+        self.grpc = None
+        if front_door_python:
+            self.grpc = free_port()
+            self.env.update(FRONT_DOOR_PYTHON=str(front_door_python), GRPC_PORT=str(self.grpc))
         self.out = open(root / "stdout.log", "w")
         self.proc = subprocess.Popen([str(ENTRYPOINT)], env=self.env, stdout=self.out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
