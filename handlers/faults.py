@@ -75,12 +75,12 @@ def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
     def _exit():
         from . import scratch
 
-        if scratch._entered:
-            import shutil
-
-            shutil.rmtree(scratch._entered, ignore_errors=True)
+        scratch.remove_now()
         os._exit(70)
 
+    from . import process
+
+    process.record("exit", f"os._exit in {delay_s:.1f}s after a sticky device fault")
     t = threading.Timer(delay_s, _exit)
     t.daemon = True
     t.start()

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from . import process
+
 logger = logging.getLogger(__name__)
 ROOT_NAME = "compiled-serving"
 _entered = None
@@ -100,14 +102,23 @@ def enter() -> str:
     tempfile.tempdir = None  # Python's tempfile re-reads TMPDIR
     atexit.register(shutil.rmtree, mine, True)
     _start_reaper(os.getpid(), mine)
+    process.record("TMPDIR and tempfile.tempdir", f"{mine}, removed at exit (atexit) and by a reaper process "
+                   "when this worker is gone")
     try:
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            process.record("SIGTERM", "exits through sys.exit, so atexit runs")
     except ValueError:  # not the main thread (tests calling initialize from a thread)
         pass
     global _root
     _entered, _root = mine, root
     return mine
+
+
+def remove_now() -> None:
+    """Removes this worker's scratch directory at once (before an os._exit, which skips atexit)."""
+    if _entered:
+        shutil.rmtree(_entered, ignore_errors=True)
 
 
 def shared_root():

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import frontend_frames, safetensors_io, threads
+from . import frontend_frames, process, safetensors_io, threads
 from .admission import Limits
 from .batch import warmup_sizes
 from .config import parse_config
@@ -39,6 +39,7 @@ def start(context, metric, serving, handle) -> Worker:
     # base_handler switches fp32 matmuls to TF32), so an fp32 artifact answers like the model
     # it was compiled from; see HandlerConfig.
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
+    process.record("torch fp32 matmul precision", config.float32_matmul_precision)
     spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config)
     for note in notes:
         logger.warning("%s", note)
@@ -81,6 +82,7 @@ def start(context, metric, serving, handle) -> Worker:
         graphs_note, runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
         worker.limits.values.describe() + (f"; padding {runner.pad.describe()}" if runner.pad else ""),
         reader)
+    logger.info("process-wide changes: %s", process.describe())
     metric("ArtifactLoadTime", load_s * 1000.0)
     metric("ArtifactWarmupTime", warm_s * 1000.0)
     return worker

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from . import process
+
 # Environment variables that size the OpenMP / MKL pools of native code in the worker
 # (AOTInductor CPU kernels use OpenMP) and of the crash-safe probe child.
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -103,4 +105,5 @@ def apply(budget: ThreadBudget) -> ThreadBudget:
         inter = budget.inter_op
     except RuntimeError:  # "cannot set number of interop threads after parallel work has started"
         inter = torch.get_num_interop_threads()
+    process.record("torch thread pools", f"intra-op {torch.get_num_threads()}, inter-op {inter}")
     return ThreadBudget(torch.get_num_threads(), inter, budget.reason)

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Optional
 
-from handlers import pipeline, scratch, startup
+from handlers import pipeline, process, scratch, startup
 from handlers.stage_timings import batch_profiler
 from handlers.config import parse_config
 from handlers.envelope import refuse_envelope
@@ -39,6 +39,7 @@ class CompiledModelHandler:
         # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
         # 0.12's worker reads this variable per request (ts/protocol/otf_message_handler.py).
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        process.record("TS_DECODE_INPUT_REQUEST", "false (JSON bodies reach the handler as bytes)")
         scratch.enter()
         self.context = context
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")

@@ -529,3 +529,26 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     assert [(n, ct) for n, ct, _ in seen] == json_case + [(n, st) for n in batches] + [(1, st)] * 8
     assert all(s in (None, 200) for _, _, statuses in seen for s in statuses)
     assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back
+
+
+def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
+    """handlers/process.py: the load logs one line naming each change to the process (the
+    environment, torch's global state, signal handlers), recorded where it is made."""
+    import logging
+    import os
+
+    from ts.context import Context
+
+    from handlers import process
+    from handlers.ts_entry import CompiledModelHandler
+
+    ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                  model_yaml_config={"handler": {"crash_safe_load": False, "warmup": False}})
+    with caplog.at_level(logging.INFO, logger="handlers.startup"):
+        CompiledModelHandler().initialize(ctx)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("process-wide changes: ")]
+    assert len(lines) == 1 and lines[0] == "process-wide changes: " + process.describe()
+    for what in ("TS_DECODE_INPUT_REQUEST: false", "TMPDIR and tempfile.tempdir: ", "torch thread pools: intra-op ",
+                 f"torch fp32 matmul precision: {torch.get_float32_matmul_precision()}"):
+        assert what in lines[0], (what, lines[0])
+    assert os.environ["TMPDIR"] in lines[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import zipfile
 
+from .. import process
 from ..device import use_device
 from ..errors import IncompatibleArtifact, LoadError
 from ..machine import cc_tuple, package_version, version_mm
@@ -104,6 +105,7 @@ class TorchTensorRT(ArtifactKind):
             # Checks the device before every engine call: safe with several GPUs in one process,
             # at a per-call cost (documented in README).
             torch_tensorrt.runtime.set_multi_device_safe_mode(True)
+            process.record("Torch-TensorRT", "multi-device safe mode on")
         if container_of(spec) == "aot_inductor":
             return load_aoti_package(spec, placement, "tensorrt_aoti")
         try:
