@@ -132,7 +132,7 @@ def test_oversize_body_and_too_many_rows_get_413(main_server):
     assert r.status_code == 413 and r.json()["type"] == "PayloadTooLarge", r.text
     assert "max_body_mb" in r.json()["message"]
     # JSON bodies reach the handler as bytes too (TS_DECODE_INPUT_REQUEST=false), so the body
-    # limit applies to them before they are parsed; the row limit is covered by tests/test_units.py
+    # limit applies to them before they are parsed; the row limit is covered by tests/test_wire.py
     # and, through TorchServe, by tests/test_faults.py (rows_1025)
     r = main_server.predict("cls_limits", {"inputs": {"image": image(5).tolist()}})
     assert r.status_code == 413 and "handler.max_body_mb" in r.json()["message"], r.text

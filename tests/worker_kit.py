@@ -1,14 +1,22 @@
-"""A started worker built by hand for in-process tests of the request pipeline: what
+"""An artifact spec and a started worker built by hand for in-process tests of the request pipeline: what
 handlers/startup.py would build, around a runner the test supplies."""
 from __future__ import annotations
 
 import torch
 
 from handlers.admission import Limits
+from handlers.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
 from handlers.stage_timings import StageTimes
 from handlers.ts_entry import CompiledModelHandler
 from handlers.worker import Health, Worker
+
+
+def make_spec(batch_min=1, batch_max=8):
+    return ArtifactSpec(backend="export", artifact="model.pt2", sha256="", device="cpu",
+                        inputs=(TensorSpec("x", "float32", (None, 4)),),
+                        outputs=(TensorSpec("y", "float32", (None, 4)),), output_structure="dict",
+                        batch_min=batch_min, batch_max=batch_max, torch_version=torch.__version__)
 
 
 def make_worker(spec, runner, limits=None, config=None, name="model") -> Worker:

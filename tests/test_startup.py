@@ -1,0 +1,134 @@
+"""A worker's start in process: precision, warm-up through the request path, the list of process-wide changes, the scratch root, the trial load's arguments."""
+
+import pytest
+import torch
+
+
+
+@pytest.mark.parametrize("option,expected", [(None, "highest"), ("high", "high")])
+def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
+    """TorchServe's base_handler sets TF32 ("high") on import when it sees an Ampere+ GPU; the
+    handler puts back what the archive asks for (torch's default unless configured). Uses
+    TorchServe's own Context class."""
+    from ts.context import Context
+
+    from handlers.ts_entry import CompiledModelHandler
+
+    opts = {"crash_safe_load": False, "warmup": False}
+    if option:
+        opts["float32_matmul_precision"] = option
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # stands in for what base_handler did
+    try:
+        ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                      model_yaml_config={"handler": opts})
+        CompiledModelHandler().initialize(ctx)
+        assert torch.get_float32_matmul_precision() == expected
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("buckets,batches,json_mb,cap", [
+    ([1, 2, 4], [4, 2], 8.0, None),
+    ([], [16, 8, 4, 2], 8.0, None),
+    ([], [2], 0.001, 30_000),  # 12.4 KB bodies: no JSON under 1 KB, batches up to 30 KB
+])
+def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(artifacts, monkeypatch,
+                                                                               buckets, batches, json_mb, cap):
+    """The request-path warm-up sends one JSON request, then a binary batch at every bucket the
+    runner reports (CUDA graph buckets; stood in for here, a CPU runner has none) or, without
+    buckets, at the warm-up sizes (1..16 for this artifact), largest first, up to a byte cap,
+    and ends with the smallest binary batch, 8 times (JSON only where max_json_mb admits it), so the fast path is what the caches hold and what the
+    interpreter has specialized. Uses TorchServe's own Context class and a real exported
+    artifact."""
+    from ts.context import Context
+
+    from handlers import safetensors_io
+    from handlers.run.cpu import CpuRunner
+    from handlers.pipeline import request_headers as _headers
+    from handlers.ts_entry import CompiledModelHandler
+
+    monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
+    if cap:
+        monkeypatch.setattr("handlers.startup.WARMUP_BATCH_BYTES", cap)
+    seen = []
+    real_handle = CompiledModelHandler.handle
+
+    def handle(self, data, context):
+        cts = {_headers(context, i, "content-type")[0] for i in range(len(data))}
+        out = real_handle(self, data, context)
+        seen.append((len(data), cts.pop(), [context.get_response_status(i)[0] for i in range(len(data))]))
+        return out
+
+    monkeypatch.setattr(CompiledModelHandler, "handle", handle)
+    ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                  model_yaml_config={"handler": {"crash_safe_load": False, "max_json_mb": json_mb}})
+    h = CompiledModelHandler()
+    h.initialize(ctx)
+    assert h.load_error is None and (h.spec.batch_min, h.spec.batch_max) == (1, 16)
+    st = safetensors_io.CONTENT_TYPE
+    json_case = [(1, "application/json")] if json_mb >= 1 else []
+    assert [(n, ct) for n, ct, _ in seen] == json_case + [(n, st) for n in batches] + [(1, st)] * 8
+    assert all(s in (None, 200) for _, _, statuses in seen for s in statuses)
+    assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back
+
+
+def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
+    """handlers/process.py: the load logs one line naming each change to the process (the
+    environment, torch's global state, signal handlers), recorded where it is made."""
+    import logging
+    import os
+
+    from ts.context import Context
+
+    from handlers import process
+    from handlers.ts_entry import CompiledModelHandler
+
+    ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
+                  model_yaml_config={"handler": {"crash_safe_load": False, "warmup": False}})
+    with caplog.at_level(logging.INFO, logger="handlers.startup"):
+        CompiledModelHandler().initialize(ctx)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("process-wide changes: ")]
+    assert len(lines) == 1 and lines[0] == "process-wide changes: " + process.describe()
+    for what in ("TS_DECODE_INPUT_REQUEST: false", "TMPDIR and tempfile.tempdir: ", "torch thread pools: intra-op ",
+                 f"torch fp32 matmul precision: {torch.get_float32_matmul_precision()}"):
+        assert what in lines[0], (what, lines[0])
+    assert os.environ["TMPDIR"] in lines[0]
+
+
+def test_scratch_root_must_be_private(tmp_path):
+    from handlers import scratch
+
+    mine = tmp_path / "mine"
+    assert scratch._owned_root(str(mine)) == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # writable by others: extracted libraries could be swapped
+    assert scratch._owned_root(str(shared)) is None
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert scratch._owned_root(str(link)) is None
+
+
+def test_probe_child_loads_as_the_worker_will(monkeypatch):
+    """The crash-safe probe passes the worker's cuda_graphs setting, which decides how an AOTI
+    package loads (run_single_threaded), so the child tries the load the worker will make."""
+    import subprocess
+    import types
+
+    from handlers import probe
+    from handlers.config import parse_config
+    from handlers.device import Placement
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        return types.SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    spec = types.SimpleNamespace(variant_dir="/nonexistent", artifact="model.pt2", backend="aoti")
+    probe.crash_safe_probe(spec, Placement("cpu", None), parse_config({"handler": {"cuda_graphs": "off"}}))
+    assert seen["cmd"][-4:] == ["/nonexistent", "cpu", "-1", "off"]
+    probe.crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
+    assert seen["cmd"][-1] == "auto"

@@ -1,0 +1,123 @@
+"""Wire formats and admission: decoding, limits, media types, response formats (in process)."""
+import json
+
+import pytest
+import torch
+
+from handlers import oip, safetensors_io
+from handlers.admission import Limits, admit
+from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
+from handlers.wire import WireName
+from worker_kit import make_spec
+
+
+def test_safetensors_roundtrip_all_dtypes():
+    ts = {f"t{i}": (torch.arange(6) % 2).to(dt).reshape(2, 3) for i, dt in enumerate(
+        [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])}
+    back = safetensors_io.loads(safetensors_io.dumps(ts))
+    for k, v in ts.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v)
+
+
+def test_safetensors_dumps_strided_and_empty_tensors_and_reads_both_buffer_kinds():
+    # Outputs may be views (transposed, sliced rows): their bytes must be written in logical
+    # order from memory that is still alive when copied.
+    g = torch.Generator().manual_seed(1)
+    ts = {"t": torch.randn(3, 4, generator=g).t(), "s": torch.randn(5, 6, generator=g).half()[:, ::2],
+          "e": torch.zeros(0, 3), "z": torch.tensor(2.5)}
+    blob = safetensors_io.dumps(ts)
+    assert isinstance(blob, bytearray)  # TorchServe sends bytearray responses without a copy
+    for payload in (blob, bytes(blob)):  # TorchServe hands bodies as bytearray; clients as bytes
+        back = safetensors_io.loads(payload)
+        for k, v in ts.items():
+            assert back[k].shape == v.shape and torch.equal(back[k], v), k
+
+
+def test_safetensors_rejects_lying_offsets():
+    blob = bytearray(safetensors_io.dumps({"x": torch.ones(2, 4)}))
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header["x"]["data_offsets"] = [0, 10_000]
+    h = json.dumps(header).encode()
+    bad = len(h).to_bytes(8, "little") + h + bytes(blob[8 + n:])
+    with pytest.raises(RequestError, match="data_offsets"):
+        safetensors_io.loads(bad)
+    with pytest.raises(RequestError, match="header length"):
+        safetensors_io.loads((10**9).to_bytes(8, "little") + b"{}")
+
+
+def limits(max_body_bytes=1 << 30, max_rows=1024, batch_max=8, split_oversized=True):
+    return Limits(max_body_bytes, max_rows, batch_max, split_oversized)
+
+
+def decode(request, spec, content_type=None, max_rows=1024, accept=None):
+    return admit(request, spec, limits(max_rows=max_rows, batch_max=spec.batch_max), content_type, accept)
+
+
+@pytest.mark.parametrize("body", [3, True, None], ids=repr)
+def test_decode_json_scalar_body_is_a_400_naming_the_object_rule(body):
+    with pytest.raises(RequestError, match="JSON body must be an object"):
+        decode({"body": body}, make_spec(), content_type="application/json")
+
+
+def test_decode_json_int_values_are_accepted_as_floats():
+    d = decode({"body": {"inputs": {"x": [[1, 2, 3, 4]]}}}, make_spec())
+    assert d.tensors["x"].dtype == torch.float32 and d.rows == 1
+
+
+def test_decode_limits_rows_per_request():
+    with pytest.raises(PayloadTooLarge, match="at most 2 per request"):
+        decode({"body": {"inputs": {"x": [[0.0] * 4] * 3}}}, make_spec(), max_rows=2)
+
+
+def test_admission_limits_body_size_and_unsplit_rows():
+    body = safetensors_io.dumps({"x": torch.ones(3, 4)})
+    with pytest.raises(PayloadTooLarge, match="handler.max_body_mb") as e:
+        admit({"body": body}, make_spec(), limits(max_body_bytes=len(body) - 1))
+    assert e.value.status == 413
+    with pytest.raises(PayloadTooLarge, match="at most 2 per call"):
+        admit({"body": body}, make_spec(batch_max=2), limits(batch_max=2, split_oversized=False))
+    assert admit({"body": body}, make_spec(batch_max=2), limits(batch_max=2)).rows == 3
+
+
+def test_decode_media_type():
+    with pytest.raises(UnsupportedMediaType) as e:
+        decode({"body": b"abc"}, make_spec(), content_type="image/jpeg")
+    assert e.value.status == 415
+    d = decode({"body": safetensors_io.dumps({"x": torch.ones(1, 4)})}, make_spec(),
+               content_type="application/octet-stream")
+    assert d.wire.name == WireName.SAFETENSORS
+
+
+def test_response_format_follows_accept():
+    st = safetensors_io.dumps({"x": torch.ones(1, 4)})
+    ours = {"body": {"inputs": {"x": [[1.0] * 4]}}}
+    v1 = {"body": {"instances": [[1.0] * 4]}}
+    assert decode({"body": st}, make_spec(), accept="application/json").respond_as.name == WireName.OURS_JSON
+    assert decode({"body": st}, make_spec(), accept="*/*").respond_as.name == WireName.SAFETENSORS
+    assert decode(v1, make_spec(), accept="application/json").respond_as.name == WireName.KSERVE_V1
+    assert decode(ours, make_spec(), accept=safetensors_io.CONTENT_TYPE).respond_as.name == WireName.SAFETENSORS
+    body, ct, _ = decode(v1, make_spec()).encode({"y": torch.ones(1, 4)}, "m")
+    assert ct == "application/json" and json.loads(body) == {"predictions": [[1.0] * 4]}
+
+
+def test_v2_binary_json_part_obeys_the_json_cap():
+    limits = Limits(1 << 30, 1024, 8, True, max_json_bytes=1 << 10)
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                     "data": [0.0] * 4}], "pad": "x" * 2048}).encode()
+    with pytest.raises(PayloadTooLarge, match=r"JSON part of this v2 binary request is 2\d{3} bytes.*handler\.max_json_mb"):
+        admit({"body": bytearray(header)}, make_spec(), limits, None, None, str(len(header)))
+
+
+def test_oversized_oip_body_is_classified_without_parsing_and_refused_413(monkeypatch):
+    class Ctx:
+        def get_all_request_header(self, idx):
+            return {}
+
+    body = bytearray(b'{"id": "r", "model_name": "m", "inputs": [' + b"0," * 4096 + b"0]}")
+    monkeypatch.setattr(oip.strict_json, "loads", lambda *a: pytest.fail("parsed before the cap"))
+    req = {"body": body}
+    assert oip.is_grpc(Ctx(), 0, req, max_json_bytes=1024) and req["body"] is body
+    monkeypatch.undo()
+    with pytest.raises(PayloadTooLarge, match="max_json_mb"):
+        admit(req, make_spec(), Limits(1 << 30, 1024, 8, True, max_json_bytes=1024))
