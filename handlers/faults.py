@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 STICKY = ("device-side assert", "illegal memory access", "illegal address", "unspecified launch failure",
           "misaligned address", "an illegal instruction was encountered", "uncorrectable ECC",
           "CUDA error: unknown error")
-EXIT_DELAY_S = 1.0  # time for the worker's loop to send the answers already computed
+EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)
+_exit_reason = None  # set once a sticky fault was seen: the process exits soon
 
 
 class OutOfDeviceMemory(ServingError):
@@ -68,19 +69,47 @@ def release_cache() -> None:
 
 
 def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
-    """Exit the process after delay_s (a daemon timer), without running Python cleanup that
-    could touch the broken CUDA context; atexit-registered directories are removed first."""
-    logger.critical("worker exits in %.1fs so TorchServe restarts it: %s", delay_s, reason)
-
-    def _exit():
-        from . import scratch
-
-        scratch.remove_now()
-        os._exit(70)
-
+    """Exit the process soon, without running Python cleanup that could touch the broken CUDA
+    context (atexit-registered directories are removed first). With the buffered frame reader
+    in TorchServe's loop, the exit comes as soon as the loop is back for its next message with
+    none arrived (frontend_frames.retrieve_msg asks exit_if_idle): the answers of this batch have
+    been sent and no batch is half-read, so the frontend loses no request. A daemon timer exits
+    after delay_s in any case (without that reader, it is the only exit)."""
+    global _exit_reason
+    _exit_reason = reason
+    logger.critical("worker exits when its answers are sent (at most %.1fs) so TorchServe restarts it: %s",
+                    delay_s, reason)
     from . import process
 
-    process.record("exit", f"os._exit in {delay_s:.1f}s after a sticky device fault")
-    t = threading.Timer(delay_s, _exit)
+    process.record("exit", f"os._exit after a sticky device fault, once idle (at most {delay_s:.1f}s)")
+    t = threading.Timer(delay_s, _exit_now)
     t.daemon = True
     t.start()
+
+
+def exit_pending() -> bool:
+    return _exit_reason is not None
+
+
+def exit_if_idle(conn) -> None:
+    """Exits now if an exit is pending and nothing of a next message waits on `conn` (a socket
+    the frontend writes to; checked without blocking)."""
+    if _exit_reason is None:
+        return
+    import socket
+
+    try:
+        waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        waiting = b""
+    except OSError:
+        waiting = b""  # the frontend is gone: nothing left to answer
+    if not waiting:
+        _exit_now()
+
+
+def _exit_now() -> None:
+    from . import scratch
+
+    scratch.remove_now()
+    os._exit(70)

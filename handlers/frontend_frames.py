@@ -35,6 +35,8 @@ import os
 import struct
 import sys
 
+from . import faults
+
 _INT = struct.Struct("!i")
 _BOOL = struct.Struct("!?")
 # Values at least this long are received straight into their own bytearray; shorter ones
@@ -158,6 +160,10 @@ def retrieve_msg(conn):
     if _reader is None or _reader.conn is not conn:
         _reader = FrameReader(conn)
     reader = _reader
+    if reader.pos == reader.end and faults.exit_pending():
+        # the loop sent its last answers and is back for the next message: the clean moment
+        # to exit after a sticky device fault, if no next message has begun to arrive
+        faults.exit_if_idle(conn)
     cmd = reader.bytes(1)
     if cmd == b"I":
         decode = os.environ.get("TS_DECODE_INPUT_REQUEST") in (None, "true")

@@ -185,3 +185,30 @@ def test_bench_frames_writes_its_results(tmp_path):
         assert abs(r["ratio"] - r["buffered_ms"] / r["torchserve_ms"]) < 0.01  # from unrounded times
     assert "| 3 |" in (tmp_path / "frames.md").read_text()
     assert (tmp_path / "frames.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_after_a_sticky_fault_the_reader_exits_only_between_messages(waiting):
+    """handlers/faults.exit_soon + retrieve_msg: once a sticky device fault set the exit, the
+    worker's loop coming back for its next message exits (70) if none has begun to arrive, and
+    reads and returns it if one has (its requests are answered before the next return)."""
+    import multiprocessing
+
+    from handlers import faults
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    data = batch_message(2, 100)
+    if waiting:
+        a.sendall(data)
+
+    def child():
+        faults._exit_reason = "CUDA error: device-side assert triggered"
+        msg = frontend_frames.retrieve_msg(b)
+        os._exit(0 if msg[0] == b"I" and len(msg[1]) == 2 else 3)
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(timeout=30)
+    a.close()
+    b.close()
+    assert p.exitcode == (0 if waiting else 70)
