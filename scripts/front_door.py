@@ -166,7 +166,9 @@ def main():
     for m in models:
         if not m.ready:  # registered, not ready: its ready route and metadata say why
             server.register_model(m)
-    server.start(models)
+    # Only ready models go to start(): with none ready the SDK would refuse to start at all
+    # (NoModelReady), and a pod whose one model cannot load could not say why on its routes.
+    server.start([m for m in models if m.ready])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -238,3 +239,39 @@ def test_tritonclient_http_json_and_binary_equal_eager(door, kserve_env):
     check(out["binary_False"], f, m)
     check(out["binary_True"], f, m)
     assert str(out["bad"][0]) == "400" and "the artifact needs 16" in out["bad"][1], out["bad"]
+
+
+def test_a_pod_whose_only_model_cannot_load_serves_the_reason_and_is_never_ready(kserve_env, artifacts,
+                                                                                 tmp_path_factory):
+    """One broken archive and nothing else: the front door still comes up, its ready route says
+    false, its metadata route answers with the load error, and the readiness probe fails naming it."""
+    from conftest import build_mar, corrupt_inside_mar
+    from test_cluster_runtime import lay_out
+
+    store = tmp_path_factory.mktemp("door_broken_store")
+    bad = build_mar(artifacts.get("cls_export"), "bad", store)
+    corrupt_inside_mar(bad)
+    out = tmp_path_factory.mktemp("door_broken_out")
+    r = lay_out([bad], out)
+    assert r.returncode == 0, r.stderr
+    c = Container(out / "storage", tmp_path_factory.mktemp("door_broken"), front_door_python=kserve_env)
+    needle = "does not match its own archive's record"
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert c.proc.poll() is None, c.log("stdout.log")[-3000:]
+            try:
+                if requests.get(f"{c.base}/v2/health/live", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(1)
+        ready = requests.get(f"{c.base}/v2/models/bad/ready", timeout=5)
+        assert ready.status_code != 200 or ready.json().get("ready") is False, ready.text
+        meta = requests.get(f"{c.base}/v2/models/bad", timeout=5)
+        assert meta.status_code >= 400 and needle in meta.text, meta.text
+        for _ in range(2):
+            p = c.probe("ready")
+            assert p.returncode == 1 and needle in p.stdout, p.stdout
+            time.sleep(1)
+    finally:
+        c.stop()
