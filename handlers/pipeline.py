@@ -49,9 +49,8 @@ def request_headers(context, idx: int, *names: str) -> list:
 class Batch:
     """One TorchServe batch's replies: request idx -> body, statuses set on the context."""
 
-    def __init__(self, data: list, context, worker: Optional[Worker], model_name: str):
-        self.context, self.worker, self.model_name = context, worker, model_name
-        self.version = worker.version if worker else ""
+    def __init__(self, data: list, context, worker: Optional[Worker], model_name: str, version: str = ""):
+        self.context, self.worker, self.model_name, self.version = context, worker, model_name, version
         self.results: list = [None] * len(data)
         self.failed: list = []
         try:
@@ -85,9 +84,10 @@ class Batch:
         return self.results
 
 
-def serve(worker: Optional[Worker], health: Health, data: list, context, model_name: str) -> list:
+def serve(worker: Optional[Worker], health: Health, data: list, context, model_name: str,
+          model_version: str = "") -> list:
     """The replies to one TorchServe batch (handlers/ts_entry.py's handle)."""
-    batch = Batch(data, context, worker, model_name)
+    batch = Batch(data, context, worker, model_name, model_version)
     refusal = health.refusal()
     if refusal is not None:
         for idx in range(len(data)):

@@ -32,7 +32,7 @@ class CompiledModelHandler:
         self.context = None
         self.health = Health()
         self.worker: Optional[Worker] = None
-        self.model_name = "model"
+        self.model_name, self.model_version = "model", ""
         self.profile = None  # ENABLE_TORCH_PROFILER: a torch.profiler per batch (stage_timings.py)
 
     def initialize(self, context):
@@ -43,6 +43,7 @@ class CompiledModelHandler:
         scratch.enter()
         self.context = context
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
+        self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
         # A server setting, not the archive: it fails the load (and shows in TorchServe's status)
         refuse_envelope()  # first: a TorchServe request envelope would break every batch
         try:
@@ -74,9 +75,21 @@ class CompiledModelHandler:
         if _is_describe(context):
             return [self.describe_handle()]
         if self.profile is not None:
-            with self.profile():
-                return pipeline.serve(self.worker, self.health, data, context, self.model_name)
-        return pipeline.serve(self.worker, self.health, data, context, self.model_name)
+            return self._profiled(data, context)
+        return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version)
+
+    def _profiled(self, data, context):
+        """The batch under torch.profiler; a trace that cannot be written (a full disk) is
+        logged, never the batch's failure."""
+        prof = self.profile()
+        prof.__enter__()
+        try:
+            return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version)
+        finally:
+            try:
+                prof.__exit__(None, None, None)
+            except Exception as e:
+                logger.warning("the profiler's trace was not written: %s", e)
 
     def describe_handle(self):
         """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""

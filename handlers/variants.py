@@ -4,9 +4,9 @@ Each variant directory holds one artifact.json and its artifact (one per compute
 or CPU ISA, say). Every variant's artifact.json is placed (device.py) and judged (rules.py);
 then, best first (exact fits before ones that only warn, then archive order), a variant's file
 is checked against its pinned SHA-256, recognised from its own files (kinds.recognise) and
-judged again with what they say, until one fits as well as artifact.json promised. A load
-hashes the variant it serves once; it hashes others only where the chosen one's own files
-disagree with its artifact.json.
+judged again with what they say, until one fits exactly (the artifact's own facts may turn a
+warning into an exact fit or the reverse, so a warning does not stop the search). A load with an
+exact fit hashes the variant it serves once; it hashes others only while none fits exactly.
 """
 from __future__ import annotations
 
@@ -65,26 +65,27 @@ def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
 
 def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
     """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
-    tried, ranked = [], []
+    refused, ranked = {}, []  # refused: variant dir -> why, as last judged
     for d in _variant_dirs(model_dir, config):
         spec = read_spec(d)
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
-            tried.append(f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal))
+            refused[d] = f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal)
         ranked.append((bool(fatal), bool(warn), len(ranked), d))
     ranked.sort()  # by artifact.json: exact fits, then warnings, then archive order; refused last
     best = None
-    for _, promised_warn, _, d in ranked:
+    for *_, d in ranked:
         spec = open_variant(d)  # hashed and recognised: now its own files speak
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
-            tried.append(f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal))
+            refused[d] = f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal)
             continue
+        refused.pop(d, None)
         if best is None or (best[2] and not warn):
             best = (spec, placement, warn)
-        if not warn or promised_warn:  # as good as its artifact.json promised: no better one follows
+        if not warn:  # an exact fit: nothing after it in this order can be better
             break
     if best is None:
         raise IncompatibleArtifact("no artifact in this archive can run on this worker. This machine: "
-                                   f"{describe_machine(gpu_id)}. " + " ".join(dict.fromkeys(tried)))
+                                   f"{describe_machine(gpu_id)}. " + " ".join(refused.values()))
     return best

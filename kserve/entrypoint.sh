@@ -36,7 +36,12 @@ if [ -n "${FRONT_DOOR_PYTHON:-}" ]; then
     serve_home=$(cd "$(dirname "$0")/.." && pwd)
     cd "$RUNTIME_DIR"
     torchserve --start --ncs --model-store="$MODEL_ROOT/model-store" --ts-config="$RUNTIME_DIR/config.properties"
-    stop() { [ -n "${door:-}" ] && kill -TERM "$door" 2>/dev/null; torchserve --stop >/dev/null 2>&1 || true; }
+    # Graceful, in order: the front door finishes the requests it holds, then TorchServe stops
+    # its workers (`torchserve --stop` returns once the frontend process is gone).
+    stop() {
+        if [ -n "${door:-}" ]; then kill -TERM "$door" 2>/dev/null || true; wait "$door" 2>/dev/null || true; fi
+        torchserve --stop >/dev/null 2>&1 || true
+    }
     trap 'stop; exit 143' TERM INT
     cd "$serve_home"
     "$FRONT_DOOR_PYTHON" -m scripts.front_door --ts-config "$RUNTIME_DIR/config.properties" \

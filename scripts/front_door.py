@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 import zipfile
@@ -129,6 +130,21 @@ def handler_state(mgmt: str, name: str):
     return worker and bool(state.get("ready")), state.get("load_error")
 
 
+def watch_not_ready(models: list, mgmt: str, period_s: float = 2.0) -> None:
+    """In a daemon thread: models still loading when the wait ended become ready (or failed,
+    with the reason) on their routes as soon as TorchServe says so."""
+    def poll():
+        pending = [m for m in models if not m.ready and not m.load_error]
+        while pending:
+            time.sleep(period_s)
+            for m in list(pending):
+                m.ready, m.load_error = handler_state(mgmt, m.name)
+                if m.ready or m.load_error:
+                    pending.remove(m)
+
+    threading.Thread(target=poll, name="front-door-readiness", daemon=True).start()
+
+
 def wait_for_models(models: list, mgmt: str, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     pending = list(models)
@@ -168,6 +184,7 @@ def main():
             server.register_model(m)
     # Only ready models go to start(): with none ready the SDK would refuse to start at all
     # (NoModelReady), and a pod whose one model cannot load could not say why on its routes.
+    watch_not_ready(models, addr["management_address"])
     server.start([m for m in models if m.ready])
 
 

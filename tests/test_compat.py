@@ -462,3 +462,26 @@ def test_a_load_hashes_only_the_variant_it_serves(artifacts, tmp_path, monkeypat
         f.truncate(100)
     with pytest.raises(LoadError, match="SHA-256"):
         variants.choose_variant(str(model_dir), None, parse_config({}))
+
+
+def test_variant_choice_looks_past_a_warning_and_stops_at_an_exact_fit(monkeypatch):
+    """Ranked by artifact.json, judged again by the files: a variant whose own facts turn its
+    warning into an exact fit wins over an earlier one that still warns; the search stops at the
+    first exact fit (opening, i.e. hashing, nothing after it)."""
+    import types
+
+    from handlers import variants
+    from handlers.config import parse_config
+
+    # (warnings by artifact.json, warnings by the artifact's own files)
+    facts = {"a": (["old driver"], ["old driver"]), "b": (["old driver"], []), "c": ([], [])}
+    opened = []
+    monkeypatch.setattr(variants, "_variant_dirs", lambda model_dir, config: list(facts))
+    monkeypatch.setattr(variants, "read_spec", lambda d: types.SimpleNamespace(d=d, refined=False))
+    monkeypatch.setattr(variants, "open_variant", lambda d: (opened.append(d), types.SimpleNamespace(d=d, refined=True))[1])
+    monkeypatch.setattr(variants, "assess", lambda spec, *a: ("cpu", [], facts[spec.d][spec.refined]))
+    spec, _, warn = variants.choose_variant("/m", None, parse_config({}))
+    assert spec.d == "c" and not warn and opened == ["c"]  # the exact fit by artifact.json, alone
+    facts["c"] = (["old driver"], ["old driver"])
+    spec, _, warn = variants.choose_variant("/m", None, parse_config({}))
+    assert spec.d == "b" and not warn and opened[1:] == ["a", "b"]
