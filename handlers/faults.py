@@ -87,10 +87,6 @@ def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
     t.start()
 
 
-def exit_pending() -> bool:
-    return _exit_reason is not None
-
-
 def exit_if_idle(conn) -> None:
     """Exits now if an exit is pending and nothing of a next message waits on `conn` (a socket
     the frontend writes to; checked without blocking)."""

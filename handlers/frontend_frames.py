@@ -160,7 +160,7 @@ def retrieve_msg(conn):
     if _reader is None or _reader.conn is not conn:
         _reader = FrameReader(conn)
     reader = _reader
-    if reader.pos == reader.end and faults.exit_pending():
+    if reader.pos == reader.end:
         # the loop sent its last answers and is back for the next message: the clean moment
         # to exit after a sticky device fault, if no next message has begun to arrive
         faults.exit_if_idle(conn)

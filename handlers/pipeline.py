@@ -50,7 +50,7 @@ class Batch:
     """One TorchServe batch's replies: request idx -> body, statuses set on the context."""
 
     def __init__(self, data: list, context, worker: Optional[Worker], model_name: str, version: str = ""):
-        self.context, self.worker, self.model_name, self.version = context, worker, model_name, version
+        self.context, self.model_name, self.version = context, model_name, version
         self.results: list = [None] * len(data)
         self.failed: list = []
         try:

@@ -52,12 +52,9 @@ def start(context, metric, serving, handle) -> Worker:
         config = dataclasses.replace(config, cuda_sync=sync)
     _, probe_note = probe_once(spec, placement, config, budget) if config.crash_safe_load else (0.0, "no trial load")
     model = load_artifact(spec, placement, config)
-    manifest = context.manifest.get("model", {})
-    worker = Worker(name=manifest.get("modelName", "model"), version=str(manifest.get("modelVersion") or ""),
-                    config=config, spec=spec, limits=Limits.of(config, spec), model=model,
+    worker = Worker(config=config, spec=spec, limits=Limits.of(config, spec), model=model,
                     runner=runner_for(model, spec, placement.torch_device, config),
-                    device=placement.torch_device, stages=StageTimes(metric, config.stage_metrics_s),
-                    metric=metric)
+                    device=placement.torch_device, stages=StageTimes(metric, config.stage_metrics_s))
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     serving(worker)

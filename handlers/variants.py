@@ -51,6 +51,10 @@ def _target(spec: ArtifactSpec) -> str:
             + (f" ISA {spec.cpu_isa}" if spec.cpu_isa and spec.device == "cpu" else ""))
 
 
+def _refusal(model_dir: str, d: str, spec: ArtifactSpec, fatal: list) -> str:
+    return f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal)
+
+
 def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
     dirs = find_variants(model_dir)
     if config.variant:
@@ -70,7 +74,7 @@ def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
         spec = read_spec(d)
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
-            refused[d] = f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal)
+            refused[d] = _refusal(model_dir, d, spec, fatal)
         ranked.append((bool(fatal), bool(warn), len(ranked), d))
     ranked.sort()  # by artifact.json: exact fits, then warnings, then archive order; refused last
     best = None
@@ -78,7 +82,7 @@ def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
         spec = open_variant(d)  # hashed and recognised: now its own files speak
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
-            refused[d] = f"[{os.path.relpath(d, model_dir)}: {_target(spec)}] " + "; ".join(fatal)
+            refused[d] = _refusal(model_dir, d, spec, fatal)
             continue
         refused.pop(d, None)
         if best is None or (best[2] and not warn):

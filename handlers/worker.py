@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from .admission import Limits
 from .config import HandlerConfig
@@ -19,16 +19,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Worker:
-    name: str  # TorchServe's model name (in OIP replies and JSON responses)
-    version: str
     config: HandlerConfig
     spec: ArtifactSpec
     limits: Limits
     model: Any  # the loaded artifact (handlers/kinds: .loader names how it was loaded)
     runner: Any  # handlers/run: runs a list of requests' tensors, returns their outputs
     device: Any  # torch.device
-    stages: StageTimes
-    metric: Callable[[str, float], None]  # TorchServe's metrics; never raises
+    stages: StageTimes  # emits through TorchServe's metrics
 
 
 class Health:

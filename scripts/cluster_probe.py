@@ -87,10 +87,15 @@ def check(kind: str, cfg: dict) -> str | None:
     return "; ".join(problems) or None
 
 
+def runtime_dir() -> str:
+    """Where kserve/entrypoint.sh wrote what it started (its RUNTIME_DIR)."""
+    return os.environ.get("RUNTIME_DIR", "/tmp/torchserve")
+
+
 def front_door() -> str | None:
     """The front door's address, which kserve/entrypoint.sh writes beside the config it started."""
     try:
-        with open(os.path.join(os.environ.get("RUNTIME_DIR", "/tmp/torchserve"), "front_door")) as f:
+        with open(os.path.join(runtime_dir(), "front_door")) as f:
             return f.read().strip() or None
     except OSError:
         return None
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
     if len(argv) != 1 or argv[0] not in ("live", "ready"):
         print("usage: python -m scripts.cluster_probe live|ready", file=sys.stderr)
         return 2
-    path = os.path.join(os.environ.get("RUNTIME_DIR", "/tmp/torchserve"), "config.properties")
+    path = os.path.join(runtime_dir(), "config.properties")
     problem = check(argv[0], read_properties(path))
     print(f"{argv[0]}: {problem or 'yes'}")
     return 1 if problem else 0

@@ -130,6 +130,17 @@ def handler_state(mgmt: str, name: str):
     return worker and bool(state.get("ready")), state.get("load_error")
 
 
+def settle(pending: list, mgmt: str) -> None:
+    """Asks TorchServe once about each pending model; those now ready or failed leave `pending`
+    (a failure is logged with its reason)."""
+    for m in list(pending):
+        m.ready, m.load_error = handler_state(mgmt, m.name)
+        if m.ready or m.load_error:
+            pending.remove(m)
+            if m.load_error:
+                print(f"front_door: model {m.name} cannot load: {m.load_error}", file=sys.stderr, flush=True)
+
+
 def watch_not_ready(models: list, mgmt: str, period_s: float = 2.0) -> None:
     """In a daemon thread: models still loading when the wait ended become ready (or failed,
     with the reason) on their routes as soon as TorchServe says so."""
@@ -137,10 +148,7 @@ def watch_not_ready(models: list, mgmt: str, period_s: float = 2.0) -> None:
         pending = [m for m in models if not m.ready and not m.load_error]
         while pending:
             time.sleep(period_s)
-            for m in list(pending):
-                m.ready, m.load_error = handler_state(mgmt, m.name)
-                if m.ready or m.load_error:
-                    pending.remove(m)
+            settle(pending, mgmt)
 
     threading.Thread(target=poll, name="front-door-readiness", daemon=True).start()
 
@@ -149,12 +157,7 @@ def wait_for_models(models: list, mgmt: str, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     pending = list(models)
     while pending and time.time() < deadline:
-        for m in list(pending):
-            m.ready, m.load_error = handler_state(mgmt, m.name)
-            if m.ready or m.load_error:
-                pending.remove(m)
-                if m.load_error:
-                    print(f"front_door: model {m.name} cannot load: {m.load_error}", file=sys.stderr, flush=True)
+        settle(pending, mgmt)
         time.sleep(0.5)
 
 

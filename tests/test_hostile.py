@@ -61,7 +61,7 @@ def strict_loads(text):
 def handler():
     from worker_kit import make_worker, serving_handler
 
-    return serving_handler(make_worker(SPEC, CpuRunner(model, SPEC), LIMITS, parse_config({}), name="hostile"))
+    return serving_handler(make_worker(SPEC, CpuRunner(model, SPEC), LIMITS, parse_config({})), "hostile")
 
 
 def context(content_types):

@@ -19,15 +19,14 @@ def make_spec(batch_min=1, batch_max=8):
                         batch_min=batch_min, batch_max=batch_max, torch_version=torch.__version__)
 
 
-def make_worker(spec, runner, limits=None, config=None, name="model") -> Worker:
+def make_worker(spec, runner, limits=None, config=None) -> Worker:
     config = config or parse_config({})
 
     def metric(name, ms):
         pass
 
-    return Worker(name=name, version="", config=config, spec=spec, limits=limits or Limits.of(config, spec),
-                  model=None, runner=runner, device=torch.device("cpu"),
-                  stages=StageTimes(metric, config.stage_metrics_s), metric=metric)
+    return Worker(config=config, spec=spec, limits=limits or Limits.of(config, spec), model=None, runner=runner,
+                  device=torch.device("cpu"), stages=StageTimes(metric, config.stage_metrics_s))
 
 
 def ready_health() -> Health:
@@ -36,10 +35,10 @@ def ready_health() -> Health:
     return health
 
 
-def serving_handler(worker: Worker) -> CompiledModelHandler:
+def serving_handler(worker: Worker, model_name: str = "model") -> CompiledModelHandler:
     """The TorchServe entry class as it stands after a successful initialize."""
     h = CompiledModelHandler()
-    h.model_name = worker.name
+    h.model_name = model_name
     h._serving(worker)
     h.initialized = True
     return h
