@@ -17,13 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import HandlerConfig
-from .errors import PayloadTooLarge, RequestError
-from .metadata import ArtifactSpec
-from .values import ValueContract
-from .wire import WireFormat, binary_format, json_format, response_format, strict_json
-from .wire.base import Encoded
-from .wire.tensors import check_inputs
+from handlers.artifact.metadata import ArtifactSpec
+from handlers.config import HandlerConfig
+from handlers.errors import PayloadTooLarge, RequestError
+from handlers.values import ValueContract
+from handlers.wire import (
+    WireFormat,
+    binary_format,
+    json_format,
+    response_format,
+    strict_json,
+)
+from handlers.wire.base import Encoded
+from handlers.wire.tensors import check_inputs
 
 
 @dataclass(frozen=True)

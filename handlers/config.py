@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
-from .errors import ConfigError
+from handlers.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class HandlerConfig:
     # TorchServe's own keys (top level of model-config.yaml)
     device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
     # Ours (under `handler:`)
-    # CPU threads for this worker's torch (intra-op); 0 = decided at load (handlers/threads.py):
+    # CPU threads for this worker's torch (intra-op); 0 = decided at load (handlers/torchserve/threads.py):
     # 1 on a CUDA worker, an equal share of the usable cores on a CPU worker.
     cpu_threads: int = 0
     stream_priority: int = 0  # CUDA stream priority; lower is higher priority (-1 high on most GPUs)
@@ -42,13 +42,13 @@ class HandlerConfig:
     # else what threads.cuda_wait says, with the measurements behind it).
     cuda_sync: str = "auto"
     cuda_spin_us: float = 200.0
-    # Stage timings (handlers/stage_timings.py) are gauges: each is emitted as the mean over the batches
+    # Stage timings (handlers/torchserve/stage_timings.py) are gauges: each is emitted as the mean over the batches
     # since its last emission, at most once per this many seconds (0: after every batch). Every
     # emission is a stdout line TorchServe's frontend parses; three per batch took about 0.3 ms of
     # worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against 2.28 at
     # the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
     stage_metrics_s: float = 1.0
-    # Read the frontend's messages with handlers/frontend_frames.py (a buffered reader of
+    # Read the frontend's messages with handlers/torchserve/frontend_frames.py (a buffered reader of
     # TorchServe's frame format) instead of TorchServe's field-by-field reader. A batch of eight
     # 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
     # (docs/results/frames_h200x2.md); end to end on two GPUs, 14224.25 req/s against 13373.1

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 
-from .errors import RequestError, ServingError
+from handlers.errors import RequestError, ServingError
 
 logger = logging.getLogger(__name__)
 # Substrings of CUDA's error strings for errors that poison the context (cudaGetErrorString)
@@ -79,7 +79,7 @@ def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
     _exit_reason = reason
     logger.critical("worker exits when its answers are sent (at most %.1fs) so TorchServe restarts it: %s",
                     delay_s, reason)
-    from . import process
+    from handlers.torchserve import process
 
     process.record("exit", f"os._exit after a sticky device fault, once idle (at most {delay_s:.1f}s)")
     t = threading.Timer(delay_s, _exit_now)
@@ -108,7 +108,7 @@ def exit_if_idle(conn) -> None:
 
 
 def _exit_now() -> None:
-    from . import scratch
+    from handlers.torchserve import scratch
 
     scratch.remove_now()
     os._exit(70)

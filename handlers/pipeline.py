@@ -6,7 +6,7 @@ answer of the request it belongs to, or of every request when it belongs to none
 exception raised is a batch of OIP gRPC calls that all failed (TorchServe's gRPC frontend turns
 a raised PredictionException into each call's status).
 
-Per-stage timings (handlers/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
+Per-stage timings (handlers/torchserve/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
 HandlerEncodeTime and HandlerTime (ms, means over at most handler.stage_metrics_s), and torch.profiler labels
 handler.decode / handler.run / handler.encode while a profiler records.
 """
@@ -19,13 +19,14 @@ from typing import Optional
 
 import torch
 
-from . import faults, oip
-from .admission import admit
-from .config import HandlerConfig
-from .errors import RequestError, ServingError
-from .stage_timings import label
-from .wire.v2_binary import HEADER as V2_HEADER_LENGTH
-from .worker import Health, Worker
+from handlers import faults
+from handlers.admission import admit
+from handlers.config import HandlerConfig
+from handlers.errors import RequestError, ServingError
+from handlers.torchserve import oip
+from handlers.torchserve.stage_timings import label
+from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
+from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
 

@@ -9,18 +9,19 @@ import time
 
 import torch
 
-from . import frontend_frames, process, safetensors_io, threads
-from .admission import Limits
-from .batch import warmup_sizes
-from .config import parse_config
-from .errors import LoadError
-from .kinds import kind_of
-from .load import load_artifact
-from .probe import probe_once
-from .run import runner_for
-from .stage_timings import StageTimes
-from .variants import choose_variant
-from .worker import Worker
+from handlers.admission import Limits
+from handlers.artifact.kinds import kind_of
+from handlers.artifact.load import load_artifact
+from handlers.artifact.probe import probe_once
+from handlers.artifact.variants import choose_variant
+from handlers.batch import warmup_sizes
+from handlers.config import parse_config
+from handlers.errors import LoadError
+from handlers.run import runner_for
+from handlers.torchserve import frontend_frames, process, threads
+from handlers.torchserve.stage_timings import StageTimes
+from handlers.wire import safetensors_io
+from handlers.worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,12 @@ import logging
 import os
 from typing import Optional
 
-from handlers import pipeline, process, scratch, startup
-from handlers.stage_timings import batch_profiler
+from handlers import pipeline, startup
 from handlers.config import parse_config
-from handlers.envelope import refuse_envelope
 from handlers.errors import LoadError
+from handlers.torchserve import process, scratch
+from handlers.torchserve.envelope import refuse_envelope
+from handlers.torchserve.stage_timings import batch_profiler
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import RequestError
+from handlers.errors import RequestError
 
 
 @dataclass(frozen=True)

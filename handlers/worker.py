@@ -7,12 +7,12 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from .admission import Limits
-from .config import HandlerConfig
-from .errors import ModelLoadFailed, ServingError
-from .faults import WorkerRestarting
-from .metadata import ArtifactSpec
-from .stage_timings import StageTimes
+from handlers.admission import Limits
+from handlers.artifact.metadata import ArtifactSpec
+from handlers.config import HandlerConfig
+from handlers.errors import ModelLoadFailed, ServingError
+from handlers.faults import WorkerRestarting
+from handlers.torchserve.stage_timings import StageTimes
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class Worker:
     config: HandlerConfig
     spec: ArtifactSpec
     limits: Limits
-    model: Any  # the loaded artifact (handlers/kinds: .loader names how it was loaded)
+    model: Any  # the loaded artifact (handlers/artifact/kinds: .loader names how it was loaded)
     runner: Any  # handlers/run: runs a list of requests' tensors, returns their outputs
     device: Any  # torch.device
     stages: StageTimes  # emits through TorchServe's metrics

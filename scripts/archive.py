@@ -24,9 +24,9 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from handlers.artifact.metadata import METADATA_FILE, read_spec, sha256_file
 from handlers.config import parse_config
 from handlers.errors import LoadError
-from handlers.metadata import METADATA_FILE, read_spec, sha256_file
 
 
 def default_workers(devices, cpus: int):

@@ -1,4 +1,4 @@
-"""The compile side of the bare AOTInductor shared library kind (handlers/kinds/aoti_so.py):
+"""The compile side of the bare AOTInductor shared library kind (handlers/artifact/kinds/aoti_so.py):
 extract a package's wrapper library (and its cubins) as an `aoti_so` variant, the format
 before `.pt2` packages."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 import shutil
 import zipfile
 
+from handlers.artifact.kinds.aoti_so import KIND as AOTI_SO
+from handlers.artifact.metadata import ArtifactSpec, sha256_file, write_spec
 from handlers.errors import LoadError
-from handlers.kinds.aoti_so import KIND as AOTI_SO
-from handlers.metadata import ArtifactSpec, sha256_file, write_spec
 
 
 def extract_bare_so(spec: ArtifactSpec, dest: str) -> ArtifactSpec:

@@ -86,7 +86,7 @@ def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
     more than an idle one pays no first-execution cost of its own: what it pays, every call
     after a pause pays (clocks and caches going cold), and no warm-up can pay that in advance.
     Stage times come from the handler's own metrics."""
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
 
     device = handler.device
     ctx.metrics = rec = StageRecorder()
@@ -279,11 +279,11 @@ def main(argv=None):
 
     import torch
 
-    from handlers import safetensors_io
     from handlers.admission import Limits, admit
-    from handlers.metadata import read_spec
+    from handlers.artifact.metadata import read_spec
     from handlers.run.cuda import upload
-    from handlers.stage import StagingBuffers
+    from handlers.staging import StagingBuffers
+    from handlers.wire import safetensors_io
 
     spec = read_spec(args.artifact)
     limits = Limits(1 << 62, 1 << 30, spec.batch_max, True)

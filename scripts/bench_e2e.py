@@ -197,10 +197,10 @@ def gpu_limit(spec, device, batch: int, iters: int = 30) -> dict:
     replay; the limit is the faster of the two."""
     import torch
 
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import kind_of
+    from handlers.artifact.load import load_artifact
     from handlers.config import parse_config
-    from handlers.device import Placement
-    from handlers.kinds import kind_of
-    from handlers.load import load_artifact
     from handlers.run import graphs
 
     model = load_artifact(spec, Placement(device.type, device.index), parse_config({}))
@@ -286,7 +286,7 @@ def device_sets(args, n_gpu: int) -> list:
 def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     """Archives, serves and measures every handler on one device set (n GPUs; 0 = CPU):
     (load points, first-request rows)."""
-    from handlers import threads
+    from handlers.torchserve import threads
 
     ids = list(range(n)) if n else None
     workers = args.workers_per_gpu * n if n else args.cpu_workers
@@ -580,7 +580,7 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
-    from handlers.metadata import read_spec
+    from handlers.artifact.metadata import read_spec
 
     spec = read_spec(args.artifact)
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() and not args.cpu else 0

@@ -1,10 +1,10 @@
 """What reading one batch from the frontend costs a worker: TorchServe's reader against ours.
 
 TorchServe's frontend sends a worker each batch as one message over a Unix socket (the frame
-format is in handlers/frontend_frames.py). This writes such messages, as the frontend's encoder
+format is in handlers/torchserve/frontend_frames.py). This writes such messages, as the frontend's encoder
 lays them out, from a thread into a socket pair and times the worker's side: the CPU time (this
 thread's clock) of `ts.protocol.otf_message_handler.retrieve_msg` and of
-`handlers.frontend_frames.retrieve_msg` per message, interleaved round by round, and checks that
+`handlers.torchserve.frontend_frames.retrieve_msg` per message, interleaved round by round, and checks that
 both return the same message.
 
     python -m scripts.bench_frames [--batch-sizes 1,8] [--body-bytes 301160] [--out docs/results/frames_TAG.json]
@@ -90,7 +90,7 @@ def cpu_ms_per_message(reader, message: bytes, count: int):
 def measure(batch_sizes, body_bytes: int, count: int, rounds: int) -> list:
     from ts.protocol import otf_message_handler
 
-    from handlers import frontend_frames
+    from handlers.torchserve import frontend_frames
 
     readers = {"torchserve": otf_message_handler.retrieve_msg, "buffered": frontend_frames.retrieve_msg}
     rows = []
@@ -122,7 +122,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["torchserve_ms"] for r in rows], 0.4, label="TorchServe's reader")
-    ax.bar([x + 0.2 for x in xs], [r["buffered_ms"] for r in rows], 0.4, label="buffered (handlers/frontend_frames.py)")
+    ax.bar([x + 0.2 for x in xs], [r["buffered_ms"] for r in rows], 0.4, label="buffered (handlers/torchserve/frontend_frames.py)")
     ax.set_xticks(list(xs), [f"{r['batch']} x {result['body_bytes']} B" for r in rows])
     ax.set_xlabel("requests per batch x body bytes")
     ax.set_ylabel("worker CPU ms per batch")

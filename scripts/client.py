@@ -78,7 +78,7 @@ def read_inputs(items) -> dict:
     (float64 / int64): a JSON request sends the values, and the handler casts to the input's dtype."""
     import numpy as np
 
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
     out = {}
     for item in items:
         name, _, path = item.rpartition("=")
@@ -121,8 +121,8 @@ def main(argv=None):
 
     import torch
 
-    from handlers import safetensors_io
     from handlers.dtypes import BY_TORCH
+    from handlers.wire import safetensors_io
     from scripts.compile import example_inputs, load_factory, parse_input
 
     if not args.example and not args.input:

@@ -27,9 +27,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from handlers.kinds import KINDS
-from handlers.kinds.aoti_package import package_metadata
-from handlers.metadata import DTYPES, ArtifactSpec, TensorSpec, sha256_file, write_spec
+from handlers.artifact.kinds import KINDS
+from handlers.artifact.kinds.aoti_package import package_metadata
+from handlers.artifact.metadata import (
+    DTYPES,
+    ArtifactSpec,
+    TensorSpec,
+    sha256_file,
+    write_spec,
+)
 from scripts import contract
 
 # Kinds that compile.py produces from an exported program (the bare .so is extracted: --bare-so).
@@ -170,7 +176,7 @@ def main(argv=None):
     p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
                    help="valid values of an integer input (adds to or tightens the bound from the graph)")
     p.add_argument("--backend", required=True, choices=COMPILABLE,
-                   help="artifact kind (handlers/kinds/): " + ", ".join(COMPILABLE))
+                   help="artifact kind (handlers/artifact/kinds/): " + ", ".join(COMPILABLE))
     p.add_argument("--device", required=True, choices=("cpu", "cuda"))
     p.add_argument("--device-index", type=int, default=0, help="CUDA device to compile on")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
@@ -285,11 +291,11 @@ def main(argv=None):
 
     # Check the artifact against eager before anyone serves it: first in a child process, so
     # a wrapper that crashes at load is reported here rather than killing this process.
+    from handlers.artifact.device import Placement
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.probe import crash_safe_probe
     from handlers.config import HandlerConfig
-    from handlers.device import Placement
     from handlers.errors import LoadError
-    from handlers.load import load_artifact
-    from handlers.probe import crash_safe_probe
 
     placement = Placement(args.device, args.device_index if args.device == "cuda" else None)
     try:

@@ -275,7 +275,7 @@ def output_layout(ep) -> tuple:
 def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     """The contract of `ep`. `output_names` name the flattened outputs; `hints` maps
     "input.axis" to a dimension name the user chose (compile's --dim)."""
-    from handlers.metadata import dtype_name
+    from handlers.artifact.metadata import dtype_name
 
     hints = hints or {}
     user = list(ep.graph_signature.user_inputs)

@@ -35,7 +35,7 @@ def parse_args(argv):
 def _bodies(spec, n: int) -> list:
     import torch
 
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
 
     g = torch.Generator().manual_seed(0)
     return [safetensors_io.dumps({i.name: torch.randn((1,) + tuple(i.shape[1:]), generator=g)
@@ -44,7 +44,7 @@ def _bodies(spec, n: int) -> list:
 
 def measure(handler, ctx, bodies: list, calls: int, rounds: int) -> dict:
     """Median over rounds of wall and CPU ms per handle() call on these requests."""
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
     from scripts.bench import set_requests
 
     headers = [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}] * len(bodies)
@@ -90,7 +90,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     import torch
 
-    from handlers.metadata import read_spec
+    from handlers.artifact.metadata import read_spec
     from scripts.bench import StageRecorder, new_handler
 
     args = parse_args(argv)

@@ -10,7 +10,7 @@
 #   e2e_resnet50_fp16_scaling_<tag>  one GPU (ours, stock, echo) and all GPUs (ours, echo): scaling;
 #                               ours_tsreader is ours reading the frontend with TorchServe's reader
 #   frames_<tag>                the worker reading a batch from the frontend: TorchServe's reader
-#                               against handlers/frontend_frames.py (CPU ms per batch, no GPU)
+#                               against handlers/torchserve/frontend_frames.py (CPU ms per batch, no GPU)
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
 #   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin

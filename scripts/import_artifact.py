@@ -27,7 +27,7 @@ import shutil
 import sys
 import zipfile
 
-from handlers.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
 from scripts import contract
 
 ARTIFACT = "model.pt2"
@@ -103,7 +103,7 @@ def _compat_facts(kind: str, path: str, device: str) -> dict:
 
     facts = {"compute_capability": None, "cuda_archs": (), "cpu_isa": None}
     if kind == "aoti":
-        from handlers.kinds.aoti_package import package_metadata
+        from handlers.artifact.kinds.aoti_package import package_metadata
 
         meta = package_metadata(path)
         facts["cpu_isa"] = meta.get("AOTI_CPU_ISA") or None
@@ -139,7 +139,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
     device = program_device(ep)
     kind = "aoti" if aoti else "export"
     if aoti:
-        from handlers.kinds.aoti_package import package_metadata
+        from handlers.artifact.kinds.aoti_package import package_metadata
 
         device = package_metadata(path).get("AOTI_DEVICE_KEY", device) or device
     if device == "cuda" and not torch.cuda.is_available():
@@ -169,11 +169,11 @@ def check(spec, ep, found, device_index: int) -> float:
     (at the dimensions' minimum and at their example sizes)."""
     import torch
 
+    from handlers.artifact.device import Placement
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.probe import crash_safe_probe
     from handlers.config import HandlerConfig
-    from handlers.device import Placement
     from handlers.errors import LoadError
-    from handlers.load import load_artifact
-    from handlers.probe import crash_safe_probe
 
     placement = Placement(spec.device, device_index if spec.device == "cuda" else None)
     try:

@@ -26,12 +26,12 @@ def main(argv=None):
 
     import torch
 
-    from handlers.machine import this_machine
-    from handlers.probe import crash_safe_probe
-    from handlers.variants import assess, open_variant
+    from handlers.artifact.machine import this_machine
+    from handlers.artifact.metadata import find_variants
+    from handlers.artifact.probe import crash_safe_probe
+    from handlers.artifact.variants import assess, open_variant
     from handlers.config import HandlerConfig
     from handlers.errors import LoadError
-    from handlers.metadata import find_variants
 
     tmp = None
     root = args.path

@@ -54,7 +54,7 @@ def _group(filename: str) -> str:
 
 
 def _caller(handler, ctx, bodies):
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
     from scripts.bench import set_requests
 
     headers = [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}] * len(bodies)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     import torch
     import yaml
 
-    from handlers.metadata import read_spec
+    from handlers.artifact.metadata import read_spec
     from scripts.bench import EVERY_CALL_STAGES, StageRecorder, new_handler
     from scripts.cpu_per_call import _bodies
 

@@ -31,7 +31,7 @@ def main(argv=None):
     import requests
     import torch
 
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
     from scripts.compile import load_factory
 
     key = json.load(open(args.key_file))["inference"]["key"]

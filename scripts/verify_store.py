@@ -24,7 +24,7 @@ import sys
 
 
 def sha256(path: str) -> str:
-    # hashlib itself (not handlers.metadata.sha256_file): this check runs before any server
+    # hashlib itself (not handlers.artifact.metadata.sha256_file): this check runs before any server
     # starts and needs no torch import
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

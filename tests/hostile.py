@@ -100,7 +100,7 @@ KINDS = _kinds()
 
 def good_request(seed: int):
     """(Content-Type, body, features, mask): a valid request of 1-3 rows, JSON or binary."""
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
 
     f, m = good_tensors(1 + seed % 3, seed)
     if seed % 2:

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 # a child process that keeps one core busy for 2.5 s (the core-accounting tests' load)
@@ -187,9 +186,10 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
     assert "--lengths uniform:4:40" in result["command"]
-    from scripts.bench_e2e import draw_lengths, one_request
     import torch
-    from handlers.metadata import read_spec
+
+    from handlers.artifact.metadata import read_spec
+    from scripts.bench_e2e import draw_lengths, one_request
 
     spec = read_spec(str(artifacts.get("text_tiny_aoti")))
 

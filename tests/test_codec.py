@@ -1,4 +1,4 @@
-"""Our safetensors codec (handlers.safetensors_io) against the reference implementation, the
+"""Our safetensors codec (handlers.wire.safetensors_io) against the reference implementation, the
 `safetensors` package, in both directions: our dumps -> safetensors.torch.load, and
 safetensors.torch.save -> our loads. Every dtype both support, random shapes including 0-d and
 empty tensors, random bit patterns (NaN and infinities included). Tensors are compared bit for
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers import safetensors_io
+from handlers.wire import safetensors_io
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

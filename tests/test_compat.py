@@ -12,13 +12,20 @@ import zipfile
 
 import pytest
 import torch
+from conftest import (
+    PY,
+    ROOT,
+    build_mar,
+    corrupt_inside_mar,
+    repin,
+    rewrite_package_metadata,
+)
 
-from conftest import PY, ROOT, build_mar, corrupt_inside_mar, repin, rewrite_package_metadata
-from handlers import rules
-from handlers.device import Placement
-from handlers.kinds import kind_of
-from handlers.machine import ISA_FLAGS, Machine, cpu_flags
-from handlers.metadata import read_spec, sha256_file, write_spec
+from handlers.artifact import rules
+from handlers.artifact.device import Placement
+from handlers.artifact.kinds import kind_of
+from handlers.artifact.machine import ISA_FLAGS, Machine, cpu_flags
+from handlers.artifact.metadata import read_spec, sha256_file, write_spec
 
 
 def check(spec, placement, m, strict_versions=False):
@@ -65,7 +72,7 @@ def fake_trt_artifact(dest):
     spec_.loader.exec_module(mod)
     ep = torch.export.export(mod.Engine(), (torch.randn(2, 4),))
     torch.export.save(ep, os.path.join(dest, "model.pt2"))
-    from handlers.metadata import ArtifactSpec, TensorSpec
+    from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 
     write_spec(ArtifactSpec(
         backend="tensorrt", artifact="model.pt2", sha256=sha256_file(os.path.join(dest, "model.pt2")),
@@ -183,7 +190,7 @@ def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
 
 def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
     """An archive with a variant this CPU cannot run and one it can: the worker picks the second."""
-    from handlers.variants import choose_variant
+    from handlers.artifact.variants import choose_variant
     from handlers.config import parse_config
 
     mar = build_mar([broken["wrong_isa"][0], artifacts.get("two_aoti")], "multi", tmp_path)
@@ -209,7 +216,7 @@ def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
 
 
 def spec_for(backend="aoti", cc="9.0", archs=("sm_90",), torch_version=None, extra=None):
-    from handlers.metadata import ArtifactSpec
+    from handlers.artifact.metadata import ArtifactSpec
 
     return ArtifactSpec(backend=backend, artifact="m", sha256="", device="cuda", inputs=(), outputs=(),
                         output_structure="tensor", batch_min=1, batch_max=1,
@@ -263,8 +270,8 @@ def test_tensorrt_rules():
 
 
 def test_tensorrt_detected_without_importing_it(tmp_path):
-    from handlers.kinds import recognise
-    from handlers.kinds.tensorrt import has_tensorrt_engines
+    from handlers.artifact.kinds import recognise
+    from handlers.artifact.kinds.tensorrt import has_tensorrt_engines
 
     d = fake_trt_artifact(str(tmp_path / "trt"))
     assert has_tensorrt_engines(os.path.join(d, "model.pt2"))
@@ -280,9 +287,9 @@ from torch._inductor import cpu_vec_isa
 builds = []
 real = cpu_vec_isa.VecISA.check_build
 cpu_vec_isa.VecISA.check_build = lambda self, code: builds.append(str(self)) or real(self, code)
-from handlers.device import Placement
-from handlers.load import load_artifact
-from handlers.metadata import read_spec
+from handlers.artifact.device import Placement
+from handlers.artifact.load import load_artifact
+from handlers.artifact.metadata import read_spec
 t0 = time.perf_counter()
 load_artifact(read_spec({art!r}), Placement("cpu", None))
 print(len(builds), round(time.perf_counter() - t0, 2))
@@ -330,7 +337,7 @@ def _patched(version: str) -> str:
 def test_strict_versions_makes_a_patch_difference_fatal(artifacts):
     """Through the worker's own path (choose_variant + parse_config) on a real exported
     program whose artifact.json records another torch patch release."""
-    from handlers.variants import choose_variant
+    from handlers.artifact.variants import choose_variant
     from handlers.config import parse_config
     from handlers.errors import IncompatibleArtifact
 
@@ -346,7 +353,7 @@ def test_strict_versions_makes_a_patch_difference_fatal(artifacts):
 
 
 def test_package_metadata_disagreeing_with_artifact_json_fails(artifacts):
-    from handlers.variants import open_variant
+    from handlers.artifact.variants import open_variant
     from handlers.errors import IncompatibleArtifact
 
     d = artifacts.copy("two_aoti", "meta_disagrees")
@@ -359,7 +366,7 @@ def test_package_metadata_disagreeing_with_artifact_json_fails(artifacts):
 
 
 def test_package_metadata_wins_over_artifact_json(artifacts):
-    from handlers.variants import open_variant
+    from handlers.artifact.variants import open_variant
 
     d = artifacts.copy("two_aoti", "meta_wins")
     rewrite_package_metadata(d, AOTI_DEVICE_KEY="cuda", AOTI_COMPUTE_CAPABILITY="90")
@@ -373,11 +380,11 @@ def test_package_metadata_wins_over_artifact_json(artifacts):
 
 def test_probe_reports_a_python_error_as_the_load_error(artifacts):
     """A Python-level failure in the child comes back as the child's own error message."""
-    from handlers.probe import crash_safe_probe
+    from handlers.artifact.kinds import recognise
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.probe import crash_safe_probe
     from handlers.config import parse_config
     from handlers.errors import LoadError
-    from handlers.kinds import recognise
-    from handlers.load import load_artifact
 
     d = artifacts.copy("cls_export", "probe_pyerror")
     path = os.path.join(d, "model.pt2")
@@ -409,7 +416,7 @@ def fake_python(tmp_path, monkeypatch):
 
 
 def test_probe_timeout_is_a_load_error(artifacts, fake_python):
-    from handlers.probe import crash_safe_probe
+    from handlers.artifact.probe import crash_safe_probe
     from handlers.config import parse_config
     from handlers.errors import LoadError
 
@@ -424,7 +431,7 @@ def test_probe_timeout_is_a_load_error(artifacts, fake_python):
 
 
 def test_probe_names_an_abort(artifacts, fake_python):
-    from handlers.probe import crash_safe_probe
+    from handlers.artifact.probe import crash_safe_probe
     from handlers.config import parse_config
     from handlers.errors import LoadError
 
@@ -442,7 +449,7 @@ def test_a_load_hashes_only_the_variant_it_serves(artifacts, tmp_path, monkeypat
     """Two fitting variants: the first (archive order) is chosen and hashed, the second is never
     read past its artifact.json, so its corrupt file does not stop the load; the chosen one's
     corruption does, with the integrity message."""
-    from handlers import variants
+    from handlers.artifact import variants
     from handlers.config import parse_config
     from handlers.errors import LoadError
 
@@ -470,7 +477,7 @@ def test_variant_choice_looks_past_a_warning_and_stops_at_an_exact_fit(monkeypat
     first exact fit (opening, i.e. hashing, nothing after it)."""
     import types
 
-    from handlers import variants
+    from handlers.artifact import variants
     from handlers.config import parse_config
 
     # (warnings by artifact.json, warnings by the artifact's own files)

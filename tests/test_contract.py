@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec, read_spec, write_spec
 from handlers.config import parse_config
 from handlers.errors import LoadError, RequestError
-from handlers.metadata import ArtifactSpec, TensorSpec, read_spec, write_spec
 from handlers.values import ValueContract
 from scripts import contract
 
@@ -191,7 +191,7 @@ def test_layout_1_files_still_load_and_layout_2_round_trips(tmp_path):
 
 
 def test_runner_groups_requests_of_different_lengths_each_as_if_alone():
-    from handlers.kinds import LoadedModel
+    from handlers.artifact.kinds import LoadedModel
     from handlers.run import runner_for
 
     spec = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("ids", "int64", (None, "S")),),

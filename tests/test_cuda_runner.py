@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
 
-from handlers.kinds import LoadedModel  # noqa: E402
-from handlers.metadata import ArtifactSpec, TensorSpec  # noqa: E402
+from handlers.artifact.kinds import LoadedModel  # noqa: E402
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec  # noqa: E402
 from handlers.run import runner_for  # noqa: E402
 from handlers.run.cuda import CudaRunner  # noqa: E402
 

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from handlers import kinds, wire
-from handlers.kinds import ArtifactKind, LoadedModel
-from handlers.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
+from handlers import wire
+from handlers.artifact import kinds
+from handlers.artifact.kinds import ArtifactKind, LoadedModel
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
 from handlers.wire import WireFormat
 
 
@@ -92,8 +93,8 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
 
 
 def test_unknown_kind_is_refused_with_the_known_ones(tmp_path):
+    from handlers.artifact.variants import open_variant
     from handlers.errors import LoadError
-    from handlers.variants import open_variant
 
     d = toy_artifact(tmp_path / "toy")
     with pytest.raises(LoadError, match="unknown backend 'toy_scale'.*aoti"):

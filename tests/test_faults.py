@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
 from conftest import PY, ROOT, build_mar, corrupt_inside_mar, eager
-from handlers import safetensors_io
 from hostile import JSON, KINDS, good_request
+
+from handlers.wire import safetensors_io
 from scripts.local_server import server_env, tool
 
 TOL = 1e-4
@@ -295,7 +295,8 @@ def test_tampered_archive_passes_the_in_archive_check_and_fails_verify_store(art
     """Replacing the artifact and rewriting artifact.json defeats the in-archive SHA-256 (it can
     only show that the two disagree); the operator's digest list catches it."""
     from conftest import repin
-    from handlers.variants import open_variant
+
+    from handlers.artifact.variants import open_variant
 
     store = tmp_path / "store"
     store.mkdir()

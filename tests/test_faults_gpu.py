@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-
 from conftest import ARTIFACTS, Artifacts, build_mar, write_gpu_results
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU fault tests run on the GPU machine",
                 allow_module_level=True)
 
-from handlers import safetensors_io  # noqa: E402
+from handlers.wire import safetensors_io  # noqa: E402
 
 ARTIFACTS["outer_export"] = ["--model", "examples/models.py:outer", "--input", "x:2x8192:float32",
                              "--dynamic-batch", "1:1024", "--backend", "export"]

@@ -12,15 +12,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from conftest import PY, ROOT, build_mar
-from handlers import safetensors_io
+
 from handlers.errors import RequestError
-from handlers.wire import strict_json
+from handlers.wire import safetensors_io, strict_json
 from scripts.archive import default_workers
 from scripts.client import read_inputs
 from scripts.local_server import LocalTorchServe
-
 
 # -- the two body messages (the same strings TorchServe's 400 carries, tests/test_serving.py)
 

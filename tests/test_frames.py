@@ -1,4 +1,4 @@
-"""handlers/frontend_frames.py against TorchServe's own reader, over real sockets.
+"""handlers/torchserve/frontend_frames.py against TorchServe's own reader, over real sockets.
 
 Every message is written into a Unix socket pair (whole, or in small pieces from a thread, as a
 busy frontend's writes arrive) and read once by TorchServe's `retrieve_msg` and once by ours;
@@ -15,8 +15,13 @@ import types
 import pytest
 from ts.protocol import otf_message_handler
 
-from handlers import frontend_frames
-from scripts.bench_frames import CLIENT_HEADERS, batch_message, encode_inference, encode_load
+from handlers.torchserve import frontend_frames
+from scripts.bench_frames import (
+    CLIENT_HEADERS,
+    batch_message,
+    encode_inference,
+    encode_load,
+)
 
 BIG = 1 << 20  # past the reader's buffer: received straight into its own bytearray
 

@@ -6,20 +6,26 @@ import shutil
 
 import pytest
 import torch
-
-from conftest import ARTIFACTS, Artifacts, build_mar, repin, rewrite_package_metadata, write_gpu_results
+from conftest import (
+    ARTIFACTS,
+    Artifacts,
+    build_mar,
+    repin,
+    rewrite_package_metadata,
+    write_gpu_results,
+)
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
 
-from handlers.variants import choose_variant  # noqa: E402
+from handlers.artifact.device import Placement  # noqa: E402
+from handlers.artifact.load import load_artifact  # noqa: E402
+from handlers.artifact.metadata import read_spec  # noqa: E402
+from handlers.artifact.variants import choose_variant  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
-from handlers.device import Placement  # noqa: E402
 from handlers.errors import IncompatibleArtifact  # noqa: E402
-from handlers.load import load_artifact  # noqa: E402
-from handlers.metadata import read_spec  # noqa: E402
 from handlers.run import runner_for  # noqa: E402
 
 TWO_GPUS = torch.cuda.device_count() >= 2

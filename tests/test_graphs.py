@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
+from handlers.artifact.kinds import kind_of
+from handlers.artifact.metadata import TensorSpec
 from handlers.config import parse_config
 from handlers.errors import ConfigError, LoadError
-from handlers.kinds import kind_of
-from handlers.metadata import TensorSpec
 from handlers.run import cuda as cuda_runner
 from handlers.run import graphs
 

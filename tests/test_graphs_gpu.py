@@ -6,7 +6,6 @@ the counts (device, date, torch, command first)."""
 
 import pytest
 import torch
-
 from conftest import Artifacts, write_gpu_results
 
 pytestmark = pytest.mark.gpu
@@ -14,11 +13,11 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
 
+from handlers.artifact.device import Placement  # noqa: E402
+from handlers.artifact.kinds import kind_of  # noqa: E402
+from handlers.artifact.load import load_artifact  # noqa: E402
+from handlers.artifact.metadata import read_spec  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
-from handlers.device import Placement  # noqa: E402
-from handlers.kinds import kind_of  # noqa: E402
-from handlers.load import load_artifact  # noqa: E402
-from handlers.metadata import read_spec  # noqa: E402
 from handlers.run import graphs, runner_for  # noqa: E402
 
 RESULTS = []

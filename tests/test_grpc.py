@@ -8,10 +8,10 @@ import zipfile
 import grpc
 import pytest
 import torch
-
 from conftest import eager
-from handlers import safetensors_io
 from test_serving import close, two
+
+from handlers.wire import safetensors_io
 
 
 @pytest.fixture(scope="session")

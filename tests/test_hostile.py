@@ -16,17 +16,16 @@ import time
 
 import pytest
 import torch
+from hostile import JSON, JSON_CAP_MB, KINDS, ST, good_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handlers import safetensors_io
 from handlers.admission import Limits, admit
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
 from handlers.errors import RequestError
-from handlers.metadata import ArtifactSpec, TensorSpec
 from handlers.run.cpu import CpuRunner
-from handlers.wire import strict_json
-from hostile import JSON, JSON_CAP_MB, KINDS, ST, good_request
+from handlers.wire import safetensors_io, strict_json
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -278,7 +277,7 @@ def test_load_failure_answers_every_request_with_the_reason(tmp_path):
 
 
 def test_scratch_sweep_removes_only_directories_of_gone_processes(tmp_path):
-    from handlers import scratch
+    from handlers.torchserve import scratch
 
     root = tmp_path / scratch.ROOT_NAME
     gone = subprocess.Popen(["true"])
@@ -291,7 +290,7 @@ def test_scratch_sweep_removes_only_directories_of_gone_processes(tmp_path):
 
 
 def test_scratch_reaper_removes_the_directory_when_its_process_is_killed(tmp_path):
-    from handlers import scratch
+    from handlers.torchserve import scratch
 
     victim = subprocess.Popen(["sleep", "60"])
     d = tmp_path / f"worker-{victim.pid}"
@@ -353,7 +352,7 @@ def test_sticky_device_error_answers_then_exits(monkeypatch):
 def test_torchserve_profiler_switch_writes_a_trace_per_batch(monkeypatch, tmp_path):
     """ENABLE_TORCH_PROFILER, read as TorchServe's BaseHandler reads it: each batch is profiled
     and its trace written under PROFILE_ROOT/MODEL; the answers stay the same."""
-    from handlers import stage_timings
+    from handlers.torchserve import stage_timings
 
     monkeypatch.setenv("ENABLE_TORCH_PROFILER", "true")
     monkeypatch.setattr(stage_timings, "PROFILE_ROOT", str(tmp_path))

@@ -26,10 +26,10 @@ import pytest
 import requests
 import torch
 import yaml
-
 from conftest import PY, ROOT, build_mar, eager
-from scripts.local_server import free_port, next_worker_port, server_env, tool
 from test_serving import close, image, two
+
+from scripts.local_server import free_port, next_worker_port, server_env, tool
 
 STORAGE_URI = "gs://example-bucket/models/compiled-serving"
 # model name -> (artifact, archive.py arguments); "two" batches up to 4 requests.
@@ -238,8 +238,8 @@ def test_command_refuses_bad_input(layout, tmp_path):
 # Units: the v2 binary extension, FP32 for half inputs, OIP gRPC replies, the envelope check
 
 from handlers.admission import Limits, admit  # noqa: E402
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec  # noqa: E402
 from handlers.errors import ConfigError, RequestError  # noqa: E402
-from handlers.metadata import ArtifactSpec, TensorSpec  # noqa: E402
 from handlers.wire import v2_binary  # noqa: E402
 
 SPEC = ArtifactSpec(backend="export", artifact="m.pt2", sha256="", device="cpu",
@@ -407,8 +407,8 @@ class FakeContext:
 
 
 def test_oip_replies_are_complete():
-    from handlers import oip
     from handlers.errors import PayloadTooLarge, ServingError
+    from handlers.torchserve import oip
 
     grpc_req = {"body": {"id": "", "model_name": "two", "inputs": []}}
     ctx = FakeContext([{"body": {"content-type": "application/json"}},
@@ -418,7 +418,7 @@ def test_oip_replies_are_complete():
     # header-less bodies as bytes: the JSON one is parsed, a binary one is left alone unparsed
     raw = {"body": bytearray(b' {"id": "", "model_name": "two", "inputs": []}')}
     assert oip.is_grpc(ctx, 0, raw) and raw["body"]["model_name"] == "two"
-    from handlers import safetensors_io
+    from handlers.wire import safetensors_io
 
     binary = {"body": safetensors_io.dumps({"x": torch.zeros(4, 3)})}
     calls = []
@@ -446,7 +446,7 @@ def test_oip_replies_are_complete():
 def test_envelope_is_detected_from_the_loader_frame():
     from ts.torch_handler.request_envelope.kservev2 import KServev2Envelope
 
-    from handlers.envelope import refuse_envelope
+    from handlers.torchserve.envelope import refuse_envelope
 
     def initialize():
         refuse_envelope()

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from handlers.device import resolve_placement
+from handlers.artifact.device import resolve_placement
+from handlers.artifact.kinds import KINDS
+from handlers.artifact.relocate import leftovers, relocate
 from handlers.errors import IncompatibleArtifact, LoadError
-from handlers.kinds import KINDS
-from handlers.relocate import leftovers, relocate
 
 
 def place(**kw):

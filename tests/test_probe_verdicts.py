@@ -7,10 +7,11 @@ import os
 
 import pytest
 
-from handlers import probe, scratch
+from handlers.artifact import probe
+from handlers.artifact.device import Placement
+from handlers.artifact.variants import open_variant
 from handlers.config import HandlerConfig
-from handlers.device import Placement
-from handlers.variants import open_variant
+from handlers.torchserve import scratch
 
 
 @pytest.fixture

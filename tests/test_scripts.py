@@ -3,7 +3,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import PY, ROOT, repin
 
 
@@ -40,7 +39,7 @@ def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
 def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
     """TorchServe 0.12 relays a batched worker response in time quadratic in its size; an
     image-sized output per row with batchSize > 1 gets a warning, batchSize 1 none."""
-    from handlers.metadata import TensorSpec, read_spec
+    from handlers.artifact.metadata import TensorSpec, read_spec
 
     art = tmp_path / "big_out"
     shutil.copytree(artifacts.get("cls_export"), art)

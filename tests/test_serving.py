@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from conftest import eager
-from handlers import safetensors_io
+
+from handlers.wire import safetensors_io
 
 TOL = 1e-4
 
@@ -253,7 +253,7 @@ def test_shipped_log_configuration_drops_per_request_lines_only(main_server):
 
 
 def test_every_worker_reads_the_frontend_with_the_buffered_reader(main_server):
-    """Each worker's load line says it put handlers/frontend_frames.py in place of TorchServe's
+    """Each worker's load line says it put handlers/torchserve/frontend_frames.py in place of TorchServe's
     reader; the requests of this whole module (binary, JSON, multipart, gRPC, hostile bodies)
     then reach the handlers through it."""
     loaded = [ln for ln in main_server.log().splitlines() if "] loaded " in ln or " - loaded " in ln]

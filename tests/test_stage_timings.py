@@ -3,9 +3,8 @@
 import torch
 
 
-
 def test_stage_times_emit_means_at_most_once_per_interval():
-    from handlers.stage_timings import StageTimes
+    from handlers.torchserve.stage_timings import StageTimes
 
     now, got = [100.0], []
     st = StageTimes(lambda name, ms: got.append((name, ms)), 1.0, clock=lambda: now[0])
@@ -30,7 +29,7 @@ def test_stage_times_emit_means_at_most_once_per_interval():
 
 
 def test_stage_times_every_batch_with_zero_interval():
-    from handlers.stage_timings import StageTimes
+    from handlers.torchserve.stage_timings import StageTimes
 
     got = []
     st = StageTimes(lambda name, ms: got.append(name), 0.0, clock=lambda: 5.0)
@@ -42,7 +41,7 @@ def test_stage_times_every_batch_with_zero_interval():
 def test_stage_labels_only_while_a_profiler_records():
     from torch.profiler import profile
 
-    from handlers.stage_timings import label
+    from handlers.torchserve.stage_timings import label
 
     with label("run"):  # no profiler: a plain no-op context
         torch.ones(2).add_(1)

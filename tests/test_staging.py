@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from worker_kit import make_spec
 
 from handlers.batch import plan_chunks, warmup_sizes
 from handlers.run.cuda import upload
-from handlers.stage import StagingBuffers
-from worker_kit import make_spec
+from handlers.staging import StagingBuffers
 
 
 def test_staging_reuses_and_grows():

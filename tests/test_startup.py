@@ -4,7 +4,6 @@ import pytest
 import torch
 
 
-
 @pytest.mark.parametrize("option,expected", [(None, "highest"), ("high", "high")])
 def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
     """TorchServe's base_handler sets TF32 ("high") on import when it sees an Ampere+ GPU; the
@@ -43,10 +42,10 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     artifact."""
     from ts.context import Context
 
-    from handlers import safetensors_io
-    from handlers.run.cpu import CpuRunner
     from handlers.pipeline import request_headers as _headers
+    from handlers.run.cpu import CpuRunner
     from handlers.ts_entry import CompiledModelHandler
+    from handlers.wire import safetensors_io
 
     monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
     if cap:
@@ -74,14 +73,14 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
 
 
 def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
-    """handlers/process.py: the load logs one line naming each change to the process (the
+    """handlers/torchserve/process.py: the load logs one line naming each change to the process (the
     environment, torch's global state, signal handlers), recorded where it is made."""
     import logging
     import os
 
     from ts.context import Context
 
-    from handlers import process
+    from handlers.torchserve import process
     from handlers.ts_entry import CompiledModelHandler
 
     ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
@@ -97,7 +96,7 @@ def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
 
 
 def test_scratch_root_must_be_private(tmp_path):
-    from handlers import scratch
+    from handlers.torchserve import scratch
 
     mine = tmp_path / "mine"
     assert scratch._owned_root(str(mine)) == str(mine) and (mine.stat().st_mode & 0o777) == 0o700
@@ -116,9 +115,9 @@ def test_probe_child_loads_as_the_worker_will(monkeypatch):
     import subprocess
     import types
 
-    from handlers import probe
+    from handlers.artifact import probe
+    from handlers.artifact.device import Placement
     from handlers.config import parse_config
-    from handlers.device import Placement
 
     seen = {}
 

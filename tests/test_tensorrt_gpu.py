@@ -17,10 +17,11 @@ except Exception as e:  # ImportError, or TensorRT libraries missing behind the 
                 "installable on this project's machines", allow_module_level=True)
 
 from conftest import PY, ROOT  # noqa: E402
+
+from handlers.artifact.device import Placement  # noqa: E402
+from handlers.artifact.load import load_artifact  # noqa: E402
+from handlers.artifact.metadata import read_spec  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
-from handlers.device import Placement  # noqa: E402
-from handlers.load import load_artifact  # noqa: E402
-from handlers.metadata import read_spec  # noqa: E402
 from handlers.run import runner_for  # noqa: E402
 
 

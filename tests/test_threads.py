@@ -1,16 +1,16 @@
-"""The worker's CPU thread budget (handlers/threads.py): the decision table, the override, and
+"""The worker's CPU thread budget (handlers/torchserve/threads.py): the decision table, the override, and
 that the crash-safe probe's child process starts with the same budget."""
 from __future__ import annotations
 
 import subprocess
 import sys
-
-import pytest
 from pathlib import Path
 
-from handlers import threads
+import pytest
+
 from handlers.config import parse_config
 from handlers.errors import ConfigError
+from handlers.torchserve import threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_probe_child_inherits_the_budget():
     import os
 
     env = threads.ThreadBudget(2, 1, "test").child_env(os.environ)
-    code = ("import os, torch; import handlers.probe;"
+    code = ("import os, torch; import handlers.artifact.probe;"
             "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True, cwd=ROOT)

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import PY, ROOT, build_mar
 from torch import nn
 from torch.export import Dim
 
-from conftest import PY, ROOT, build_mar
-from handlers import safetensors_io
+from handlers.wire import safetensors_io
 
 VOCAB, MAX_LEN, MIN_LEN = 500, 64, 2
 

@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
+from worker_kit import make_spec
 
-from handlers import oip, safetensors_io
 from handlers.admission import Limits, admit
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
-from handlers.wire import WireName
-from worker_kit import make_spec
+from handlers.torchserve import oip
+from handlers.wire import WireName, safetensors_io
 
 
 def test_safetensors_roundtrip_all_dtypes():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from handlers.admission import Limits
-from handlers.metadata import ArtifactSpec, TensorSpec
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
-from handlers.stage_timings import StageTimes
+from handlers.torchserve.stage_timings import StageTimes
 from handlers.ts_entry import CompiledModelHandler
 from handlers.worker import Health, Worker
 

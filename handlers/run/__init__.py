@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import PadPlan
-from ..errors import ConfigError
-from ..threads import cuda_wait
-from .base import Runner
-from .cpu import CpuRunner
-from .cuda import CudaRunner
+from handlers.batch import PadPlan
+from handlers.errors import ConfigError
+from handlers.run.base import Runner
+from handlers.run.cpu import CpuRunner
+from handlers.run.cuda import CudaRunner
+from handlers.torchserve.threads import cuda_wait
 
 
 def runner_for(model, spec, device: torch.device, config=None) -> Runner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import offsets, plan_chunks, rows_of
+from handlers.batch import offsets, plan_chunks, rows_of
 
 
 class Runner:

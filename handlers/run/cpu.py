@@ -1,8 +1,8 @@
 """CPU runner: plain calls on staged host buffers; no CUDA API is touched."""
 from __future__ import annotations
 
-from ..stage import StagingBuffers
-from .base import Runner
+from handlers.run.base import Runner
+from handlers.staging import StagingBuffers
 
 
 class CpuRunner(Runner):

@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from ..errors import LoadError
-from ..stage import StagingBuffers
-from . import graphs
-from .base import Runner
+from handlers.errors import LoadError
+from handlers.run import graphs
+from handlers.run.base import Runner
+from handlers.staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
 

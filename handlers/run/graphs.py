@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from ..batch import batch_sizes_in
-from ..errors import LoadError
+from handlers.batch import batch_sizes_in
+from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 of a request's format (once per request) and of its response's format."""
 from __future__ import annotations
 
-from ..errors import RequestError, UnsupportedMediaType
-from . import kserve_v1, kserve_v2, ours_json, safetensors, strict_json  # noqa: F401
-from .base import JSON_MEDIA, WireFormat, WireName  # noqa: F401  (the interface, for format modules)
+from handlers.errors import RequestError, UnsupportedMediaType
+from handlers.wire import kserve_v1, kserve_v2, ours_json, safetensors, strict_json  # noqa: F401
+from handlers.wire.base import JSON_MEDIA, WireFormat, WireName  # noqa: F401  (the interface, for format modules)
 
 FORMATS = {}  # name -> format, in registration order (JSON envelopes are tried in this order)
 

@@ -64,6 +64,6 @@ class WireFormat:
 
 def dump_json(body) -> str:
     """Every JSON response goes through strict_json.dumps (no bare NaN/Infinity tokens)."""
-    from .strict_json import dumps
+    from handlers.wire.strict_json import dumps
 
     return dumps(body)

@@ -3,10 +3,10 @@ samples ({name: value}, or bare values for a single-input model): they gain the 
 dimension by stacking."""
 from __future__ import annotations
 
-from ..errors import RequestError
-from .base import WireFormat, WireName, dump_json
-from .strict_json import json_values
-from .tensors import from_nested, spec_of
+from handlers.errors import RequestError
+from handlers.wire.base import WireFormat, WireName, dump_json
+from handlers.wire.strict_json import json_values
+from handlers.wire.tensors import from_nested, spec_of
 
 
 def _per_input(instances: list, spec) -> dict:

@@ -17,12 +17,12 @@ from dataclasses import replace
 
 import torch
 
-from ..dtypes import BY_NAME, BY_TORCH, BY_V2
-from ..errors import RequestError
-from . import v2_binary
-from .base import JSON_MEDIA, Encoded, WireFormat, WireName, dump_json
-from .strict_json import json_values
-from .tensors import from_nested, spec_of
+from handlers.dtypes import BY_NAME, BY_TORCH, BY_V2
+from handlers.errors import RequestError
+from handlers.wire import v2_binary
+from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, WireName, dump_json
+from handlers.wire.strict_json import json_values
+from handlers.wire.tensors import from_nested, spec_of
 
 HALF = ("FP16", "BF16")
 NO_DATA = ("TorchServe 0.12's OIP gRPC frontend drops FP16/BF16 contents and raw_input_contents "

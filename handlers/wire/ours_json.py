@@ -1,9 +1,9 @@
 """Our JSON: {"inputs": {NAME: nested list}} -> {"outputs": {NAME: nested list}}."""
 from __future__ import annotations
 
-from .base import WireFormat, WireName, dump_json
-from .strict_json import json_values
-from .tensors import from_nested, spec_of
+from handlers.wire.base import WireFormat, WireName, dump_json
+from handlers.wire.strict_json import json_values
+from handlers.wire.tensors import from_nested, spec_of
 
 
 class OursJson(WireFormat):

@@ -1,9 +1,9 @@
 """Binary safetensors bodies (application/x-safetensors), read and written by
-handlers.safetensors_io straight from and into tensor memory."""
+handlers.wire.safetensors_io straight from and into tensor memory."""
 from __future__ import annotations
 
-from .. import safetensors_io
-from .base import WireFormat, WireName
+from handlers.wire import safetensors_io
+from handlers.wire.base import WireFormat, WireName
 
 
 class Safetensors(WireFormat):

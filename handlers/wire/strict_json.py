@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..errors import RequestError
+from handlers.errors import RequestError
 
 NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 

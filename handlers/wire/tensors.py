@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..dtypes import BY_NAME
-from ..errors import RequestError
-from ..metadata import ArtifactSpec, TensorSpec
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec
+from handlers.dtypes import BY_NAME
+from handlers.errors import RequestError
 
 try:  # numpy builds arrays from nested lists ~5x faster than torch.tensor
     import numpy as _np

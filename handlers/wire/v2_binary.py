@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch
 
-from ..dtypes import BY_TORCH, BY_V2
-from ..errors import RequestError
-from . import strict_json
-from .base import dump_json
+from handlers.dtypes import BY_TORCH, BY_V2
+from handlers.errors import RequestError
+from handlers.wire import strict_json
+from handlers.wire.base import dump_json
 
 HEADER = "Inference-Header-Content-Length"
 MEDIA = "application/octet-stream"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LoadError
+from handlers.errors import LoadError
 
 
 def _devices_in(value):

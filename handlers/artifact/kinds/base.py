@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..device import Placement
-from ..errors import LoadError
-from ..machine import Machine
-from ..metadata import ArtifactSpec
+from handlers.artifact.device import Placement
+from handlers.artifact.machine import Machine
+from handlers.artifact.metadata import ArtifactSpec
+from handlers.errors import LoadError
 
 
 class LoadedModel:

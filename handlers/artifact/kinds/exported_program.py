@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import LoadError
-from ..relocate import relocate
-from .base import ArtifactKind, LoadedModel
+from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
+from handlers.artifact.relocate import relocate
+from handlers.errors import LoadError
 
 
 class ExportedProgram(ArtifactKind):

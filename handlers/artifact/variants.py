@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 
-from .config import HandlerConfig
-from .device import placement_for_worker
-from .errors import IncompatibleArtifact, LoadError
-from .integrity import verify_integrity
-from .kinds import kind_of, recognise
-from .machine import describe_machine, this_machine
-from .metadata import ArtifactSpec, find_variants, read_spec
-from .rules import check
+from handlers.artifact.device import placement_for_worker
+from handlers.artifact.integrity import verify_integrity
+from handlers.artifact.kinds import kind_of, recognise
+from handlers.artifact.machine import describe_machine, this_machine
+from handlers.artifact.metadata import ArtifactSpec, find_variants, read_spec
+from handlers.artifact.rules import check
+from handlers.config import HandlerConfig
+from handlers.errors import IncompatibleArtifact, LoadError
 
 
 def open_variant(directory: str) -> ArtifactSpec:

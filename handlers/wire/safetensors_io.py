@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-from .dtypes import TABLE
-from .errors import RequestError
+from handlers.dtypes import TABLE
+from handlers.errors import RequestError
 
 CONTENT_TYPE = "application/x-safetensors"
 

@@ -35,7 +35,7 @@ import os
 import struct
 import sys
 
-from . import faults
+from handlers import faults
 
 _INT = struct.Struct("!i")
 _BOOL = struct.Struct("!?")
@@ -202,7 +202,7 @@ def install(enabled: bool) -> str:
     if getattr(main, "retrieve_msg", None) is not otf_message_handler.retrieve_msg:
         return "TorchServe's frame reader (the worker's retrieve_msg is not TorchServe's own)"
     main.retrieve_msg = retrieve_msg
-    from . import process
+    from handlers.torchserve import process
 
-    process.record("TorchServe's worker loop", "__main__.retrieve_msg is handlers.frontend_frames.retrieve_msg")
+    process.record("TorchServe's worker loop", "__main__.retrieve_msg is handlers.torchserve.frontend_frames.retrieve_msg")
     return "buffered frame reader"

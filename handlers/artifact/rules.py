@@ -7,9 +7,9 @@ compute capability, TensorRT versions) in their `rules` method, from the helpers
 """
 from __future__ import annotations
 
-from .device import Placement
-from .machine import ISA_FLAGS, Machine, cc_tuple, version_mm
-from .metadata import ArtifactSpec
+from handlers.artifact.device import Placement
+from handlers.artifact.machine import ISA_FLAGS, Machine, cc_tuple, version_mm
+from handlers.artifact.metadata import ArtifactSpec
 
 
 def check(spec: ArtifactSpec, kind, placement: Placement, m: Machine, strict_versions: bool = False):

@@ -12,8 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from .dtypes import NAMES, dtype_name, torch_dtype  # noqa: F401  (re-exported)
-from .errors import LoadError
+from handlers.dtypes import NAMES, dtype_name, torch_dtype  # noqa: F401  (re-exported)
+from handlers.errors import LoadError
 
 METADATA_FILE = "artifact.json"
 # Version of the artifact.json layout (stored under its "format" key): bumped when fields change

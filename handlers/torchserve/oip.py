@@ -22,9 +22,9 @@ from typing import Optional
 
 from ts.utils.util import PredictionException
 
-from .errors import RequestError, ServingError
-from .wire import kserve_v2, strict_json
-from .wire.base import dump_json
+from handlers.errors import RequestError, ServingError
+from handlers.wire import kserve_v2, strict_json
+from handlers.wire.base import dump_json
 
 
 def is_grpc(context, idx: int, request, max_json_bytes: Optional[int] = None) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Optional
 
-from .device import Placement
+from handlers.artifact.device import Placement
 
 # AOTI_CPU_ISA names -> /proc/cpuinfo flags the generated code needs.
 ISA_FLAGS = {

@@ -4,9 +4,9 @@ A kind's name is the `backend` value in artifact.json. Kinds are tried in this o
 artifact's own files are recognised (kinds.recognise)."""
 from __future__ import annotations
 
-from ..errors import LoadError
-from . import aoti_package, aoti_so, exported_program, tensorrt
-from .base import ArtifactKind, LoadedModel  # noqa: F401  (the interface, for kind modules)
+from handlers.artifact.kinds import aoti_package, aoti_so, exported_program, tensorrt
+from handlers.artifact.kinds.base import ArtifactKind, LoadedModel  # noqa: F401  (the interface, for kind modules)
+from handlers.errors import LoadError
 
 KINDS = {}
 

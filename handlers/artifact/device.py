@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import IncompatibleArtifact
+from handlers.errors import IncompatibleArtifact
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from .errors import ConfigError
+from handlers.errors import ConfigError
 
 MAX_FRAMES = 8  # initialize is called directly by the loader; a few frames spare
 

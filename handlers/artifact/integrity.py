@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import zipfile
 
-from .errors import LoadError
-from .metadata import ArtifactSpec, sha256_file
+from handlers.artifact.metadata import ArtifactSpec, sha256_file
+from handlers.errors import LoadError
 
 
 def verify_integrity(spec: ArtifactSpec, zipped: bool) -> None:

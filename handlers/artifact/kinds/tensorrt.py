@@ -11,15 +11,15 @@ from __future__ import annotations
 import inspect
 import zipfile
 
-from .. import process
-from ..device import use_device
-from ..errors import IncompatibleArtifact, LoadError
-from ..machine import cc_tuple, package_version, version_mm
-from ..metadata import ArtifactSpec
-from ..relocate import relocate
-from ..rules import cc_fix
-from .aoti_package import load_aoti_package
-from .base import ArtifactKind, LoadedModel
+from handlers.artifact.device import use_device
+from handlers.artifact.kinds.aoti_package import load_aoti_package
+from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
+from handlers.artifact.machine import cc_tuple, package_version, version_mm
+from handlers.artifact.metadata import ArtifactSpec
+from handlers.artifact.relocate import relocate
+from handlers.artifact.rules import cc_fix
+from handlers.errors import IncompatibleArtifact, LoadError
+from handlers.torchserve import process
 
 # Names under which TensorRT engine calls appear in a serialized ExportedProgram / AOTI package.
 ENGINE_MARKERS = (b"tensorrt.execute_engine", b"tensorrt::execute_engine", b"torch_tensorrt")

@@ -3,9 +3,9 @@
 The artifact's integrity was checked when its variant was opened (variants.open_variant)."""
 from __future__ import annotations
 
-from .device import Placement, use_device
-from .kinds import LoadedModel, kind_of
-from .metadata import ArtifactSpec
+from handlers.artifact.device import Placement, use_device
+from handlers.artifact.kinds import LoadedModel, kind_of
+from handlers.artifact.metadata import ArtifactSpec
 
 
 def load_artifact(spec: ArtifactSpec, placement: Placement, config=None) -> LoadedModel:

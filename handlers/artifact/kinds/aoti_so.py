@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from ..errors import LoadError
-from ..rules import cpu_isa_rule, cuda_kernel_rule
-from .base import ArtifactKind, LoadedModel
+from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
+from handlers.artifact.rules import cpu_isa_rule, cuda_kernel_rule
+from handlers.errors import LoadError
 
 
 class AotiSharedLibrary(ArtifactKind):

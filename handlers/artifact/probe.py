@@ -3,7 +3,7 @@ segfault, abort or illegal instruction there becomes a LoadError in the worker i
 worker that TorchServe restarts in a loop.
 
 Parent side: crash_safe_probe(). Child side:
-`python -m handlers.probe VARIANT_DIR KIND INDEX [CUDA_GRAPHS]` (KIND is the device kind, INDEX
+`python -m handlers.artifact.probe VARIANT_DIR KIND INDEX [CUDA_GRAPHS]` (KIND is the device kind, INDEX
 -1 on CPU, CUDA_GRAPHS the worker's handler.cuda_graphs, which decides how AOTI loads); exits 0
 on success, 1 with a `PROBE-ERROR: message` line on a Python-level failure; a native crash kills
 it with a signal.
@@ -20,12 +20,12 @@ import subprocess
 import sys
 import time
 
-from .config import parse_config
-from .device import Placement
-from .errors import LoadError
-from .kinds import recognise
-from .load import load_artifact
-from .metadata import ArtifactSpec, read_spec
+from handlers.artifact.device import Placement
+from handlers.artifact.kinds import recognise
+from handlers.artifact.load import load_artifact
+from handlers.artifact.metadata import ArtifactSpec, read_spec
+from handlers.config import parse_config
+from handlers.errors import LoadError
 
 SIGNAL_HINTS = {
     "SIGSEGV": "a segmentation fault: typically an AOTInductor wrapper built with a toolchain "
@@ -40,7 +40,7 @@ SIGNAL_HINTS = {
 
 def child_env(pkg_parent: str, budget=None) -> dict:
     """This process's environment, with the handler package importable and, given a
-    ThreadBudget (handlers/threads.py), the same CPU thread budget from the child's first torch
+    ThreadBudget (handlers/torchserve/threads.py), the same CPU thread budget from the child's first torch
     import."""
     env = budget.child_env(os.environ) if budget is not None else dict(os.environ)
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -53,7 +53,7 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
     t0 = time.perf_counter()
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The child loads the artifact as the worker will (cuda_graphs decides how AOTI loads).
-    cmd = [sys.executable, "-m", "handlers.probe", spec.variant_dir, placement.kind,
+    cmd = [sys.executable, "-m", "handlers.artifact.probe", spec.variant_dir, placement.kind,
            str(placement.index if placement.index is not None else -1), config.cuda_graphs]
     try:
         r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
@@ -88,7 +88,7 @@ def _verdict_key(spec: ArtifactSpec, placement: Placement, config) -> dict:
     loads differently with CUDA graphs), the torch build and this machine."""
     import torch
 
-    from .machine import this_machine
+    from handlers.artifact.machine import this_machine
 
     return {"sha256": spec.sha256, "placement": str(placement), "cuda_graphs": config.cuda_graphs,
             "torch": torch.__version__, "cuda": torch.version.cuda or "",
@@ -96,7 +96,7 @@ def _verdict_key(spec: ArtifactSpec, placement: Placement, config) -> dict:
 
 
 def _verdict_path(key: dict):
-    from . import scratch
+    from handlers.torchserve import scratch
 
     root = scratch.shared_root()
     if root is None:
@@ -160,7 +160,7 @@ def main():
     try:
         import torch
 
-        # The parent's thread budget (handlers/threads.py ThreadBudget.child_env).
+        # The parent's thread budget (handlers/torchserve/threads.py ThreadBudget.child_env).
         if os.environ.get("TS_HANDLER_CPU_THREADS"):
             torch.set_num_threads(int(os.environ["TS_HANDLER_CPU_THREADS"]))
         # The parent checked this artifact's SHA-256 when it chose the variant, moments ago:

@@ -19,15 +19,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
 
-from . import process
+from handlers.torchserve import process
 
 logger = logging.getLogger(__name__)
 ROOT_NAME = "compiled-serving"

@@ -8,12 +8,12 @@ import json
 import os
 import zipfile
 
-from ..device import Placement
-from ..errors import IncompatibleArtifact, LoadError
-from ..machine import cc_from_digits
-from ..metadata import ArtifactSpec
-from ..rules import cpu_isa_rule, cuda_kernel_rule
-from .base import ArtifactKind, LoadedModel
+from handlers.artifact.device import Placement
+from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
+from handlers.artifact.machine import cc_from_digits
+from handlers.artifact.metadata import ArtifactSpec
+from handlers.artifact.rules import cpu_isa_rule, cuda_kernel_rule
+from handlers.errors import IncompatibleArtifact, LoadError
 
 
 def package_metadata(path: str) -> dict:
