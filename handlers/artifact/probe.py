@@ -51,7 +51,8 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
     """Costs one extra load and forward (and, on GPU, a second CUDA context for its duration).
     Returns the seconds it took."""
     t0 = time.perf_counter()
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the directory holding the `handlers` package (this file is handlers/artifact/probe.py)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The child loads the artifact as the worker will (cuda_graphs decides how AOTI loads).
     cmd = [sys.executable, "-m", "handlers.artifact.probe", spec.variant_dir, placement.kind,
            str(placement.index if placement.index is not None else -1), config.cuda_graphs]
