@@ -29,11 +29,34 @@ logger = logging.getLogger(__name__)
 WARMUP_BATCH_BYTES = 64 << 20
 
 
+class StartSteps:
+    """Seconds per step of a worker's start, in order: the load line's breakdown and the
+    WorkerStartTime metric. The first step, the process's age when the handler's start began,
+    is the interpreter, TorchServe's and torch's imports and the frontend's load message."""
+
+    def __init__(self):
+        before = process.age_s()
+        self.times = {"process and imports": before} if before is not None else {}
+        self._t = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def total(self) -> float:
+        return sum(self.times.values())
+
+    def describe(self) -> str:
+        return (f"{self.total():.2f}s" + (" since the process began" if "process and imports" in self.times else "")
+                + " (" + ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items()) + ")")
+
+
 def start(context, metric, serving, handle) -> Worker:
     """The loaded, warmed-up worker; raises LoadError with what the artifact needs, what the
     machine has and the fix. `serving(worker)` is called once the model is loaded, before the
     request-path warm-up sends requests through the entry's `handle(data, context)`."""
-    t0 = time.perf_counter()
+    steps = StartSteps()
     props, yaml_config = context.system_properties, getattr(context, "model_yaml_config", None) or {}
     config = parse_config(yaml_config)
     # The archive's precision, whatever else in the process set (importing TorchServe's
@@ -51,39 +74,48 @@ def start(context, metric, serving, handle) -> Worker:
         gpus = len(yaml_config.get("deviceIds") or ()) or torch.cuda.device_count()
         sync, sync_why = threads.cuda_wait(config.cuda_sync, workers, gpus)
         config = dataclasses.replace(config, cuda_sync=sync)
+    steps.done("variant")
     _, probe_note = probe_once(spec, placement, config, budget) if config.crash_safe_load else (0.0, "no trial load")
+    steps.done("trial load")
     model = load_artifact(spec, placement, config)
     worker = Worker(config=config, spec=spec, limits=Limits.of(config, spec), model=model,
                     runner=runner_for(model, spec, placement.torch_device, config),
                     device=placement.torch_device, stages=StageTimes(metric, config.stage_metrics_s))
-    load_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    steps.done("load")
     serving(worker)
     if config.warmup:
         warm_up(worker)
+        steps.done("warm-up")
     graphs_note = worker.runner.prepare(config, kind_of(spec))
+    steps.done("CUDA graphs")
     if config.warmup:
         warm_up_request_path(worker, context, handle)
         worker.stages.reset()  # the gauges' first means are the clients' batches
-    warm_s = time.perf_counter() - t1
+        steps.done("request-path warm-up")
     reader = frontend_frames.install(config.buffered_reader)
+    _log_loaded(worker, placement, budget, probe_note, graphs_note, sync_why, reader, steps)
+    metric("ArtifactLoadTime", sum(steps.times.get(k, 0.0) for k in ("variant", "trial load", "load")) * 1000.0)
+    metric("ArtifactWarmupTime", sum(steps.times.get(k, 0.0) for k in ("warm-up", "CUDA graphs",
+                                                                       "request-path warm-up")) * 1000.0)
+    metric("WorkerStartTime", steps.total() * 1000.0)
+    return worker
+
+
+def _log_loaded(worker, placement, budget, probe_note, graphs_note, sync_why, reader, steps) -> None:
+    spec, runner = worker.spec, worker.runner
     cc = (".".join(map(str, torch.cuda.get_device_capability(worker.device)))
           if placement.kind == "cuda" else None)
-    runner = worker.runner
     logger.info(
-        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; load %.2fs "
-        "(%s), warm-up %.2fs; inputs %s; batch range [%d, %d]; "
+        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; started in %s; %s; "
+        "inputs %s; batch range [%d, %d]; "
         "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
-        spec.backend, spec.artifact, model.loader, placement, placement.note, cc or "n/a",
-        load_s, probe_note, warm_s, ", ".join(s.describe() for s in spec.inputs),
+        spec.backend, spec.artifact, worker.model.loader, placement, placement.note, cc or "n/a",
+        steps.describe(), probe_note, ", ".join(s.describe() for s in spec.inputs),
         spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
         graphs_note, runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
         worker.limits.values.describe() + (f"; padding {runner.pad.describe()}" if runner.pad else ""),
         reader)
     logger.info("process-wide changes: %s", process.describe())
-    metric("ArtifactLoadTime", load_s * 1000.0)
-    metric("ArtifactWarmupTime", warm_s * 1000.0)
-    return worker
 
 
 def warm_up(worker: Worker) -> None:

@@ -214,11 +214,18 @@ def test_load_reports_in_log_and_metrics(main_server):
     assert "loaded aoti artifact model.pt2 (aoti_package) on cpu" in log
     assert "loaded aoti_so artifact model.so (aoti_so) on cpu" in log
     assert "loaded export artifact model.pt2 (exported_program) on cpu" in log
+    # each worker's start, step by step, from the process's beginning (scripts.bench_start reads it)
+    from scripts.bench_start import start_steps
+
+    starts = start_steps(log)
+    assert starts and all({"process and imports", "variant", "load", "total"} <= set(s) for s in starts), starts[:2]
+    assert all(s["process and imports"] > 0.2 for s in starts)  # torch's import alone takes longer
     import requests
 
     metrics = requests.get(f"http://127.0.0.1:{main_server.ports['metrics']}/metrics", timeout=10).text
     assert 'ArtifactLoadTime{ModelName="cls_aoti"' in metrics, metrics[-2000:]
     assert 'ArtifactWarmupTime{ModelName="two_export"' in metrics
+    assert 'WorkerStartTime{ModelName="cls_aoti"' in metrics
 
 
 def test_stage_timings_on_the_metrics_endpoint(main_server):

@@ -131,3 +131,40 @@ def test_probe_child_loads_as_the_worker_will(monkeypatch):
     assert seen["cmd"][-4:] == ["/nonexistent", "cpu", "-1", "off"]
     probe.crash_safe_probe(spec, Placement("cpu", None), parse_config({}))
     assert seen["cmd"][-1] == "auto"
+
+
+def test_start_steps_breakdown_reads_back_as_the_benchmark_parses_it(monkeypatch):
+    """The load line's start breakdown (handlers/startup.StartSteps) is what scripts.bench_start
+    reads from TorchServe's log: every step and the total come back, the process's age first."""
+    import time
+
+    from handlers import startup
+    from handlers.torchserve import process
+    from scripts.bench_start import start_steps
+
+    monkeypatch.setattr(process, "age_s", lambda: 2.5)
+    steps = startup.StartSteps()
+    for name in ("variant", "trial load", "load"):
+        time.sleep(0.01)
+        steps.done(name)
+    steps.done("load")  # a step done twice adds up
+    line = f"loaded aoti artifact model.pt2 (aoti_package) on cuda:0 [x]; started in {steps.describe()}; trial load"
+    (back,) = start_steps(line)
+    assert list(back) == ["process and imports", "variant", "trial load", "load", "total"]
+    assert back["process and imports"] == 2.5 and all(back[k] >= 0.01 for k in ("variant", "trial load", "load"))
+    assert abs(back["total"] - sum(v for k, v in back.items() if k != "total")) < 0.02
+
+
+def test_process_age_counts_from_the_process_start():
+    """process.age_s reads the kernel's start time of this process: a child started now is
+    younger than this test process, and at most seconds old."""
+    import subprocess
+    import sys
+
+    from handlers.torchserve import process
+
+    child = float(subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); "
+                                  "from handlers.torchserve import process; print(process.age_s())"],
+                                 capture_output=True, text=True, check=True).stdout)
+    assert 0.25 <= child < 10.0
+    assert process.age_s() > child

@@ -4,6 +4,8 @@ it, so the worker lists them all in one line at load (handlers/startup.py) and a
 each one from that line. A change not recorded here is a bug."""
 from __future__ import annotations
 
+import os
+
 _changes: dict = {}  # what changed -> how, in the order first made
 
 
@@ -13,3 +15,18 @@ def record(what: str, how: str) -> None:
 
 def describe() -> str:
     return "; ".join(f"{what}: {how}" for what, how in _changes.items()) or "none"
+
+
+def age_s():
+    """Seconds since this process began (Linux: its start time in /proc/self/stat, field 22, in
+    clock ticks since boot, against /proc/uptime); None where /proc cannot tell. A worker's
+    start measured from here includes the interpreter, TorchServe's and torch's imports and the
+    frontend's load message, which no timer inside the handler sees."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
