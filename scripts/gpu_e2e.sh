@@ -23,6 +23,9 @@
 #   e2e_text_encoder_fp16_<tag>  text encoder, lengths 16..128 per request: ours, ours_pad (padding
 #                               to length buckets), stock eager, stock_aoti (same package), echo
 #   e2e_mlp_fp16_<tag>          small MLP: ours, ours_hybrid, ours_spin, stock, stock_aoti, echo
+#   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
+#                               restarts (scripts/bench_start.py)
+#   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
 set -euo pipefail
@@ -31,7 +34,17 @@ PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${D
 PY=${PY:-python3}; export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$W"
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
-[ -f "$W/r50/artifact.json" ] || $PY -m scripts.compile $R50 --backend aoti --precision fp16 --device cuda --out "$W/r50"
+TEXT="--model examples/text_encoder.py:text_encoder --input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:256"
+MLP="--model examples/mlp.py:mlp --input x:8x256:float32"
+# the artifacts every part may use, compiled once each (in parallel: each compile is mostly one process)
+[ -f "$W/r50/artifact.json" ] || $PY -m scripts.compile $R50 --backend aoti --precision fp16 --device cuda --out "$W/r50" &
+case " $PARTS " in *" text "*|*" start "*)
+  [ -f "$W/text/artifact.json" ] || $PY -m scripts.compile $TEXT --dynamic-batch 1:64 --backend aoti --precision fp16 \
+    --device cuda --out "$W/text" & ;; esac
+case " $PARTS " in *" mlp "*|*" profile "*)
+  [ -f "$W/mlp/artifact.json" ] || $PY -m scripts.compile $MLP --dynamic-batch 1:64 --backend aoti --precision fp16 \
+    --device cuda --out "$W/mlp" & ;; esac
+wait
 E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
   case $part in
@@ -70,23 +83,23 @@ for part in $PARTS; do
     text) # the text encoder (examples/text_encoder.py, 6 layers, hidden 384) with a varying length:
           # every request draws its length from 16..128; ours groups by length, ours_pad pads to
           # length buckets (the model masks padding); stock_aoti calls the same package the plain way
-          [ -f "$W/text/artifact.json" ] || $PY -m scripts.compile --model examples/text_encoder.py:text_encoder \
-            --input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:256 --dynamic-batch 1:64 \
-            --backend aoti --precision fp16 --device cuda --out "$W/text"
           $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --rounds 1 --artifact "$W/text" \
             --out "$RESULTS/e2e_text_encoder_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
             --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
          # ours (cuda_sync=auto) against the hybrid and spin waits
-         [ -f "$W/mlp/artifact.json" ] || $PY -m scripts.compile --model examples/mlp.py:mlp \
-           --input x:8x256:float32 --dynamic-batch 1:64 --backend aoti --precision fp16 --device cuda --out "$W/mlp"
          $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds 1 --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant hybrid:cuda_sync=hybrid --variant spin:cuda_sync=spin ;;
+    start) for m in r50:resnet50 text:text_encoder; do
+             $PY -m scripts.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
+               --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
+           done ;;
+    profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile)"; exit 2 ;;
   esac
 done
