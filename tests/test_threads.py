@@ -56,7 +56,7 @@ def test_cpu_threads_option_validated():
 
 
 def test_apply_sets_torch_pools_in_a_fresh_process():
-    code = ("import torch; from handlers import threads;"
+    code = ("import torch; from handlers.torchserve import threads;"
             "b = threads.apply(threads.ThreadBudget(3, 1, 'test'));"
             "print(torch.get_num_threads(), torch.get_num_interop_threads(), b.intra_op, b.inter_op)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
