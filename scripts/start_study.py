@@ -25,9 +25,10 @@ from scripts.results_meta import header, page_head
 PRELUDE = "import time, sys; t0 = time.perf_counter()\n"
 CUDA = "import torch; torch.cuda.set_device(0); torch.zeros(1, device='cuda'); torch.cuda.synchronize()\n"
 LOAD_TORCH = """
-from handlers.artifact.kinds.aoti_package import skip_isa_probe_builds
-from torch._inductor import aoti_load_package
-with skip_isa_probe_builds():
+from unittest import mock
+from torch._inductor import aoti_load_package, codecache
+# as the handler called it until the direct loader: inductor's CPU ISA probe builds skipped
+with mock.patch.object(codecache, "get_device_information", lambda device_type: {}):
     fn = aoti_load_package(PATH, device_index=0, run_single_threaded=True)
 """
 LOAD_DIRECT = """

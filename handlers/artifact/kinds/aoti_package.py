@@ -1,9 +1,8 @@
 """AOTInductor package (`.pt2` from aoti_compile_and_package): native code for one device kind,
-loaded with aoti_load_package on the worker's device. The package's own metadata (read from the
+loaded on the worker's device by the loader torch's aoti_load_package wraps. The package's own metadata (read from the
 zip without loading anything) wins over artifact.json."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import zipfile
@@ -28,44 +27,35 @@ def package_metadata(path: str) -> dict:
     return {}
 
 
-def skip_isa_probe_builds():
-    """aoti_load_package compares the package's metadata with inductor's description of this
-    machine, only to log a warning on a difference. To name this machine's CPU ISA, inductor
-    compiles a probe library per SIMD extension (AVX512, VNNI, BF16, AMX, AMX-FP16) and imports
-    torch in a fresh Python to dlopen each: 40-100 s per worker process on the GPU image
-    (measured, docs/results), paid again by every worker and by the crash-safe probe. The
-    rules (rules.py) have already compared device kind, compute capability and the CPU flags
-    the package needs with this machine and fail the load on a real mismatch, so inductor's
-    comparison is replaced by an empty one for the duration of the call."""
-    from unittest import mock
-
-    from torch._inductor import codecache
-
-    if not hasattr(codecache, "get_device_information"):
-        return contextlib.nullcontext()
-    return mock.patch.object(codecache, "get_device_information", lambda device_type: {})
-
-
 def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str,
                       single_threaded: bool = False) -> LoadedModel:
-    """single_threaded: aoti_load_package's run_single_threaded, the runner without the model
-    container's per-call thread pool handoff, which a CUDA graph capture needs."""
-    from torch._inductor import aoti_load_package
+    """The package's compiled model through the loader torch's `aoti_load_package` wraps
+    (`torch._C._aoti.AOTIModelPackageLoader`, the path torch itself takes for packages without
+    a PT2 archive index), called with the flat input tensors and returning the flat outputs,
+    as torch's `AOTICompiledModel` does (torch/export/pt2_archive/_package.py: leaves in, `boxed_run`,
+    leaves out). Two costs of going through torch's wrapper are gone: importing `torch._inductor`
+    (4.2 s of a worker's start on the H100 machine, docs/results/start_study_resnet50_fp16_h100.md;
+    it pulls in dynamo and sympy, which serving never uses) with its CPU ISA probe builds (a
+    library per SIMD extension compiled and dlopened in a child Python, only to log a warning;
+    rules.py has already compared the CPU flags the package needs with this machine), and the
+    call spec parsed again on every call. The outputs' names come from artifact.json in the
+    package's flattened order, as before.
 
-    kwargs = {"device_index": placement.index} if placement.kind == "cuda" else {}
-    if single_threaded:
-        kwargs["run_single_threaded"] = True
+    single_threaded: the runner without the model container's per-call thread pool handoff,
+    which a CUDA graph capture needs."""
+    import torch
+
+    index = placement.index if placement.kind == "cuda" and placement.index is not None else -1
     try:
-        with skip_isa_probe_builds():
-            fn = aoti_load_package(spec.artifact_path, **kwargs)
+        loader = torch._C._aoti.AOTIModelPackageLoader(spec.artifact_path, "model", single_threaded, 1, index)
     except Exception as e:  # torch raises RuntimeError with the C++ message
-        raise LoadError(f"aoti_load_package failed for {spec.artifact} on {placement}: {e}") from e
-    meta = fn.get_metadata() if hasattr(fn, "get_metadata") else {}
+        raise LoadError(f"loading the AOTInductor package {spec.artifact} on {placement} failed: {e}") from e
+    meta = loader.get_metadata()
     built_for = meta.get("AOTI_DEVICE_KEY")
     if built_for and built_for != placement.kind:
         raise IncompatibleArtifact(f"{spec.artifact} was compiled for {built_for} "
                                    f"(AOTI_DEVICE_KEY) but this worker serves on {placement}")
-    return LoadedModel(fn, spec, placement.torch_device, kind_name)
+    return LoadedModel(loader.run, spec, placement.torch_device, kind_name, flat_outputs=True)
 
 
 class AotiPackage(ArtifactKind):
