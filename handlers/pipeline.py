@@ -23,28 +23,11 @@ from handlers import faults
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import oip
+from handlers.torchserve import headers, oip
 from handlers.torchserve.stage_timings import label
-from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
-
-
-def request_headers(context, idx: int, *names: str) -> list:
-    """Values of `names` for request idx (None where absent). Content-Type may arrive per body
-    part (REST) or as a request header, in any case."""
-    try:
-        headers = context.get_all_request_header(idx) or {}
-    except (AttributeError, IndexError, TypeError):
-        return [None] * len(names)
-    parts = [headers[p] for p in ("body", "data") if isinstance(headers.get(p), dict)]
-    lowered = {k.lower(): v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
-    out = []
-    for name in names:
-        key = name.lower()
-        out.append(next((p[key] for p in parts if p.get(key)), None) or lowered.get(key))
-    return out
 
 
 class Batch:
@@ -54,9 +37,11 @@ class Batch:
         self.context, self.model_name, self.version = context, model_name, version
         self.results: list = [None] * len(data)
         self.failed: list = []
+        self.headers = [headers.read(context, i) for i in range(len(data))]  # once per request
         try:
             cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
-            self.grpc = {i: oip.request_id(r) for i, r in enumerate(data) if oip.is_grpc(context, i, r, cap)}
+            self.grpc = {i: oip.request_id(r) for i, (r, h) in enumerate(zip(data, self.headers))
+                         if oip.is_grpc_request(r, h.rest, cap)}
         except Exception:  # a malformed gRPC request: answered as REST, with its error
             logger.exception("could not tell gRPC requests apart")
             self.grpc = {}
@@ -127,9 +112,9 @@ def admit_all(worker: Worker, data: list, batch: Batch) -> list:
     valid = []
     for idx, request in enumerate(data):
         try:
-            content_type, accept, v2_length = request_headers(batch.context, idx, "Content-Type", "Accept",
-                                                              V2_HEADER_LENGTH)
-            valid.append((idx, admit(request, worker.spec, worker.limits, content_type, accept, v2_length)))
+            h = batch.headers[idx]
+            valid.append((idx, admit(request, worker.spec, worker.limits, h.content_type, h.accept,
+                                     h.v2_header_length)))
         except RequestError as e:
             batch.fail(idx, e)
         except Exception as e:  # our bug, or memory: this request's own 500, never the batch's

@@ -42,7 +42,7 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     artifact."""
     from ts.context import Context
 
-    from handlers.pipeline import request_headers as _headers
+    from handlers.torchserve.headers import request_headers as _headers
     from handlers.run.cpu import CpuRunner
     from handlers.ts_entry import CompiledModelHandler
     from handlers.wire import safetensors_io

@@ -121,3 +121,39 @@ def test_oversized_oip_body_is_classified_without_parsing_and_refused_413(monkey
     monkeypatch.undo()
     with pytest.raises(PayloadTooLarge, match="max_json_mb"):
         admit(req, make_spec(), Limits(1 << 30, 1024, 8, True, max_json_bytes=1024))
+
+
+def test_header_reader_agrees_with_the_plain_rule_on_random_header_sets():
+    """headers.read (one pass, remembered spellings) against headers.request_headers (the plain
+    rule: body part first, then any-case request header) on random header dicts: the same
+    Content-Type, Accept and v2 header length, and `rest` exactly when a str header is there."""
+    import random
+
+    from handlers.torchserve import headers
+
+    rng = random.Random(5)
+    names = ["Content-Type", "content-type", "CONTENT-TYPE", "Accept", "accept", "Host", "User-Agent",
+             "Inference-Header-Content-Length", "inference-header-content-length", "X-Trace"]
+    values = ["application/json", "application/x-safetensors", "120", "", "text/plain"]
+
+    class Ctx:
+        def __init__(self, h):
+            self.h = h
+
+        def get_all_request_header(self, idx):
+            return self.h
+
+    for _ in range(3000):
+        h = {n: rng.choice(values) for n in rng.sample(names, rng.randint(0, 5))}
+        for part in ("body", "data"):
+            if rng.random() < 0.4:
+                h[part] = {k: rng.choice(values) for k in rng.sample(["content-type", "accept"], rng.randint(0, 2))}
+        ctx = Ctx(h)
+        got = headers.read(ctx, 0)
+        want = headers.request_headers(ctx, 0, "Content-Type", "Accept", "Inference-Header-Content-Length")
+        assert list(got[:3]) == [w or None for w in want], (h, got, want)
+        assert got.rest == any(isinstance(v, str) for v in h.values()), h
+    class Broken:
+        def get_all_request_header(self, idx):
+            raise IndexError(idx)
+    assert headers.read(Broken(), 3) == headers.RequestHeaders(None, None, None, True)

@@ -23,16 +23,20 @@ from typing import Optional
 from ts.utils.util import PredictionException
 
 from handlers.errors import RequestError, ServingError
+from handlers.torchserve import headers
 from handlers.wire import kserve_v2, strict_json
 from handlers.wire.base import dump_json
 
 
 def is_grpc(context, idx: int, request, max_json_bytes: Optional[int] = None) -> bool:
-    try:
-        headers = context.get_all_request_header(idx) or {}
-    except (AttributeError, IndexError, TypeError):
-        return False
-    if any(isinstance(v, str) for v in headers.values()):
+    return is_grpc_request(request, headers.read(context, idx).rest, max_json_bytes)
+
+
+def is_grpc_request(request, rest: bool, max_json_bytes: Optional[int] = None) -> bool:
+    """Whether a request came over the OIP gRPC service, given whether its headers say REST
+    (handlers/torchserve/headers.py: any str header). Parses a header-less JSON body once and
+    puts it back for admission."""
+    if rest:
         return False
     body = request.get("body") if isinstance(request, dict) else None
     if isinstance(body, (bytes, bytearray)):

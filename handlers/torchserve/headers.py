@@ -1,0 +1,75 @@
+"""A request's headers as TorchServe 0.12 hands them to the handler, read once per request.
+
+Facts this relies on (ts/context.py, ts/protocol/otf_message_handler.py): `context.
+get_all_request_header(idx)` is the dict of request idx's headers. REST requests carry their HTTP
+headers as str values in the client's spelling (Host at least); a body part's own headers (its
+Content-Type) sit in a dict under the part's name ("body" or "data"); the frontend's Open
+Inference Protocol gRPC service sends no str header at all (handlers/torchserve/oip.py).
+
+Header names are matched without regard to case. The per-request cost matters at small models
+(a worker's Python is the limit there, docs/results/profile_mlp_fp16_h100.md): the lower-cased
+spelling of each header set seen is kept, so a request whose header names were seen before
+costs one tuple and a few dict lookups instead of lower-casing every name.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
+
+_WANTED = ("content-type", "accept", V2_HEADER_LENGTH.lower())
+_SPELLINGS_MAX = 256  # header-name sets remembered (clients send a handful)
+_spellings: dict = {}  # tuple of header names -> {lower-cased wanted name: the name as sent}
+
+
+class RequestHeaders(NamedTuple):
+    content_type: Optional[str] = None  # the body part's own, else the request's
+    accept: Optional[str] = None
+    v2_header_length: Optional[str] = None
+    # any str header, or none readable: a REST request (the OIP gRPC service sends no str header)
+    rest: bool = True
+
+
+def _spelling(headers: dict) -> dict:
+    names = tuple(headers)
+    known = _spellings.get(names)
+    if known is None:
+        known = {k.lower(): k for k in names if isinstance(k, str) and k.lower() in _WANTED}
+        if len(_spellings) < _SPELLINGS_MAX:
+            _spellings[names] = known
+    return known
+
+
+def read(context, idx: int) -> RequestHeaders:
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return RequestHeaders()
+    if not headers:
+        return RequestHeaders(rest=False)
+    spelling = _spelling(headers)
+    parts = [p for p in (headers.get("body"), headers.get("data")) if type(p) is dict]
+    values = []
+    for key in _WANTED:
+        value = next((p[key] for p in parts if p.get(key)), None)
+        if value is None and key in spelling:
+            value = headers[spelling[key]]
+            value = value if isinstance(value, str) and value else None
+        values.append(value)
+    return RequestHeaders(*values, any(isinstance(v, str) for v in headers.values()))
+
+
+def request_headers(context, idx: int, *names: str) -> list:
+    """Values of any `names` for request idx (None where absent), the same rule as `read`:
+    a body part's header first, then the request's, names in any case."""
+    try:
+        headers = context.get_all_request_header(idx) or {}
+    except (AttributeError, IndexError, TypeError):
+        return [None] * len(names)
+    parts = [headers[p] for p in ("body", "data") if isinstance(headers.get(p), dict)]
+    lowered = {k.lower(): v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
+    out = []
+    for name in names:
+        key = name.lower()
+        out.append(next((p[key] for p in parts if p.get(key)), None) or lowered.get(key))
+    return out
