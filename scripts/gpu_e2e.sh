@@ -25,6 +25,7 @@
 #   e2e_mlp_fp16_<tag>          small MLP: ours, ours_hybrid, ours_spin, stock, stock_aoti, echo
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
+#   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # (default 2) measures every point that often, every other round in reverse order.
@@ -41,7 +42,7 @@ MLP="--model examples/mlp.py:mlp --input x:8x256:float32"
 case " $PARTS " in *" text "*|*" start "*)
   [ -f "$W/text/artifact.json" ] || $PY -m scripts.compile $TEXT --dynamic-batch 1:64 --backend aoti --precision fp16 \
     --device cuda --out "$W/text" & ;; esac
-case " $PARTS " in *" mlp "*|*" profile "*)
+case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*)
   [ -f "$W/mlp/artifact.json" ] || $PY -m scripts.compile $MLP --dynamic-batch 1:64 --backend aoti --precision fp16 \
     --device cuda --out "$W/mlp" & ;; esac
 wait
@@ -97,9 +98,15 @@ for part in $PARTS; do
              $PY -m scripts.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
            done ;;
+    reader) # the worker's frame reader against TorchServe's, order-balanced rounds (where a small
+            # model makes the worker's CPU the limit)
+            $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds 2 --artifact "$W/mlp" \
+              --out "$RESULTS/e2e_mlp_fp16_reader_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
+              --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,echo \
+              --variant tsreader:buffered_reader=false ;;
     profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile, reader)"; exit 2 ;;
   esac
 done
