@@ -51,6 +51,36 @@ def test_which_kinds_are_captured():
     assert graphs.why_not_capturable(kind_of("export"), spec_of((None, 3, 8, 8), "export")) is None
     assert "keep their own runtime" in graphs.why_not_capturable(kind_of("tensorrt"), spec_of((None, 3), "tensorrt"))
     assert "x have dynamic non-batch" in graphs.why_not_capturable(kind_of("aoti"), spec_of((None, None)))
+    named = spec_of((None, "S"))
+    named.dims = {"S": (8, 128)}
+    assert "no declared padding (handler.pad)" in graphs.why_not_capturable(kind_of("aoti"), named)
+    # with padding declared every call carries a length bucket: capturable
+    assert graphs.why_not_capturable(kind_of("aoti"), named, pad=object()) is None
+    # an unnamed dynamic dimension never is, padding or not
+    assert "dynamic non-batch" in graphs.why_not_capturable(kind_of("aoti"), spec_of((None, None)), pad=object())
+
+
+def test_graphs_per_length_bucket_are_found_by_the_call_shape():
+    """With named dimensions (padding declared) a call finds the graph of its own length bucket
+    and the smallest batch bucket holding its rows; a length or batch without one runs plainly."""
+    spec = types.SimpleNamespace(dims={"S": (8, 64)}, inputs=[TensorSpec("ids", "int64", (None, "S")),
+                                                               TensorSpec("mask", "int64", (None, "S"))])
+    pad = types.SimpleNamespace(buckets={"S": [16, 64]})
+    assert graphs.length_buckets(spec, pad) == [{"S": 16}, {"S": 64}]
+    assert graphs.length_buckets(types.SimpleNamespace(dims={}), None) == [{}]
+    two = types.SimpleNamespace(buckets={"S": [16, 64], "T": [4]})
+    assert graphs.length_buckets(spec, two) == [{"S": 16, "T": 4}, {"S": 64, "T": 4}]
+    buckets = {(rows, ((n,), (n,))): (rows, n) for rows in (1, 2, 4) for n in (16, 64) if (rows, n) != (4, 64)}
+    gs = graphs.GraphSet(buckets, 1 << 20, dynamic=True)
+
+    def parts(rows, n):
+        return {"ids": [torch.zeros(rows, n)], "mask": [torch.zeros(rows, n)]}
+
+    assert gs.for_call(3, parts(3, 16), ["ids", "mask"]) == (4, 16)
+    assert gs.for_call(2, parts(2, 64), ["ids", "mask"]) == (2, 64)
+    assert gs.for_call(3, parts(3, 64), ["ids", "mask"]) is None  # batch 4 at 64 was not kept
+    assert gs.for_call(1, parts(1, 32), ["ids", "mask"]) is None  # no such length bucket
+    assert gs.describe() == "CUDA graphs for batch [1, 2, 4] x 2 input shapes (5 graphs, 1 MiB)"
 
 
 def test_config_options():
@@ -88,7 +118,8 @@ def test_first_difference_finds_a_stale_output():
 def bare_runner(monkeypatch, build):
     """A CudaRunner without CUDA: only what prepare() touches."""
     r = cuda_runner.CudaRunner.__new__(cuda_runner.CudaRunner)
-    r.model, r.spec, r.device, r.graphs = None, spec_of((None, 3)), None, None
+    r.model, r.spec, r.device, r.graphs, r.pad = None, spec_of((None, 3)), None, None, None
+    r.spec.dims = {}
     r.stream = types.SimpleNamespace(synchronize=lambda: None)
     monkeypatch.setattr(cuda_runner.graphs, "build", build)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -98,14 +129,14 @@ def bare_runner(monkeypatch, build):
 def test_auto_keeps_verified_graphs(monkeypatch):
     seen = {}
 
-    def build(model, spec, device, stream, sizes, cap, verify):
-        seen.update(sizes=sizes, cap=cap, verify=verify)
-        return graphs.GraphSet({s: None for s in sizes}, 5 << 20)
+    def build(model, spec, device, stream, sizes, cap, verify, lengths):
+        seen.update(sizes=sizes, cap=cap, verify=verify, lengths=lengths)
+        return graphs.GraphSet({(s, ((3,),)): None for s in sizes}, 5 << 20)
 
     r = bare_runner(monkeypatch, build)
     note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": 8}}), kind_of("aoti"))
-    assert seen == {"sizes": [1, 2, 4, 8], "cap": 2048 << 20, "verify": True}
-    assert note == "CUDA graphs for batch [1, 2, 4, 8] (5 MiB)" and r.graphs.sizes == [1, 2, 4, 8]
+    assert seen == {"sizes": [1, 2, 4, 8], "cap": 2048 << 20, "verify": True, "lengths": [{}]}
+    assert note == "CUDA graphs for batch [1, 2, 4, 8] (4 graphs, 5 MiB)" and r.graphs.sizes == [1, 2, 4, 8]
 
 
 @pytest.mark.parametrize("failure", [RuntimeError("output 'y' at batch 4 differs from the plain call"),

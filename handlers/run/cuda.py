@@ -103,14 +103,15 @@ class CudaRunner(Runner):
         mode = config.cuda_graphs if config else "off"
         if mode == "off":
             return "CUDA graphs off"
-        reason = graphs.why_not_capturable(kind, self.spec)
+        reason = graphs.why_not_capturable(kind, self.spec, self.pad)
         if reason is None:
             sizes = graphs.graph_buckets(self.spec.batch_min, self.spec.batch_max,
                                          config.cuda_graph_batch_sizes, config.cuda_graph_max_batch)
             try:
                 with torch.inference_mode():
                     self.graphs = graphs.build(self.model, self.spec, self.device, self.stream, sizes,
-                                               int(config.cuda_graph_memory_mb * 2**20), verify=True)
+                                               int(config.cuda_graph_memory_mb * 2**20), verify=True,
+                                               lengths=graphs.length_buckets(self.spec, self.pad))
                 return self.graphs.describe()
             except Exception as e:  # capture refused (host sync, CPU op...) or outputs differ
                 self.graphs = None
@@ -148,7 +149,7 @@ class CudaRunner(Runner):
         return host
 
     def call(self, parts: dict, run_rows: int) -> dict:
-        bucket = self.graphs.for_rows(run_rows) if self.graphs else None
+        bucket = self.graphs.for_call(run_rows, parts, self.spec.input_names) if self.graphs else None
         self.stream.wait_stream(self.producer)
         try:
             with torch.cuda.stream(self.stream):

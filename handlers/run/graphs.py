@@ -8,6 +8,12 @@ overwrites; a batch is padded with zero rows to the smallest bucket that holds i
 share one memory pool (they are replayed one at a time, never concurrently, and every replay's
 outputs are copied out before the next).
 
+Named dynamic dimensions (a text's length): a graph replays one shape, so graphs are captured
+only where the archive declares padding safe (handler.pad, batch.PadPlan): every call then
+carries one of the plan's length buckets, and each (batch bucket, length bucket) pair gets a
+graph of its own, smallest first, under the same memory cap. Calls of a shape without a graph
+run the artifact's own call.
+
 Policy (`cuda_graphs` in model-config.yaml): `off`; `on` (a capture or check failure fails the
 load); `auto` (the default: capture, replay each bucket once against the plain call on a random
 input, keep graphs only if every output matches bit for bit; otherwise log why and run without).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,14 +60,32 @@ class GraphBucket:
     outputs: dict  # output name -> device tensor the replay overwrites
 
 
-def _static_inputs(spec, rows: int, device) -> list:
-    return list(spec.example(rows, device).values())
+def _static_inputs(spec, rows: int, device, sizes: Optional[dict] = None) -> list:
+    return list(spec.example(rows, device, sizes).values())
 
 
-def capture(model, spec, rows: int, device, stream, pool) -> GraphBucket:
-    """Capture one call of `model` at `rows` rows on `stream` (warmed up on it first: lazy
-    initialisation such as cuBLAS workspaces must not happen during capture)."""
-    inputs = _static_inputs(spec, rows, device)
+def shape_key(inputs) -> tuple:
+    """What a graph's inputs look like past the batch dimension, in the artifact's input order:
+    per input its row shape (from tensors, or from the first row block of each input's parts)."""
+    return tuple(tuple((t[0] if isinstance(t, list) else t).shape[1:]) for t in inputs)
+
+
+def length_buckets(spec, pad) -> list:
+    """The named-dimension sizes to capture at: every combination of the pad plan's buckets
+    ([{}] without named dimensions)."""
+    if not spec.dims:
+        return [{}]
+    combos = [{}]
+    for dim, sizes in pad.buckets.items():
+        combos = [{**c, dim: n} for c in combos for n in sizes]
+    return combos
+
+
+def capture(model, spec, rows: int, device, stream, pool, sizes: Optional[dict] = None) -> GraphBucket:
+    """Capture one call of `model` at `rows` rows (named dimensions at `sizes`) on `stream`
+    (warmed up on it first: lazy initialisation such as cuBLAS workspaces must not happen
+    during capture)."""
+    inputs = _static_inputs(spec, rows, device, sizes)
     with torch.cuda.stream(stream):
         model(*inputs)
     stream.synchronize()
@@ -91,51 +116,66 @@ def first_difference(model, bucket: GraphBucket, stream, seed: int) -> Optional[
     return None
 
 
-def why_not_capturable(kind, spec) -> Optional[str]:
+def why_not_capturable(kind, spec, pad=None) -> Optional[str]:
     if not getattr(kind, "graph_capturable", False):
         return f"{spec.backend} artifacts keep their own runtime's launch path"
     dynamic = [s.name for s in spec.inputs if any(d is None or isinstance(d, str) for d in s.shape[1:])]
-    if dynamic:
+    unnamed = [s.name for s in spec.inputs if any(d is None for d in s.shape[1:])]
+    if unnamed or (dynamic and pad is None):
         # a graph replays one shape: requests of every length run through the artifact's own call
-        return f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions ({', '.join(getattr(spec, 'dims', {})) or 'unnamed'})"
+        return (f"input(s) {', '.join(dynamic)} have dynamic non-batch dimensions "
+                f"({', '.join(getattr(spec, 'dims', {})) or 'unnamed'}) and no declared padding (handler.pad)")
     return None
 
 
 class GraphSet:
-    """The captured buckets of one worker, with the memory they hold."""
+    """The captured buckets of one worker, with the memory they hold: per input shape past the
+    batch dimension (one shape without named dimensions), the batch buckets captured."""
 
-    def __init__(self, buckets: dict, memory_bytes: int):
-        self.buckets = buckets  # rows -> GraphBucket
-        self.sizes = sorted(buckets)
+    def __init__(self, buckets: dict, memory_bytes: int, dynamic: bool = False):
+        self.buckets = buckets  # (rows, shape_key) -> GraphBucket
+        self.by_shape = {}  # shape_key -> ascending rows
+        for rows, shapes in sorted(buckets):
+            self.by_shape.setdefault(shapes, []).append(rows)
+        # without named dimensions every call has the one shape admission allows: not looked at
+        self._fixed = None if dynamic or len(self.by_shape) != 1 else next(iter(self.by_shape))
+        self.sizes = sorted({rows for rows, _ in buckets})
         self.memory_bytes = memory_bytes
 
-    def for_rows(self, rows: int) -> Optional[GraphBucket]:
-        b = bucket_for(rows, self.sizes)
-        return self.buckets[b] if b is not None else None
+    def for_call(self, rows: int, parts: dict, names) -> Optional[GraphBucket]:
+        """The graph for a call of `rows` rows of these input parts, or None."""
+        shapes = self._fixed if self._fixed is not None else shape_key([parts[n] for n in names])
+        sizes = self.by_shape.get(shapes)
+        b = bucket_for(rows, sizes) if sizes else None
+        return self.buckets[(b, shapes)] if b is not None else None
 
     def describe(self) -> str:
-        return f"CUDA graphs for batch {self.sizes} ({self.memory_bytes / 2**20:.0f} MiB)"
+        shapes = f" x {len(self.by_shape)} input shapes" if len(self.by_shape) > 1 else ""
+        return f"CUDA graphs for batch {self.sizes}{shapes} ({len(self.buckets)} graphs, {self.memory_bytes / 2**20:.0f} MiB)"
 
 
-def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool) -> GraphSet:
-    """Capture `sizes` (ascending, sharing one pool) until the pool would pass `cap_bytes`;
-    with `verify`, every kept bucket is checked against the plain call. Raises on a capture
-    error or a difference (the caller decides whether that fails the load)."""
+def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
+    """Capture every (batch size, named-dimension sizes) pair of `sizes` x `lengths`, the
+    smallest calls first, sharing one pool, until the pool would pass `cap_bytes`; with `verify`,
+    every kept bucket is checked against the plain call. Raises on a capture error or a
+    difference (the caller decides whether that fails the load)."""
     pool = torch.cuda.graph_pool_handle()
     base = torch.cuda.memory_reserved(device)
     kept = {}
-    for rows in sizes:
-        bucket = capture(model, spec, rows, device, stream, pool)
+    pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
+                   key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
+    for rows, dims in pairs:
+        bucket = capture(model, spec, rows, device, stream, pool, dims or None)
         used = torch.cuda.memory_reserved(device) - base
         if used > cap_bytes:
-            logger.info("CUDA graph for batch %d not kept: graphs would hold %.0f MiB, over "
-                        "handler.cuda_graph_memory_mb", rows, used / 2**20)
+            logger.info("CUDA graph for batch %d %s not kept (nor any larger): graphs would hold %.0f MiB, "
+                        "over handler.cuda_graph_memory_mb", rows, dims or "", used / 2**20)
             del bucket
             torch.cuda.empty_cache()  # hand the dropped graph's pool memory back
             break
-        kept[rows] = bucket
+        kept[(rows, shape_key(bucket.inputs))] = bucket
         if verify:
             problem = first_difference(model, bucket, stream, seed=rows)
             if problem:
                 raise RuntimeError(problem)
-    return GraphSet(kept, torch.cuda.memory_reserved(device) - base)
+    return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims))
