@@ -328,6 +328,9 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
         logged = chosen_threads(server.log(), "ours")
         if logged != budget:
             raise SystemExit(f"our worker logged {logged} CPU threads, the benchmark expected {budget}")
+        # what each of our variants launches with (CUDA graphs or why not), as its load line says
+        for note in sorted(set(re.findall(r"; ((?:no )?CUDA graphs[^;]*);", server.log()))):
+            print(f"load line: {note}", flush=True)
         return _measure_set(args, server, n, workers, budget, ready_s, bodies, refs, tol)
     finally:
         server.stop()
