@@ -7,13 +7,12 @@
 - Sticky CUDA errors (a device-side assert, an illegal address, a launch failure): the CUDA
   context is unusable for the life of the process, every later call fails. The requests at
   hand get 500 with the reason, every later one 503, and the process exits shortly after
-  answering so TorchServe starts a fresh worker (it restarts workers that die).
+  answering so TorchServe starts a fresh worker (it restarts workers that die): the exit itself
+  is handlers/torchserve/restart.py's.
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
 
 from handlers.errors import RequestError, ServingError
 
@@ -22,8 +21,6 @@ logger = logging.getLogger(__name__)
 STICKY = ("device-side assert", "illegal memory access", "illegal address", "unspecified launch failure",
           "misaligned address", "an illegal instruction was encountered", "uncorrectable ECC",
           "CUDA error: unknown error")
-EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)
-_exit_reason = None  # set once a sticky fault was seen: the process exits soon
 
 
 class OutOfDeviceMemory(ServingError):
@@ -66,49 +63,3 @@ def release_cache() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
-    """Exit the process soon, without running Python cleanup that could touch the broken CUDA
-    context (atexit-registered directories are removed first). With the buffered frame reader
-    in TorchServe's loop, the exit comes as soon as the loop is back for its next message with
-    none arrived (frontend_frames.retrieve_msg asks exit_if_idle): the answers of this batch have
-    been sent and no batch is half-read, so the frontend loses no request. A daemon timer exits
-    after delay_s in any case (without that reader, it is the only exit)."""
-    global _exit_reason
-    _exit_reason = reason
-    logger.critical("worker exits when its answers are sent (at most %.1fs) so TorchServe restarts it: %s",
-                    delay_s, reason)
-    from handlers.torchserve import process
-
-    process.record("exit", f"os._exit after a sticky device fault, once idle (at most {delay_s:.1f}s)")
-    t = threading.Timer(delay_s, _exit_now)
-    t.daemon = True
-    t.start()
-
-
-def exit_if_idle(conn) -> None:
-    """Exits now if an exit is pending and nothing of a next message waits on `conn` (a socket
-    the frontend writes to; checked without blocking)."""
-    if _exit_reason is None:
-        return
-    import socket
-
-    try:
-        waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        waiting = b""
-    except OSError:
-        waiting = b""  # the frontend is gone: nothing left to answer
-    if not waiting:
-        # at once: anything slower here (removing the scratch directory, which holds the
-        # extracted artifact) would widen the window for a next batch to arrive; the reaper
-        # process scratch.enter started removes that directory when this process is gone
-        os._exit(70)
-
-
-def _exit_now() -> None:
-    from handlers.torchserve import scratch
-
-    scratch.remove_now()
-    os._exit(70)

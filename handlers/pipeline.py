@@ -23,7 +23,7 @@ from handlers import faults
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import headers, oip
+from handlers.torchserve import headers, oip, restart
 from handlers.torchserve.stage_timings import label
 from handlers.worker import Health, Worker
 
@@ -149,7 +149,7 @@ def infer(worker: Worker, health: Health, batch: list) -> list:
     except Exception as e:
         if faults.is_sticky(e):
             health.broken(f"{type(e).__name__}: {e}")
-            faults.exit_soon(health.reason)
+            restart.exit_soon(health.reason)
             return [ServingError(f"model execution failed with a device fault; this worker is "
                                  f"restarting: {health.reason}")] * len(batch)
         if faults.is_oom(e):

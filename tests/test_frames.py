@@ -194,12 +194,12 @@ def test_bench_frames_writes_its_results(tmp_path):
 
 @pytest.mark.parametrize("waiting", [False, True])
 def test_after_a_sticky_fault_the_reader_exits_only_between_messages(waiting):
-    """handlers/faults.exit_soon + retrieve_msg: once a sticky device fault set the exit, the
+    """handlers/torchserve/restart.exit_soon + retrieve_msg: once a sticky device fault set the exit, the
     worker's loop coming back for its next message exits (70) if none has begun to arrive, and
     reads and returns it if one has (its requests are answered before the next return)."""
     import multiprocessing
 
-    from handlers import faults
+    from handlers.torchserve import restart
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     data = batch_message(2, 100)
@@ -207,7 +207,7 @@ def test_after_a_sticky_fault_the_reader_exits_only_between_messages(waiting):
         a.sendall(data)
 
     def child():
-        faults._exit_reason = "CUDA error: device-side assert triggered"
+        restart._exit_reason = "CUDA error: device-side assert triggered"
         msg = frontend_frames.retrieve_msg(b)
         os._exit(0 if msg[0] == b"I" and len(msg[1]) == 2 else 3)
 

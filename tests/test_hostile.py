@@ -328,10 +328,10 @@ def test_out_of_memory_fails_only_its_request(monkeypatch):
 
 
 def test_sticky_device_error_answers_then_exits(monkeypatch):
-    from handlers import faults
+    from handlers.torchserve import restart
 
     exits = []
-    monkeypatch.setattr(faults, "exit_soon", lambda reason, delay_s=0: exits.append(reason))
+    monkeypatch.setattr(restart, "exit_soon", lambda reason, delay_s=0: exits.append(reason))
     h = handler()
 
     def broken(features, mask):

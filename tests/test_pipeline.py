@@ -37,13 +37,13 @@ def test_retry_stops_running_after_a_device_fault():
                                else "simulated batch failure")
 
     worker, health = make_worker(make_spec(), Sticky()), ready_health()
-    import handlers.faults as faults
+    from handlers.torchserve import restart
 
-    real = faults.exit_soon
-    faults.exit_soon = lambda reason, delay_s=0: None
+    real = restart.exit_soon
+    restart.exit_soon = lambda reason, delay_s=0: None
     try:
         outs = infer(worker, health, [{"x": torch.zeros(1, 4)}] * 3)
     finally:
-        faults.exit_soon = real
+        restart.exit_soon = real
     assert calls == [3, 1] and all(isinstance(o, ServingError) for o in outs)
     assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2 and health.state == "broken"

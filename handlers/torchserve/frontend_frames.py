@@ -35,7 +35,7 @@ import os
 import struct
 import sys
 
-from handlers import faults
+from handlers.torchserve import restart
 
 _INT = struct.Struct("!i")
 _BOOL = struct.Struct("!?")
@@ -163,7 +163,7 @@ def retrieve_msg(conn):
     if reader.pos == reader.end:
         # the loop sent its last answers and is back for the next message: the clean moment
         # to exit after a sticky device fault, if no next message has begun to arrive
-        faults.exit_if_idle(conn)
+        restart.exit_if_idle(conn)
     cmd = reader.bytes(1)
     if cmd == b"I":
         decode = os.environ.get("TS_DECODE_INPUT_REQUEST") in (None, "true")

@@ -1,0 +1,58 @@
+"""The worker's exit after a sticky device fault, so TorchServe starts a fresh one (it restarts
+workers that die; handlers/faults.py says which faults are sticky). The exit waits until this
+batch's answers are sent and no next message has begun to arrive."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from handlers.torchserve import process
+
+logger = logging.getLogger(__name__)
+EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)
+_exit_reason = None  # set once a sticky fault was seen: the process exits soon
+
+
+def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
+    """Exit the process soon, without running Python cleanup that could touch the broken CUDA
+    context (atexit-registered directories are removed first). With the buffered frame reader
+    in TorchServe's loop, the exit comes as soon as the loop is back for its next message with
+    none arrived (frontend_frames.retrieve_msg asks exit_if_idle): the answers of this batch have
+    been sent and no batch is half-read, so the frontend loses no request. A daemon timer exits
+    after delay_s in any case (without that reader, it is the only exit)."""
+    global _exit_reason
+    _exit_reason = reason
+    logger.critical("worker exits when its answers are sent (at most %.1fs) so TorchServe restarts it: %s",
+                    delay_s, reason)
+    process.record("exit", f"os._exit after a sticky device fault, once idle (at most {delay_s:.1f}s)")
+    t = threading.Timer(delay_s, _exit_now)
+    t.daemon = True
+    t.start()
+
+
+def exit_if_idle(conn) -> None:
+    """Exits now if an exit is pending and nothing of a next message waits on `conn` (a socket
+    the frontend writes to; checked without blocking)."""
+    if _exit_reason is None:
+        return
+    import socket
+
+    try:
+        waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        waiting = b""
+    except OSError:
+        waiting = b""  # the frontend is gone: nothing left to answer
+    if not waiting:
+        # at once: anything slower here (removing the scratch directory, which holds the
+        # extracted artifact) would widen the window for a next batch to arrive; the reaper
+        # process scratch.enter started removes that directory when this process is gone
+        os._exit(70)
+
+
+def _exit_now() -> None:
+    from handlers.torchserve import scratch
+
+    scratch.remove_now()
+    os._exit(70)
