@@ -68,6 +68,7 @@ def test_graphs_per_length_bucket_are_found_by_the_call_shape():
     pad = types.SimpleNamespace(buckets={"S": [16, 64]})
     assert graphs.length_buckets(spec, pad) == [{"S": 16}, {"S": 64}]
     assert graphs.length_buckets(types.SimpleNamespace(dims={}), None) == [{}]
+    assert graphs.length_buckets(spec, None) == [{}]  # named dimensions but no pad plan: one plain shape
     two = types.SimpleNamespace(buckets={"S": [16, 64], "T": [4]})
     assert graphs.length_buckets(spec, two) == [{"S": 16, "T": 4}, {"S": 64, "T": 4}]
     buckets = {(rows, ((n,), (n,))): (rows, n) for rows in (1, 2, 4) for n in (16, 64) if (rows, n) != (4, 64)}

@@ -32,6 +32,10 @@ from handlers.batch import batch_sizes_in
 from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
+# Graphs per worker at most: each costs a warm-up call, a capture and a verifying replay at load
+# (batch buckets x length buckets grows fast with several named dimensions), and a worker's
+# start must stay well inside TorchServe's startup timeout.
+MAX_GRAPHS = 64
 
 
 def graph_buckets(batch_min: int, batch_max: int, configured=(), largest: int = 64) -> list:
@@ -72,8 +76,8 @@ def shape_key(inputs) -> tuple:
 
 def length_buckets(spec, pad) -> list:
     """The named-dimension sizes to capture at: every combination of the pad plan's buckets
-    ([{}] without named dimensions)."""
-    if not spec.dims:
+    ([{}] without named dimensions or without a pad plan)."""
+    if not spec.dims or pad is None:
         return [{}]
     combos = [{}]
     for dim, sizes in pad.buckets.items():
@@ -164,6 +168,10 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
     kept = {}
     pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
                    key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
+    if len(pairs) > MAX_GRAPHS:
+        logger.info("capturing the %d smallest of %d (batch, length) shapes (at most %d graphs per worker)",
+                    MAX_GRAPHS, len(pairs), MAX_GRAPHS)
+        pairs = pairs[:MAX_GRAPHS]
     for rows, dims in pairs:
         bucket = capture(model, spec, rows, device, stream, pool, dims or None)
         used = torch.cuda.memory_reserved(device) - base

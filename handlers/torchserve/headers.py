@@ -45,6 +45,8 @@ def read(context, idx: int) -> RequestHeaders:
         headers = context.get_all_request_header(idx) or {}
     except (AttributeError, IndexError, TypeError):
         return RequestHeaders()
+    if not isinstance(headers, dict):  # never from TorchServe 0.12; answered as a REST request
+        return RequestHeaders()
     if not headers:
         return RequestHeaders(rest=False)
     spelling = _spelling(headers)
