@@ -56,8 +56,8 @@ class Admitted:
     respond_as: WireFormat  # the response's wire format (the request's unless Accept says otherwise)
     request_id: Optional[str] = None  # KServe v2 "id", echoed back
 
-    def encode(self, outputs: dict, model_name: str) -> Encoded:
-        return self.respond_as.encoded(outputs, self.request_id, model_name)
+    def encode(self, outputs: dict, model_name: str, model_version: str = "") -> Encoded:
+        return self.respond_as.encoded(outputs, self.request_id, model_name, model_version)
 
 
 def payload_of(request: dict):
@@ -106,18 +106,31 @@ def check_rows(rows: int, limits: Limits) -> None:
 
 
 def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optional[str] = None,
-          accept: Optional[str] = None, v2_header_length: Optional[str] = None) -> Admitted:
+          accept: Optional[str] = None, v2_header_length: Optional[str] = None,
+          transport: Optional[WireFormat] = None) -> Admitted:
+    """`transport`: the format bound to the transport the request arrived over
+    (wire.transport_format), which then decodes and answers it whatever its headers say."""
     payload = payload_of(request)
     if isinstance(payload, (bytes, bytearray, str)) and len(payload) > limits.max_body_bytes:
         raise PayloadTooLarge(f"request body is {len(payload)} bytes; this model accepts at most "
                               f"{limits.max_body_bytes} (handler.max_body_mb)")
+    if transport is not None:
+        body = parse_json(payload, limits)
+        wire = transport.for_request(body)
+        tensors, request_id = wire.decode(body, spec)
+        return _checked(tensors, request_id, spec, limits, wire, wire)
     if v2_header_length is not None:
         check_json_part(v2_header_length, limits)
     wire = binary_format(payload, content_type, v2_header_length)
     body = payload if wire is not None else parse_json(payload, limits)
     wire = (wire or json_format(body)).for_request(body)
     tensors, request_id = wire.decode(body, spec)
+    return _checked(tensors, request_id, spec, limits, wire, response_format(wire, accept))
+
+
+def _checked(tensors, request_id, spec: ArtifactSpec, limits: Limits, wire, respond_as) -> Admitted:
+    """The decoded tensors against the input contract, the value contract and the row limits."""
     tensors, rows = check_inputs(tensors, spec)
     limits.values.check(tensors)
     check_rows(rows, limits)
-    return Admitted(tensors, rows, wire, response_format(wire, accept), request_id)
+    return Admitted(tensors, rows, wire, respond_as, request_id)

@@ -12,22 +12,22 @@ handler.decode / handler.run / handler.encode while a profiler records.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Optional
 
 import torch
 
-from handlers import faults
+from handlers import faults, wire
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import headers, oip, restart
+from handlers.torchserve import headers, oip, restart  # noqa: F401  (oip registers its transport format)
 from handlers.torchserve.stage_timings import label
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
+DEFAULT_FORMAT = wire.WireFormat()  # the error answer of a request no transport format owns
 
 
 class Batch:
@@ -38,35 +38,45 @@ class Batch:
         self.results: list = [None] * len(data)
         self.failed: list = []
         self.headers = [headers.read(context, i) for i in range(len(data))]  # once per request
-        try:
-            cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
-            self.grpc = {i: oip.request_id(r) for i, (r, h) in enumerate(zip(data, self.headers))
-                         if oip.is_grpc_request(r, h.rest, cap)}
-        except Exception:  # a malformed gRPC request: answered as REST, with its error
-            logger.exception("could not tell gRPC requests apart")
-            self.grpc = {}
+        # per request: the format bound to the transport it arrived over (TorchServe's OIP gRPC
+        # service, handlers/torchserve/oip.py), else None (its headers and body choose), and
+        # its id for an error answered before its decode
+        self.transports: list = [None] * len(data)
+        self.ids: list = [None] * len(data)
+        cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
+        for i, (r, h) in enumerate(zip(data, self.headers)):
+            try:
+                fmt = wire.transport_format(r, h, cap)
+            except Exception:  # a malformed transport request: answered as REST, with its error
+                logger.exception("could not tell request %d's transport", i)
+                continue
+            if fmt is not None:
+                self.transports[i], self.ids[i] = fmt, fmt.request_id(r)
 
     def fail(self, idx: int, err: ServingError) -> None:
         self.failed.append(err)
+        fmt = self.transports[idx] or DEFAULT_FORMAT
+        body, content_type, _ = fmt.error(err, self.ids[idx], self.model_name, self.version)
         self.context.set_response_status(err.status, err.error_type, idx)
-        self.context.set_response_content_type(idx, "application/json")
-        self.results[idx] = (oip.error_reply(err, self.grpc[idx], self.model_name, self.version)
-                             if idx in self.grpc else json.dumps(err.to_dict()))
+        self.context.set_response_content_type(idx, content_type)
+        self.results[idx] = body
 
     def answer(self, idx: int, req, out: dict) -> None:
-        if idx in self.grpc:
-            body, content_type = oip.reply(out, req.request_id, self.model_name, self.version), "application/json"
-        else:
-            body, content_type, headers = req.encode(out, self.model_name)
-            for key, value in headers.items():
-                self.context.set_response_header(idx, key, value)
+        body, content_type, extra = req.encode(out, self.model_name, self.version)
+        for key, value in extra.items():
+            self.context.set_response_header(idx, key, value)
         self.context.set_response_content_type(idx, content_type)
         self.results[idx] = body
 
     def finish(self) -> list:
-        """A batch of gRPC requests that all failed raises, so each call gets a real status."""
-        if self.grpc and len(self.grpc) == len(self.failed) == len(self.results):
-            raise oip.batch_failure(self.failed)
+        """A batch whose requests all came over one transport and all failed raises what that
+        transport's format says (OIP gRPC: so each call gets a real status)."""
+        fmt = self.transports[0] if self.transports else None
+        if (fmt is not None and len(self.failed) == len(self.results)
+                and all(f is fmt for f in self.transports)):
+            exc = fmt.batch_failure(self.failed)
+            if exc is not None:
+                raise exc
         return self.results
 
 
@@ -114,7 +124,7 @@ def admit_all(worker: Worker, data: list, batch: Batch) -> list:
         try:
             h = batch.headers[idx]
             valid.append((idx, admit(request, worker.spec, worker.limits, h.content_type, h.accept,
-                                     h.v2_header_length)))
+                                     h.v2_header_length, batch.transports[idx])))
         except RequestError as e:
             batch.fail(idx, e)
         except Exception as e:  # our bug, or memory: this request's own 500, never the batch's

@@ -43,12 +43,39 @@ class CsvFormat(WireFormat):
         return "\n".join(",".join(f"{v:g}" for v in row) for row in t.tolist())
 
 
+class PigeonFormat(WireFormat):
+    """Toy transport-bound format: requests that arrived by "pigeon" (here, a request dict that
+    carries a `pigeon` part instead of a body; a real transport is told apart by what TorchServe
+    hands over, as handlers/torchserve/oip.py does) hold a JSON list of rows and are answered,
+    errors included, as {"ring": ..., "rows"/"error": ...}, whatever their headers say."""
+
+    name = "pigeon"
+    transport = "pigeon"
+
+    def arrived_by(self, request, headers, max_json_bytes):
+        return isinstance(request, dict) and "pigeon" in request
+
+    def request_id(self, request):
+        return request["pigeon"]["ring"]
+
+    def decode(self, body, spec):  # body: the request's one part, {"ring", "rows"}
+        return {spec.inputs[0].name: torch.tensor(body["rows"])}, body["ring"]
+
+    def encoded(self, outputs, request_id, model_name, model_version=""):
+        (t,) = outputs.values()
+        return wire.base.Encoded(json.dumps({"ring": request_id, "rows": t.tolist()}), "application/json", {})
+
+    def error(self, err, request_id, model_name, model_version=""):
+        return wire.base.Encoded(json.dumps({"ring": request_id, "error": err.message}), "application/json", {})
+
+
 @pytest.fixture
 def registered():
     kinds.register(ScaleKind())
     wire.register(CsvFormat())
+    wire.register(PigeonFormat())
     yield
-    del kinds.KINDS["toy_scale"], wire.FORMATS["csv"]
+    del kinds.KINDS["toy_scale"], wire.FORMATS["csv"], wire.TRANSPORTS["pigeon"]
 
 
 class Metrics:
@@ -90,6 +117,17 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
     assert ctx.get_response_content_type(0) == "text/csv"
     # one metric per stage per batch (stage_metrics_s: 0)
     assert ctx.metrics.times == ["HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime", "HandlerTime"]
+
+    # the transport-bound format: chosen by how the request arrived, though it says text/csv;
+    # a bad one fails alone, answered in its transport's own error shape
+    ctx.request_processor = [RequestProcessor({"Content-Type": "text/csv"}) for _ in range(3)]
+    out = handler.handle([{"pigeon": {"ring": "a1", "rows": [[1.0, 2.0]]}},
+                          {"pigeon": {"ring": "b2", "rows": [[1.0, 2.0, 3.0]]}},
+                          {"body": bytearray(b"2,2\n")}], ctx)
+    assert json.loads(out[0]) == {"ring": "a1", "rows": [[3.0, 6.0]]}
+    bad = json.loads(out[1])
+    assert bad["ring"] == "b2" and "x" in bad["error"] and ctx.get_response_status(1)[0] == 400
+    assert out[2] == "6,6" and ctx.get_response_content_type(2) == "text/csv"
 
 
 def test_unknown_kind_is_refused_with_the_known_ones(tmp_path):

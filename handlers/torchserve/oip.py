@@ -22,10 +22,11 @@ from typing import Optional
 
 from ts.utils.util import PredictionException
 
+from handlers import wire
 from handlers.errors import RequestError, ServingError
 from handlers.torchserve import headers
 from handlers.wire import kserve_v2, strict_json
-from handlers.wire.base import dump_json
+from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, dump_json
 
 
 def is_grpc(context, idx: int, request, max_json_bytes: Optional[int] = None) -> bool:
@@ -86,3 +87,40 @@ def batch_failure(errors: list) -> PredictionException:
     return PredictionException(json.dumps({
         "code": code, "type": "BatchFailed", "message": f"all {len(errors)} requests of this batch "
         "failed; yours is one of `errors`", "errors": [e.to_dict() for e in errors]}), code)
+
+
+class OipGrpc(WireFormat):
+    """TorchServe's Open Inference Protocol gRPC service as a wire format, bound to its
+    transport: a request that arrived over it (no str header, a JSON object naming `model_name`)
+    is decoded as the KServe v2 JSON the frontend rebuilt from the call, and answered with the
+    complete replies above, errors included; a batch of such calls that all failed raises."""
+
+    name = "oip-grpc"
+    transport = "torchserve-oip-grpc"
+
+    def __init__(self, body_format: Optional[WireFormat] = None):
+        self.body_format = body_format  # the JSON envelope of this request's body (KServe v2)
+
+    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
+        return is_grpc_request(request, headers.rest, max_json_bytes)
+
+    def request_id(self, request) -> str:
+        return request_id(request)
+
+    def for_request(self, body) -> "OipGrpc":
+        return OipGrpc(wire.json_format(body).for_request(body))
+
+    def decode(self, body, spec) -> tuple:
+        return self.body_format.decode(body, spec)
+
+    def encoded(self, outputs: dict, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+        return Encoded(reply(outputs, rid, model_name, model_version), JSON_MEDIA, {})
+
+    def error(self, err, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+        return Encoded(error_reply(err, rid or "", model_name, model_version), JSON_MEDIA, {})
+
+    def batch_failure(self, errors: list):
+        return batch_failure(errors)
+
+
+FORMAT = wire.register(OipGrpc())

@@ -7,11 +7,24 @@ from handlers.wire import kserve_v1, kserve_v2, ours_json, safetensors, strict_j
 from handlers.wire.base import JSON_MEDIA, WireFormat, WireName  # noqa: F401  (the interface, for format modules)
 
 FORMATS = {}  # name -> format, in registration order (JSON envelopes are tried in this order)
+TRANSPORTS = {}  # transport -> the format bound to it, asked first, in registration order
 
 
 def register(fmt: WireFormat) -> WireFormat:
-    FORMATS[fmt.name] = fmt
+    if fmt.transport:
+        TRANSPORTS[fmt.transport] = fmt
+    else:
+        FORMATS[fmt.name] = fmt
     return fmt
+
+
+def transport_format(request, headers, max_json_bytes: int):
+    """The format bound to the transport this request arrived over, or None (then its media
+    type or JSON shape chooses: binary_format, json_format)."""
+    for f in TRANSPORTS.values():
+        if f.arrived_by(request, headers, max_json_bytes):
+            return f
+    return None
 
 
 register(safetensors.FORMAT)

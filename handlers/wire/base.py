@@ -1,7 +1,10 @@
 """What a wire format is: one object that owns both directions, decode and encode.
 
-A format is either binary (chosen by its media type, or recognised from the bytes) or a JSON
-envelope (chosen by the shape of the parsed JSON object). The registry is wire/__init__.py."""
+A format is either binary (chosen by its media type, or recognised from the bytes), a JSON
+envelope (chosen by the shape of the parsed JSON object), or bound to a transport (chosen by how
+the request arrived, before its body is looked at: `transport`, `arrived_by`; TorchServe's Open
+Inference Protocol gRPC service is one, handlers/torchserve/oip.py). A format also writes the
+error answers of its requests. The registry is wire/__init__.py."""
 from __future__ import annotations
 
 from enum import Enum
@@ -31,6 +34,17 @@ class WireFormat:
     name = ""  # a WireName, or any other string for a registered format
     media_type = JSON_MEDIA  # Content-Type of its bodies
     binary = False  # True: chosen by media type / bytes; False: a JSON envelope
+    transport = None  # a name: chosen by the transport a request arrived over (arrived_by), nothing else
+
+    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
+        """Transport formats: whether this request came over the transport. `headers` is the
+        request's handlers.torchserve.headers.RequestHeaders; a body this reads it may parse
+        once and put back into `request` for admission (never past max_json_bytes)."""
+        return False
+
+    def request_id(self, request) -> Optional[str]:
+        """Transport formats: the request's id, for an error answered before its decode."""
+        return None
 
     def matches_bytes(self, payload) -> bool:
         """Binary formats: whether bytes without a Content-Type are this format."""
@@ -56,10 +70,23 @@ class WireFormat:
         the request (KServe v2 binary)."""
         raise NotImplementedError
 
-    def encoded(self, outputs: dict, request_id: Optional[str], model_name: str) -> Encoded:
-        """encode() as an Encoded value, whichever it returned."""
+    def encoded(self, outputs: dict, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+        """encode() as an Encoded value, whichever it returned (a format whose replies name the
+        model's version overrides this)."""
         out = self.encode(outputs, request_id, model_name)
         return out if isinstance(out, Encoded) else Encoded(out, self.media_type, {})
+
+    def error(self, err, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+        """The answer to a request that failed with `err` (a ServingError): its JSON error
+        object, unless the format's transport needs another shape."""
+        import json  # an error object holds text and integers only: the standard writer
+
+        return Encoded(json.dumps(err.to_dict()), JSON_MEDIA, {})
+
+    def batch_failure(self, errors: list):
+        """Transport formats: an exception to raise when every request of a batch came over
+        this transport and failed (its transport then gives each call a real status), or None."""
+        return None
 
 
 def dump_json(body) -> str:
