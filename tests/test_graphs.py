@@ -162,3 +162,13 @@ def test_off_and_uncapturable_kinds_never_capture(monkeypatch):
     assert "keep their own runtime" in r.prepare(parse_config({}), kind_of("tensorrt"))
     with pytest.raises(LoadError, match="keep their own runtime"):
         r.prepare(parse_config({"handler": {"cuda_graphs": "on"}}), kind_of("tensorrt"))
+
+
+def test_fixed_shape_graphs_are_found_by_rows_alone():
+    """Without named dimensions (every call has the one admitted row shape) the lookup takes the
+    smallest batch bucket holding the rows, never looking at the parts; rows past the largest
+    bucket run plainly."""
+    buckets = {(rows, ((3, 8, 8),)): rows for rows in (1, 2, 4, 8)}
+    gs = graphs.GraphSet(buckets, 0, dynamic=False)
+    assert [gs.for_call(n, None, ["x"]) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert gs.sizes == [1, 2, 4, 8] and gs.describe() == "CUDA graphs for batch [1, 2, 4, 8] (4 graphs, 0 MiB)"
