@@ -47,11 +47,11 @@ class Batch:
         for i, (r, h) in enumerate(zip(data, self.headers)):
             try:
                 fmt = wire.transport_format(r, h, cap)
+                if fmt is not None:
+                    self.transports[i], self.ids[i] = fmt, fmt.request_id(r)
             except Exception:  # a malformed transport request: answered as REST, with its error
                 logger.exception("could not tell request %d's transport", i)
-                continue
-            if fmt is not None:
-                self.transports[i], self.ids[i] = fmt, fmt.request_id(r)
+                self.transports[i] = self.ids[i] = None
 
     def fail(self, idx: int, err: ServingError) -> None:
         self.failed.append(err)
