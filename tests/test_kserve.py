@@ -408,16 +408,19 @@ class FakeContext:
 
 def test_oip_replies_are_complete():
     from handlers.errors import PayloadTooLarge, ServingError
-    from handlers.torchserve import oip
+    from handlers.torchserve import headers, oip
+
+    def is_grpc(ctx, idx, request):  # as the pipeline asks: the format's own transport test
+        return oip.FORMAT.arrived_by(request, headers.read(ctx, idx), None)
 
     grpc_req = {"body": {"id": "", "model_name": "two", "inputs": []}}
     ctx = FakeContext([{"body": {"content-type": "application/json"}},
                        {"body": {"content-type": "application/json"}, "Host": "x"}])
-    assert oip.is_grpc(ctx, 0, grpc_req) and not oip.is_grpc(ctx, 1, grpc_req)
-    assert not oip.is_grpc(ctx, 0, {"body": {"inputs": []}})
+    assert is_grpc(ctx, 0, grpc_req) and not is_grpc(ctx, 1, grpc_req)
+    assert not is_grpc(ctx, 0, {"body": {"inputs": []}})
     # header-less bodies as bytes: the JSON one is parsed, a binary one is left alone unparsed
     raw = {"body": bytearray(b' {"id": "", "model_name": "two", "inputs": []}')}
-    assert oip.is_grpc(ctx, 0, raw) and raw["body"]["model_name"] == "two"
+    assert is_grpc(ctx, 0, raw) and raw["body"]["model_name"] == "two"
     from handlers.wire import safetensors_io
 
     binary = {"body": safetensors_io.dumps({"x": torch.zeros(4, 3)})}
@@ -425,7 +428,7 @@ def test_oip_replies_are_complete():
     real_loads = oip.strict_json.loads
     oip.strict_json.loads = lambda b: calls.append(len(b)) or real_loads(b)
     try:
-        assert not oip.is_grpc(ctx, 0, binary) and isinstance(binary["body"], bytearray)
+        assert not is_grpc(ctx, 0, binary) and isinstance(binary["body"], bytearray)
     finally:
         oip.strict_json.loads = real_loads
     assert calls == []  # never parsed: JSON-parsing a large binary body cost 14 ms (bench, H100)

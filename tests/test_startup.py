@@ -42,8 +42,8 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     artifact."""
     from ts.context import Context
 
-    from handlers.torchserve.headers import request_headers as _headers
     from handlers.run.cpu import CpuRunner
+    from handlers.torchserve import headers
     from handlers.ts_entry import CompiledModelHandler
     from handlers.wire import safetensors_io
 
@@ -54,7 +54,7 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     real_handle = CompiledModelHandler.handle
 
     def handle(self, data, context):
-        cts = {_headers(context, i, "content-type")[0] for i in range(len(data))}
+        cts = {headers.read(context, i).content_type for i in range(len(data))}
         out = real_handle(self, data, context)
         seen.append((len(data), cts.pop(), [context.get_response_status(i)[0] for i in range(len(data))]))
         return out

@@ -60,18 +60,3 @@ def read(context, idx: int) -> RequestHeaders:
         values.append(value)
     return RequestHeaders(*values, any(isinstance(v, str) for v in headers.values()))
 
-
-def request_headers(context, idx: int, *names: str) -> list:
-    """Values of any `names` for request idx (None where absent), the same rule as `read`:
-    a body part's header first, then the request's, names in any case."""
-    try:
-        headers = context.get_all_request_header(idx) or {}
-    except (AttributeError, IndexError, TypeError):
-        return [None] * len(names)
-    parts = [headers[p] for p in ("body", "data") if isinstance(headers.get(p), dict)]
-    lowered = {k.lower(): v for k, v in headers.items() if isinstance(k, str) and isinstance(v, str)}
-    out = []
-    for name in names:
-        key = name.lower()
-        out.append(next((p[key] for p in parts if p.get(key)), None) or lowered.get(key))
-    return out

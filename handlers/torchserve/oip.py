@@ -24,13 +24,8 @@ from ts.utils.util import PredictionException
 
 from handlers import wire
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import headers
 from handlers.wire import kserve_v2, strict_json
 from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, dump_json
-
-
-def is_grpc(context, idx: int, request, max_json_bytes: Optional[int] = None) -> bool:
-    return is_grpc_request(request, headers.read(context, idx).rest, max_json_bytes)
 
 
 def is_grpc_request(request, rest: bool, max_json_bytes: Optional[int] = None) -> bool:
