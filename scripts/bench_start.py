@@ -62,15 +62,6 @@ def start_steps(log: str) -> list:
     return out
 
 
-def workers_of(server, name: str) -> list:
-    req = urllib.request.Request(f"{server.mgmt}/models/{name}", headers=server.auth("management"))
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read())[0].get("workers", [])
-    except (OSError, ValueError, LookupError):
-        return []
-
-
 def answered(server, name: str, body: bytes, content_type: str) -> bool:
     req = urllib.request.Request(f"{server.base}/predictions/{name}", data=body, method="POST",
                                  headers={**server.auth(), "Content-Type": content_type})
@@ -91,7 +82,7 @@ def wait_until(cond, timeout: float) -> float:
 
 
 def ready(server, name: str, n: int, exclude=()) -> bool:
-    ws = workers_of(server, name)
+    ws = server.workers(name, timeout=5)
     return (len(ws) == n and all(w.get("status") == "READY" for w in ws)
             and not any(w.get("pid") in exclude for w in ws))
 
@@ -100,7 +91,7 @@ def restart_once(server, name: str, n: int, body: bytes, content_type: str, time
     """Kill one READY worker; seconds until all n are READY again (and, with one worker, until
     a request is answered), and the new worker's own start from its load line."""
     log_at = len(server.log())
-    pids = [w.get("pid") for w in workers_of(server, name)]
+    pids = [w.get("pid") for w in server.workers(name, timeout=5)]
     victim = next((p for p in pids if isinstance(p, int) and p > 1), None)
     if victim is None:  # never kill(-1) or kill(0): they would reach other processes
         raise SystemExit(f"{name}: no worker pid to kill in the management API's answer ({pids})")

@@ -109,14 +109,19 @@ class LocalTorchServe:
     def auth(self, kind: str = "inference") -> dict:
         return {"Authorization": f"Bearer {self.key(kind)}"}
 
-    def model_status(self, name: str) -> list:
-        """The states of the model's workers (READY, ...); [] while it is not registered."""
+    def workers(self, name: str, timeout: float = 10) -> list:
+        """The model's workers as the management API describes them (id, status, pid, ...);
+        [] while it is not registered."""
         req = urllib.request.Request(f"{self.mgmt}/models/{name}", headers=self.auth("management"))
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return [w.get("status") for w in json.loads(r.read())[0].get("workers", [])]
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())[0].get("workers", [])
         except (OSError, ValueError, LookupError):
             return []
+
+    def model_status(self, name: str) -> list:
+        """The states of the model's workers (READY, ...); [] while it is not registered."""
+        return [w.get("status") for w in self.workers(name)]
 
     def wait_ready(self, names=None, timeout: float = 600) -> float:
         """Seconds until every worker of `names` (default: all models) is READY."""
