@@ -37,15 +37,18 @@ mkdir -p "$RESULTS" "$W"
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
 TEXT="--model examples/text_encoder.py:text_encoder --input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:256"
 MLP="--model examples/mlp.py:mlp --input x:8x256:float32"
-# the artifacts every part may use, compiled once each (in parallel: each compile is mostly one process)
-[ -f "$W/r50/artifact.json" ] || $PY -m scripts.compile $R50 --backend aoti --precision fp16 --device cuda --out "$W/r50" &
-case " $PARTS " in *" text "*|*" start "*)
-  [ -f "$W/text/artifact.json" ] || $PY -m scripts.compile $TEXT --dynamic-batch 1:64 --backend aoti --precision fp16 \
-    --device cuda --out "$W/text" & ;; esac
-case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*)
-  [ -f "$W/mlp/artifact.json" ] || $PY -m scripts.compile $MLP --dynamic-batch 1:64 --backend aoti --precision fp16 \
-    --device cuda --out "$W/mlp" & ;; esac
-wait
+# the artifacts every part may use, compiled once each (in parallel: each compile is mostly one
+# process); each compile's own exit status is waited for, so a failed one stops the script here
+pids=()
+need() {  # DIR ARGS...: compile into $W/DIR unless it is there
+  local dir=$1; shift
+  [ -f "$W/$dir/artifact.json" ] || { $PY -m scripts.compile "$@" --backend aoti --precision fp16 --device cuda \
+    --out "$W/$dir" & pids+=($!); }
+}
+need r50 $R50
+case " $PARTS " in *" text "*|*" start "*) need text $TEXT --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
+for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
   case $part in
