@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -153,7 +154,8 @@ def one_request(spec, args, g) -> dict:
 
 
 def references(args, spec, device):
-    """Distinct one-row requests, their safetensors bodies and the eager outputs."""
+    """Distinct one-row requests: their safetensors bodies, the eager outputs, the tolerance and
+    each request's named-dimension sizes."""
     import torch
     from safetensors.torch import save
 
@@ -163,16 +165,17 @@ def references(args, spec, device):
     if half:
         model = model.half()
     g = torch.Generator().manual_seed(0)
-    bodies, refs = [], []
+    bodies, refs, sizes = [], [], []
     for _ in range(args.distinct_inputs):
         x = one_request(spec, args, g)
+        sizes.append({d: x[s.name].shape[a] for s in spec.inputs for a, d in enumerate(s.shape) if isinstance(d, str)})
         with torch.inference_mode():
             y = model(*[x[s.name].to(device) for s in spec.inputs])
         y = y if isinstance(y, dict) else dict(zip(spec.output_names, y if isinstance(y, (tuple, list)) else [y]))
         bodies.append(save(x))
         refs.append({k: v.float().cpu().numpy() for k, v in y.items()})
     tol = 1e-2 if half else 1e-4
-    return bodies, refs, tol
+    return bodies, refs, tol, sizes
 
 
 def _median_ms(fn, device, iters: int) -> float:
@@ -191,32 +194,65 @@ def _median_ms(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def gpu_limit(spec, device, batch: int, iters: int = 30) -> dict:
-    """The artifact alone at the served batch size, inputs already on the device: a plain call
-    and, where the artifact can be captured (as our handler does by default), a CUDA graph
-    replay; the limit is the faster of the two."""
+def declared_pad(args) -> dict:
+    """The pad values a --variant declares (pad={...}), or {} when none does."""
+    for item in args.variant:
+        for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]):
+            key, _, value = kv.partition("=")
+            if key.strip() == "pad":
+                return yaml.safe_load(value) or {}
+    return {}
+
+
+def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30) -> dict:
+    """The artifact alone at the served batch size, inputs already on the device, over the
+    named-dimension sizes the run sends (`sizes`: one dict per distinct request; every batch of
+    one size, as a server grouping equal lengths would run it): per size a plain call and, where
+    the artifact can be captured (as our handler does by default; with named dimensions only at
+    the padded bucket lengths `pad` declares), a CUDA graph replay. Per size the faster counts;
+    the limit is the served batch over their mean time (each distinct request is sent equally
+    often)."""
     import torch
 
     from handlers.artifact.device import Placement
     from handlers.artifact.kinds import kind_of
     from handlers.artifact.load import load_artifact
+    from handlers.batch import PadPlan
     from handlers.config import parse_config
     from handlers.run import graphs
 
     model = load_artifact(spec, Placement(device.type, device.index), parse_config({}))
     b = max(spec.batch_min, min(batch, spec.batch_max))
-    # named dimensions at the middle of their range: one length for every row of the batch
-    xs = list(spec.example(b, device, {k: (lo + hi) // 2 for k, (lo, hi) in spec.dims.items()}).values())
+    plan = PadPlan.of(spec, pad) if spec.dims else None
+    capturable = device.type == "cuda" and graphs.why_not_capturable(kind_of(spec), spec, plan) is None
+    stream = torch.cuda.Stream(device) if capturable else None
+    pool = torch.cuda.graph_pool_handle() if capturable else None
+    per_size, replays = [], {}
+    counts = Counter(tuple(sorted(d.items())) for d in sizes or [{}])
     with torch.inference_mode():
-        plain = _median_ms(lambda: model(*xs), device, iters)
-        replay = None
-        if device.type == "cuda" and graphs.why_not_capturable(kind_of(spec), spec) is None:
-            stream = torch.cuda.Stream(device)
-            bucket = graphs.capture(model, spec, b, device, stream, torch.cuda.graph_pool_handle())
-            replay = _median_ms(bucket.graph.replay, device, iters)
-    best = min(plain, replay or plain)
-    return {"batch": b, "forward_ms": round(plain, 4),
-            "graph_replay_ms": round(replay, 4) if replay else None, "img_s": round(b / best * 1e3, 1)}
+        for dims in (dict(key) for key in sorted(counts)):
+            xs = list(spec.example(b, device, dims or None).values())
+            plain = _median_ms(lambda: model(*xs), device, iters)
+            replay = None
+            if capturable:
+                at = {d: plan.bucket(d, n) for d, n in dims.items()} if plan else dims
+                key = tuple(sorted(at.items()))
+                if key not in replays:
+                    bucket = graphs.capture(model, spec, b, device, stream, pool, at or None)
+                    replays[key] = _median_ms(bucket.graph.replay, device, iters)
+                replay = replays[key]
+            per_size.append({**dims, "forward_ms": round(plain, 4),
+                             "graph_replay_ms": round(replay, 4) if replay else None})
+    weights = [counts[key] for key in sorted(counts)]
+    best = [min(r["forward_ms"], r["graph_replay_ms"] or r["forward_ms"]) for r in per_size]
+    mean_ms = sum(w * t for w, t in zip(weights, best)) / sum(weights)
+    one = per_size[0]
+    out = {"batch": b, "forward_ms": one["forward_ms"], "graph_replay_ms": one["graph_replay_ms"],
+           "img_s": round(b / mean_ms * 1e3, 1)}
+    if spec.dims:
+        out.update(forward_ms=None, graph_replay_ms=None, mean_batch_ms=round(mean_ms, 4), per_size=per_size,
+                   padded_to=plan.describe() if plan and capturable else None)
+    return out
 
 
 def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=()) -> Path:
@@ -438,21 +474,26 @@ def summary(points: list, limits: dict) -> dict:
     """Ratios a reader asks for: ours over stock and over the transport limit per point, the
     thread-budget default against the best tried, and scaling across GPUs."""
     by = {(p["handler"], p["gpus"], p["clients"]): p for p in points}
-    rows = []
-    for (h, n, c), p in sorted(by.items()):
-        if h != "ours":
-            continue
+
+    def ratios(p, n, c) -> dict:
         stock, echo, aoti = by.get(("stock", n, c)), by.get(("echo", n, c)), by.get(("stock_aoti", n, c))
         img_limit = limits.get(str(n), {}).get("img_s")
+        return {"vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
+                "vs_stock_aoti": round(p["req_s"] / aoti["req_s"], 2) if aoti and aoti["req_s"] else None,
+                "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
+                "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None}
+
+    rows, variant_rows = [], []
+    for (h, n, c), p in sorted(by.items()):
+        if h.startswith("ours_") and not is_thread_sweep(h):
+            variant_rows.append({"handler": h, "gpus": n, "clients": c, "req_s": p["req_s"], **ratios(p, n, c)})
+        if h != "ours":
+            continue
         variants = {k[0]: v for k, v in by.items() if k[1:] == (n, c) and k[0].startswith("ours_")
                     and not is_thread_sweep(k[0])}
         rows.append({"gpus": n, "clients": c, "ours_req_s": p["req_s"], "ours_p50_ms": p["p50_ms"],
                      **{f"{k}_p50_ms": v["p50_ms"] for k, v in variants.items()},
-                     **{f"{k}_req_s": v["req_s"] for k, v in variants.items()},
-                     "vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
-                     "vs_stock_aoti": round(p["req_s"] / aoti["req_s"], 2) if aoti and aoti["req_s"] else None,
-                     "vs_transport": round(p["req_s"] / echo["req_s"], 2) if echo and echo["req_s"] else None,
-                     "vs_gpu_limit": round(p["req_s"] / img_limit, 2) if img_limit else None})
+                     **{f"{k}_req_s": v["req_s"] for k, v in variants.items()}, **ratios(p, n, c)})
     threads = {}
     for (h, n, c), p in by.items():
         if is_thread_sweep(h) or (h == "ours" and any(is_thread_sweep(k[0]) and k[1:] == (n, c) for k in by)):
@@ -468,7 +509,7 @@ def summary(points: list, limits: dict) -> dict:
             if one and many and one["req_s"]:
                 scaling.append({"gpus": n, "clients_1gpu": c, "clients_all": c * n,
                                 "speedup": round(many["req_s"] / one["req_s"], 2)})
-    return {"ours": rows, "thread_budget": thread_rows, "scaling": scaling}
+    return {"ours": rows, "variants": variant_rows, "thread_budget": thread_rows, "scaling": scaling}
 
 
 def write_markdown(path: Path, result: dict):
@@ -487,14 +528,18 @@ def write_markdown(path: Path, result: dict):
         lines.append(f"| {p['handler']} | {p['gpus']} | {p['clients']} | {p['req_s']}{per_round} | {p['p50_ms']} | "
                      f"{p['p99_ms']} | {p['errors']} | {p['mismatches'] if p['mismatches'] is not None else '-'} |")
     lines += ["", "Limits measured in the same run (GPU limit: the artifact alone at the served batch "
-              "size, plain call or CUDA graph replay whichever is faster, times the GPUs):", ""]
+              "size, plain call or CUDA graph replay whichever is faster, times the GPUs; with named "
+              "dimensions, every batch at one of the sizes the run sends, graphs at the declared padding's "
+              "buckets, over the sizes' mean time):", ""]
     for n, lim in result["limits"].items():
         lines.append(f"- {n} GPU(s): {lim}")
     s = result["summary"]
-    lines += ["", "| GPUs | clients | ours req/s | ours / stock eager | ours / stock AOTI | ours / transport "
-              "| ours / GPU limit |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r.get('vs_stock_aoti')} | "
+    lines += ["", "| handler | GPUs | clients | req/s | / stock eager | / stock AOTI | / transport "
+              "| / GPU limit |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| ours | {r['gpus']} | {r['clients']} | {r['ours_req_s']} | {r['vs_stock']} | {r.get('vs_stock_aoti')} | "
               f"{r['vs_transport']} | {r['vs_gpu_limit']} |" for r in s["ours"]]
+    lines += [f"| {r['handler']} | {r['gpus']} | {r['clients']} | {r['req_s']} | {r['vs_stock']} | "
+              f"{r['vs_stock_aoti']} | {r['vs_transport']} | {r['vs_gpu_limit']} |" for r in s.get("variants", [])]
     lines += _cores_table(result["points"])
     if s["thread_budget"]:
         lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
@@ -590,8 +635,8 @@ def main(argv=None):
     if spec.device == "cuda" and n_gpu == 0:
         raise SystemExit("bench_e2e: the artifact was compiled for CUDA and this machine has no GPU")
     device = torch.device("cuda:0" if n_gpu else "cpu")
-    bodies, refs, tol = references(args, spec, device)
-    one = gpu_limit(spec, device, args.batch_size)
+    bodies, refs, tol, sizes = references(args, spec, device)
+    one = gpu_limit(spec, device, args.batch_size, sizes, declared_pad(args))
     sets = device_sets(args, n_gpu)
     limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}
     torch.cuda.empty_cache() if n_gpu else None

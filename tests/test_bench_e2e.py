@@ -177,12 +177,20 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
            "--factory", "examples/text_encoder.py:text_encoder_tiny", "--out", str(out), "--clients", "2",
            "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
            "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,stock_aoti,echo",
-           "--lengths", "uniform:4:40", "--distinct-inputs", "6"]
+           "--lengths", "uniform:4:40", "--distinct-inputs", "6",
+           "--variant", "pad:pad={input_ids: 0, attention_mask: 0}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
-    assert {p["handler"] for p in result["points"]} == {"ours", "stock", "stock_aoti", "echo"}
+    assert {p["handler"] for p in result["points"]} == {"ours", "ours_pad", "stock", "stock_aoti", "echo"}
     assert all(r["vs_stock_aoti"] for r in result["summary"]["ours"])
+    # the declared padding is measured and set against the same limits as ours
+    assert [(v["handler"], v["clients"]) for v in result["summary"]["variants"]] == [("ours_pad", 2)]
+    assert result["summary"]["variants"][0]["vs_transport"] > 0
+    # the GPU limit covers the lengths the run sent (CPU here: plain calls only, no graphs)
+    limit = result["limits"]["0"]
+    assert 1 <= len(limit["per_size"]) <= 6 and all(4 <= r["S"] <= 40 for r in limit["per_size"])
+    assert limit["padded_to"] is None and all(r["graph_replay_ms"] is None for r in limit["per_size"])
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
     assert "--lengths uniform:4:40" in result["command"]
@@ -203,3 +211,20 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     assert all(bool((x["attention_mask"] == 1).all()) for x in reqs)
     assert all(0 <= int(x["input_ids"].min()) and int(x["input_ids"].max()) <= 999 for x in reqs)
     assert draw_lengths("choice:8,300", spec.dims, g)["S"] in (8, 64)  # clamped into the range
+
+
+def test_gpu_limit_weights_each_length_by_how_often_the_run_sends_it(artifacts):
+    """The limit is the served batch over the mean time per batch, each distinct size counted as
+    often as requests of that size are sent (here one size twice as often as the other)."""
+    import torch
+
+    from handlers.artifact.metadata import read_spec
+    from scripts.bench_e2e import gpu_limit
+
+    spec = read_spec(str(artifacts.get("text_tiny_aoti")))
+    got = gpu_limit(spec, torch.device("cpu"), 4, [{"S": 8}, {"S": 60}, {"S": 60}], {}, iters=5)
+    by = {r["S"]: r["forward_ms"] for r in got["per_size"]}
+    assert sorted(by) == [8, 60] and got["batch"] == 4
+    mean = (by[8] + 2 * by[60]) / 3
+    assert got["mean_batch_ms"] == pytest.approx(mean, rel=1e-3)
+    assert got["img_s"] == pytest.approx(4 / mean * 1e3, rel=1e-2)
