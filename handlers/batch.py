@@ -6,6 +6,7 @@ dropped from the outputs and every request gets exactly its own rows back.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -111,21 +112,43 @@ class PadPlan:
     def bucket(self, dim: str, size: int) -> int:
         return next(b for b in self.buckets[dim] if b >= size)
 
-    def pad(self, request: dict) -> tuple:
-        """(padded request, {dimension: real size})."""
+    def sizes(self, request: dict) -> dict:
+        """{dimension: the request's own size}."""
+        return {d: request[n].shape[a] for n, a, d in self.in_axes}
+
+    def targets(self, sizes: list, rows: list, cost) -> list:
+        """Per request (its named-dimension `sizes` and its `rows`), the sizes it is padded to.
+        Each request's own buckets, unless `cost(rows, sizes)` (ms for one call of that many
+        rows at those sizes; None where unknown) says padding neighbouring groups to one shared
+        bucket is cheaper: a call has a fixed cost (upload, launch, wait, copy-out), so a batch
+        of short and long texts is often faster as one call at the longer bucket than as one
+        call per bucket. The groups, sorted by their buckets, are split into runs each padded to
+        its largest buckets; the split of least total cost is found exactly by dynamic
+        programming over the sorted groups (ties: fewer calls)."""
+        dims = tuple(self.buckets)
+        own = [tuple(self.bucket(d, s[d]) for d in dims) for s in sizes]
+        keys = sorted(set(own))
+        if len(keys) > 1:
+            shared = _cheapest_runs(keys, [sum(r for k, r in zip(own, rows) if k == key) for key in keys],
+                                    lambda n, at: cost(n, dict(zip(dims, at))))
+            own = [shared[k] for k in own] if shared else own
+        return [dict(zip(dims, k)) for k in own]
+
+    def pad(self, request: dict, target: dict) -> dict:
+        """The request with each named dimension padded (with its input's pad value) up to
+        `target` (each at least the request's own size)."""
         import torch
 
-        sizes = {d: request[n].shape[a] for n, a, d in self.in_axes}
         out = dict(request)
         for n, a, d in self.in_axes:
-            t, want = out[n], self.bucket(d, sizes[d])
+            t, want = out[n], target[d]
             if t.shape[a] < want:
                 shape = list(t.shape)
                 shape[a] = want
                 full = torch.full(shape, self.values[n], dtype=t.dtype)
                 full.narrow(a, 0, t.shape[a]).copy_(t)
                 out[n] = full
-        return out, sizes
+        return out
 
     def cut(self, outputs: dict, sizes: dict) -> dict:
         out = dict(outputs)
@@ -133,6 +156,28 @@ class PadPlan:
             if n in out and out[n].shape[a] != sizes[d]:
                 out[n] = out[n].narrow(a, 0, sizes[d])
         return out
+
+
+def _cheapest_runs(keys: list, rows: list, cost):
+    """{key: the key its run is padded to} for the split of the sorted `keys` (with `rows` rows
+    each) into contiguous runs of least total `cost(rows, run's elementwise-largest key)`, or
+    None when no split has a known cost."""
+    n = len(keys)
+    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # earlier i first: on equal cost the longer run (fewer calls) stays
+            c = cost(sum(rows[i:j]), tuple(map(max, *keys[i:j])) if j - i > 1 else keys[i])
+            if c is not None and best[i] + c < best[j]:
+                best[j], cut[j] = best[i] + c, i
+    if best[n] == math.inf:
+        return None
+    out, j = {}, n
+    while j > 0:
+        i = cut[j]
+        at = tuple(map(max, *keys[i:j])) if j - i > 1 else keys[i]
+        out.update((k, at) for k in keys[i:j])
+        j = i
+    return out
 
 
 def bucket_sizes(lo: int, hi: int, configured=()) -> list:

@@ -85,8 +85,10 @@ class HandlerConfig:
     # Padding along named dynamic dimensions (handlers/batch.py PadPlan), declared by whoever
     # archives a model that masks padding: {input: pad value} for every input with such a
     # dimension. Requests are padded up to a length bucket (pad_buckets; empty: the powers of two
-    # in the dimension's range and its maximum) so texts of different lengths share one call;
-    # outputs with the dimension are cut back to each request's own length. Empty: never pad.
+    # in the dimension's range and its maximum) so texts of different lengths share one call
+    # (several buckets share the largest one's call where the runner knows that is cheaper:
+    # CUDA graphs timed at capture); outputs with the dimension are cut back to each request's
+    # own length. Empty: never pad.
     pad: dict = field(default_factory=dict)
     pad_buckets: tuple = ()
 

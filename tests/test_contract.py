@@ -221,8 +221,10 @@ def test_pad_plan_pads_to_buckets_cuts_outputs_and_names_the_fix():
     plan = PadPlan.of(spec, {"ids": 7, "mask": 0})
     assert plan.buckets == {"S": [4, 8, 16, 32, 50]} and [plan.bucket("S", n) for n in (3, 4, 5, 33, 50)] == [4, 4, 8, 50, 50]
     req = {"ids": torch.tensor([[1, 2, 3, 4, 5]]), "mask": torch.ones(1, 5, dtype=torch.int64), "x": torch.ones(1, 3)}
-    padded, sizes = plan.pad(req)
-    assert sizes == {"S": 5} and padded["ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7]]
+    sizes = plan.sizes(req)
+    [target] = plan.targets([sizes], [1], lambda rows, at: None)
+    padded = plan.pad(req, target)
+    assert sizes == {"S": 5} and target == {"S": 8} and padded["ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7]]
     assert padded["mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]] and padded["x"] is req["x"]
     cut = plan.cut({"tok": torch.zeros(1, 8, 2), "pooled": torch.zeros(1, 2)}, sizes)
     assert cut["tok"].shape == (1, 5, 2) and cut["pooled"].shape == (1, 2)
@@ -234,3 +236,87 @@ def test_pad_plan_pads_to_buckets_cuts_outputs_and_names_the_fix():
     with pytest.raises(ValueError, match="outside"):
         PadPlan.of(spec, {"ids": 0, "mask": 0}, (2, 16))
     assert PadPlan.of(spec, {"ids": 0, "mask": 0}, (16,)).buckets == {"S": [16, 50]}
+
+
+def _text_spec(dims=None):
+    return ArtifactSpec("export", "m", "", "cpu",
+                        (TensorSpec("ids", "int64", (None, "S")), TensorSpec("mask", "int64", (None, "S"))),
+                        (TensorSpec("pooled", "float32", (None,)),), "dict", 1, 16, torch.__version__,
+                        dims=dims or {"S": (1, 64)})
+
+
+def test_pad_targets_merge_length_buckets_exactly_as_the_cheapest_split():
+    """Differential: the dynamic programme's split against every contiguous split of the sorted
+    buckets tried one by one, on random batches and random call costs (a fixed part per call,
+    a part per padded token, some shapes of unknown cost)."""
+    import itertools
+
+    from handlers.batch import PadPlan
+
+    plan = PadPlan.of(_text_spec(), {"ids": 0, "mask": 0})
+    g = torch.Generator().manual_seed(11)
+    for trial in range(300):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        sizes = [{"S": int(torch.randint(1, 65, (1,), generator=g))} for _ in range(n)]
+        rows = [int(torch.randint(1, 4, (1,), generator=g)) for _ in range(n)]
+        fixed, per_token = float(torch.rand(1, generator=g)), float(torch.rand(1, generator=g)) / 100
+        unknown = {int(x) for x in torch.randint(1, 25, (2,), generator=g)} if trial % 3 == 0 else set()
+
+        def cost(r, at):
+            return None if r in unknown else fixed + per_token * r * at["S"]
+
+        got = plan.targets(sizes, rows, cost)
+        own = [plan.bucket("S", s["S"]) for s in sizes]
+        keys = sorted(set(own))
+        rows_at = [sum(r for b, r in zip(own, rows) if b == k) for k in keys]
+        best = None
+        for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, len(keys)), m)
+                                                  for m in range(len(keys))):
+            bounds = [0, *cuts, len(keys)]
+            costs = [cost(sum(rows_at[a:b]), {"S": keys[b - 1]}) for a, b in zip(bounds, bounds[1:])]
+            if None not in costs and (best is None or sum(costs) < best - 1e-12):
+                best = sum(costs)
+        if len(keys) == 1 or best is None:
+            assert got == [{"S": b} for b in own]  # nothing to merge, or no split of known cost
+            continue
+        runs = {}
+        for b, t in zip(own, got):
+            assert t["S"] >= b and t["S"] in plan.buckets["S"]
+            runs.setdefault(t["S"], set()).add(b)
+        chosen = sum(cost(sum(r for b, r in zip(own, rows) if b in members), {"S": at})
+                     for at, members in runs.items())
+        assert chosen == pytest.approx(best), (sizes, rows, got)
+
+
+def test_runner_pads_a_batch_of_mixed_lengths_into_one_call_when_that_is_cheaper():
+    """A masking model: requests of lengths in four buckets become one call when the runner
+    says a call's fixed cost outweighs the padding, three calls when it does not; every answer
+    equals the request alone either way."""
+    from handlers.artifact.kinds import LoadedModel
+    from handlers.run import runner_for
+
+    spec = _text_spec()
+    calls = []
+
+    def fn(ids, mask):
+        calls.append(tuple(ids.shape))
+        keep = mask.float()
+        return {"pooled": (ids.float() * keep).sum(1) / keep.sum(1)}
+
+    def served(cost):
+        runner = runner_for(LoadedModel(fn, spec, torch.device("cpu"), "test"), spec, torch.device("cpu"),
+                            parse_config({"handler": {"pad": {"ids": 0, "mask": 0}}}))
+        runner.call_cost_ms = cost
+        calls.clear()
+        return runner.run(reqs), list(calls)
+
+    g = torch.Generator().manual_seed(5)
+    reqs = [{"ids": torch.randint(1, 100, (1, n), generator=g), "mask": torch.ones(1, n, dtype=torch.int64)}
+            for n in (3, 30, 5, 60, 31)]
+    alone = [fn(**r)["pooled"] for r in reqs]
+    merged, merged_calls = served(lambda rows, at: 1.0 + 0.0001 * rows * at["S"])
+    split, split_calls = served(lambda rows, at: 0.001 + 0.01 * rows * at["S"])
+    assert merged_calls == [(5, 64)]
+    assert sorted(split_calls) == [(1, 4), (1, 8), (1, 64), (2, 32)]  # lengths 3, 5, 30 and 31, 60
+    for out in (merged, split):
+        assert all(torch.allclose(o["pooled"], a) for o, a in zip(out, alone))

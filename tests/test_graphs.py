@@ -71,17 +71,25 @@ def test_graphs_per_length_bucket_are_found_by_the_call_shape():
     assert graphs.length_buckets(spec, None) == [{}]  # named dimensions but no pad plan: one plain shape
     two = types.SimpleNamespace(buckets={"S": [16, 64], "T": [4]})
     assert graphs.length_buckets(spec, two) == [{"S": 16, "T": 4}, {"S": 64, "T": 4}]
-    buckets = {(rows, ((n,), (n,))): (rows, n) for rows in (1, 2, 4) for n in (16, 64) if (rows, n) != (4, 64)}
+    buckets = {(rows, ((n,), (n,))): graphs.GraphBucket(rows, None, [], {}, (("S", n),), rows * n / 100)
+               for rows in (1, 2, 4) for n in (16, 64) if (rows, n) != (4, 64)}
     gs = graphs.GraphSet(buckets, 1 << 20, dynamic=True)
 
     def parts(rows, n):
         return {"ids": [torch.zeros(rows, n)], "mask": [torch.zeros(rows, n)]}
 
-    assert gs.for_call(3, parts(3, 16), ["ids", "mask"]) == (4, 16)
-    assert gs.for_call(2, parts(2, 64), ["ids", "mask"]) == (2, 64)
-    assert gs.for_call(3, parts(3, 64), ["ids", "mask"]) is None  # batch 4 at 64 was not kept
-    assert gs.for_call(1, parts(1, 32), ["ids", "mask"]) is None  # no such length bucket
+    def found(rows, n):
+        b = gs.for_call(rows, parts(rows, n), ["ids", "mask"])
+        return b and (b.rows, b.sizes)
+
+    assert found(3, 16) == (4, (("S", 16),))
+    assert found(2, 64) == (2, (("S", 64),))
+    assert found(3, 64) is None  # batch 4 at 64 was not kept
+    assert found(1, 32) is None  # no such length bucket
     assert gs.describe() == "CUDA graphs for batch [1, 2, 4] x 2 input shapes (5 graphs, 1 MiB)"
+    # what a call would cost: the replay time of the graph it would use (None without one)
+    assert gs.replay_ms(3, {"S": 16}) == 4 * 16 / 100 and gs.replay_ms(1, {"S": 64}) == 64 / 100
+    assert gs.replay_ms(3, {"S": 64}) is None and gs.replay_ms(1, {"S": 32}) is None
 
 
 def test_config_options():
@@ -132,7 +140,7 @@ def test_auto_keeps_verified_graphs(monkeypatch):
 
     def build(model, spec, device, stream, sizes, cap, verify, lengths):
         seen.update(sizes=sizes, cap=cap, verify=verify, lengths=lengths)
-        return graphs.GraphSet({(s, ((3,),)): None for s in sizes}, 5 << 20)
+        return graphs.GraphSet({(s, ((3,),)): graphs.GraphBucket(s, None, [], {}) for s in sizes}, 5 << 20)
 
     r = bare_runner(monkeypatch, build)
     note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": 8}}), kind_of("aoti"))
@@ -168,7 +176,7 @@ def test_fixed_shape_graphs_are_found_by_rows_alone():
     """Without named dimensions (every call has the one admitted row shape) the lookup takes the
     smallest batch bucket holding the rows, never looking at the parts; rows past the largest
     bucket run plainly."""
-    buckets = {(rows, ((3, 8, 8),)): rows for rows in (1, 2, 4, 8)}
+    buckets = {(rows, ((3, 8, 8),)): graphs.GraphBucket(rows, None, [], {}) for rows in (1, 2, 4, 8)}
     gs = graphs.GraphSet(buckets, 0, dynamic=False)
-    assert [gs.for_call(n, None, ["x"]) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert [getattr(gs.for_call(n, None, ["x"]), "rows", None) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert gs.sizes == [1, 2, 4, 8] and gs.describe() == "CUDA graphs for batch [1, 2, 4, 8] (4 graphs, 0 MiB)"

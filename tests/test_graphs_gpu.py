@@ -85,3 +85,32 @@ def test_graph_path_matches_the_plain_path(gpu_artifacts, name):
     row["batched_max_abs"] = max(row["batched_max_abs"], max((gb[k].float() - pb[k].float()).abs().max().item() for k in gb))
     assert row["exact_mismatches"] == 0
     assert row["max_abs_vs_unpadded"] <= 1e-4 and row["batched_max_abs"] <= 1e-4
+
+
+def test_mixed_lengths_share_one_graph_when_that_is_cheaper(gpu_artifacts):
+    """A text encoder with declared padding: graphs per (batch, length) bucket carry their replay
+    time; a batch of texts in four length buckets runs as one call at the longest bucket (a call's
+    fixed cost outweighs the padding for a model this small), every answer equal to the text run
+    alone without padding."""
+    spec = read_spec(str(gpu_artifacts.get("text_tiny_aoti")))
+    cfg = parse_config({"handler": {"pad": {"input_ids": 0, "attention_mask": 0}, "cuda_graph_max_batch": 8}})
+    model = load_artifact(spec, Placement("cuda", 0), cfg)
+    runner = runner_for(model, spec, torch.device("cuda:0"), cfg)
+    note = runner.prepare(cfg, kind_of(spec))
+    plain = runner_for(model, spec, torch.device("cuda:0"), parse_config({"handler": {"cuda_graphs": "off"}}))
+    assert runner.graphs is not None, note
+    assert 0 < runner.graphs.replay_ms(1, {"S": 4}) and runner.call_cost_ms(3, {"S": 64}) > 0.2
+    g = torch.Generator().manual_seed(1)
+    reqs = [{"input_ids": torch.randint(0, 1000, (1, n), generator=g), "attention_mask": torch.ones(1, n, dtype=torch.int64)}
+            for n in (5, 20, 40, 9, 64)]
+    calls, call = [], runner.call
+    runner.call = lambda parts, rows: calls.append((rows, tuple(parts["input_ids"][0].shape))) or call(parts, rows)
+    with torch.inference_mode():
+        together = [own(o) for o in runner.run(reqs)]
+        alone = [own(plain.run([r])[0]) for r in reqs]
+    row = {"artifact": "text_tiny_aoti", "note": note, "merged_calls": calls,
+           "max_abs_vs_alone": max((t[k].float() - a[k].float()).abs().max().item()
+                                   for t, a in zip(together, alone) for k in t)}
+    RESULTS.append(row)
+    assert calls == [(5, (1, 64))], calls
+    assert row["max_abs_vs_alone"] <= 1e-4

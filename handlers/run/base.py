@@ -23,6 +23,11 @@ class Runner:
         """Load-time preparation after warm-up (CUDA graphs); returns a note for the load line."""
         raise NotImplementedError
 
+    def call_cost_ms(self, rows: int, sizes: dict):
+        """What one call of `rows` rows at these named-dimension sizes costs (ms), or None where
+        not known (then requests are padded to their own length bucket only)."""
+        return None
+
     def bucket_sizes(self) -> list:
         """Batch sizes with a path of their own (captured CUDA graphs), for warm-up."""
         return []
@@ -36,11 +41,14 @@ class Runner:
         tensor holding exactly its rows}. Requests whose named dynamic dimensions differ (texts
         of different lengths) run as groups of equal shape, each answered as it would be alone;
         the outputs of all but the last group are copied out of the reused buffers. With a pad
-        plan, each request is first padded up to its length bucket and its outputs are cut back."""
+        plan, each request is first padded up to its length bucket (or a shared larger one where
+        call_cost_ms says one call is cheaper) and its outputs are cut back."""
         if self.pad is not None:
-            padded = [self.pad.pad(r) for r in requests]
-            outs = self._run_groups([p for p, _ in padded])
-            return [self.pad.cut(o, sizes) for o, (_, sizes) in zip(outs, padded)]
+            sizes = [self.pad.sizes(r) for r in requests]
+            rows = [next(iter(r.values())).shape[0] for r in requests]
+            targets = self.pad.targets(sizes, rows, self.call_cost_ms)
+            outs = self._run_groups([self.pad.pad(r, t) for r, t in zip(requests, targets)])
+            return [self.pad.cut(o, s) for o, s in zip(outs, sizes)]
         return self._run_groups(requests)
 
     def _run_groups(self, requests: list) -> list:

@@ -27,6 +27,11 @@ from handlers.run.base import Runner
 from handlers.staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
+# A call's fixed host cost beside its GPU work (upload, launch, the wait, the copy-out), what
+# padding texts of several length buckets into one call saves per call merged: the run stage of
+# a batch of 8 on an H100 host took 0.249 ms per call around a 0.020 ms graph replay
+# (docs/results/profile_mlp_fp16_h100.json and e2e_mlp's GPU limit).
+CALL_OVERHEAD_MS = 0.2
 
 
 def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_bytes: int) -> None:
@@ -183,6 +188,12 @@ class CudaRunner(Runner):
 
     def bucket_sizes(self) -> list:
         return list(self.graphs.sizes) if self.graphs else []
+
+    def call_cost_ms(self, rows: int, sizes: dict):
+        """A graph's replay time (timed at capture) plus the call's fixed host cost; None
+        without a graph for that shape."""
+        ms = self.graphs.replay_ms(rows, sizes) if self.graphs else None
+        return None if ms is None else ms + CALL_OVERHEAD_MS
 
     def describe_sync(self) -> str:
         how = {"block": "sleeping (blocking sync)", "spin": "spinning",

@@ -62,6 +62,8 @@ class GraphBucket:
     graph: torch.cuda.CUDAGraph
     inputs: list  # persistent device inputs, (rows, ...) each
     outputs: dict  # output name -> device tensor the replay overwrites
+    sizes: tuple = ()  # the named-dimension sizes captured at, as sorted (name, size) pairs
+    replay_ms: Optional[float] = None  # one replay's GPU time, timed at capture
 
 
 def _static_inputs(spec, rows: int, device, sizes: Optional[dict] = None) -> list:
@@ -96,7 +98,21 @@ def capture(model, spec, rows: int, device, stream, pool, sizes: Optional[dict] 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = model(*inputs)
-    return GraphBucket(rows, graph, inputs, outputs)
+    return GraphBucket(rows, graph, inputs, outputs, tuple(sorted((sizes or {}).items())))
+
+
+def replay_ms(bucket: GraphBucket, stream, n: int = 3) -> float:
+    """One replay's GPU time (ms, the mean of `n` after one untimed), timed with CUDA events on
+    `stream`."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        bucket.graph.replay()
+        start.record(stream)
+        for _ in range(n):
+            bucket.graph.replay()
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def first_difference(model, bucket: GraphBucket, stream, seed: int) -> Optional[str]:
@@ -145,6 +161,16 @@ class GraphSet:
         self._fixed = None if dynamic or len(self.by_shape) != 1 else next(iter(self.by_shape))
         self.sizes = sorted({rows for rows, _ in buckets})
         self.memory_bytes = memory_bytes
+        self._by_sizes = {}  # named-dimension sizes -> {rows: replay ms}
+        for b in buckets.values():
+            self._by_sizes.setdefault(b.sizes, {})[b.rows] = b.replay_ms
+
+    def replay_ms(self, rows: int, sizes: dict) -> Optional[float]:
+        """GPU time of the replay a call of `rows` rows at these named-dimension sizes would use,
+        or None without such a graph (or without its timing)."""
+        by_rows = self._by_sizes.get(tuple(sorted(sizes.items())))
+        b = bucket_for(rows, sorted(by_rows)) if by_rows else None
+        return by_rows[b] if b is not None else None
 
     def for_call(self, rows: int, parts: dict, names) -> Optional[GraphBucket]:
         """The graph for a call of `rows` rows of these input parts, or None."""
@@ -186,4 +212,5 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
             problem = first_difference(model, bucket, stream, seed=rows)
             if problem:
                 raise RuntimeError(problem)
+        bucket.replay_ms = replay_ms(bucket, stream)
     return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims))
