@@ -143,11 +143,10 @@ class PadPlan:
         for n, a, d in self.in_axes:
             t, want = out[n], target[d]
             if t.shape[a] < want:
-                shape = list(t.shape)
-                shape[a] = want
-                full = torch.full(shape, self.values[n], dtype=t.dtype)
-                full.narrow(a, 0, t.shape[a]).copy_(t)
-                out[n] = full
+                # the op F.pad calls for constant padding, one call (not full + narrow + copy);
+                # its widths run from the last dimension back: (before, after) per dimension
+                widths = [0, 0] * (t.dim() - 1 - a) + [0, want - t.shape[a]]
+                out[n] = torch.constant_pad_nd(t, widths, self.values[n])
         return out
 
     def cut(self, outputs: dict, sizes: dict) -> dict:

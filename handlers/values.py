@@ -75,7 +75,7 @@ class ValueContract:
                     continue
                 lo, hi = int(t.min()), int(t.max())
             else:
-                lo, hi = torch.aminmax(t)
+                lo, hi = map(int, torch.aminmax(t))  # Python ints: comparing 0-d tensors costs an op each
             if lo < c.lo or hi > c.hi:
                 _refuse(c, t)
         for name in self.finite:

@@ -33,6 +33,9 @@ def parse_args(argv):
     p.add_argument("--calls", type=int, default=400, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=3, help="unprofiled rounds; the median is reported")
     p.add_argument("--top", type=int, default=25, help="functions listed per batch size")
+    p.add_argument("--lengths", default="",
+                   help="named dynamic dimensions per request, as scripts.bench_e2e draws them "
+                        "(uniform:LO:HI or choice:A,B,C; default: uniform over each range)")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="handler options for the load (e.g. cuda_sync=spin)")
     p.add_argument("--out", required=True, help="results JSON path (the Markdown goes beside it)")
@@ -138,6 +141,16 @@ def main(argv=None) -> int:
     from scripts.bench import EVERY_CALL_STAGES, StageRecorder, new_handler
     from scripts.cpu_per_call import _bodies
 
+    def bodies(n):
+        if not spec.dims:
+            return _bodies(spec, n)
+        from handlers.wire import safetensors_io
+        from scripts.bench_e2e import one_request
+
+        g = torch.Generator().manual_seed(0)
+        how = argparse.Namespace(lengths=args.lengths, mask_inputs="")  # masks: inputs named *mask*
+        return [safetensors_io.dumps(one_request(spec, how, g)) for _ in range(n)]
+
     args = parse_args(argv)
     spec = read_spec(args.artifact)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -150,11 +163,11 @@ def main(argv=None) -> int:
     ctx.metrics = StageRecorder()
     results = []
     for n in sizes:
-        row = measure(handler, ctx, _bodies(spec, n), args)
+        row = measure(handler, ctx, bodies(n), args)
         print(json.dumps({k: row[k] for k in ("requests_per_call", "wall_us_per_request",
                                               "cpu_us_per_request", "stage_ms_per_call")}), flush=True)
         results.append(row)
-    report = {**header(torch.cuda.get_device_name(0) if gpu is not None else "cpu"),
+    report = {**header(torch.cuda.get_device_name(0) if gpu is not None else "cpu"), "lengths": args.lengths,
               "artifact_kind": spec.backend, "handler_options": opts,
               "inputs": ", ".join(s.describe() for s in spec.inputs), "results": results}
     out = Path(args.out)

@@ -320,3 +320,20 @@ def test_runner_pads_a_batch_of_mixed_lengths_into_one_call_when_that_is_cheaper
     assert sorted(split_calls) == [(1, 4), (1, 8), (1, 64), (2, 32)]  # lengths 3, 5, 30 and 31, 60
     for out in (merged, split):
         assert all(torch.allclose(o["pooled"], a) for o, a in zip(out, alone))
+
+
+def test_pad_along_an_inner_axis_equals_filling_and_copying():
+    """Differential: PadPlan.pad's one-op padding against a tensor filled with the pad value and
+    the request copied in, for a named dimension in the middle of a 4-D input."""
+    from handlers.batch import PadPlan
+
+    spec = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("emb", "float32", (None, 2, "S", 3)),),
+                        (TensorSpec("y", "float32", (None,)),), "dict", 1, 4, torch.__version__, dims={"S": (1, 40)})
+    plan = PadPlan.of(spec, {"emb": -1.5})
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 7, 16, 17, 33, 40):
+        req = {"emb": torch.randn(2, 2, n, 3, generator=g)}
+        target = {"S": plan.bucket("S", n)}
+        want = torch.full((2, 2, target["S"], 3), -1.5)
+        want[:, :, :n] = req["emb"]
+        assert torch.equal(plan.pad(req, target)["emb"], want)
