@@ -28,7 +28,7 @@
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
-# (default 2) measures every point that often, every other round in reverse order.
+# measures every point that often, every other round in reverse order (default 2; 1 for mlp).
 set -euo pipefail
 RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
 PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${DELAY:-1}; GPUS=${GPUS:-1}
@@ -93,7 +93,7 @@ for part in $PARTS; do
             --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
          # ours (cuda_sync=auto) against the hybrid and spin waits
-         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds 1 --artifact "$W/mlp" \
+         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant hybrid:cuda_sync=hybrid --variant spin:cuda_sync=spin ;;
