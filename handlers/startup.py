@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from handlers import process
 from handlers.admission import Limits
 from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
@@ -18,7 +19,7 @@ from handlers.batch import warmup_sizes
 from handlers.config import parse_config
 from handlers.errors import LoadError
 from handlers.run import runner_for
-from handlers.torchserve import frontend_frames, process, threads
+from handlers.torchserve import frontend_frames, scratch, threads
 from handlers.torchserve.stage_timings import StageTimes
 from handlers.wire import safetensors_io
 from handlers.worker import Worker
@@ -75,7 +76,7 @@ def start(context, metric, serving, handle) -> Worker:
         sync, sync_why = threads.cuda_wait(config.cuda_sync, workers, gpus)
         config = dataclasses.replace(config, cuda_sync=sync)
     steps.done("variant")
-    _, probe_note = probe_once(spec, placement, config, budget) if config.crash_safe_load else (0.0, "no trial load")
+    _, probe_note = probe_once(spec, placement, config, budget, scratch.shared_root()) if config.crash_safe_load else (0.0, "no trial load")
     steps.done("trial load")
     model = load_artifact(spec, placement, config)
     worker = Worker(config=config, spec=spec, limits=Limits.of(config, spec), model=model,

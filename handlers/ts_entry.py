@@ -16,10 +16,10 @@ import logging
 import os
 from typing import Optional
 
-from handlers import pipeline, startup
+from handlers import pipeline, process, startup
 from handlers.config import parse_config
 from handlers.errors import LoadError
-from handlers.torchserve import process, scratch
+from handlers.torchserve import scratch
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import batch_profiler
 from handlers.worker import Health, Worker

@@ -11,38 +11,35 @@ from handlers.artifact import probe
 from handlers.artifact.device import Placement
 from handlers.artifact.variants import open_variant
 from handlers.config import HandlerConfig
-from handlers.torchserve import scratch
 
 
 @pytest.fixture
-def private_root(tmp_path, monkeypatch):
+def private_root(tmp_path):
     root = tmp_path / "root"
     root.mkdir(mode=0o700)
-    monkeypatch.setattr(scratch, "_root", str(root))
     return root
 
 
 def test_verdict_is_reused_and_a_tampered_one_is_ignored(artifacts, private_root):
     spec = open_variant(str(artifacts.get("cls_export")))
     place, cfg = Placement("cpu", None), HandlerConfig()
-    secs, note = probe.probe_once(spec, place, cfg)
+    secs, note = probe.probe_once(spec, place, cfg, verdict_root=str(private_root))
     assert secs > 0 and note.startswith("trial load ")
-    again = probe.probe_once(spec, place, cfg)
+    again = probe.probe_once(spec, place, cfg, verdict_root=str(private_root))
     assert again[0] == 0.0 and "verdict reused" in again[1]
     (path,) = [p for p in (private_root / probe.VERDICTS).iterdir() if p.suffix == ".ok"]
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     os.chmod(path, 0o666)  # writable by others: not trusted
-    assert probe.probe_once(spec, place, cfg)[1].startswith("trial load ")
+    assert probe.probe_once(spec, place, cfg, verdict_root=str(private_root))[1].startswith("trial load ")
     assert oct(path.stat().st_mode & 0o777) == "0o600"  # replaced by a private one
     key = json.loads(path.read_text())
     path.write_text(json.dumps({**key, "sha256": "0" * 64}))  # not the verdict for this artifact
-    assert probe.probe_once(spec, place, cfg)[1].startswith("trial load ")
+    assert probe.probe_once(spec, place, cfg, verdict_root=str(private_root))[1].startswith("trial load ")
     other = HandlerConfig(cuda_graphs="off")
-    assert probe.probe_once(spec, place, other)[1].startswith("trial load ")  # another key
+    assert probe.probe_once(spec, place, other, verdict_root=str(private_root))[1].startswith("trial load ")  # another key
 
 
-def test_without_a_private_root_every_load_runs_its_trial(artifacts, monkeypatch):
-    monkeypatch.setattr(scratch, "_root", None)
+def test_without_a_private_root_every_load_runs_its_trial(artifacts):
     spec = open_variant(str(artifacts.get("cls_export")))
     for _ in range(2):
         assert probe.probe_once(spec, Placement("cpu", None), HandlerConfig())[1].startswith("trial load ")

@@ -73,14 +73,14 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
 
 
 def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
-    """handlers/torchserve/process.py: the load logs one line naming each change to the process (the
+    """handlers/process.py: the load logs one line naming each change to the process (the
     environment, torch's global state, signal handlers), recorded where it is made."""
     import logging
     import os
 
     from ts.context import Context
 
-    from handlers.torchserve import process
+    from handlers import process
     from handlers.ts_entry import CompiledModelHandler
 
     ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
@@ -138,8 +138,7 @@ def test_start_steps_breakdown_reads_back_as_the_benchmark_parses_it(monkeypatch
     reads from TorchServe's log: every step and the total come back, the process's age first."""
     import time
 
-    from handlers import startup
-    from handlers.torchserve import process
+    from handlers import process, startup
     from scripts.bench_start import start_steps
 
     monkeypatch.setattr(process, "age_s", lambda: 2.5)
@@ -161,10 +160,10 @@ def test_process_age_counts_from_the_process_start():
     import subprocess
     import sys
 
-    from handlers.torchserve import process
+    from handlers import process
 
     child = float(subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); "
-                                  "from handlers.torchserve import process; print(process.age_s())"],
+                                  "from handlers import process; print(process.age_s())"],
                                  capture_output=True, text=True, check=True).stdout)
     assert 0.25 <= child < 10.0
     assert process.age_s() > child

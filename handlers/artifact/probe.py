@@ -96,10 +96,7 @@ def _verdict_key(spec: ArtifactSpec, placement: Placement, config) -> dict:
             "machine": this_machine(placement).describe()}
 
 
-def _verdict_path(key: dict):
-    from handlers.torchserve import scratch
-
-    root = scratch.shared_root()
+def _verdict_path(key: dict, root):
     if root is None:
         return None
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -130,12 +127,13 @@ def _record(path: str, key: dict) -> None:
         pass
 
 
-def probe_once(spec: ArtifactSpec, placement: Placement, config, budget=None) -> tuple:
+def probe_once(spec: ArtifactSpec, placement: Placement, config, budget=None, verdict_root=None) -> tuple:
     """The crash-safe trial load, unless one already passed for the same artifact bytes,
-    placement, torch build and machine (a verdict kept in this user's private scratch root, so a
-    restarted worker and its siblings skip it). Returns (seconds, note for the load line)."""
+    placement, torch build and machine (a verdict kept under `verdict_root`, this user's private
+    scratch root, so a restarted worker and its siblings skip it; None: every load runs it).
+    Returns (seconds, note for the load line)."""
     key = _verdict_key(spec, placement, config)
-    path = _verdict_path(key)
+    path = _verdict_path(key, verdict_root)
     if path is None:
         secs = crash_safe_probe(spec, placement, config, budget)
         return secs, f"trial load {secs:.2f}s"

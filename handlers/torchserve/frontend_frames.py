@@ -202,7 +202,7 @@ def install(enabled: bool) -> str:
     if getattr(main, "retrieve_msg", None) is not otf_message_handler.retrieve_msg:
         return "TorchServe's frame reader (the worker's retrieve_msg is not TorchServe's own)"
     main.retrieve_msg = retrieve_msg
-    from handlers.torchserve import process
+    from handlers import process
 
     process.record("TorchServe's worker loop", "__main__.retrieve_msg is handlers.torchserve.frontend_frames.retrieve_msg")
     return "buffered frame reader"

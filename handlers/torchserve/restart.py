@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 
-from handlers.torchserve import process
+from handlers import process
 
 logger = logging.getLogger(__name__)
 EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)

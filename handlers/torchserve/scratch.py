@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from handlers.torchserve import process
+from handlers import process
 
 logger = logging.getLogger(__name__)
 ROOT_NAME = "compiled-serving"

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from handlers.torchserve import process
+from handlers import process
 
 # Environment variables that size the OpenMP / MKL pools of native code in the worker
 # (AOTInductor CPU kernels use OpenMP) and of the crash-safe probe child.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import zipfile
 
+from handlers import process
 from handlers.artifact.device import use_device
 from handlers.artifact.kinds.aoti_package import load_aoti_package
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
@@ -19,7 +20,6 @@ from handlers.artifact.metadata import ArtifactSpec
 from handlers.artifact.relocate import relocate
 from handlers.artifact.rules import cc_fix
 from handlers.errors import IncompatibleArtifact, LoadError
-from handlers.torchserve import process
 
 # Names under which TensorRT engine calls appear in a serialized ExportedProgram / AOTI package.
 ENGINE_MARKERS = (b"tensorrt.execute_engine", b"tensorrt::execute_engine", b"torch_tensorrt")
