@@ -23,7 +23,7 @@ from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
 from handlers.torchserve import headers, oip, restart  # noqa: F401  (oip registers its transport format)
-from handlers.torchserve.stage_timings import label
+from handlers.torchserve.stage_timings import batch_profiler, label  # noqa: F401  (the entry's profiler)
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,11 @@ class Batch:
 
 
 def serve(worker: Optional[Worker], health: Health, data: list, context, model_name: str,
-          model_version: str = "") -> list:
-    """The replies to one TorchServe batch (handlers/ts_entry.py's handle)."""
+          model_version: str = "", profile=None) -> list:
+    """The replies to one TorchServe batch (handlers/ts_entry.py's handle); with `profile` (a
+    factory from batch_profiler), the batch runs under torch.profiler."""
+    if profile is not None:
+        return _profiled(profile, worker, health, data, context, model_name, model_version)
     batch = Batch(data, context, worker, model_name, model_version)
     refusal = health.refusal()
     if refusal is not None:
@@ -97,6 +100,20 @@ def serve(worker: Optional[Worker], health: Health, data: list, context, model_n
         for idx in range(len(data)):
             batch.fail(idx, err)
     return batch.finish()
+
+
+def _profiled(profile, *args) -> list:
+    """The batch under torch.profiler; a trace that cannot be written (a full disk) is logged,
+    never the batch's failure."""
+    prof = profile()
+    prof.__enter__()
+    try:
+        return serve(*args)
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+        except Exception as e:
+            logger.warning("the profiler's trace was not written: %s", e)
 
 
 def _run(worker: Worker, health: Health, data: list, batch: Batch) -> None:

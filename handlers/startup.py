@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -20,6 +21,7 @@ from handlers.config import parse_config
 from handlers.errors import LoadError
 from handlers.run import runner_for
 from handlers.torchserve import frontend_frames, scratch, threads
+from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
 from handlers.wire import safetensors_io
 from handlers.worker import Worker
@@ -51,6 +53,28 @@ class StartSteps:
     def describe(self) -> str:
         return (f"{self.total():.2f}s" + (" since the process began" if "process and imports" in self.times else "")
                 + " (" + ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items()) + ")")
+
+
+def enter_process() -> None:
+    """What the worker sets in its process before loading: TorchServe's request decoding, the
+    scratch directory for native loaders, and the refusal of a request envelope."""
+    # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
+    # 0.12's worker reads this variable per request (ts/protocol/otf_message_handler.py).
+    os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+    process.record("TS_DECODE_INPUT_REQUEST", "false (JSON bodies reach the handler as bytes)")
+    scratch.enter()
+    # A server setting, not the archive: it fails the load (and shows in TorchServe's status);
+    # a TorchServe request envelope would break every batch
+    refuse_envelope()
+
+
+def answers_load_failure(context) -> bool:
+    """handler.answer_load_failure of the archive; where the config itself is what failed,
+    the default (answer)."""
+    try:
+        return parse_config(getattr(context, "model_yaml_config", None)).answer_load_failure
+    except LoadError:
+        return True
 
 
 def start(context, metric, serving, handle) -> Worker:

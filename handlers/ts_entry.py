@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Optional
 
-from handlers import pipeline, process, startup
-from handlers.config import parse_config
+from handlers import pipeline, startup
 from handlers.errors import LoadError
-from handlers.torchserve import scratch
-from handlers.torchserve.envelope import refuse_envelope
-from handlers.torchserve.stage_timings import batch_profiler
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
@@ -37,16 +32,10 @@ class CompiledModelHandler:
         self.profile = None  # ENABLE_TORCH_PROFILER: a torch.profiler per batch (stage_timings.py)
 
     def initialize(self, context):
-        # JSON bodies as bytes, so admission can refuse a large one before parsing; TorchServe
-        # 0.12's worker reads this variable per request (ts/protocol/otf_message_handler.py).
-        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
-        process.record("TS_DECODE_INPUT_REQUEST", "false (JSON bodies reach the handler as bytes)")
-        scratch.enter()
+        startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
         self.context = context
         self.model_name = context.manifest.get("model", {}).get("modelName", "model")
         self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
-        # A server setting, not the archive: it fails the load (and shows in TorchServe's status)
-        refuse_envelope()  # first: a TorchServe request envelope would break every batch
         try:
             startup.start(context, self._metric, self._serving, self.handle)
         except LoadError as e:
@@ -55,14 +44,14 @@ class CompiledModelHandler:
             # while requests wait unanswered (measured: none answered in 420 s). Come up instead
             # and answer each request 503 with the reason; TorchServe lists the worker READY, the
             # handler's description says ready: false (README, "A model that cannot load").
-            if not e.recurs or not _answers_load_failure(context):
+            if not e.recurs or not startup.answers_load_failure(context):
                 raise
             logger.error("load failed (%s); every request will be answered 503 with the reason: %s",
                          type(e).__name__, e)
             self.worker = None
             self.health.load_failed(self.model_name, e.message)
             self._metric("ModelLoadFailed", 1.0)
-        self.profile = batch_profiler(self.model_name)  # after the warm-up: clients' batches only
+        self.profile = pipeline.batch_profiler(self.model_name)  # after the warm-up: clients' batches only
         self.initialized = True  # last: loaded, or answering with the load error
 
     def _serving(self, worker: Worker) -> None:
@@ -75,22 +64,8 @@ class CompiledModelHandler:
         self.context = context
         if _is_describe(context):
             return [self.describe_handle()]
-        if self.profile is not None:
-            return self._profiled(data, context)
-        return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version)
-
-    def _profiled(self, data, context):
-        """The batch under torch.profiler; a trace that cannot be written (a full disk) is
-        logged, never the batch's failure."""
-        prof = self.profile()
-        prof.__enter__()
-        try:
-            return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version)
-        finally:
-            try:
-                prof.__exit__(None, None, None)
-            except Exception as e:
-                logger.warning("the profiler's trace was not written: %s", e)
+        return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version,
+                              self.profile)
 
     def describe_handle(self):
         """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""
@@ -117,12 +92,3 @@ def _is_describe(context) -> bool:
         return context.get_request_header(0, "describe") == "True"
     except (AttributeError, IndexError, KeyError, TypeError):
         return False
-
-
-def _answers_load_failure(context) -> bool:
-    """handler.answer_load_failure of the archive; where the config itself is what failed,
-    the default (answer)."""
-    try:
-        return parse_config(getattr(context, "model_yaml_config", None)).answer_load_failure
-    except LoadError:
-        return True
