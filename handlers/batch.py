@@ -102,7 +102,9 @@ class PadPlan:
             raise ValueError(f"handler.pad must give a pad value for exactly the inputs with a named dimension "
                              f"({', '.join(sorted({n for n, _, _ in in_axes}))}); unknown: {unknown or 'none'}, "
                              f"missing: {missing or 'none'}")
-        buckets = {d: bucket_sizes(lo, hi, configured) for d, (lo, hi) in spec.dims.items()}
+        # only the dimensions some input carries are padded (an output-only one is not)
+        buckets = {d: bucket_sizes(lo, hi, configured) for d, (lo, hi) in spec.dims.items()
+                   if any(d == dim for _, _, dim in in_axes)}
         out_axes = tuple((s.name, a, d) for s in spec.outputs for a, d in enumerate(s.shape) if isinstance(d, str))
         return cls(buckets, dict(pad), in_axes, out_axes)
 
@@ -131,6 +133,14 @@ class PadPlan:
         if len(keys) > 1:
             shared = _cheapest_runs(keys, [sum(r for k, r in zip(own, rows) if k == key) for key in keys],
                                     lambda n, at: cost(n, dict(zip(dims, at))))
+            if shared:
+                # with several dimensions two runs may meet at one target and run as one call
+                # the split did not price: keep the split only where that call's cost is known
+                calls = {}
+                for k, r in zip(own, rows):
+                    calls[shared[k]] = calls.get(shared[k], 0) + r
+                if any(cost(n, dict(zip(dims, at))) is None for at, n in calls.items()):
+                    shared = None
             own = [shared[k] for k in own] if shared else own
         return [dict(zip(dims, k)) for k in own]
 

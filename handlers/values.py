@@ -75,7 +75,9 @@ class ValueContract:
                     continue
                 lo, hi = int(t.min()), int(t.max())
             else:
-                lo, hi = map(int, torch.aminmax(t))  # Python ints: comparing 0-d tensors costs an op each
+                # Python numbers (int for integer dtypes, exact; float for floating ones):
+                # comparing 0-d tensors costs an op each
+                lo, hi = (x.item() for x in torch.aminmax(t))
             if lo < c.lo or hi > c.hi:
                 _refuse(c, t)
         for name in self.finite:

@@ -194,17 +194,20 @@ def _median_ms(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def declared_pad(args) -> dict:
-    """The pad values a --variant declares (pad={...}), or {} when none does."""
+def declared_pad(args) -> tuple:
+    """(pad values, pad buckets) the first --variant declaring pad={...} gives (its pad_buckets
+    too, where set), or ({}, ()) when none does."""
     for item in args.variant:
+        opts = {}
         for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]):
             key, _, value = kv.partition("=")
-            if key.strip() == "pad":
-                return yaml.safe_load(value) or {}
-    return {}
+            opts[key.strip()] = value
+        if "pad" in opts:
+            return yaml.safe_load(opts["pad"]) or {}, tuple(yaml.safe_load(opts.get("pad_buckets", "[]")) or ())
+    return {}, ()
 
 
-def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30) -> dict:
+def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30, pad_buckets=()) -> dict:
     """The artifact alone at the served batch size, inputs already on the device, over the
     named-dimension sizes the run sends (`sizes`: one dict per distinct request; every batch of
     one size, as a server grouping equal lengths would run it): per size a plain call and, where
@@ -223,7 +226,7 @@ def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30)
 
     model = load_artifact(spec, Placement(device.type, device.index), parse_config({}))
     b = max(spec.batch_min, min(batch, spec.batch_max))
-    plan = PadPlan.of(spec, pad) if spec.dims else None
+    plan = PadPlan.of(spec, pad, pad_buckets) if spec.dims else None
     capturable = device.type == "cuda" and graphs.why_not_capturable(kind_of(spec), spec, plan) is None
     stream = torch.cuda.Stream(device) if capturable else None
     pool = torch.cuda.graph_pool_handle() if capturable else None
@@ -636,7 +639,8 @@ def main(argv=None):
         raise SystemExit("bench_e2e: the artifact was compiled for CUDA and this machine has no GPU")
     device = torch.device("cuda:0" if n_gpu else "cpu")
     bodies, refs, tol, sizes = references(args, spec, device)
-    one = gpu_limit(spec, device, args.batch_size, sizes, declared_pad(args))
+    pad, pad_buckets = declared_pad(args)
+    one = gpu_limit(spec, device, args.batch_size, sizes, pad, pad_buckets=pad_buckets)
     sets = device_sets(args, n_gpu)
     limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}
     torch.cuda.empty_cache() if n_gpu else None

@@ -228,3 +228,18 @@ def test_gpu_limit_weights_each_length_by_how_often_the_run_sends_it(artifacts):
     mean = (by[8] + 2 * by[60]) / 3
     assert got["mean_batch_ms"] == pytest.approx(mean, rel=1e-3)
     assert got["img_s"] == pytest.approx(4 / mean * 1e3, rel=1e-2)
+
+
+def test_declared_pad_reads_the_first_padding_variant_with_its_buckets():
+    import argparse
+
+    from scripts.bench_e2e import declared_pad
+
+    def args(*variants):
+        return argparse.Namespace(variant=list(variants))
+
+    assert declared_pad(args()) == ({}, ())
+    assert declared_pad(args("nographs:cuda_graphs=off")) == ({}, ())
+    assert declared_pad(args("pad:pad={input_ids: 0, attention_mask: 0}")) == ({"input_ids": 0, "attention_mask": 0}, ())
+    assert declared_pad(args("x:cuda_sync=spin", "pb:pad={ids: 1},pad_buckets=[16, 64]",
+                             "later:pad={ids: 2}")) == ({"ids": 1}, (16, 64))

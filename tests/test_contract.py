@@ -149,6 +149,12 @@ def test_handler_options_add_tighten_and_switch_off_checks():
     with pytest.raises(RequestError, match="nan at position \\[0, 1\\]"):
         finite.check({"x": torch.tensor([[1.0, float("nan")]])})
     ValueContract.of(floats, parse_config({})).check({"x": torch.tensor([[float("inf"), 0.0]])})
+    # a range on a floating-point input compares the values themselves, never truncated
+    unit = ValueContract.of(floats, parse_config({"handler": {"value_ranges": {"x": [0, 1]}}}))
+    unit.check({"x": torch.tensor([[0.0, 1.0]])})
+    for bad in ([[1.5, 0.5]], [[0.5, -0.5]], [[0.9, 1.9]]):
+        with pytest.raises(RequestError, match="from 0 to 1"):
+            unit.check({"x": torch.tensor(bad)})
 
 
 def test_value_check_agrees_with_a_plain_loop_on_random_batches():
@@ -337,3 +343,31 @@ def test_pad_along_an_inner_axis_equals_filling_and_copying():
         want = torch.full((2, 2, target["S"], 3), -1.5)
         want[:, :, :n] = req["emb"]
         assert torch.equal(plan.pad(req, target)["emb"], want)
+
+
+def test_pad_targets_keep_own_buckets_where_merged_runs_meet_in_a_call_of_unknown_cost():
+    """Two named dimensions: the cheapest split may send two runs to one target, which then run
+    as one call; where that call has no known cost (no graph) each request keeps its own buckets."""
+    from handlers.batch import PadPlan
+
+    spec = ArtifactSpec("export", "m", "", "cpu",
+                        (TensorSpec("a", "int64", (None, "S")), TensorSpec("b", "int64", (None, "T"))),
+                        (TensorSpec("y", "float32", (None,)),), "dict", 1, 8, torch.__version__,
+                        dims={"S": (1, 4), "T": (1, 2)})
+    plan = PadPlan.of(spec, {"a": 0, "b": 0})
+    sizes = [{"S": 2, "T": 2}, {"S": 4, "T": 1}, {"S": 4, "T": 2}, {"S": 4, "T": 2}]
+    got = plan.targets(sizes, [1, 1, 1, 1], lambda rows, at: 1.0 if rows <= 2 else None)
+    assert got == sizes
+    # where the meeting call is priced, the merge stands: one call at the largest buckets
+    assert plan.targets(sizes, [1, 1, 1, 1], lambda rows, at: 1.0) == [{"S": 4, "T": 2}] * 4
+
+
+def test_a_dimension_no_input_carries_is_not_padded():
+    from handlers.batch import PadPlan
+
+    spec = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("ids", "int64", (None, "S")),),
+                        (TensorSpec("y", "float32", (None, "U")),), "dict", 1, 8, torch.__version__,
+                        dims={"S": (1, 16), "U": (1, 4)})
+    plan = PadPlan.of(spec, {"ids": 0})
+    assert plan.buckets == {"S": [1, 2, 4, 8, 16]}
+    assert plan.targets([{"S": 3}, {"S": 9}], [1, 1], lambda rows, at: 1.0) == [{"S": 16}] * 2
