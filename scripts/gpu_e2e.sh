@@ -45,7 +45,7 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
   [ -f "$W/$dir/artifact.json" ] || { $PY -m scripts.compile "$@" --backend aoti --precision fp16 --device cuda \
     --out "$W/$dir" & pids+=($!); }
 }
-need r50 $R50
+case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*) need r50 $R50 ;; esac
 case " $PARTS " in *" text "*|*" start "*) need text $TEXT --dynamic-batch 1:64 ;; esac
 case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
