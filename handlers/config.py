@@ -88,7 +88,8 @@ class HandlerConfig:
     # in the dimension's range and its maximum) so texts of different lengths share one call
     # (several buckets share the largest one's call where the runner knows that is cheaper:
     # CUDA graphs timed at capture); outputs with the dimension are cut back to each request's
-    # own length. Empty: never pad.
+    # own length. The worker checks at load that padding leaves answers unchanged
+    # (handlers/run/padding.py) and refuses to load where it does not. Empty: never pad.
     pad: dict = field(default_factory=dict)
     pad_buckets: tuple = ()
 

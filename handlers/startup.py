@@ -20,6 +20,7 @@ from handlers.batch import warmup_sizes
 from handlers.config import parse_config
 from handlers.errors import LoadError
 from handlers.run import runner_for
+from handlers.run.padding import verify_padding
 from handlers.torchserve import frontend_frames, scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
@@ -106,6 +107,8 @@ def start(context, metric, serving, handle) -> Worker:
     worker = Worker(config=config, spec=spec, limits=Limits.of(config, spec), model=model,
                     runner=runner_for(model, spec, placement.torch_device, config),
                     device=placement.torch_device, stages=StageTimes(metric, config.stage_metrics_s))
+    # declared padding must leave answers unchanged before any client's request is padded
+    pad_note = verify_padding(model, worker.runner, spec, placement.torch_device) if worker.runner.pad else ""
     steps.done("load")
     serving(worker)
     if config.warmup:
@@ -118,7 +121,7 @@ def start(context, metric, serving, handle) -> Worker:
         worker.stages.reset()  # the gauges' first means are the clients' batches
         steps.done("request-path warm-up")
     reader = frontend_frames.install(config.buffered_reader)
-    _log_loaded(worker, placement, budget, probe_note, graphs_note, sync_why, reader, steps)
+    _log_loaded(worker, placement, budget, (probe_note, graphs_note, pad_note), sync_why, reader, steps)
     metric("ArtifactLoadTime", sum(steps.times.get(k, 0.0) for k in ("variant", "trial load", "load")) * 1000.0)
     metric("ArtifactWarmupTime", sum(steps.times.get(k, 0.0) for k in ("warm-up", "CUDA graphs",
                                                                        "request-path warm-up")) * 1000.0)
@@ -126,8 +129,10 @@ def start(context, metric, serving, handle) -> Worker:
     return worker
 
 
-def _log_loaded(worker, placement, budget, probe_note, graphs_note, sync_why, reader, steps) -> None:
+def _log_loaded(worker, placement, budget, notes, sync_why, reader, steps) -> None:
+    """The load line; `notes`: the trial load's, the CUDA graphs' and the padding check's."""
     spec, runner = worker.spec, worker.runner
+    probe_note, graphs_note, pad_note = notes
     cc = (".".join(map(str, torch.cuda.get_device_capability(worker.device)))
           if placement.kind == "cuda" else None)
     logger.info(
@@ -138,7 +143,7 @@ def _log_loaded(worker, placement, budget, probe_note, graphs_note, sync_why, re
         steps.describe(), probe_note, ", ".join(s.describe() for s in spec.inputs),
         spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), budget.describe(),
         graphs_note, runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
-        worker.limits.values.describe() + (f"; padding {runner.pad.describe()}" if runner.pad else ""),
+        worker.limits.values.describe() + (f"; padding {runner.pad.describe()}, {pad_note}" if runner.pad else ""),
         reader)
     logger.info("process-wide changes: %s", process.describe())
 

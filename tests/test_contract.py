@@ -371,3 +371,38 @@ def test_a_dimension_no_input_carries_is_not_padded():
     plan = PadPlan.of(spec, {"ids": 0})
     assert plan.buckets == {"S": [1, 2, 4, 8, 16]}
     assert plan.targets([{"S": 3}, {"S": 9}], [1, 1], lambda rows, at: 1.0) == [{"S": 16}] * 2
+
+
+def test_declared_padding_is_checked_at_load_and_refused_where_it_changes_answers():
+    """handlers/run/padding.py: a model that masks padded positions passes (the note says so);
+    one that averages every position, padding included, fails the load naming the output, the
+    sizes and the fix: its padded answers would be silently wrong."""
+    from handlers.artifact.kinds import LoadedModel
+    from handlers.run import runner_for
+    from handlers.run.padding import trial_sizes, verify_padding
+
+    spec = _text_spec({"S": (4, 64)})
+    cfg = parse_config({"handler": {"pad": {"ids": 0, "mask": 0}}})
+
+    def masked(ids, mask):
+        keep = mask.float()
+        return {"pooled": (ids.float() * keep).sum(1) / keep.sum(1)}
+
+    def unmasked(ids, mask):
+        return {"pooled": ids.float().mean(1)}
+
+    runner = runner_for(LoadedModel(masked, spec, torch.device("cpu"), "test"), spec, torch.device("cpu"), cfg)
+    assert trial_sizes(runner.pad, spec.dims) == [{"S": 5}, {"S": 33}]  # padded to 8 and to 64
+    note = verify_padding(LoadedModel(masked, spec, torch.device("cpu"), "test"), runner, spec, torch.device("cpu"))
+    assert note == "padding checked (2 trials: answers unchanged)"
+    bad = LoadedModel(unmasked, spec, torch.device("cpu"), "test")
+    runner = runner_for(bad, spec, torch.device("cpu"), cfg)
+    with pytest.raises(LoadError) as e:
+        verify_padding(bad, runner, spec, torch.device("cpu"))
+    assert "padding changes this model's answers: output 'pooled' differs by" in e.value.message
+    assert "sizes {'S': 5} padded to {'S': 8}" in e.value.message and "remove handler.pad" in e.value.message
+    # a mask padded with 1 (keep) instead of 0 makes the masking model read the padding too
+    ones = parse_config({"handler": {"pad": {"ids": 0, "mask": 1}}})
+    model = LoadedModel(masked, spec, torch.device("cpu"), "test")
+    with pytest.raises(LoadError, match="give the mask input the value that marks padding"):
+        verify_padding(model, runner_for(model, spec, torch.device("cpu"), ones), spec, torch.device("cpu"))

@@ -209,4 +209,6 @@ def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
 
 
 def test_padding_is_announced_in_the_load_line(user_server):
-    assert "padding D1 to [8, 32, 64]" in user_server.log()
+    """Announced with the load-time check that padding leaves this masked model's answers alone
+    (handlers/run/padding.py)."""
+    assert "padding D1 to [8, 32, 64], padding checked (2 trials: answers unchanged)" in user_server.log()
