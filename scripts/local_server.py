@@ -139,12 +139,14 @@ class LocalTorchServe:
         return p.read_text(errors="replace") if p.exists() else ""
 
     def stop(self):
-        stop_server(self.proc, self.store)
+        stop_server(self.proc, self.store, self.workdir)
 
 
-def stop_server(proc, store) -> None:
+def stop_server(proc, store, workdir=None) -> None:
     """SIGTERM to the server's process group, SIGKILL if it lingers; the model workers are
-    Python children of the Java frontend, found by the model store on their command line."""
+    Python children of the Java frontend, found by the model store on their command line, and
+    the frontend by its config file (it can outlive the `torchserve` launcher, whose exit
+    would otherwise skip the group: seen as a frontend left running after the test suite)."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -154,4 +156,6 @@ def stop_server(proc, store) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    if workdir is not None:
+        subprocess.run(["pkill", "-9", "-f", f"{workdir}/config.properties"], capture_output=True)
     subprocess.run(["pkill", "-9", "-f", f"model-store {store}"], capture_output=True)

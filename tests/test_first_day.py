@@ -141,3 +141,25 @@ def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
     finally:
         ours.stop()
         other.stop()
+
+
+def test_stopping_a_server_whose_launcher_died_stops_its_frontend(tmp_path):
+    """The Java frontend can outlive the `torchserve` launcher (killed here); stop() still ends
+    it, found by its config file: no server is left running after the suite."""
+    (tmp_path / "store").mkdir()
+    ts = LocalTorchServe(tmp_path / "ts", tmp_path / "store", {})
+    try:
+        ts.keys  # the frontend is up
+        frontend = subprocess.run(["pgrep", "-f", f"{tmp_path / 'ts'}/config.properties.*ModelServer|"
+                                   f"ModelServer.*{tmp_path / 'ts'}/config.properties"],
+                                  capture_output=True, text=True).stdout.split()
+        assert frontend, "no Java frontend found by its config file"
+        os.kill(ts.proc.pid, 9)  # the launcher only: the frontend keeps running
+        ts.proc.wait(10)
+        assert all(os.path.exists(f"/proc/{p}") for p in frontend)
+    finally:
+        ts.stop()
+    deadline = time.time() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in frontend) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") for p in frontend), "the frontend outlived stop()"
