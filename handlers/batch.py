@@ -171,11 +171,14 @@ def _cheapest_runs(keys: list, rows: list, cost):
     """{key: the key its run is padded to} for the split of the sorted `keys` (with `rows` rows
     each) into contiguous runs of least total `cost(rows, run's elementwise-largest key)`, or
     None when no split has a known cost."""
+    def largest(run):  # elementwise over the run's keys
+        return tuple(map(max, *run)) if len(run) > 1 else run[0]
+
     n = len(keys)
     best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j):  # earlier i first: on equal cost the longer run (fewer calls) stays
-            c = cost(sum(rows[i:j]), tuple(map(max, *keys[i:j])) if j - i > 1 else keys[i])
+            c = cost(sum(rows[i:j]), largest(keys[i:j]))
             if c is not None and best[i] + c < best[j]:
                 best[j], cut[j] = best[i] + c, i
     if best[n] == math.inf:
@@ -183,8 +186,7 @@ def _cheapest_runs(keys: list, rows: list, cost):
     out, j = {}, n
     while j > 0:
         i = cut[j]
-        at = tuple(map(max, *keys[i:j])) if j - i > 1 else keys[i]
-        out.update((k, at) for k in keys[i:j])
+        out.update((k, largest(keys[i:j])) for k in keys[i:j])
         j = i
     return out
 

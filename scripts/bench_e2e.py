@@ -134,23 +134,11 @@ def one_request(spec, args, g) -> dict:
     """One row of every input: floats random normal, integers inside their valid values (the
     value contract's range, else 0..99), mask inputs all ones (a request carries exactly its own
     length), named dimensions drawn from --lengths."""
-    import torch
+    from handlers.run.padding import random_request
 
     sizes = draw_lengths(args.lengths, spec.dims, g)
     masks = set(args.mask_inputs.split(",")) if args.mask_inputs else {s.name for s in spec.inputs if "mask" in s.name}
-    out = {}
-    for s in spec.inputs:
-        shape, dtype = s.concrete(1, sizes), getattr(torch, s.dtype)
-        if s.name in masks:
-            out[s.name] = torch.ones(shape, dtype=dtype)
-        elif dtype.is_floating_point:
-            out[s.name] = torch.randn(shape, generator=g).to(dtype)
-        elif dtype == torch.bool:
-            out[s.name] = torch.rand(shape, generator=g) > 0.5
-        else:
-            lo, hi = s.value_range or (0, 99)
-            out[s.name] = torch.randint(lo, min(hi, lo + 1_000_000) + 1, shape, generator=g).to(dtype)
-    return out
+    return random_request(spec, sizes, g, masks, span=1_000_000)
 
 
 def references(args, spec, device):

@@ -63,7 +63,7 @@ class GraphBucket:
     inputs: list  # persistent device inputs, (rows, ...) each
     outputs: dict  # output name -> device tensor the replay overwrites
     sizes: tuple = ()  # the named-dimension sizes captured at, as sorted (name, size) pairs
-    replay_ms: Optional[float] = None  # one replay's GPU time, timed at capture
+    replay_ms: Optional[float] = None  # one replay's GPU time, timed at capture (named dimensions only)
 
 
 def _static_inputs(spec, rows: int, device, sizes: Optional[dict] = None) -> list:
@@ -212,5 +212,6 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
             problem = first_difference(model, bucket, stream, seed=rows)
             if problem:
                 raise RuntimeError(problem)
-        bucket.replay_ms = replay_ms(bucket, stream)
+        if spec.dims:  # read only to plan padding across length buckets (batch.PadPlan.targets)
+            bucket.replay_ms = replay_ms(bucket, stream)
     return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims))

@@ -27,13 +27,16 @@ def trial_sizes(plan, dims: dict) -> list:
     return out
 
 
-def random_request(spec, sizes: dict, g: torch.Generator) -> dict:
+def random_request(spec, sizes: dict, g: torch.Generator, masks=None, span: int = 999) -> dict:
     """One row of every input at `sizes`: floats random normal, integers inside their value
-    range (at most 1000 values from its low end), inputs named like a mask all ones."""
+    range (else 0..99; at most `span` + 1 values from its low end), the inputs in `masks`
+    (default: those named like a mask) all ones, so a request carries exactly its own length."""
+    if masks is None:
+        masks = {s.name for s in spec.inputs if "mask" in s.name.lower()}
     out = {}
     for s in spec.inputs:
         shape, dtype = s.concrete(1, sizes), getattr(torch, s.dtype)
-        if "mask" in s.name.lower():
+        if s.name in masks:
             out[s.name] = torch.ones(shape, dtype=dtype)
         elif dtype.is_floating_point:
             out[s.name] = torch.randn(shape, generator=g).to(dtype)
@@ -41,7 +44,7 @@ def random_request(spec, sizes: dict, g: torch.Generator) -> dict:
             out[s.name] = torch.rand(shape, generator=g) > 0.5
         else:
             lo, hi = s.value_range or (0, 99)
-            out[s.name] = torch.randint(lo, min(hi, lo + 999) + 1, shape, generator=g).to(dtype)
+            out[s.name] = torch.randint(lo, min(hi, lo + span) + 1, shape, generator=g).to(dtype)
     return out
 
 
