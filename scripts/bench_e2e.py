@@ -23,7 +23,7 @@ time, loopback only) sending one-row safetensors requests. Every answer is compa
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
 Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
-(`python -m scripts.bench_e2e --replot OUT.json` draws the PNG again from the JSON).
+(`python -m scripts.bench_e2e --replot OUT.json` writes the Markdown and the PNG again from the JSON).
 """
 from __future__ import annotations
 
@@ -91,6 +91,9 @@ def parse_args(argv):
     p.add_argument("--ts-config", action="append", default=[], metavar="KEY=VALUE",
                    help="a line added to the shipped config.properties of every server in the run "
                         "(e.g. number_of_netty_threads=8); the command records it")
+    p.add_argument("--spy", type=int, default=0, metavar="RATE",
+                   help="sample TorchServe's workers with py-spy at RATE per second during each point's "
+                        "measured window: their time per request by stage (scripts/worker_spy.py)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     args = p.parse_args(argv)
     for line in args.ts_config:
@@ -415,7 +418,8 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         # the run falls on every handler alike.
         for model, clients in (plan if r % 2 == 0 else plan[::-1]):
             res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
-                            clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes)
+                            clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes,
+                            args.spy)
             res.update(handler=model, gpus=n, workers=workers, clients=clients, round=r)
             print(json.dumps(res), flush=True)
             rounds.setdefault((model, clients), []).append(res)
@@ -532,6 +536,7 @@ def write_markdown(path: Path, result: dict):
     lines += [f"| {r['handler']} | {r['gpus']} | {r['clients']} | {r['req_s']} | {r['vs_stock']} | "
               f"{r['vs_stock_aoti']} | {r['vs_transport']} | {r['vs_gpu_limit']} |" for r in s.get("variants", [])]
     lines += _cores_table(result["points"])
+    lines += _spy_table(result["points"])
     if s["thread_budget"]:
         lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
         lines += [f"- {r}" for r in s["thread_budget"]]
@@ -548,6 +553,30 @@ def write_markdown(path: Path, result: dict):
                   f"{r['first_over_steady']} | {r.get('after_idle_median_ms', '-')} | "
                   f"{r.get('after_idle_over_steady', '-')} |" for r in result["first_requests"]]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _spy_table(points: list) -> list:
+    """The workers' time per request by stage (--spy; scripts/worker_spy.py), a column per point,
+    beside the workers' CPU per request from /proc."""
+    rows = [p for p in points if p.get("spy")]
+    if not rows:
+        return []
+    stages = list(dict.fromkeys(k for p in rows for k in p["spy"]["stages"]))
+    head = [f"{p['handler']} {p['clients']}c" for p in rows]
+    out = ["", "Where the workers' time went (py-spy samples of every worker during the measured window, "
+           "first round; microseconds of worker time per request; py-spy leaves out time a worker "
+           "sleeps in the OS; the /proc row is the workers' CPU per request from the table above):", "",
+           "| stage | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for stage in stages:
+        out.append(f"| {stage} | " + " | ".join(str(p["spy"]["stages"].get(stage, 0.0)) for p in rows) + " |")
+    out.append("| all sampled | " + " | ".join(str(p["spy"]["us_per_request"]) for p in rows) + " |")
+    cpu = [round(p["cpu_cores"]["workers"] / p["req_s"] * 1e6, 1) if p.get("cpu_cores") and p["req_s"] else "-"
+           for p in rows]
+    out.append("| workers' CPU (/proc) | " + " | ".join(map(str, cpu)) + " |")
+    for p in rows:
+        own = ", ".join(f"`{k}` {v}" for k, v in p["spy"]["top_own"][:8])
+        out.append(f"\n- {p['handler']} {p['clients']}c, most own time (us/request): {own}")
+    return out
 
 
 def _cores_table(points: list) -> list:
@@ -612,9 +641,11 @@ def plot(path: Path, result: dict):
 def main(argv=None):
     from_cli = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--replot"]:  # the plot again from a results JSON this script wrote
+    if argv[:1] == ["--replot"]:  # the Markdown and plot again from a results JSON this script wrote
         path = Path(argv[1])
-        plot(path.with_suffix(".png"), json.loads(path.read_text()))
+        result = json.loads(path.read_text())
+        write_markdown(path.with_suffix(".md"), result)
+        plot(path.with_suffix(".png"), result)
         return 0
     args = parse_args(argv)
     import torch

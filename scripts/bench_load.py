@@ -21,7 +21,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
-from scripts import cpu_usage
+from scripts import cpu_usage, worker_spy
 
 HEADERS = {"Content-Type": "application/x-safetensors"}
 
@@ -164,8 +164,11 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
     queue.put(results)
 
 
-def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0) -> dict:
-    """One measurement. check: (refs per body, tol) or None. Returns the point's figures."""
+def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0,
+              spy_rate=0) -> dict:
+    """One measurement. check: (refs per body, tol) or None. spy_rate: also sample TorchServe's
+    workers with py-spy at this rate during the measured window (scripts/worker_spy.py).
+    Returns the point's figures."""
     # half the cores this process may run on at most: each process is one interpreter lock, and
     # the server needs the rest
     procs = processes or max(1, min(clients, len(os.sched_getaffinity(0)) // 2))
@@ -183,6 +186,7 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     # where the host's cores went during the measured window (the clients' own clock)
     time.sleep(max(0.0, t_warm - time.time()))
     before = cpu_usage.snapshot()
+    spies = worker_spy.start(seconds - 1, spy_rate) if spy_rate else None
     time.sleep(max(0.0, t_end - time.time()))
     cores = cpu_usage.usage(before, cpu_usage.snapshot())
     rows = []
@@ -190,7 +194,10 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
         rows += queue.get(timeout=seconds + warmup + 300)
     for w in workers:
         w.join()
-    return {**summarize(rows, seconds, check is not None), "cpu_cores": cores}
+    out = {**summarize(rows, seconds, check is not None), "cpu_cores": cores}
+    if spies is not None:
+        out["spy"] = worker_spy.finish(spies, out["req_s"])
+    return out
 
 
 def first_request(url, path, token, body, check, steady=20, idle_seconds=2.0, idle_repeats=5) -> dict:

@@ -27,6 +27,12 @@
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
+#   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps}_<tag>  small models at 64 clients, ours and echo
+#                               (text: ours_pad too) with 6 workers, 12 workers, batch 16 on 3
+#                               workers, and 6 workers under CUDA MPS (daemon started and stopped)
+#   spy_{mlp,resnet50,text_encoder}_fp16_<tag>  ours and echo at 1 and 64 clients with py-spy on
+#                               every worker (--spy): the workers' time per request by stage, in
+#                               the server under load (needs py-spy: PYSPY or on PATH)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # measures every point that often, every other round in reverse order (default 2; 1 for mlp).
 set -euo pipefail
@@ -45,9 +51,9 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
   [ -f "$W/$dir/artifact.json" ] || { $PY -m scripts.compile "$@" --backend aoti --precision fp16 --device cuda \
     --out "$W/$dir" & pids+=($!); }
 }
-case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*) need r50 $R50 ;; esac
-case " $PARTS " in *" text "*|*" start "*) need text $TEXT --dynamic-batch 1:64 ;; esac
-case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*) need r50 $R50 ;; esac
+case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*) need text $TEXT --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
@@ -107,9 +113,36 @@ for part in $PARTS; do
               --out "$RESULTS/e2e_mlp_fp16_reader_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
               --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,echo \
               --variant tsreader:buffered_reader=false ;;
+    spy) SPY="--gpus 1 --clients 1,64 --seconds 6 --batch-size $BATCH --workers-per-gpu $WORKERS \
+           --max-batch-delay $DELAY --handlers ours,echo --spy 250 --rounds 1"
+         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SPY \
+           --out "$RESULTS/spy_mlp_fp16_$TAG"
+         $E2E --artifact "$W/r50" $SPY --out "$RESULTS/spy_resnet50_fp16_$TAG"
+         $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SPY \
+           --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
+           --out "$RESULTS/spy_text_encoder_fp16_$TAG" ;;
+    small) for setting in "w6:8:6" "w12:8:12" "b16w3:16:3" "mps:8:6"; do
+             IFS=: read -r name batch workers <<< "$setting"
+             SMALL="--gpus 1 --clients 64 --seconds 6 --max-batch-delay $DELAY --handlers ours,echo \
+               --batch-size $batch --workers-per-gpu $workers"
+             if [ "$name" = mps ]; then
+               export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
+               mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+               nvidia-cuda-mps-control -d
+             fi
+             $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SMALL \
+               --out "$RESULTS/e2e_mlp_fp16_${name}_$TAG" || true
+             $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SMALL \
+               --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
+               --out "$RESULTS/e2e_text_encoder_fp16_${name}_$TAG" || true
+             if [ "$name" = mps ]; then
+               echo quit | nvidia-cuda-mps-control
+               unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+             fi
+           done ;;
     profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile, reader)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile, reader, spy, small)"; exit 2 ;;
   esac
 done

@@ -96,3 +96,17 @@ def test_warmup_sizes():
     assert len(warmup_sizes(1, 1024)) <= 5 and warmup_sizes(1, 1024)[-1] == 1024
     with pytest.raises(ValueError, match="outside"):
         warmup_sizes(1, 8, (16,))
+
+
+def test_one_piece_upload_of_several_requests_converts_dtypes():
+    """Several request blocks in one piece go into pinned memory by one torch.cat; a block of
+    another dtype than the buffer takes the per-block copy, which converts it."""
+    s = StagingBuffers(pinned=False)
+    same = [torch.full((1, 3), float(i)) for i in range(3)]
+    dev = torch.empty(4, 3)
+    upload(s, "x", same, dev, piece_bytes=0)
+    assert torch.equal(dev[:3], torch.cat(same)) and not dev[3:].any()
+    mixed = [torch.ones(1, 3, dtype=torch.float64), torch.full((2, 3), 2.0)]
+    dev = torch.empty(3, 3)
+    upload(s, "x", mixed, dev, piece_bytes=0)
+    assert dev.dtype == torch.float32 and torch.equal(dev, torch.tensor([[1.0] * 3, [2.0] * 3, [2.0] * 3]))
