@@ -13,7 +13,7 @@
 #                               against handlers/torchserve/frontend_frames.py (CPU ms per batch, no GPU)
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
-#   e2e_resnet50_fp16_check_<tag>  one GPU, 64 clients, ours/stock/echo and ours with cuda_sync=spin
+#   e2e_resnet50_fp16_check_<tag>  one GPU, 1 and 64 clients, ours/stock/echo and ours with cuda_sync=block
 #                               (auto blocks with 6 workers per GPU): a short check of a revision
 #   cpu_per_call_resnet50_fp16_<tag>  handle() on 1 and 8 one-row requests: wall and CPU ms per call,
 #                               blocking and spinning (what a worker takes from the host's cores)
@@ -21,8 +21,9 @@
 #                               without and then with CUDA MPS (the control daemon started for the
 #                               second run and stopped after it; the workers inherit its pipe directory)
 #   e2e_text_encoder_fp16_<tag>  text encoder, lengths 16..128 per request: ours, ours_pad (padding
-#                               to length buckets), stock eager, stock_aoti (same package), echo
-#   e2e_mlp_fp16_<tag>          small MLP: ours, ours_hybrid, ours_spin, stock, stock_aoti, echo
+#                               to length buckets; ours_padblock: and cuda_sync=block), stock eager,
+#                               stock_aoti (same package), echo
+#   e2e_mlp_fp16_<tag>          small MLP: ours, ours_block (cuda_sync=block), stock_aoti, echo
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
@@ -78,9 +79,9 @@ for part in $PARTS; do
               --device cuda --out "$W/r50ep"
             $PY -m scripts.bench --artifact "$W/r50ep" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
               --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
-    check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 64 \
+    check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 1,64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
-            --handlers ours,stock,echo --variant spin:cuda_sync=spin ;;
+            --handlers ours,stock,echo --variant block:cuda_sync=block ;;
     mps) MPS="$E2E --artifact $W/r50 --gpus 1 --clients 64 --seconds 8 --batch-size $BATCH \
             --workers-per-gpu $WORKERS --max-batch-delay $DELAY --handlers ours,stock,echo"
          $MPS --out "$RESULTS/e2e_resnet50_fp16_shipped_$TAG"
@@ -96,13 +97,14 @@ for part in $PARTS; do
           $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --rounds 1 --artifact "$W/text" \
             --out "$RESULTS/e2e_text_encoder_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
-            --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" ;;
+            --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
+            --variant "padblock:pad={input_ids: 0, attention_mask: 0},cuda_sync=block" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
-         # ours (cuda_sync=auto) against the hybrid and spin waits
+         # ours (cuda_sync=auto: hybrid with 6 workers) against the blocking wait
          $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
-           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
-           --variant hybrid:cuda_sync=hybrid --variant spin:cuda_sync=spin ;;
+           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock_aoti,echo \
+           --variant block:cuda_sync=block ;;
     start) for m in r50:resnet50 text:text_encoder; do
              $PY -m scripts.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
