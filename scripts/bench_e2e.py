@@ -570,7 +570,8 @@ def _spy_table(points: list) -> list:
     for stage in stages:
         out.append(f"| {stage} | " + " | ".join(str(p["spy"]["stages"].get(stage, 0.0)) for p in rows) + " |")
     out.append("| all sampled | " + " | ".join(str(p["spy"]["us_per_request"]) for p in rows) + " |")
-    cpu = [round(p["cpu_cores"]["workers"] / p["req_s"] * 1e6, 1) if p.get("cpu_cores") and p["req_s"] else "-"
+    cpu = [p["spy"].get("workers_cpu_us_per_request") or
+           (round(p["cpu_cores"]["workers"] / p["req_s"] * 1e6, 1) if p.get("cpu_cores") and p["req_s"] else "-")
            for p in rows]
     out.append("| workers' CPU (/proc) | " + " | ".join(map(str, cpu)) + " |")
     for p in rows:

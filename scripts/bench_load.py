@@ -197,6 +197,8 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     out = {**summarize(rows, seconds, check is not None), "cpu_cores": cores}
     if spies is not None:
         out["spy"] = worker_spy.finish(spies, out["req_s"])
+        if cores and out["req_s"]:  # the same workers' CPU per request from /proc, beside it
+            out["spy"]["workers_cpu_us_per_request"] = round(cores["workers"] / out["req_s"] * 1e6, 1)
     return out
 
 

@@ -178,7 +178,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
            "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
            "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,stock_aoti,echo",
            "--lengths", "uniform:4:40", "--distinct-inputs", "6",
-           "--variant", "pad:pad={input_ids: 0, attention_mask: 0}"]
+           "--variant", "pad:pad={input_ids: 0, attention_mask: 0}", "--spy", "100"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -194,6 +194,13 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
     assert "--lengths uniform:4:40" in result["command"]
+    # --spy: py-spy sampled the workers during each point; ours ran its model, the echo did not
+    spies = {p["handler"]: p["spy"] for p in result["points"]}
+    assert all(not s.get("failures") and s["processes"] >= 5 for s in spies.values()), spies
+    assert spies["ours"]["stages"].get("handler: run", 0) > 0, spies["ours"]
+    assert "handler: run" not in spies["echo"]["stages"] and spies["echo"]["us_per_request"] > 0
+    assert spies["ours"]["workers_cpu_us_per_request"] > 0
+    assert "Where the workers' time went" in out.with_suffix(".md").read_text()
     import torch
 
     from handlers.artifact.metadata import read_spec
