@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -46,7 +47,7 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?)(?::\d+)?\)$")
 
 def executable() -> str:
     """py-spy from $PYSPY, beside this Python, or on PATH; SystemExit if there is none."""
-    for path in (os.environ.get("PYSPY"), str(Path(os.sys.executable).parent / "py-spy"), shutil.which("py-spy")):
+    for path in (os.environ.get("PYSPY"), str(Path(sys.executable).parent / "py-spy"), shutil.which("py-spy")):
         if path and os.access(path, os.X_OK):
             return path
     raise SystemExit("--spy needs py-spy: pip install py-spy, or set PYSPY to its path")
@@ -78,15 +79,23 @@ def start(seconds: int, rate: int = 200, exe: str = "") -> list:
     return [(h, rate, max(1, int(seconds))) for h in handles]
 
 
+_PACKAGES = re.compile(r"/(?:site-packages|dist-packages)/(.*)$")
+_STDLIB = re.compile(r"/lib/python3\.\d+/(.*)$")
+# this project's packages, wherever they run from (TorchServe extracts an archive into a
+# directory of its own)
+_OURS = re.compile(r"(?:^|/)((?:handlers|scripts|examples)/.*)$")
+
+
 def frame_name(frame: str) -> str:
-    """`function (file:line)` -> `function (file)`, the file from its package on (ts/..., handlers/...)."""
+    """`function (file:line)` -> `function (file)`, the file from its package on (ts/...,
+    torch/..., handlers/...; the standard library's from its top)."""
     m = _FRAME.match(frame)
     if not m:
         return frame
     path = m["file"]
-    for marker in ("site-packages/", "/main/", "/lib/python3"):
-        if marker in path:
-            path = path.split(marker, 1)[1]
+    short = _PACKAGES.search(path) or _STDLIB.search(path) or _OURS.search(path)
+    if short:
+        path = short.group(1)
     return f"{m['func']} ({path})"
 
 

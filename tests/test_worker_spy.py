@@ -42,6 +42,9 @@ def test_stages_follow_the_priority_list():
 
 def test_frame_names_drop_line_numbers_and_install_prefixes():
     assert worker_spy.frame_name("f (/a/lib/python3.11/site-packages/ts/service.py:12)") == "f (ts/service.py)"
+    assert worker_spy.frame_name("info (/usr/lib/python3.12/logging/__init__.py:9)") == "info (logging/__init__.py)"
+    # an archive's copy of the handler package, extracted by TorchServe
+    assert worker_spy.frame_name("serve (/tmp/models/ab12/handlers/pipeline.py:96)") == "serve (handlers/pipeline.py)"
     assert worker_spy.frame_name("<module> (<string>:1)") == "<module> (<string>)"
     assert worker_spy.frame_name("odd") == "odd"
 
