@@ -28,9 +28,11 @@
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
-#   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps}_<tag>  small models at 64 clients, ours and echo
-#                               (text: ours_pad too) with 6 workers, 12 workers, batch 16 on 3
-#                               workers, and 6 workers under CUDA MPS (daemon started and stopped)
+#   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps,mps12}_<tag>  small models at 64 clients, ours
+#                               and echo (text: ours_pad too) with 6 workers, 12 workers, batch 16
+#                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
+#                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
+#                               picks settings (a NAME starting with mps runs under MPS)
 #   spy_{mlp,resnet50,text_encoder}_fp16_<tag>  ours and echo at 1 and 64 clients with py-spy on
 #                               every worker (--spy): the workers' time per request by stage, in
 #                               the server under load (needs py-spy: PYSPY or on PATH)
@@ -123,11 +125,11 @@ for part in $PARTS; do
          $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SPY \
            --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
            --out "$RESULTS/spy_text_encoder_fp16_$TAG" ;;
-    small) for setting in "w6:8:6" "w12:8:12" "b16w3:16:3" "mps:8:6"; do
+    small) for setting in ${SMALL:-w6:8:6 w12:8:12 b16w3:16:3 mps:8:6 mps12:8:12}; do
              IFS=: read -r name batch workers <<< "$setting"
              SMALL="--gpus 1 --clients 64 --seconds 6 --max-batch-delay $DELAY --handlers ours,echo \
                --batch-size $batch --workers-per-gpu $workers"
-             if [ "$name" = mps ]; then
+             if [[ "$name" == mps* ]]; then
                export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
                nvidia-cuda-mps-control -d
@@ -137,7 +139,7 @@ for part in $PARTS; do
              $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SMALL \
                --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
                --out "$RESULTS/e2e_text_encoder_fp16_${name}_$TAG" || true
-             if [ "$name" = mps ]; then
+             if [[ "$name" == mps* ]]; then
                echo quit | nvidia-cuda-mps-control
                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
              fi
