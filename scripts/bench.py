@@ -120,16 +120,32 @@ def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
             "first_stages_ms": {k: round(v, 4) for k, v in first_stages.items()},
             "steady_stages_ms": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 4)
                                  for k in first_stages}}
-    idle, (call, prep) = [], calls[sizes[0]]
+    idle, idle_stages, (call, prep) = [], [], calls[sizes[0]]
     for _ in range(idle_repeats):
-        time.sleep(args.idle_seconds)
+        pause(args.idle_seconds, getattr(args, "idle_spin", False))
         idle.append(timed(call, device, prep))
+        idle_stages.append(dict(rec.last))
     if idle:
         row, med = out[f"b{sizes[0]}"], statistics.median(idle)
         row.update(after_idle_median_ms=round(med, 4), idle_seconds=args.idle_seconds,
+                   idle_spin=bool(getattr(args, "idle_spin", False)),
                    after_idle_over_steady=round(med / row["steady_median_ms"], 4),
-                   first_over_after_idle=round(row["first_ms"] / med, 4))
+                   first_over_after_idle=round(row["first_ms"] / med, 4),
+                   after_idle_stages_ms={k: round(statistics.median(s.get(k, 0.0) for s in idle_stages), 4)
+                                         for k in idle_stages[0]})
     return out
+
+
+def pause(seconds: float, spin: bool) -> None:
+    """Idle for `seconds`: asleep (the core may drop into a power-saving state and its caches
+    go cold, as a worker's does between requests), or spinning on the clock (the core stays
+    busy: what is left of the after-idle cost is then not the CPU's)."""
+    if not spin:
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def load_and_time_first(args, gpu, opts, sizes, inputs):
@@ -230,11 +246,16 @@ def markdown(report: dict) -> str:
                      r.get("first_over_steady_median", "-"), r.get("steady_p90_ms", "-"),
                      r.get("after_idle_median_ms", "-"), r.get("after_idle_over_steady", "-"), *stages]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    idle = next((r["idle_seconds"] for rows in report["first_request"].values() for r in rows.values()
+    idle = next((r for rows in report["first_request"].values() for r in rows.values()
                  if "idle_seconds" in r), None)
     if idle is not None:
-        lines += ["", f"After idle: the median of calls each made after {idle:g} s without requests, "
-                  "after both first calls."]
+        how = "spinning on the clock" if idle.get("idle_spin") else "asleep"
+        lines += ["", f"After idle: the median of calls each made after {idle['idle_seconds']:g} s without "
+                  f"requests ({how}), after both first calls; their stages (decode / run / encode ms):", ""]
+        lines += [f"- {name}: " + " / ".join(str(r["after_idle_stages_ms"].get(m, "-")) for m in
+                                             ("HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime"))
+                  for name, rows in report["first_request"].items() for r in rows.values()
+                  if r.get("after_idle_stages_ms")]
     return "\n".join(lines) + "\n"
 
 
@@ -266,6 +287,8 @@ def main(argv=None):
                    help="also time a second handler with handler.cuda_graphs=off (handle_no_graphs)")
     p.add_argument("--idle-seconds", type=float, default=2.0,
                    help="pause before each after-idle call of the first-request measurement")
+    p.add_argument("--idle-spin", action="store_true",
+                   help="spin on the clock during each idle pause instead of sleeping (the CPU stays busy)")
     p.add_argument("--idle-repeats", type=int, default=5, help="after-idle calls (0: none)")
     p.add_argument("--first-loads", type=int, default=3,
                    help="fresh loads of the warmed-up handler(s) whose first requests are timed")
