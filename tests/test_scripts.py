@@ -81,6 +81,7 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
         assert b1["first_over_steady"] == pytest.approx(b1["first_ms"] / b1["steady_median_ms"], rel=1e-3)
         assert set(b1["first_stages_ms"]) == {"HandlerDecodeTime", "HandlerRunTime", "HandlerEncodeTime", "HandlerTime"}
         assert "after_idle_median_ms" not in per["b3"]
+        assert b1["idle_spin"] is False and b1["after_idle_stages_ms"]["HandlerRunTime"] > 0
         assert 0 <= b1["steady_calls_slower_than_first"] <= b1["steady_calls"] and b1["steady_p90_ms"] > 0
     # the warmed-up handler loaded twice: each load's first call, and their median
     ratios = first["warmup"]["b1"]["first_over_steady_loads"]
@@ -88,6 +89,21 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     assert first["warmup"]["b1"]["first_over_steady_median"] == pytest.approx(sum(ratios) / 2, abs=1e-3)
     assert "first request (warmup, batch 1)" in r.stdout
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_pause_sleeps_or_spins_for_the_time_asked():
+    """--idle-spin keeps the core busy through the pause (CPU time ~ wall time); asleep, it
+    takes almost no CPU time."""
+    import time
+
+    from scripts.bench import pause
+
+    for spin in (False, True):
+        w, c = time.perf_counter(), time.process_time()
+        pause(0.05, spin)
+        wall, cpu = time.perf_counter() - w, time.process_time() - c
+        assert wall >= 0.05
+        assert (cpu > 0.03) if spin else (cpu < 0.02), (spin, wall, cpu)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
