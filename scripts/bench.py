@@ -288,7 +288,8 @@ def main(argv=None):
     p.add_argument("--idle-seconds", type=float, default=2.0,
                    help="pause before each after-idle call of the first-request measurement")
     p.add_argument("--idle-spin", action="store_true",
-                   help="spin on the clock during each idle pause instead of sleeping (the CPU stays busy)")
+                   help="spin on the clock during each idle pause instead of sleeping (the core stays busy; "
+                        "the spin is Python in this thread, holding the interpreter lock)")
     p.add_argument("--idle-repeats", type=int, default=5, help="after-idle calls (0: none)")
     p.add_argument("--first-loads", type=int, default=3,
                    help="fresh loads of the warmed-up handler(s) whose first requests are timed")

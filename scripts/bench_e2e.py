@@ -23,7 +23,7 @@ time, loopback only) sending one-row safetensors requests. Every answer is compa
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
 Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
-(`python -m scripts.bench_e2e --replot OUT.json` writes the Markdown and the PNG again from the JSON).
+(`python -m scripts.bench_e2e --replot OUT.json [--markdown]` draws the PNG, and the Markdown, again from the JSON).
 """
 from __future__ import annotations
 
@@ -93,13 +93,23 @@ def parse_args(argv):
                         "(e.g. number_of_netty_threads=8); the command records it")
     p.add_argument("--spy", type=int, default=0, metavar="RATE",
                    help="sample TorchServe's workers with py-spy at RATE per second during each point's "
-                        "measured window: their time per request by stage (scripts/worker_spy.py)")
+                        "measured window of the first round: their time per request by stage "
+                        "(scripts/worker_spy.py)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
     args = p.parse_args(argv)
     for line in args.ts_config:
         if not re.fullmatch(r"[A-Za-z_][\w.]*=\S.*", line):
             p.error(f"--ts-config {line!r}: expected KEY=VALUE, a config.properties line such as "
                     "number_of_netty_threads=8")
+    args.spy_exe = ""
+    if args.spy:
+        # checked before anything starts: the samplers run inside each point's measured window,
+        # which ends a second before the window does, so it must be at least two seconds long
+        if args.seconds < 3:
+            p.error(f"--spy needs --seconds 3 or more (got {args.seconds:g})")
+        from scripts import worker_spy
+
+        args.spy_exe = worker_spy.executable()
     return args
 
 
@@ -419,7 +429,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         for model, clients in (plan if r % 2 == 0 else plan[::-1]):
             res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
                             clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes,
-                            args.spy)
+                            args.spy if r == 0 else 0, args.spy_exe)
             res.update(handler=model, gpus=n, workers=workers, clients=clients, round=r)
             print(json.dumps(res), flush=True)
             rounds.setdefault((model, clients), []).append(res)
@@ -570,6 +580,7 @@ def _spy_table(points: list) -> list:
     for stage in stages:
         out.append(f"| {stage} | " + " | ".join(str(p["spy"]["stages"].get(stage, 0.0)) for p in rows) + " |")
     out.append("| all sampled | " + " | ".join(str(p["spy"]["us_per_request"]) for p in rows) + " |")
+    out.append("| processes sampled | " + " | ".join(str(p["spy"].get("processes", "-")) for p in rows) + " |")
     cpu = [p["spy"].get("workers_cpu_us_per_request") or
            (round(p["cpu_cores"]["workers"] / p["req_s"] * 1e6, 1) if p.get("cpu_cores") and p["req_s"] else "-")
            for p in rows]
@@ -577,6 +588,8 @@ def _spy_table(points: list) -> list:
     for p in rows:
         own = ", ".join(f"`{k}` {v}" for k, v in p["spy"]["top_own"][:8])
         out.append(f"\n- {p['handler']} {p['clients']}c, most own time (us/request): {own}")
+        if p["spy"].get("failures"):  # a worker not sampled: its share of the time is missing above
+            out.append(f"- {p['handler']} {p['clients']}c: NOT ALL WORKERS SAMPLED: {'; '.join(p['spy']['failures'])}")
     return out
 
 
@@ -642,10 +655,11 @@ def plot(path: Path, result: dict):
 def main(argv=None):
     from_cli = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--replot"]:  # the Markdown and plot again from a results JSON this script wrote
+    if argv[:1] == ["--replot"]:  # the plot (and with --markdown the page) again from a results JSON
         path = Path(argv[1])
         result = json.loads(path.read_text())
-        write_markdown(path.with_suffix(".md"), result)
+        if "--markdown" in argv[2:]:  # older pages were edited by hand: rewritten only when asked
+            write_markdown(path.with_suffix(".md"), result)
         plot(path.with_suffix(".png"), result)
         return 0
     args = parse_args(argv)

@@ -165,10 +165,10 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
 
 
 def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0,
-              spy_rate=0) -> dict:
+              spy_rate=0, spy_exe="") -> dict:
     """One measurement. check: (refs per body, tol) or None. spy_rate: also sample TorchServe's
-    workers with py-spy at this rate during the measured window (scripts/worker_spy.py).
-    Returns the point's figures."""
+    workers with py-spy (`spy_exe`) at this rate during the measured window, but for its last
+    second (scripts/worker_spy.py). Returns the point's figures."""
     # half the cores this process may run on at most: each process is one interpreter lock, and
     # the server needs the rest
     procs = processes or max(1, min(clients, len(os.sched_getaffinity(0)) // 2))
@@ -186,17 +186,22 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     # where the host's cores went during the measured window (the clients' own clock)
     time.sleep(max(0.0, t_warm - time.time()))
     before = cpu_usage.snapshot()
-    spies = worker_spy.start(seconds - 1, spy_rate) if spy_rate else None
-    time.sleep(max(0.0, t_end - time.time()))
-    cores = cpu_usage.usage(before, cpu_usage.snapshot())
-    rows = []
-    for _ in workers:
-        rows += queue.get(timeout=seconds + warmup + 300)
-    for w in workers:
-        w.join()
+    spies = worker_spy.Spies(int(seconds) - 1, spy_rate, spy_exe) if spy_rate else None
+    try:
+        time.sleep(max(0.0, t_end - time.time()))
+        cores = cpu_usage.usage(before, cpu_usage.snapshot())
+        rows = []
+        for _ in workers:
+            rows += queue.get(timeout=seconds + warmup + 300)
+        for w in workers:
+            w.join()
+    except BaseException:
+        if spies is not None:
+            spies.stop()
+        raise
     out = {**summarize(rows, seconds, check is not None), "cpu_cores": cores}
     if spies is not None:
-        out["spy"] = worker_spy.finish(spies, out["req_s"])
+        out["spy"] = spies.finish(out["req_s"])
         if cores and out["req_s"]:  # the same workers' CPU per request from /proc, beside it
             out["spy"]["workers_cpu_us_per_request"] = round(cores["workers"] / out["req_s"] * 1e6, 1)
     return out

@@ -31,6 +31,8 @@ def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
         return "frontend"
     if b"model_service_worker" in cmdline:
         return "workers"
+    if b"py-spy" in cmdline:  # bench_e2e --spy's samplers: measuring, not load (counted as other)
+        return None
     if ppid == me:
         return "load_generator"
     return None

@@ -125,25 +125,33 @@ for part in $PARTS; do
          $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SPY \
            --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
            --out "$RESULTS/spy_text_encoder_fp16_$TAG" ;;
-    small) for setting in ${SMALL:-w6:8:6 w12:8:12 b16w3:16:3 mps:8:6 mps12:8:12}; do
+    small) small_failed=0
+           mps_stop() {  # quit the MPS control daemon and wait until it is gone
+             echo quit | nvidia-cuda-mps-control || true
+             while pgrep -x nvidia-cuda-mps-control >/dev/null; do sleep 0.2; done
+             unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+           }
+           for setting in ${SMALL:-w6:8:6 w12:8:12 b16w3:16:3 mps:8:6 mps12:8:12}; do
              IFS=: read -r name batch workers <<< "$setting"
-             SMALL="--gpus 1 --clients 64 --seconds 6 --max-batch-delay $DELAY --handlers ours,echo \
+             SERVE="--gpus 1 --clients 64 --seconds 6 --max-batch-delay $DELAY --handlers ours,echo \
                --batch-size $batch --workers-per-gpu $workers"
              if [[ "$name" == mps* ]]; then
                export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
                mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+               trap mps_stop EXIT  # also when the script is stopped or fails inside the setting
                nvidia-cuda-mps-control -d
              fi
-             $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SMALL \
-               --out "$RESULTS/e2e_mlp_fp16_${name}_$TAG" || true
-             $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SMALL \
+             $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SERVE \
+               --out "$RESULTS/e2e_mlp_fp16_${name}_$TAG" || small_failed=1
+             $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SERVE \
                --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
-               --out "$RESULTS/e2e_text_encoder_fp16_${name}_$TAG" || true
+               --out "$RESULTS/e2e_text_encoder_fp16_${name}_$TAG" || small_failed=1
              if [[ "$name" == mps* ]]; then
-               echo quit | nvidia-cuda-mps-control
-               unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+               mps_stop
+               trap - EXIT
              fi
-           done ;;
+           done
+           [ "$small_failed" = 0 ] || { echo "gpu_e2e.sh: a run of the small part failed (output above)" >&2; exit 1; } ;;
     profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;

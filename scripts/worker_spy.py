@@ -26,7 +26,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-# (stage, function names that mark it), in priority order. Our handler's stage functions
+# (stage, function names that mark it), in priority order; names with a class are matched as
+# py-spy 0.4.3 and later write them (Class.method). Our handler's stage functions
 # are handlers/pipeline.py's; TorchServe 0.12's are ts/model_service_worker.py, ts/service.py
 # and ts/protocol/otf_message_handler.py's.
 STAGES = (
@@ -46,7 +47,8 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?)(?::\d+)?\)$")
 
 
 def executable() -> str:
-    """py-spy from $PYSPY, beside this Python, or on PATH; SystemExit if there is none."""
+    """py-spy from $PYSPY, beside this Python, or on PATH; SystemExit if there is none (this
+    module's stage names need 0.4.3 or later, which pyproject.toml's test extra installs)."""
     for path in (os.environ.get("PYSPY"), str(Path(sys.executable).parent / "py-spy"), shutil.which("py-spy")):
         if path and os.access(path, os.X_OK):
             return path
@@ -66,17 +68,53 @@ def worker_pids() -> list:
     return pids
 
 
-def start(seconds: int, rate: int = 200, exe: str = "") -> list:
-    """Starts one py-spy per worker for `seconds`; pass what it returns to `finish`."""
-    exe = exe or executable()
-    out = Path(tempfile.mkdtemp(prefix="worker_spy_"))
-    handles = []
-    for pid in worker_pids():
-        path = out / f"{pid}.txt"
-        cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", str(rate),
-               "--nonblocking", "--format", "raw", "--output", str(path)]
-        handles.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
-    return [(h, rate, max(1, int(seconds))) for h in handles]
+class Spies:
+    """One py-spy per TorchServe worker on this host (idle workers of other models add no
+    samples: py-spy leaves out idle threads), recording for `seconds` into a directory of
+    their own; `finish` sums them and removes everything."""
+
+    def __init__(self, seconds: int, rate: int = 200, exe: str = ""):
+        self.rate, self.seconds = rate, max(1, int(seconds))
+        exe = exe or executable()
+        self.dir = Path(tempfile.mkdtemp(prefix="worker_spy_"))
+        self.procs = []
+        for pid in worker_pids():
+            path, err = self.dir / f"{pid}.txt", open(self.dir / f"{pid}.err", "wb")
+            cmd = [exe, "record", "--pid", str(pid), "--duration", str(self.seconds), "--rate", str(rate),
+                   "--nonblocking", "--format", "raw", "--output", str(path)]
+            with err:
+                self.procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)))
+
+    def finish(self, req_s: float) -> dict:
+        """Waits for the samplers and sums their samples; `req_s`: requests per second answered
+        while they sampled. Whatever happens, no sampler outlives this call."""
+        lines, failures = [], []
+        try:
+            for path, proc in self.procs:
+                try:
+                    proc.wait(timeout=self.seconds + 60)
+                except subprocess.TimeoutExpired:
+                    failures.append(f"py-spy on {path.stem} did not finish")
+                    continue
+                if path.exists():
+                    lines += path.read_text().splitlines()
+                elif proc.returncode != 0:
+                    err = path.with_suffix(".err").read_bytes().decode(errors="replace")
+                    failures.append(f"py-spy on {path.stem}: {err.strip()[-200:]}")
+        finally:
+            self.stop()
+        out = summarize(lines, self.rate, req_s * self.seconds)
+        out["processes"] = len(self.procs)
+        if failures:
+            out["failures"] = failures[:3]
+        return out
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _PACKAGES = re.compile(r"/(?:site-packages|dist-packages)/(.*)$")
@@ -133,22 +171,3 @@ def summarize(lines, rate: int, requests: float, top: int = 12) -> dict:
         "top_own": [[k, round(v * per, 2)] for k, v in own.most_common(top)],
         "top_inclusive": [[k, round(v * per, 2)] for k, v in inclusive.most_common(top * 2)],
     }
-
-
-def finish(handles: list, req_s: float) -> dict:
-    """Waits for the py-spy processes and sums their samples; `req_s`: requests per second
-    answered while they sampled."""
-    lines, failures, seconds, rate = [], [], 1, 200
-    for (path, proc), rate, seconds in handles:
-        _, err = proc.communicate(timeout=seconds + 60)
-        if proc.returncode != 0 and not path.exists():
-            failures.append(err.decode(errors="replace").strip()[-200:])
-            continue
-        if path.exists():
-            lines += path.read_text().splitlines()
-            path.unlink()
-    out = summarize(lines, rate, req_s * seconds)
-    out["processes"] = len(handles)
-    if failures:
-        out["failures"] = failures[:3]
-    return out

@@ -132,6 +132,17 @@ def test_a_process_exiting_inside_the_window_drops_out_of_its_group():
     assert got["workers"] == 1.5 and got["busiest"]["workers"] == 1.0, got  # (2 + 1) s over 2 s
 
 
+def test_py_spy_started_by_the_benchmark_is_not_load():
+    """bench_e2e --spy's samplers are children of the benchmark like the clients, but their CPU
+    is the measurement's, not load: no group (the host's "other")."""
+    from scripts.cpu_usage import _group
+
+    me = 4242
+    assert _group("7", b"/v/bin/py-spy\x00record\x00--pid\x0012", me, me) is None
+    assert _group("8", b"/v/bin/python\x00-c\x00from multiprocessing.spawn", me, me) == "load_generator"
+    assert _group("9", b"python3\x00/ts/model_service_worker.py", 1, me) == "workers"
+
+
 def test_cores_by_key_of_a_busy_process():
     """A spinning child's threads add up to about one core, all under the name of its main
     thread with the digits written as #, and its busiest thread is that one core."""
@@ -179,6 +190,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
            "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,stock_aoti,echo",
            "--lengths", "uniform:4:40", "--distinct-inputs", "6",
            "--variant", "pad:pad={input_ids: 0, attention_mask: 0}", "--spy", "100"]
+    cmd[cmd.index("--seconds") + 1] = "3.0"  # --spy samples all but the window's last second
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -194,6 +206,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     for p in result["points"]:
         assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
     assert "--lengths uniform:4:40" in result["command"]
+    assert "processes sampled" in out.with_suffix(".md").read_text()
     # --spy: py-spy sampled the workers during each point; ours ran its model, the echo did not
     spies = {p["handler"]: p["spy"] for p in result["points"]}
     assert all(not s.get("failures") and s["processes"] >= 5 for s in spies.values()), spies

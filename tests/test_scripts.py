@@ -98,12 +98,14 @@ def test_bench_pause_sleeps_or_spins_for_the_time_asked():
 
     from scripts.bench import pause
 
+    cpu = {}
     for spin in (False, True):
         w, c = time.perf_counter(), time.process_time()
-        pause(0.05, spin)
-        wall, cpu = time.perf_counter() - w, time.process_time() - c
-        assert wall >= 0.05
-        assert (cpu > 0.03) if spin else (cpu < 0.02), (spin, wall, cpu)
+        pause(0.1, spin)
+        wall, cpu[spin] = time.perf_counter() - w, time.process_time() - c
+        assert wall >= 0.1
+    # a loaded machine may preempt the spinning thread: compared with each other, not absolutes
+    assert cpu[True] > cpu[False] + 0.01 and cpu[False] < 0.02, cpu
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")

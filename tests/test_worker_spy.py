@@ -75,8 +75,8 @@ def test_samples_a_real_process(monkeypatch):
     proc = subprocess.Popen([sys.executable, "-c", code, "model_service_worker"])
     try:
         monkeypatch.setattr(worker_spy, "worker_pids", lambda: [proc.pid])
-        handles = worker_spy.start(2, rate=100, exe=exe)
-        out = worker_spy.finish(handles, req_s=10.0)  # 20 "requests" in the 2 s window
+        spies = worker_spy.Spies(2, rate=100, exe=exe)
+        out = spies.finish(req_s=10.0)  # 20 "requests" in the 2 s window
     finally:
         proc.kill()
         proc.wait()
@@ -86,3 +86,17 @@ def test_samples_a_real_process(monkeypatch):
     assert max(out["stages"], key=out["stages"].get) == "handler: admission"
     # a busy process sampled for 2 s: about 100 ms of it per "request"
     assert 50_000 < out["us_per_request"] < 110_000
+    assert not spies.dir.exists()  # the samples' directory is gone with them
+
+
+def test_a_sampler_that_cannot_attach_is_reported_and_nothing_is_left(monkeypatch, tmp_path):
+    """A py-spy that fails (here: a stand-in that exits 1 at once, as on a refused attach) is
+    named in `failures`, and its directory is removed."""
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\necho 'Permission Denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(worker_spy, "worker_pids", lambda: [12345])
+    spies = worker_spy.Spies(1, rate=100, exe=str(fake))
+    out = spies.finish(req_s=10.0)
+    assert out["processes"] == 1 and out["samples"] == 0
+    assert "Permission Denied" in out["failures"][0] and not spies.dir.exists()
