@@ -78,12 +78,16 @@ class Spies:
         exe = exe or executable()
         self.dir = Path(tempfile.mkdtemp(prefix="worker_spy_"))
         self.procs = []
-        for pid in worker_pids():
-            path, err = self.dir / f"{pid}.txt", open(self.dir / f"{pid}.err", "wb")
-            cmd = [exe, "record", "--pid", str(pid), "--duration", str(self.seconds), "--rate", str(rate),
-                   "--nonblocking", "--format", "raw", "--output", str(path)]
-            with err:
-                self.procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)))
+        try:
+            for pid in worker_pids():
+                path, err = self.dir / f"{pid}.txt", open(self.dir / f"{pid}.err", "wb")
+                cmd = [exe, "record", "--pid", str(pid), "--duration", str(self.seconds), "--rate", str(rate),
+                       "--nonblocking", "--format", "raw", "--output", str(path)]
+                with err:
+                    self.procs.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)))
+        except BaseException:  # the samplers started so far do not outlive a failed start
+            self.stop()
+            raise
 
     def finish(self, req_s: float) -> dict:
         """Waits for the samplers and sums their samples; `req_s`: requests per second answered
