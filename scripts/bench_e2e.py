@@ -429,7 +429,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         for model, clients in (plan if r % 2 == 0 else plan[::-1]):
             res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
                             clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes,
-                            args.spy if r == 0 else 0, args.spy_exe)
+                            args.spy if r == 0 else 0, args.spy_exe, server.proc.pid)
             res.update(handler=model, gpus=n, workers=workers, clients=clients, round=r)
             print(json.dumps(res), flush=True)
             rounds.setdefault((model, clients), []).append(res)

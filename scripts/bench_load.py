@@ -165,10 +165,11 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
 
 
 def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0,
-              spy_rate=0, spy_exe="") -> dict:
+              spy_rate=0, spy_exe="", spy_root=None) -> dict:
     """One measurement. check: (refs per body, tol) or None. spy_rate: also sample TorchServe's
-    workers with py-spy (`spy_exe`) at this rate during the measured window, but for its last
-    second (scripts/worker_spy.py). Returns the point's figures."""
+    workers (those descending from process `spy_root`, the server's launcher) with py-spy
+    (`spy_exe`) at this rate during the measured window, but for its last second
+    (scripts/worker_spy.py). Returns the point's figures."""
     # half the cores this process may run on at most: each process is one interpreter lock, and
     # the server needs the rest
     procs = processes or max(1, min(clients, len(os.sched_getaffinity(0)) // 2))
@@ -186,7 +187,7 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     # where the host's cores went during the measured window (the clients' own clock)
     time.sleep(max(0.0, t_warm - time.time()))
     before = cpu_usage.snapshot()
-    spies = worker_spy.Spies(int(seconds) - 1, spy_rate, spy_exe) if spy_rate else None
+    spies = worker_spy.Spies(int(seconds) - 1, spy_rate, spy_exe, spy_root) if spy_rate else None
     try:
         time.sleep(max(0.0, t_end - time.time()))
         cores = cpu_usage.usage(before, cpu_usage.snapshot())

@@ -55,31 +55,48 @@ def executable() -> str:
     raise SystemExit("--spy needs py-spy: pip install py-spy, or set PYSPY to its path")
 
 
-def worker_pids() -> list:
-    """TorchServe's Python workers on this host (their command line runs model_service_worker)."""
+def worker_pids(root=None) -> list:
+    """TorchServe's Python workers (their command line runs model_service_worker) on this host,
+    or only those descending from process `root` (one server's: its launcher's pid), so another
+    server's workers on the same host are never sampled."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"model_service_worker" in f.read():
-                    pids.append(int(pid))
-        except OSError:
+                if b"model_service_worker" not in f.read():
+                    continue
+            if root is None or _descends(int(pid), root):
+                pids.append(int(pid))
+        except OSError:  # gone meanwhile
             continue
     return pids
 
 
+def _descends(pid: int, root: int) -> bool:
+    """Whether `root` is among `pid`'s ancestors (/proc/PID/stat's 4th field is the parent; the
+    name before it, in brackets, may hold spaces, so fields start after the last ")")."""
+    for _ in range(64):
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rpartition(")")[2].split()[1])
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
 class Spies:
-    """One py-spy per TorchServe worker on this host (idle workers of other models add no
-    samples: py-spy leaves out idle threads), recording for `seconds` into a directory of
+    """One py-spy per TorchServe worker of the server whose launcher is `root` (all on the host
+    when None; idle workers of other models add no samples: py-spy leaves out idle threads), recording for `seconds` into a directory of
     their own; `finish` sums them and removes everything."""
 
-    def __init__(self, seconds: int, rate: int = 200, exe: str = ""):
+    def __init__(self, seconds: int, rate: int = 200, exe: str = "", root=None):
         self.rate, self.seconds = rate, max(1, int(seconds))
         exe = exe or executable()
         self.dir = Path(tempfile.mkdtemp(prefix="worker_spy_"))
         self.procs = []
         try:
-            for pid in worker_pids():
+            for pid in worker_pids(root):
                 path, err = self.dir / f"{pid}.txt", open(self.dir / f"{pid}.err", "wb")
                 cmd = [exe, "record", "--pid", str(pid), "--duration", str(self.seconds), "--rate", str(rate),
                        "--nonblocking", "--format", "raw", "--output", str(path)]

@@ -49,6 +49,21 @@ def test_frame_names_drop_line_numbers_and_install_prefixes():
     assert worker_spy.frame_name("odd") == "odd"
 
 
+def test_only_one_servers_workers_are_found():
+    """Workers are found by their command line, and with a root only below that process: a
+    second server's workers on the same host are left out."""
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "model_service_worker"])
+    try:
+        assert proc.pid in worker_spy.worker_pids()
+        assert proc.pid in worker_spy.worker_pids(root=os.getpid())  # our child
+        assert proc.pid not in worker_spy.worker_pids(root=proc.pid + 10**6)  # nobody's
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_no_requests_gives_zero_not_a_division_error():
     assert worker_spy.summarize(["a (f.py:1) 5"], rate=100, requests=0)["us_per_request"] == 0.0
 
@@ -74,7 +89,7 @@ def test_samples_a_real_process(monkeypatch):
     """)
     proc = subprocess.Popen([sys.executable, "-c", code, "model_service_worker"])
     try:
-        monkeypatch.setattr(worker_spy, "worker_pids", lambda: [proc.pid])
+        monkeypatch.setattr(worker_spy, "worker_pids", lambda root=None: [proc.pid])
         spies = worker_spy.Spies(2, rate=100, exe=exe)
         out = spies.finish(req_s=10.0)  # 20 "requests" in the 2 s window
     finally:
@@ -95,7 +110,7 @@ def test_a_sampler_that_cannot_attach_is_reported_and_nothing_is_left(monkeypatc
     fake = tmp_path / "py-spy"
     fake.write_text("#!/bin/sh\necho 'Permission Denied' >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(worker_spy, "worker_pids", lambda: [12345])
+    monkeypatch.setattr(worker_spy, "worker_pids", lambda root=None: [12345])
     spies = worker_spy.Spies(1, rate=100, exe=str(fake))
     out = spies.finish(req_s=10.0)
     assert out["processes"] == 1 and out["samples"] == 0
