@@ -23,7 +23,7 @@
 #   e2e_text_encoder_fp16_<tag>  text encoder, lengths 16..128 per request: ours, ours_pad (padding
 #                               to length buckets; ours_padblock: and cuda_sync=block), stock eager,
 #                               stock_aoti (same package), echo
-#   e2e_mlp_fp16_<tag>          small MLP: ours, ours_block (cuda_sync=block), stock_aoti, echo
+#   e2e_mlp_fp16_<tag>          small MLP: ours, ours_block (cuda_sync=block), stock, stock_aoti, echo
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
@@ -105,7 +105,7 @@ for part in $PARTS; do
          # ours (cuda_sync=auto: hybrid with 6 workers) against the blocking wait
          $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
-           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock_aoti,echo \
+           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant block:cuda_sync=block ;;
     start) for m in r50:resnet50 text:text_encoder; do
              $PY -m scripts.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
