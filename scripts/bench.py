@@ -122,13 +122,13 @@ def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
                                  for k in first_stages}}
     idle, idle_stages, (call, prep) = [], [], calls[sizes[0]]
     for _ in range(idle_repeats):
-        pause(args.idle_seconds, getattr(args, "idle_spin", False))
+        pause(args.idle_seconds, args.idle_spin)
         idle.append(timed(call, device, prep))
         idle_stages.append(dict(rec.last))
     if idle:
         row, med = out[f"b{sizes[0]}"], statistics.median(idle)
         row.update(after_idle_median_ms=round(med, 4), idle_seconds=args.idle_seconds,
-                   idle_spin=bool(getattr(args, "idle_spin", False)),
+                   idle_spin=args.idle_spin,
                    after_idle_over_steady=round(med / row["steady_median_ms"], 4),
                    first_over_after_idle=round(row["first_ms"] / med, 4),
                    after_idle_stages_ms={k: round(statistics.median(s.get(k, 0.0) for s in idle_stages), 4)

@@ -38,7 +38,7 @@ def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     return None
 
 
-def _stat(path: str) -> tuple:
+def read_stat(path: str) -> tuple:
     """(name, fields after the name) of a /proc/.../stat file. The name, in brackets, may itself
     hold spaces and brackets, so the fields start after the last ')'."""
     with open(path) as f:
@@ -64,7 +64,7 @@ def _threads(pid: str) -> dict:
         return threads
     for tid in tids:
         try:
-            name, fields = _stat(f"/proc/{pid}/task/{tid}/stat")
+            name, fields = read_stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
         threads[tid] = (re.sub(r"\d+", "#", name), _jiffies(fields))
@@ -95,7 +95,7 @@ def snapshot() -> Optional[dict]:
         if not pid.isdigit():
             continue
         try:
-            _, fields = _stat(f"/proc/{pid}/stat")
+            _, fields = read_stat(f"/proc/{pid}/stat")
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:  # exited while we looked

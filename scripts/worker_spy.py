@@ -26,6 +26,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from scripts import cpu_usage
+
 # (stage, function names that mark it), in priority order; names with a class are matched as
 # py-spy 0.4.3 and later write them (Class.method). Our handler's stage functions
 # are handlers/pipeline.py's; TorchServe 0.12's are ts/model_service_worker.py, ts/service.py
@@ -73,11 +75,10 @@ def worker_pids(root=None) -> list:
 
 
 def _descends(pid: int, root: int) -> bool:
-    """Whether `root` is among `pid`'s ancestors (/proc/PID/stat's 4th field is the parent; the
-    name before it, in brackets, may hold spaces, so fields start after the last ")")."""
+    """Whether `root` is among `pid`'s ancestors (/proc/PID/stat's 4th field is the parent, the
+    second after the process's name)."""
     for _ in range(64):
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rpartition(")")[2].split()[1])
+        pid = int(cpu_usage.read_stat(f"/proc/{pid}/stat")[1][1])
         if pid == root:
             return True
         if pid <= 1:
