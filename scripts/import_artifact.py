@@ -174,6 +174,7 @@ def check(spec, ep, found, device_index: int) -> float:
     from handlers.artifact.probe import crash_safe_probe
     from handlers.config import HandlerConfig
     from handlers.errors import LoadError
+    from handlers.run.padding import first_difference
 
     placement = Placement(spec.device, device_index if spec.device == "cuda" else None)
     try:
@@ -189,15 +190,15 @@ def check(spec, ep, found, device_index: int) -> float:
             want = module(*inputs)
             got = loaded(*inputs)
         want = want if isinstance(want, dict) else dict(zip(spec.output_names, want if isinstance(want, (tuple, list)) else [want]))
-        for o in spec.outputs:
-            ref, out = want[o.name].float(), got[o.name].float()
-            diff = (out - ref).abs().max().item() if ref.numel() else 0.0
-            bound = 1e-2 + 1e-2 * ref.abs().max().item() if ref.dtype in (torch.float16, torch.bfloat16) \
-                else 1e-4 + 1e-4 * (ref.abs().max().item() if ref.numel() else 0.0)
-            if diff > bound:
-                raise ImportError_(f"output {o.name!r} of the artifact differs from the program by {diff:.3g} "
-                                   f"(> {bound:.3g}); is --program the program this package was compiled from?")
-            worst = max(worst, diff)
+        want = {o.name: want[o.name] for o in spec.outputs}
+        # the tolerance follows each output's own dtype (first_difference: 1e-2 for fp16/bf16)
+        differs = first_difference(want, got)
+        if differs:
+            name, diff, bound = differs
+            raise ImportError_(f"output {name!r} of the artifact differs from the program: {diff} (> {bound}); "
+                               "is --program the program this package was compiled from?")
+        worst = max([worst] + [(got[n].float() - r.float()).abs().max().item()
+                               for n, r in want.items() if r.is_floating_point() and r.numel()])
     return worst
 
 

@@ -212,3 +212,45 @@ def test_padding_is_announced_in_the_load_line(user_server):
     """Announced with the load-time check that padding leaves this masked model's answers alone
     (handlers/run/padding.py)."""
     assert "padding D1 to [8, 32, 64], padding checked (2 trials: answers unchanged)" in user_server.log()
+
+
+class HalfMLP(nn.Module):
+    """Pointwise ops between two layers: eager rounds to bfloat16 after each op, AOTInductor fuses
+    them in float32 and rounds once, so the two differ by about one bf16 step (2**-8 relative)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = ((h * 1.7).sin() * 2.3 + h).tanh() * 0.9 + h * 0.1
+        return {"y": self.b(h)}
+
+
+def test_bf16_program_and_package_import_with_their_dtypes_tolerance(tmp_path):
+    """A half-precision import is compared with the bound of its outputs' own dtype (1e-2 for
+    fp16/bf16): the fused package differs from the program by rounding alone, which the float32
+    bound (1e-4) refused."""
+    from scripts import import_artifact
+
+    torch.manual_seed(0)
+    model = HalfMLP().eval().to(torch.bfloat16)
+    ep = torch.export.export(model, (torch.randn(4, 64).to(torch.bfloat16),),
+                             dynamic_shapes={"x": {0: Dim("batch", min=1, max=16)}})
+    torch.export.save(ep, tmp_path / "program.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "package.pt2"))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    package = torch._inductor.aoti_load_package(str(tmp_path / "package.pt2"))
+    rounding = (package(x)["y"].float() - ep.module()(x)["y"].float()).abs().max().item()
+    assert rounding > 1e-3, "the package no longer differs from the program: the test shows nothing"
+    import_artifact.import_artifact(str(tmp_path / "program.pt2"), str(tmp_path / "ep"))
+    import_artifact.import_artifact(str(tmp_path / "package.pt2"), str(tmp_path / "aoti"), str(tmp_path / "program.pt2"))
+    spec = json.loads((tmp_path / "aoti" / "artifact.json").read_text())
+    assert spec["backend"] == "aoti" and spec["outputs"][0]["dtype"] == "bfloat16"
+    # a program that is not the package's is still refused
+    other = torch.export.export(HalfMLP().eval().to(torch.bfloat16), (torch.randn(4, 64).to(torch.bfloat16),),
+                                dynamic_shapes={"x": {0: Dim("batch", min=1, max=16)}})
+    torch.export.save(other, tmp_path / "other.pt2")
+    with pytest.raises(SystemExit, match="differs from the program"):
+        import_artifact.import_artifact(str(tmp_path / "package.pt2"), str(tmp_path / "bad"), str(tmp_path / "other.pt2"))
