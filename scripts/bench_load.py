@@ -9,8 +9,10 @@ process was 99% busy, so under its interpreter lock: at that rate it, not TorchS
 limit being measured (docs/results/e2e_resnet50_fp16_scaling_httpclient_h200x2.md, core accounting).
 
 Answers are counted only when they complete inside the measured window, after a warm-up;
-every 200 answer is parsed with the `safetensors` package and compared with the reference
-output of the input it answered (|d| <= tol + tol * max|ref|).
+every 200 answer is parsed (`safetensors` by default; the KServe v2 binary extension or a gRPC
+ModelInferResponse for scripts/bench_pod.py's routes: ANSWERS) and compared with the reference
+output of the input it answered (|d| <= tol + tol * max|ref|). A `grpc://HOST:PORT` url sends
+each body as one unary gRPC call of the method `path` instead (scripts/bench_pod.py).
 """
 from __future__ import annotations
 
@@ -26,12 +28,65 @@ from scripts import cpu_usage, worker_spy
 HEADERS = {"Content-Type": "application/x-safetensors"}
 
 
-def _mismatch(body: bytes, ref: dict, tol: float) -> bool:
-    import numpy as np
+V2_NUMPY = {"FP16": "float16", "FP32": "float32", "FP64": "float64", "INT8": "int8", "INT16": "int16",
+            "INT32": "int32", "INT64": "int64", "UINT8": "uint8", "BOOL": "bool"}
+
+
+def _safetensors(body: bytes) -> dict:
     from safetensors.numpy import load
 
+    return load(body)
+
+
+def _v2_binary(body: bytes) -> dict:
+    """A KServe v2 reply: its JSON header, then each binary output's bytes in order."""
+    import json
+
+    import numpy as np
+
+    header, pos = json.JSONDecoder().raw_decode(body.decode("latin-1"))
+    out = {}
+    for o in header["outputs"]:
+        dt = np.dtype(V2_NUMPY[o["datatype"]])
+        if "data" in o:
+            out[o["name"]] = np.asarray(o["data"], dt).reshape(o["shape"])
+            continue
+        n = o["parameters"]["binary_data_size"]
+        out[o["name"]] = np.frombuffer(body, dt, count=n // dt.itemsize, offset=pos).reshape(o["shape"])
+        pos += n
+    return out
+
+
+def _protobuf(body: bytes) -> dict:
+    """A gRPC ModelInferResponse: outputs (field 5: name 1, datatype 2, shape 3) and
+    raw_output_contents (field 6) in the same order."""
+    import numpy as np
+
+    from handlers import protowire
+
+    metas, raws = [], []
+    for field, _, value in protowire.fields(body):
+        if field == 5:
+            meta = {}
+            for f, _, v in protowire.fields(value):
+                if f in (1, 2):
+                    meta[f] = bytes(v).decode()
+                elif f == 3:
+                    meta[3] = protowire.varints(v, np.int64).tolist()
+            metas.append(meta)
+        elif field == 6:
+            raws.append(bytes(value))
+    return {m[1]: np.frombuffer(r, V2_NUMPY[m[2]]).reshape(m.get(3, [])) for m, r in zip(metas, raws)}
+
+
+ANSWERS = {"safetensors": _safetensors, "v2_binary": _v2_binary, "protobuf": _protobuf}
+
+
+def _mismatch(body: bytes, ref: dict, tol: float, answer: str = "safetensors") -> bool:
+    import numpy as np
+
     try:
-        got = load(body)
+        got = ANSWERS[answer](body)
     except Exception:
         return True
     for name, want in ref.items():
@@ -127,8 +182,30 @@ def _parse_head(head: bytes) -> tuple:
     return int(parts[1]), length, close
 
 
-def _client(host, port, requests, check, first, t0, t_warm, t_end, budget, out):
-    conn = Connection(host, port)
+class GrpcConnection:
+    """One gRPC channel (its own HTTP/2 connection) calling one unary method with bytes."""
+
+    def __init__(self, target: str, method: str):
+        import grpc
+
+        self.grpc = grpc
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1),
+                                                              ("grpc.max_send_message_length", -1)])
+        self.call = self.channel.unary_unary(method)
+
+    def exchange(self, request: bytes) -> tuple:
+        """(200, reply) or (the gRPC status code's number, its details)."""
+        try:
+            return 200, self.call(request, timeout=120)
+        except self.grpc.RpcError as e:
+            return e.code().value[0], (e.details() or "").encode()
+
+    def close(self):
+        self.channel.close()
+
+
+def _client(host, port, requests, check, first, t0, t_warm, t_end, budget, out, method=None):
+    conn = Connection(host, port) if method is None else GrpcConnection(f"{host}:{port}", method)
     i = first
     while time.time() < t_end and budget[0] > 0:
         k = i % len(requests)
@@ -142,20 +219,25 @@ def _client(host, port, requests, check, first, t0, t_warm, t_end, budget, out):
         if start < t_warm or done > t_end:
             continue
         budget[0] -= 1
-        bad = status == 200 and check is not None and _mismatch(data, check[0][k], check[1])
+        bad = status == 200 and check is not None and _mismatch(data, check[0][k], *check[1:])
         out.append((done - start, status, bad, data[:300] if status != 200 else b""))
     conn.close()
 
 
-def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_end, budget, queue):
+def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_end, budget, queue, headers=None):
     u = urlparse(url)
-    headers = dict(HEADERS, Authorization=f"Bearer {token}")
+    grpc_method = path if u.scheme == "grpc" else None
+    # one headers dict for every body, or one per body
+    per_body = headers if isinstance(headers, list) else [HEADERS if headers is None else headers] * len(bodies)
+    per_body = [dict(h, Authorization=f"Bearer {token}") for h in per_body]
     while time.time() < t0:
         time.sleep(0.005)
     results, left = [], [budget]
-    requests = [build_request(u.hostname, u.port, path, headers, b) for b in bodies]  # shared, read-only
+    # shared, read-only: whole HTTP requests, or the bodies themselves for gRPC
+    requests = bodies if grpc_method else [build_request(u.hostname, u.port, path, h, b)
+                                           for h, b in zip(per_body, bodies)]
     threads = [threading.Thread(target=_client, args=(u.hostname, u.port, requests, check,
-                                                      offset + j, t0, t_warm, t_end, left, results))
+                                                      offset + j, t0, t_warm, t_end, left, results, grpc_method))
                for j in range(n_threads)]
     for t in threads:
         t.start()
@@ -165,8 +247,9 @@ def _process(url, path, token, bodies, check, n_threads, offset, t0, t_warm, t_e
 
 
 def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_requests, processes=0,
-              spy_rate=0, spy_exe="", spy_root=None) -> dict:
-    """One measurement. check: (refs per body, tol) or None. spy_rate: also sample TorchServe's
+              spy_rate=0, spy_exe="", spy_root=None, headers=None) -> dict:
+    """One measurement. check: (refs per body, tol[, answer format of ANSWERS]) or None.
+    headers: the requests' headers (default HEADERS: safetensors), or a list of one per body. spy_rate: also sample TorchServe's
     workers (those descending from process `spy_root`, the server's launcher) with py-spy
     (`spy_exe`) at this rate during the measured window, but for its last second
     (scripts/worker_spy.py). Returns the point's figures."""
@@ -180,7 +263,7 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     t_warm, t_end = t0 + warmup, t0 + warmup + seconds
     split = [clients // procs + (1 if j < clients % procs else 0) for j in range(procs)]
     workers = [ctx.Process(target=_process, args=(url, path, token, bodies, check, split[j], sum(split[:j]),
-                                                   t0, t_warm, t_end, max_requests // procs + 1, queue))
+                                                   t0, t_warm, t_end, max_requests // procs + 1, queue, headers))
                for j in range(procs)]
     for w in workers:
         w.start()

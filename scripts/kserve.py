@@ -54,17 +54,24 @@ RUNTIME_TEMPLATE = os.path.join(ROOT, "kserve", "servingruntime.yaml")
 # of this repository's archives today. Kept for clusters that still have it.
 BUILTIN_RUNTIME = "kserve-torchserve"
 IMAGE_REPO = "ghcr.io/example/compiled-serving"
-# Memory a pod needs: the Java frontend plus each worker's resident memory, MiB. WORKER_CPU_MIB is
-# the RSS of one CPU worker of the example model measured here (tests/test_cluster_runtime.py
-# asserts the measurement stays below it); WORKER_GPU_MIB is host RSS plus nothing for the GPU,
-# whose per-worker memory (1,178 MiB for a BERT-style fp16 encoder on an H100) is not a
+# Memory a pod needs: the Java frontend, the pod's fronts (nginx, the gRPC bridge processes, the
+# status process: pod/) and each worker's resident memory, MiB. WORKER_CPU_MIB is the RSS of one
+# CPU worker of the example model measured here, FRONTS_MIB the fronts' RSS with bodies in flight
+# (tests/test_cluster_runtime.py and tests/test_pod.py assert the measurements stay below them);
+# a GPU worker's device memory (1,178 MiB for a BERT-style fp16 encoder on an H100) is not a
 # Kubernetes resource: size the GPU by nvidia.com/gpu and check it against that figure.
 FRONTEND_MIB = 768
+FRONTS_MIB = 256
 WORKER_CPU_MIB = 512
 CPU_PER_WORKER = 1
-# TorchServe's gRPC inference port (grpc_inference_port in kserve/config.properties): grpc-v2
-# traffic goes to it directly, over h2c, as KServe's TorchServe gRPC samples route it.
-GRPC_PORT = 7070
+# CPU for the fronts: nginx and the bridge forward bytes, about a core at a few thousand
+# requests per second (docs/kserve.md)
+FRONTS_CPU = 1
+# The pod's gRPC port (pod/grpc_bridge.py, GRPC_PORT of kserve/Dockerfile): a grpc-v2
+# InferenceService names it as its h2c port, so KServe routes gRPC there.
+GRPC_PORT = 8081
+# KServe's built-in runtime serves gRPC on TorchServe's own port (grpc_inference_port).
+BUILTIN_GRPC_PORT = 7070
 # model-config.yaml key -> model_snapshot key, and TorchServe's default when absent
 SNAPSHOT_FIELDS = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 1, "maxBatchDelay": 100,
                    "responseTimeout": 120}
@@ -142,8 +149,8 @@ def workers(m: dict) -> int:
 def sized_resources(mars: list, device: str, gpus: int) -> dict:
     """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS)."""
     n = sum(workers(m) for m in mars)
-    mem = FRONTEND_MIB + n * WORKER_CPU_MIB
-    res = {"cpu": str(max(n * CPU_PER_WORKER, 1)), "memory": f"{mem}Mi"}
+    mem = FRONTEND_MIB + FRONTS_MIB + n * WORKER_CPU_MIB
+    res = {"cpu": str(n * CPU_PER_WORKER + FRONTS_CPU), "memory": f"{mem}Mi"}
     out = {"requests": dict(res), "limits": dict(res)}
     if device == "gpu":
         # Extended resources are set as limits (Kubernetes copies them to requests).
@@ -183,8 +190,9 @@ def manifest(name, namespace, protocol, storage_uri, resources, runtime) -> dict
         "storageUri": storage_uri,
         "resources": resources,
     }
-    if protocol == "grpc-v2" and runtime == BUILTIN_RUNTIME:
-        model["ports"] = [{"name": "h2c", "containerPort": GRPC_PORT, "protocol": "TCP"}]
+    if protocol == "grpc-v2":
+        port = BUILTIN_GRPC_PORT if runtime == BUILTIN_RUNTIME else GRPC_PORT
+        model["ports"] = [{"name": "h2c", "containerPort": port, "protocol": "TCP"}]
     meta = {"name": name}
     if namespace:
         meta["namespace"] = namespace
@@ -232,8 +240,9 @@ def main(argv=None):
     p.add_argument("--namespace")
     p.add_argument("--protocol", action="append", choices=PROTOCOLS, help="default: all three")
     p.add_argument("--device", action="append", choices=DEVICES, help="default: cpu and gpu")
-    p.add_argument("--cpu", help="CPU request and limit (default: one per worker of the archives)")
-    p.add_argument("--memory", help=f"memory request and limit (default: {FRONTEND_MIB}Mi + "
+    p.add_argument("--cpu", help=f"CPU request and limit (default: one per worker of the archives + {FRONTS_CPU} "
+                                 "for the pod's fronts)")
+    p.add_argument("--memory", help=f"memory request and limit (default: {FRONTEND_MIB + FRONTS_MIB}Mi + "
                                     f"{WORKER_CPU_MIB}Mi per worker)")
     p.add_argument("--force-gpu", action="store_true",
                    help="write gpu manifests even when an archive has no cuda variant")

@@ -1,7 +1,8 @@
 #!/bin/sh
-# The front door's environment (kserve/front_door.py): the kserve SDK pins protobuf/grpcio
-# versions that differ from the test venv's, so it lives in its own venv, .venv-kserve
-# (git-ignored). Exact versions; re-run after changing them.
+# The standard clients the pod's tests call it with (tests/test_pod.py): the kserve SDK's REST and
+# gRPC clients and tritonclient (http and grpc). They pin protobuf/grpcio versions that differ
+# from the test venv's, so they live in their own venv, .venv-kserve (git-ignored). Exact
+# versions; re-run after changing them.
 set -eu
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

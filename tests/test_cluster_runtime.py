@@ -3,7 +3,7 @@ ClusterServingRuntime and InferenceServices naming it, sized from the archives),
 against KServe's CRD schemas, and the image's entrypoint (kserve/entrypoint.sh) run exactly as
 the container runs it -- same command and environment, with MODEL_ROOT, RUNTIME_DIR and
 HTTP_PORT pointing under a test directory -- probed the way the kubelet runs the runtime's
-declared exec probes.
+declared HTTP probes.
 
 Only the storage config's loopback ports are changed (to free ports: tests run in parallel).
 """
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
-import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 import torch
@@ -27,7 +23,8 @@ import yaml
 
 from conftest import PY, ROOT, build_mar, corrupt_inside_mar, eager
 from scripts import kserve as kserve_script
-from scripts.local_server import free_port, next_worker_port, server_env
+from scripts.local_pod import LocalPod
+from scripts.local_server import server_env
 from test_kserve import STORAGE_URI, _unknown_fields
 from test_serving import close, two
 
@@ -78,15 +75,18 @@ def test_manifests_name_our_runtime_validate_and_follow_the_archive(layout):
     # a CPU-only archive: no GPU manifests unless forced, and the layout says why
     assert [f.name for f in files] == sorted(f"compiled-{p}.yaml" for p in ("v1", "v2", "grpc-v2"))
     assert "no gpu manifests" in r.stderr and "has no cuda variant" in r.stderr
-    mem = f"{kserve_script.FRONTEND_MIB + WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
+    mem = f"{kserve_script.FRONTEND_MIB + kserve_script.FRONTS_MIB + WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
     for f in files:
         doc = yaml.safe_load(f.read_text())
         jsonschema.Draft7Validator(isvc_schema).validate(doc)
         assert _unknown_fields(doc, isvc_schema) == [], f.name
         model = doc["spec"]["predictor"]["model"]
-        assert model["runtime"] == "compiled-torchserve" and "ports" not in model
+        assert model["runtime"] == "compiled-torchserve"
+        # gRPC goes to the bridge's port, over h2c; REST to the container's http1 port
+        want_ports = [{"name": "h2c", "containerPort": 8081, "protocol": "TCP"}] if "grpc" in f.name else None
+        assert model.get("ports") == want_ports, f.name
         res = model["resources"]
-        assert res["requests"] == res["limits"] == {"cpu": str(WORKERS), "memory": mem}
+        assert res["requests"] == res["limits"] == {"cpu": str(WORKERS + kserve_script.FRONTS_CPU), "memory": mem}
     runtimes = list(yaml.safe_load_all((out / "manifests" / "servingruntime.yaml").read_text()))
     assert len(runtimes) == 1
     rt = runtimes[0]
@@ -150,84 +150,32 @@ def test_dockerfile_parses_and_names_what_the_runtime_runs():
     assert {str(p["containerPort"]) for p in c["ports"]} <= set(expose) and "8081" in expose  # 8081: OIP gRPC
     runs = " ".join(rest for op, rest in ops if op == "RUN")
     assert "torchserve==${TORCHSERVE_VERSION}" in runs
-    # the front door's Python: the same kserve pin as scripts/setup_kserve_env.sh, and the entrypoint is told
-    kserve_pin = re.search(r'"kserve==[^"]+"', (Path(ROOT) / "scripts" / "setup_kserve_env.sh").read_text()).group(0)
-    assert f"/opt/front-door/bin/pip install {kserve_pin}" in runs
+    # the pod's fronts: the distribution's nginx and grpcio for the bridge, in the handler's Python;
+    # the image imports the pod's processes when it is built
+    assert re.search(r"apt-get install[^&]* nginx( |$)", runs) and '"grpcio>=' in runs
+    assert "import handlers.ts_entry, pod.grpc_bridge, pod.status" in runs
     env = " ".join(rest for op, rest in ops if op == "ENV")
-    assert "FRONT_DOOR_PYTHON=/opt/front-door/bin/python" in env
+    assert "GRPC_PORT=8081" in env and "METRICS_PORT=8082" in env
 
 
 # ---------------------------------------------------------------------------------------------
 # The entrypoint, run as the container runs it
 
 
-class Container:
-    """kserve/entrypoint.sh with the container's environment; MODEL_ROOT is a copy of the
-    layout's storage with free loopback ports."""
-
-    def __init__(self, storage: Path, root: Path, front_door_python=None):
-        """front_door_python: the image's FRONT_DOOR_PYTHON (the kserve SDK's Python), so the
-        entrypoint starts the front door on HTTP_PORT/GRPC_PORT in front of TorchServe."""
-        self.root = root
-        mnt = root / "mnt" / "models"
-        shutil.copytree(storage, mnt)
-        cfg = mnt / "config" / "config.properties"
-        text = cfg.read_text()
-        self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_mgmt")}
-        for key, value in (("inference_address", f"http://127.0.0.1:{self.ports['inference']}"),
-                           ("management_address", f"http://127.0.0.1:{self.ports['management']}"),
-                           ("metrics_address", f"http://127.0.0.1:{self.ports['metrics']}"),
-                           ("grpc_inference_port", self.ports["grpc"]),
-                           ("grpc_management_port", self.ports["grpc_mgmt"])):
-            text = "\n".join(f"{key}={value}" if ln.startswith(f"{key}=") else ln for ln in text.splitlines())
-        cfg.write_text(text + f"\ninitial_worker_port={next_worker_port()}\n")
-        self.http = free_port()
-        self.env = server_env()
-        self.env.update(MODEL_ROOT=str(mnt), RUNTIME_DIR=str(root / "run"), HTTP_PORT=str(self.http))
-        self.grpc = None
-        if front_door_python:
-            self.grpc = free_port()
-            self.env.update(FRONT_DOOR_PYTHON=str(front_door_python), GRPC_PORT=str(self.grpc))
-        self.out = open(root / "stdout.log", "w")
-        self.proc = subprocess.Popen([str(ENTRYPOINT)], env=self.env, stdout=self.out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.base = f"http://127.0.0.1:{self.http}"
+class Container(LocalPod):
+    """The pod as its container runs it (scripts/local_pod.py), with the probes' answers in the
+    shape of a finished process (returncode 0 when the probe passed, stdout its body)."""
 
     def probe(self, kind):
-        """The runtime's declared exec probe, in the container's working directory and env."""
-        rt = yaml.safe_load((Path(ROOT) / "kserve" / "servingruntime.yaml").read_text())
-        cmd = rt["spec"]["containers"][0][{"live": "livenessProbe", "ready": "readinessProbe"}[kind]]["exec"]["command"]
-        assert cmd[:3] == ["python3", "-m", "scripts.cluster_probe"]
-        return subprocess.run([PY, *cmd[1:]], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=30)
+        ok, body = super().probe(kind)
+        return subprocess.CompletedProcess([], 0 if ok else 1, body, "")
 
     def wait(self, kind, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.log("stdout.log")
-            r = self.probe(kind)
-            if r.returncode == 0:
-                return r
-            time.sleep(1)
-        raise TimeoutError(f"{kind} probe never passed: {r.stdout}\n{self.log()[-3000:]}")
-
-    def log(self, name="model_log.log"):
-        p = (self.root / name) if name == "stdout.log" else (self.root / "run" / "logs" / name)
-        return p.read_text(errors="replace") if p.exists() else ""
+        return subprocess.CompletedProcess([], 0, super().wait(kind, timeout), "")
 
     def worker_rss_mib(self):
-        java = psutil.Process(self.proc.pid)
-        workers = [p for p in java.children(recursive=True) if "model_service_worker" in " ".join(p.cmdline())]
+        workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]
         return [p.memory_info().rss / 2**20 for p in workers]
-
-    def stop(self):
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.out.close()
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +188,11 @@ def container(layout, tmp_path_factory):
 def test_entrypoint_serves_probes_pass_and_v1_answers_equal_eager(container):
     container.wait("live")
     r = container.wait("ready")
-    assert r.stdout.strip() == "ready: yes"
-    # the runtime config the entrypoint wrote: the inference API on the container port, paths
-    # under MODEL_ROOT, everything else the storage's
+    assert json.loads(r.stdout) == {"ready": True}
+    # the runtime config the pod wrote: TorchServe on loopback, paths under MODEL_ROOT, everything
+    # else the storage's
     cfg = (container.root / "run" / "config.properties").read_text()
-    assert f"inference_address=http://0.0.0.0:{container.http}" in cfg and "/mnt/models" not in cfg.split(
+    assert f"inference_address=http://127.0.0.1:{container.ports['inference']}" in cfg and "/mnt/models" not in cfg.split(
         "model_snapshot")[0].replace(str(container.root / "mnt" / "models"), "")
     f, m = two(3, seed=5)
     inst = [{"features": f[j].tolist(), "mask": m[j].tolist()} for j in range(3)]
@@ -289,8 +237,8 @@ def test_broken_archive_is_never_ready_and_says_why(good_mar, artifacts, tmp_pat
         # ... and the readiness probe fails, names the reason, and stays failed
         for _ in range(3):
             p = c.probe("ready")
-            assert p.returncode == 1 and "bad:" in p.stdout and needle in p.stdout, p.stdout
+            assert p.returncode == 1 and "bad: failed:" in p.stdout and needle in p.stdout, p.stdout
             time.sleep(2)
-        assert c.probe("live").returncode == 0
+        c.wait("live")
     finally:
         c.stop()

@@ -1,0 +1,130 @@
+"""The pod's settings, read once: the storage's config.properties (what `python -m scripts.kserve`
+wrote, with /mnt/models replaced by MODEL_ROOT) and the container's environment.
+
+Every process of the pod (pod.start, pod.status, pod.grpc_bridge, the probes) reads the same
+PodConfig, so the ports and limits they use cannot drift apart.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class PodConfigError(SystemExit):
+    def __init__(self, msg: str):
+        super().__init__(f"pod: error: {msg}")
+
+
+def read_properties(path: str) -> dict:
+    """Java properties as TorchServe's kserve config uses them: key=value lines, # comments."""
+    out = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise PodConfigError(f"{path} cannot be read ({e}); upload the storage/ that "
+                             "`python -m scripts.kserve` wrote to the storageUri") from None
+    for line in lines:
+        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def host_port(address: str, key: str) -> tuple:
+    """'http://127.0.0.1:8085' -> ('127.0.0.1', 8085); 0.0.0.0 is dialled as loopback."""
+    parts = urlsplit(address)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise PodConfigError(f"{key}={address!r}: expected http://HOST:PORT (the pod dials TorchServe "
+                             "over plain HTTP on loopback)")
+    return parts.hostname.replace("0.0.0.0", "127.0.0.1"), parts.port
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    version: str
+    mar: str  # path of the archive in the model store
+
+
+def _int_env(env: dict, key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PodConfigError(f"{key}={raw!r} is not an integer") from None
+    if value < 1:
+        raise PodConfigError(f"{key}={value} must be at least 1")
+    return value
+
+
+@dataclass(frozen=True)
+class PodConfig:
+    properties: str  # the config TorchServe runs with
+    runtime_dir: str
+    model_store: str
+    models: tuple  # Model, in model_snapshot order
+    inference: tuple  # TorchServe's inference API (host, port), loopback
+    management: tuple
+    metrics: tuple
+    http_port: int  # the pod's REST port (nginx)
+    grpc_port: int  # the pod's gRPC port (pod.grpc_bridge)
+    metrics_port: int  # GET /metrics only, proxied to TorchServe's loopback metrics
+    status_port: int  # pod.status, loopback: health, ready and metadata
+    max_request_bytes: int
+    max_response_bytes: int
+    response_timeout_s: int
+    bridge_processes: int
+    nginx_workers: int
+
+    @property
+    def state_file(self) -> str:
+        """pod.status writes every model's state here; the bridge and probes read it."""
+        return os.path.join(self.runtime_dir, "pod_state.json")
+
+    def url(self, which: str) -> str:
+        host, port = getattr(self, which)
+        return f"http://{host}:{port}"
+
+
+def snapshot_models(props: dict, store: str) -> tuple:
+    try:
+        snap = json.loads(props.get("model_snapshot", "{}")).get("models", {})
+    except ValueError as e:
+        raise PodConfigError(f"model_snapshot is not JSON ({e}); regenerate the storage with "
+                             "`python -m scripts.kserve`") from None
+    if not snap:
+        raise PodConfigError("config.properties lists no model (model_snapshot); regenerate the storage "
+                             "with `python -m scripts.kserve --mar ...`")
+    models = []
+    for name, versions in snap.items():
+        version, entry = next(iter(versions.items()))
+        models.append(Model(name, str(version), os.path.join(store, entry.get("marName", f"{name}.mar"))))
+    return tuple(models)
+
+
+def load(properties: str, env=None) -> PodConfig:
+    env = os.environ if env is None else env
+    props = read_properties(properties)
+    store = env.get("MODEL_STORE") or os.path.join(env.get("MODEL_ROOT", "/mnt/models"), "model-store")
+    nproc = os.cpu_count() or 1
+    return PodConfig(
+        properties=properties, runtime_dir=env.get("RUNTIME_DIR", "/tmp/torchserve"), model_store=store,
+        models=snapshot_models(props, store),
+        inference=host_port(props.get("inference_address", ""), "inference_address"),
+        management=host_port(props.get("management_address", ""), "management_address"),
+        metrics=host_port(props.get("metrics_address", ""), "metrics_address"),
+        http_port=_int_env(env, "HTTP_PORT", 8080), grpc_port=_int_env(env, "GRPC_PORT", 8081),
+        metrics_port=_int_env(env, "METRICS_PORT", 8082), status_port=_int_env(env, "STATUS_PORT", 8087),
+        max_request_bytes=int(props.get("max_request_size", 6553500)),
+        max_response_bytes=int(props.get("max_response_size", 6553500)),
+        response_timeout_s=int(props.get("default_response_timeout", 120)),
+        # measured defaults (docs/kserve.md): two bridge processes and two nginx workers kept
+        # the pod's routes at direct TorchServe's throughput; one core each is the cap of a
+        # Python gRPC server
+        bridge_processes=_int_env(env, "GRPC_BRIDGE_PROCESSES", min(2, nproc)),
+        nginx_workers=_int_env(env, "NGINX_WORKERS", min(2, nproc)))

@@ -1,0 +1,54 @@
+"""kserve/nginx.conf rendered for this pod: `${name}` placeholders filled from PodConfig (nginx's
+own `$variables` have no braces there and pass through untouched)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from pod.config import PodConfig
+
+TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kserve", "nginx.conf")
+PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
+
+
+def values(cfg: PodConfig) -> dict:
+    return {"nginx_workers": cfg.nginx_workers, "runtime_dir": cfg.runtime_dir,
+            "inference_host": cfg.inference[0], "inference_port": cfg.inference[1],
+            "metrics_host": cfg.metrics[0], "metrics_port": cfg.metrics[1],
+            "status_port": cfg.status_port, "http_port": cfg.http_port,
+            "public_metrics_port": cfg.metrics_port, "max_request_bytes": cfg.max_request_bytes,
+            "response_timeout_s": cfg.response_timeout_s + 5,
+            # as root (a developer's machine, not the image: it runs as uid 1000) nginx would hand
+            # its workers to `nobody`, who cannot write the temporary directories made here
+            "user_line": "user root;\n" if os.geteuid() == 0 else ""}
+
+
+def render(cfg: PodConfig, template: str = TEMPLATE) -> str:
+    with open(template) as f:
+        text = f.read()
+    known = values(cfg)
+    missing = sorted({m for m in PLACEHOLDER.findall(text) if m not in known})
+    if missing:
+        raise ValueError(f"{template} names unknown placeholders: {', '.join(missing)}")
+    return PLACEHOLDER.sub(lambda m: str(known[m.group(1)]), text)
+
+
+def write(cfg: PodConfig) -> str:
+    """Writes RUNTIME_DIR/nginx.conf and nginx's temporary directories; returns the conf path."""
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(cfg.runtime_dir, "nginx", sub), exist_ok=True)
+    path = os.path.join(cfg.runtime_dir, "nginx.conf")
+    with open(path, "w") as f:
+        f.write(render(cfg))
+    return path
+
+
+def binary() -> str:
+    """nginx from the distribution (the image installs it; `apt-get install nginx`)."""
+    found = os.environ.get("NGINX") or shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
+    if not found:
+        raise SystemExit("pod: error: nginx is not installed; the image installs it (kserve/Dockerfile), "
+                         "here: apt-get install nginx, or set NGINX=/path/to/nginx")
+    return found

@@ -1,0 +1,126 @@
+"""The pod: TorchServe on loopback and, in front of it, nginx (REST), the gRPC bridge and the
+status process; kept running until SIGTERM (kserve/entrypoint.sh runs this):
+
+  python -m pod.start
+
+Environment (the image sets the defaults): MODEL_ROOT (/mnt/models: the storage KServe mounts,
+config/config.properties and model-store/ as `python -m scripts.kserve` wrote them), RUNTIME_DIR
+(/tmp/torchserve: every file the pod writes), HTTP_PORT (8080), GRPC_PORT (8081), METRICS_PORT
+(8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS (pod/config.py says the measured defaults).
+
+A process of the pod that exits is started again (at most RESTARTS times in RESTART_WINDOW_S,
+then the pod exits and the kubelet restarts the container); the liveness route checks that
+TorchServe and the bridge answer, so a hung one is restarted too.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pod import config as pod_config
+from pod import nginx
+
+SERVE_HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESTARTS, RESTART_WINDOW_S = 5, 60.0
+
+
+def log(msg: str) -> None:
+    print(f"pod: {msg}", file=sys.stderr, flush=True)
+
+
+def runtime_config(env) -> str:
+    """RUNTIME_DIR/config.properties: the storage's, with /mnt/models replaced by MODEL_ROOT."""
+    root, runtime = env.get("MODEL_ROOT", "/mnt/models"), env.get("RUNTIME_DIR", "/tmp/torchserve")
+    src = os.path.join(root, "config", "config.properties")
+    try:
+        with open(src) as f:
+            text = f.read()
+    except OSError as e:
+        raise SystemExit(f"pod: error: {src} cannot be read ({e}); upload the storage/ that "
+                         "`python -m scripts.kserve` wrote to the storageUri") from None
+    os.makedirs(os.path.join(runtime, "tmp"), exist_ok=True)
+    dest = os.path.join(runtime, "config.properties")
+    with open(dest, "w") as f:
+        f.write(text.replace("/mnt/models", root))
+    return dest
+
+
+class Child:
+    """One supervised process of the pod and how to start it again."""
+
+    def __init__(self, name: str, argv: list, env: dict):
+        self.name, self.argv, self.env = name, argv, env
+        self.proc, self.starts = None, []
+
+    def start(self) -> None:
+        self.starts = [t for t in self.starts if time.time() - t < RESTART_WINDOW_S] + [time.time()]
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=SERVE_HOME)
+
+    def check(self) -> bool:
+        """False once it died too often; restarts it otherwise."""
+        code = self.proc.poll()
+        if code is None:
+            return True
+        if len(self.starts) >= RESTARTS:
+            log(f"{self.name} exited ({code}) {RESTARTS} times in {RESTART_WINDOW_S:.0f} s; stopping the pod")
+            return False
+        log(f"{self.name} exited ({code}); starting it again")
+        self.start()
+        return True
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+def children(cfg, conf: str, env: dict) -> list:
+    py = [sys.executable, "-m"]
+    out = [Child("status", py + ["pod.status", "--config", conf], env)]
+    out += [Child(f"grpc bridge {i}", py + ["pod.grpc_bridge", "--config", conf], env)
+            for i in range(cfg.bridge_processes)]
+    out.append(Child("nginx", [nginx.binary(), "-c", nginx.write(cfg), "-e", "stderr"], env))
+    return out
+
+
+def torchserve(args: list, env: dict, cfg) -> int:
+    return subprocess.call(["torchserve", *args], env=env, cwd=cfg.runtime_dir)
+
+
+def main() -> int:
+    env = dict(os.environ)
+    conf = runtime_config(env)
+    cfg = pod_config.load(conf, env)
+    nginx.binary()  # fail before starting anything when nginx is missing
+    # TorchServe's pid file, worker sockets and logs/ go under the runtime directory (the
+    # pod's root filesystem may be read-only)
+    env["TMPDIR"] = os.path.join(cfg.runtime_dir, "tmp")
+    if torchserve(["--start", "--ncs", f"--model-store={cfg.model_store}", f"--ts-config={conf}"], env, cfg):
+        raise SystemExit("pod: error: torchserve --start failed; its logs are in RUNTIME_DIR/logs")
+    procs = children(cfg, conf, env)
+    for c in procs:
+        c.start()
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    ok = True
+    while not stopping and ok:
+        time.sleep(1.0)
+        ok = all(c.check() for c in procs)
+    # in order: the fronts finish what they hold (nginx: SIGQUIT is its graceful stop), then
+    # TorchServe stops its workers
+    for c in procs:
+        c.stop(signal.SIGQUIT if c.name == "nginx" else signal.SIGTERM)
+    for c in procs:
+        try:
+            c.proc.wait(timeout=25)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+    torchserve(["--stop"], env, cfg)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""What the pod knows about its models: read from the archives once and from TorchServe's loopback
+management API on every poll; written to one JSON file (PodConfig.state_file) that the gRPC
+bridge and the probes read, so every route of the pod answers health and metadata alike.
+
+Facts relied on (TorchServe 0.12):
+- `GET /models/NAME?customized=true` on the management API lists the model's workers with their
+  status and the handler's describe_handle() JSON as `customizedMetadata` (handlers/ts_entry.py:
+  `ready`, `load_error`, `device_fault`). A worker whose load failed is still listed READY (it
+  answers 503 with the reason), so the handler's own `ready` decides.
+- A model whose archive TorchServe could not register is answered 404 there, for ever.
+- `GET /ping` on the inference API answers while the frontend runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+import zipfile
+
+READY, LOADING, FAILED = "ready", "loading", "failed"
+TIMEOUT_S = 3.0
+
+
+def v2_datatype(dtype: str) -> str:
+    """artifact.json's torch dtype name -> the OIP datatype ('float32' -> 'FP32')."""
+    if dtype == "bfloat16":
+        return "BF16"
+    return "FP" + dtype[len("float"):] if dtype.startswith("float") else dtype.upper()
+
+
+def archive_io(mar: str) -> dict:
+    """{"inputs": [...], "outputs": [...]} as OIP metadata, from the archive's (first)
+    artifact.json; raises ValueError naming the archive and what is wrong with it."""
+    try:
+        with zipfile.ZipFile(mar) as z:
+            name = next((n for n in z.namelist() if n == "artifact.json" or n.endswith("/artifact.json")), None)
+            if name is None:
+                raise ValueError(f"archive {mar} holds no artifact.json: build it with `python -m scripts.archive`")
+            art = json.loads(z.read(name))
+    except (OSError, zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"archive {mar} is not a readable .mar ({type(e).__name__}: {e}); upload it again "
+                         "(a truncated copy?) or rebuild it with `python -m scripts.archive`") from None
+    return {k: [{"name": t["name"], "datatype": v2_datatype(t["dtype"]),
+                 "shape": [-1 if not isinstance(d, int) else d for d in t["shape"]]} for t in art[k]]
+            for k in ("inputs", "outputs")}
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+def handler_state(entry: dict) -> tuple:
+    """(state, reason) of one management API entry."""
+    if not any(w.get("status") == "READY" for w in entry.get("workers", [])):
+        return LOADING, "no worker is READY yet"
+    raw = entry.get("customizedMetadata")
+    try:
+        info = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        return LOADING, "the handler reported no state yet"
+    if info.get("ready"):
+        return READY, None
+    reason = info.get("load_error") or info.get("device_fault")
+    return (FAILED, reason) if reason else (LOADING, "the handler is loading")
+
+
+def model_state(cfg, model, io_error, live: bool) -> tuple:
+    if io_error:
+        return FAILED, io_error
+    if not live:
+        return LOADING, "TorchServe is not answering /ping"
+    try:
+        entries = get_json(f"{cfg.url('management')}/models/{model.name}?customized=true")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return LOADING, "TorchServe has not registered it (yet); its ts_log.log says why if it never does"
+        return LOADING, f"management API answered {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return LOADING, f"management API: {e}"
+    states = [handler_state(e) for e in entries] or [(LOADING, "not registered")]
+    return next((s for s in states if s[0] != READY), states[0])
+
+
+class Poller:
+    """Reads the archives once, then TorchServe on each poll(); writes the state file."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.io, self.io_error = {}, {}
+        for m in cfg.models:
+            try:
+                self.io[m.name] = archive_io(m.mar)
+            except ValueError as e:
+                self.io[m.name], self.io_error[m.name] = {"inputs": [], "outputs": []}, str(e)
+
+    def poll(self) -> dict:
+        try:
+            get_json(f"{self.cfg.url('inference')}/ping")
+            live = True
+        except (urllib.error.URLError, OSError, ValueError):
+            live = False
+        models = {}
+        for m in self.cfg.models:
+            state, reason = model_state(self.cfg, m, self.io_error.get(m.name), live)
+            models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name]}
+        snapshot = {"time": time.time(), "torchserve_live": live, "models": models}
+        write_state(self.cfg.state_file, snapshot)
+        return snapshot
+
+
+def write_state(path: str, snapshot: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(snapshot, f)
+    os.replace(tmp, path)  # readers see the old or the new file, never half of one
+
+
+def server_problem(snapshot) -> str | None:
+    """None when every model serves; else why the pod is not ready."""
+    if snapshot is None:
+        return "the pod's status process has not written its first state yet"
+    if not snapshot.get("torchserve_live"):
+        return "TorchServe is not answering /ping"
+    bad = [f"{n}: {m['state']}: {m['reason']}" for n, m in snapshot["models"].items() if m["state"] != READY]
+    return "; ".join(bad) or None
+
+
+class StateFile:
+    """The state file as another process reads it: re-read when it changed (cheap: one stat)."""
+
+    def __init__(self, path: str):
+        self.path, self.mtime, self.snapshot = path, None, None
+
+    def read(self):
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return self.snapshot
+        if mtime != self.mtime:
+            try:
+                with open(self.path) as f:
+                    self.snapshot, self.mtime = json.load(f), mtime
+            except (OSError, ValueError):
+                pass  # replaced while read: the next call reads the new one
+        return self.snapshot

@@ -1,0 +1,152 @@
+"""The pod's health, ready and metadata answers, off the inference path (nginx sends these GET
+routes here; pod.grpc_bridge and the probes read the state file this process writes):
+
+  python -m pod.status --config RUNTIME_DIR/config.properties
+
+Open Inference Protocol REST routes (KServe v2) and KServe v1's model status:
+  GET /v2/health/live             200 {"live": true} while TorchServe answers /ping and the
+                                  gRPC bridge answers ServerLive; else 503 with the reason
+  GET /v2/health/ready            200 {"ready": true} when every model of the pod serves; else
+                                  503 {"ready": false, "reason"} naming each model and why
+  GET /v2                         server metadata
+  GET /v2/models/NAME[/versions/V]          model metadata (inputs, outputs from the archive)
+  GET /v2/models/NAME[/versions/V]/ready    200 ready / 503 with the reason / 404 unknown
+  GET /v1/models, /v1/models/NAME KServe v1 list and model status
+Listens on loopback only; nothing here changes the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pod import config as pod_config
+from pod.state import FAILED, READY, Poller, server_problem
+
+SERVER_NAME = "compiled-torchserve"
+PERIOD_S = 1.0
+BRIDGE_STALE_S = 30.0  # liveness fails when the gRPC bridge has not answered for this long
+MODEL_ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready)?$")
+V1_ROUTE = re.compile(r"^/v1/models/([^/:]+)$")
+
+
+class Status:
+    """The latest state, refreshed by a daemon thread; answers each route as (code, body)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.poller = cfg, Poller(cfg)
+        self.snapshot, self.bridge_seen = None, 0.0
+
+    def refresh(self) -> None:
+        self.snapshot = self.poller.poll()
+        if bridge_live(self.cfg.grpc_port):
+            self.bridge_seen = time.time()
+
+    def live(self) -> tuple:
+        problems = []
+        if not (self.snapshot and self.snapshot["torchserve_live"]):
+            problems.append("TorchServe is not answering /ping")
+        if time.time() - self.bridge_seen > BRIDGE_STALE_S:
+            problems.append(f"the gRPC bridge has not answered ServerLive for {BRIDGE_STALE_S:.0f} s")
+        return (200, {"live": True}) if not problems else (503, {"live": False, "reason": "; ".join(problems)})
+
+    def ready(self) -> tuple:
+        problem = server_problem(self.snapshot)
+        if problem is None and time.time() - self.bridge_seen > BRIDGE_STALE_S:
+            problem = "the gRPC bridge is not answering"
+        return (200, {"ready": True}) if problem is None else (503, {"ready": False, "reason": problem})
+
+    def model(self, name: str, version, what: str) -> tuple:
+        models = (self.snapshot or {}).get("models", {})
+        m = models.get(name)
+        if m is None or (version is not None and version != m["version"]):
+            served = ", ".join(f"{n} (version {v['version']})" for n, v in models.items())
+            return 404, {"error": f"model {name!r}{f' version {version!r}' if version else ''} is not served "
+                                  f"here; this pod serves {served}"}
+        if what == "ready":
+            body = {"name": name, "ready": m["state"] == READY}
+            return (200, body) if body["ready"] else (503, dict(body, reason=m["reason"]))
+        if m["state"] == FAILED:
+            return 503, {"error": f"model {name!r} cannot be served: {m['reason']}"}
+        return 200, {"name": name, "versions": [m["version"]], "platform": "pytorch_torchserve",
+                     "inputs": m["inputs"], "outputs": m["outputs"]}
+
+    def route(self, path: str) -> tuple:
+        path = path.split("?", 1)[0].rstrip("/")
+        if path == "/v2/health/live":
+            return self.live()
+        if path == "/v2/health/ready":
+            return self.ready()
+        if path == "/v2":
+            return 200, {"name": SERVER_NAME, "version": "1", "extensions": ["binary_tensor_data"]}
+        if path == "/v1/models":
+            return 200, {"models": [m.name for m in self.cfg.models]}
+        m = MODEL_ROUTE.match(path)
+        if m:
+            return self.model(m.group(1), m.group(2), "ready" if m.group(3) else "metadata")
+        m = V1_ROUTE.match(path)
+        if m:
+            return self.model(m.group(1), None, "ready")
+        return 404, {"error": f"no route {path!r}"}
+
+
+def bridge_live(port: int) -> bool:
+    """One ServerLive call to the bridge on loopback: an empty request; the reply's field 1
+    (bool live) set is the two bytes 08 01."""
+    import grpc
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.unary_unary("/inference.GRPCInferenceService/ServerLive")
+            return call(b"", timeout=2.0) == b"\x08\x01"
+    except grpc.RpcError:
+        return False
+
+
+def handler_class(status: Status):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: nginx holds a pool of connections here
+
+        def do_GET(self):
+            code, body = status.route(self.path)
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):  # the probes call every few seconds: no line per call
+            pass
+
+    return Handler
+
+
+def poll_forever(status: Status) -> None:
+    while True:
+        try:
+            status.refresh()
+        except Exception as e:  # a poll must never end the loop; the next one tries again
+            print(f"pod.status: poll failed: {type(e).__name__}: {e}", flush=True)
+        time.sleep(PERIOD_S)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="the config.properties TorchServe runs with")
+    cfg = pod_config.load(p.parse_args(argv).config)
+    status = Status(cfg)
+    for name, err in status.poller.io_error.items():
+        print(f"pod.status: model {name} cannot be served: {err}", flush=True)
+    threading.Thread(target=poll_forever, args=(status,), name="pod-status-poll", daemon=True).start()
+    server = ThreadingHTTPServer(("127.0.0.1", cfg.status_port), handler_class(status))
+    server.daemon_threads = True
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

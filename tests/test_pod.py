@@ -1,0 +1,490 @@
+"""The KServe pod (pod/: nginx in front of TorchServe's inference API, the gRPC bridge, the
+status process), started by the image's entrypoint as the image starts it, called with the
+clients KServe users have: v2 REST (JSON and binary), v1 with curl, the v2 metadata/ready/health
+routes, tritonclient gRPC and HTTP, and the kserve SDK's REST and gRPC clients (the SDK and
+tritonclient run in .venv-kserve, which scripts/setup_kserve_env.sh creates). Then what a
+stranger on the pod's ports may try (the repository API), client errors on every route, bodies
+over the limit, a worker killed mid-request, and broken archives."""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import requests
+import torch
+
+from conftest import ROOT, eager
+from handlers import protowire
+from test_cluster_runtime import Container, layout, good_mar  # noqa: F401 (fixtures)
+from test_serving import close, two
+
+KPY = Path(ROOT) / ".venv-kserve" / "bin" / "python"
+OIP = "/inference.GRPCInferenceService/"
+LIMIT = 8 * 2**20  # the pod's max_request_size in these tests
+
+
+@pytest.fixture(scope="module")
+def kserve_env():
+    if not (Path(ROOT) / ".venv-kserve" / ".installed").exists():
+        r = subprocess.run(["sh", "scripts/setup_kserve_env.sh"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+        if r.returncode != 0:
+            pytest.skip(f"scripts/setup_kserve_env.sh could not install the kserve SDK: {r.stderr[-500:]}")
+    return KPY
+
+
+@pytest.fixture(scope="module")
+def door(layout, tmp_path_factory):  # noqa: F811
+    """The image's entrypoint as the image runs it: TorchServe on the storage's loopback
+    addresses, nginx, the gRPC bridge and the status process on the container's ports."""
+    c = Container(layout[0] / "storage", tmp_path_factory.mktemp("door"),
+                  properties={"max_request_size": LIMIT, "max_response_size": LIMIT})
+    try:
+        c.wait("ready")
+        yield {"base": c.base, "grpc": c.grpc_target, "container": c}
+    finally:
+        c.stop()
+
+
+def v2_body(f, m):
+    return {"inputs": [{"name": "features", "shape": list(f.shape), "datatype": "FP32", "data": f.flatten().tolist()},
+                       {"name": "mask", "shape": list(m.shape), "datatype": "BOOL", "data": m.flatten().tolist()}]}
+
+
+def check(outputs, f, m):
+    ref = eager("two_input", f, m)
+    close({o["name"]: torch.tensor(o["data"]).reshape(o["shape"]) for o in outputs}, ref)
+
+
+def test_routes_metadata_and_rest_v1_v2_equal_eager(door):
+    base = door["base"]
+    assert requests.get(f"{base}/v2/health/live", timeout=5).json() == {"live": True}
+    assert requests.get(f"{base}/v2/models/two/ready", timeout=5).json()["ready"] is True
+    meta = requests.get(f"{base}/v2/models/two", timeout=5).json()
+    assert meta["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 16]},
+                              {"name": "mask", "datatype": "BOOL", "shape": [-1, 16]}]
+    assert [o["name"] for o in meta["outputs"]] == list(eager("two_input", *two(1)))
+    f, m = two(3, seed=11)
+    r = requests.post(f"{base}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
+    assert r.status_code == 200, r.text
+    check(r.json()["outputs"], f, m)
+    v1 = {"instances": [{"features": f[j].tolist(), "mask": m[j].tolist()} for j in range(3)]}
+    r = subprocess.run(["curl", "-sS", "-H", "Content-Type: application/json", "-d", json.dumps(v1),
+                        f"{base}/v1/models/two:predict"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ref = eager("two_input", f, m)
+    for j, p in enumerate(json.loads(r.stdout)["predictions"]):
+        close({k: torch.tensor(v) for k, v in p.items()}, {k: v[j] for k, v in ref.items()})
+    bad = v2_body(f, m)
+    bad["inputs"][1]["name"] = "nope"
+    r = requests.post(f"{base}/v2/models/two/infer", json=bad, timeout=60)
+    assert r.status_code == 400 and "unknown input 'nope'" in r.text, r.text
+    r = requests.post(f"{base}/v1/models/two:predict", json={"instances": [{"features": [0.5] * 16,
+                                                                            "mask": [0.5] * 16}]}, timeout=60)
+    assert r.status_code == 400 and "input 'mask'" in r.text, r.text
+
+
+def test_concurrent_requests_meet_in_one_batch_and_a_bad_one_fails_alone(door):
+    inputs = [two(1, seed=30 + i) for i in range(4)]
+    bad_at = 1
+    barrier = threading.Barrier(len(inputs))
+
+    def one(i):
+        body = v2_body(*inputs[i])
+        if i == bad_at:
+            body["inputs"][0]["shape"] = [1, 15]
+            body["inputs"][0]["data"] = body["inputs"][0]["data"][:15]
+        barrier.wait()
+        return requests.post(f"{door['base']}/v2/models/two/infer", json=body, timeout=60)
+
+    with ThreadPoolExecutor(len(inputs)) as pool:
+        responses = list(pool.map(one, range(len(inputs))))
+    for i, r in enumerate(responses):
+        if i == bad_at:
+            assert r.status_code == 400 and "the artifact needs 16" in r.text, r.text
+        else:
+            assert r.status_code == 200, r.text
+            check(r.json()["outputs"], *inputs[i])
+    log = door["container"].log()
+    sizes = [int(n) for n in re.findall(r"batch of (\d+): 1 of \d+ request\(s\) rejected", log)]
+    assert sizes and max(sizes) > 1, log[-3000:]
+    assert "process died" not in door["container"].log("ts_log.log")
+
+
+GRPC_CLIENT = """
+import sys, json, numpy as np, tritonclient.grpc as g
+c = g.InferenceServerClient(sys.argv[1])
+out = {"ready": c.is_model_ready("two"), "live": c.is_server_live()}
+meta = c.get_model_metadata("two", as_json=True)
+out["inputs"] = [i["name"] for i in meta["inputs"]]
+f = np.array(json.loads(sys.argv[2]), np.float32); m = np.array(json.loads(sys.argv[3]), bool)
+a = g.InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f)
+b = g.InferInput("mask", list(m.shape), "BOOL"); b.set_data_from_numpy(m)
+r = c.infer("two", [a, b])
+out["outputs"] = [{"name": o.name, "shape": list(o.shape), "data": r.as_numpy(o.name).flatten().tolist()}
+                  for o in r.get_response().outputs]
+b = g.InferInput("mask", [f.shape[0], 15], "BOOL"); b.set_data_from_numpy(m[:, :15].copy())
+try:
+    c.infer("two", [a, b])
+except g.InferenceServerException as e:
+    out["bad"] = [e.status(), e.message()]
+print(json.dumps(out))
+"""
+
+
+def test_tritonclient_grpc_reaches_the_standard_service(door, kserve_env):
+    import json
+
+    f, m = two(2, seed=21)
+    r = subprocess.run([str(kserve_env), "-c", GRPC_CLIENT, door["grpc"], json.dumps(f.tolist()),
+                        json.dumps(m.tolist())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ready"] and out["live"] and out["inputs"] == ["features", "mask"]
+    check(out["outputs"], f, m)
+    assert out["bad"][0] == "StatusCode.INVALID_ARGUMENT" and "the artifact needs 16" in out["bad"][1], out
+
+
+SDK_CLIENTS = """
+import asyncio, sys, json, numpy as np
+from kserve import InferenceGRPCClient, InferenceRESTClient, RESTConfig
+from kserve.protocol.infer_type import InferInput, InferRequest
+base, grpc_url = sys.argv[1], sys.argv[2]
+f = np.array(json.loads(sys.argv[3]), np.float32); m = np.array(json.loads(sys.argv[4]), bool)
+
+def request(mask):
+    a = InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f)
+    b = InferInput("mask", list(mask.shape), "BOOL"); b.set_data_from_numpy(mask)
+    return InferRequest(model_name="two", infer_inputs=[a, b])
+
+def outputs(res):
+    return [{"name": o.name, "shape": list(o.shape), "data": o.as_numpy().flatten().tolist()} for o in res.outputs]
+
+async def main():
+    out = {}
+    rest = InferenceRESTClient(RESTConfig(protocol="v2", timeout=60))
+    out["rest"] = outputs(await rest.infer(base, request(m), model_name="two"))
+    try:
+        await rest.infer(base, request(m[:, :15].copy()), model_name="two")
+        out["rest_bad"] = "answered"
+    except Exception as e:
+        out["rest_bad"] = f"{type(e).__name__}: {e}"
+    await rest.close()
+    grpc = InferenceGRPCClient(grpc_url, timeout=60)
+    out["grpc"] = outputs(await grpc.infer(request(m)))
+    try:
+        await grpc.infer(request(m[:, :15].copy()))
+        out["grpc_bad"] = "answered"
+    except Exception as e:
+        out["grpc_bad"] = f"{type(e).__name__}: {getattr(e, 'code', lambda: '')()} {e}"
+    await grpc.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+TRITON_HTTP_CLIENT = """
+import sys, json, numpy as np, tritonclient.http as h
+c = h.InferenceServerClient(sys.argv[1])
+f = np.array(json.loads(sys.argv[2]), np.float32); m = np.array(json.loads(sys.argv[3]), bool)
+out = {"ready": c.is_model_ready("two")}
+for binary in (False, True):
+    a = h.InferInput("features", list(f.shape), "FP32"); a.set_data_from_numpy(f, binary_data=binary)
+    b = h.InferInput("mask", list(m.shape), "BOOL"); b.set_data_from_numpy(m, binary_data=binary)
+    r = c.infer("two", [a, b], outputs=[h.InferRequestedOutput(n, binary_data=binary) for n in sys.argv[4].split(",")])
+    out[f"binary_{binary}"] = [{"name": o["name"], "shape": o["shape"], "data": r.as_numpy(o["name"]).flatten().tolist()}
+                               for o in r.get_response()["outputs"]]
+b = h.InferInput("mask", [f.shape[0], 15], "BOOL"); b.set_data_from_numpy(m[:, :15].copy())
+try:
+    c.infer("two", [a, b])
+    out["bad"] = "answered"
+except h.InferenceServerException as e:
+    out["bad"] = [e.status(), e.message()]
+print(json.dumps(out))
+"""
+
+
+def _run_client(kserve_env, code, *args) -> dict:
+    import json
+
+    r = subprocess.run([str(kserve_env), "-c", code, *args], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kserve_sdk_rest_and_grpc_clients_equal_eager_and_bad_input_is_the_clients_fault(door, kserve_env):
+    """The kserve SDK's own InferenceRESTClient (v2) and InferenceGRPCClient, as a KServe user
+    calls a model: answers equal eager; an input of the wrong shape fails with 400 /
+    INVALID_ARGUMENT naming what the artifact needs."""
+    import json
+
+    f, m = two(3, seed=22)
+    out = _run_client(kserve_env, SDK_CLIENTS, door["base"], door["grpc"], json.dumps(f.tolist()),
+                      json.dumps(m.tolist()))
+    check(out["rest"], f, m)
+    check(out["grpc"], f, m)
+    assert "400" in out["rest_bad"] and "the artifact needs 16" in out["rest_bad"], out["rest_bad"]
+    assert "INVALID_ARGUMENT" in out["grpc_bad"] and "the artifact needs 16" in out["grpc_bad"], out["grpc_bad"]
+
+
+def test_tritonclient_http_json_and_binary_equal_eager(door, kserve_env):
+    """tritonclient.http, with JSON tensors and with the binary tensor extension both ways."""
+    import json
+
+    f, m = two(2, seed=23)
+    names = ",".join(eager("two_input", f, m))
+    out = _run_client(kserve_env, TRITON_HTTP_CLIENT, door["base"].removeprefix("http://"),
+                      json.dumps(f.tolist()), json.dumps(m.tolist()), names)
+    assert out["ready"]
+    check(out["binary_False"], f, m)
+    check(out["binary_True"], f, m)
+    assert str(out["bad"][0]) == "400" and "the artifact needs 16" in out["bad"][1], out["bad"]
+
+
+def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(artifacts, good_mar,  # noqa: F811
+                                                                              tmp_path_factory):
+    """A good archive, one whose artifact was damaged after archiving and one truncated in
+    transfer: the pod comes up and stays up (liveness passes, no crash loop), the good model
+    answers, and the server's and each broken model's ready and metadata routes, over REST and
+    gRPC, name the reason; the readiness probe fails naming both."""
+    from conftest import build_mar, corrupt_inside_mar
+    from test_cluster_runtime import lay_out
+
+    store = tmp_path_factory.mktemp("door_broken_store")
+    bad = build_mar(artifacts.get("cls_export"), "bad", store)
+    corrupt_inside_mar(bad)
+    cut = build_mar(artifacts.get("cls_export"), "cut", store)
+    out = tmp_path_factory.mktemp("door_broken_out")
+    r = lay_out([good_mar, bad, cut], out)
+    assert r.returncode == 0, r.stderr
+    stored = out / "storage" / "model-store" / "cut.mar"
+    stored.write_bytes(stored.read_bytes()[: stored.stat().st_size // 2])
+    c = Container(out / "storage", tmp_path_factory.mktemp("door_broken"))
+    needle = "does not match its own archive's record"
+    try:
+        c.wait("live")
+        deadline = time.time() + 180
+        while needle not in c.probe("ready").stdout and time.time() < deadline:
+            time.sleep(1)
+        p = c.probe("ready")
+        assert p.returncode == 1 and needle in p.stdout and "cut.mar is not a readable .mar" in p.stdout, p.stdout
+        ready = requests.get(f"{c.base}/v2/models/bad/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["ready"] is False and needle in ready.json()["reason"]
+        meta = requests.get(f"{c.base}/v2/models/cut", timeout=5)
+        assert meta.status_code == 503 and "BadZipFile" in meta.json()["error"], meta.text
+        assert requests.get(f"{c.base}/v2/models/two/ready", timeout=5).json()["ready"] is True
+        with grpc.insecure_channel(c.grpc_target) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(OIP + "ModelMetadata")(protowire.encode_string(1, "bad"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and needle in e.value.details()
+            assert ch.unary_unary(OIP + "ServerReady")(b"", timeout=10) == protowire.encode_bool(1, False)
+        f, m = two(2, seed=3)
+        good = requests.post(f"{c.base}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
+        assert good.status_code == 200, good.text
+        time.sleep(3)
+        c.wait("live")
+        assert c.proc.poll() is None and "exited" not in c.log("stdout.log"), c.log("stdout.log")[-2000:]
+    finally:
+        c.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# What a stranger on the pod's ports may try, and client errors on every route
+
+
+def grpc_infer_request(name: str, inputs: list, raw: list | None = None) -> bytes:
+    """A ModelInferRequest: model_name (1), inputs (5: name 1, datatype 2, shape 3, contents 5),
+    raw_input_contents (7); each input is (name, datatype, shape, contents bytes or None)."""
+    w = protowire.Writer()
+    w.string(1, name)
+    for n, dt, shape, contents in inputs:
+        t = protowire.Writer()
+        t.string(1, n)
+        t.string(2, dt)
+        t.packed_varints(3, shape)
+        if contents is not None:
+            t.message(5, contents)
+        w.message(5, t.bytes())
+    for r in raw or []:
+        w.bytes_field(7, r)
+    return w.bytes()
+
+
+def raw_two(f, m) -> bytes:
+    return grpc_infer_request("two", [("features", "FP32", list(f.shape), None), ("mask", "BOOL", list(m.shape), None)],
+                              [f.numpy().tobytes(), m.numpy().astype("uint8").tobytes()])
+
+
+def test_no_route_on_the_pods_ports_can_change_the_server(door):
+    """The KServe repository API over REST (403) and gRPC (UNIMPLEMENTED), TorchServe's
+    management routes and its other inference routes (404): none reaches TorchServe; the model
+    still answers afterwards."""
+    base = door["base"]
+    for path in ("/v2/repository/models/two/unload", "/v2/repository/models/two/load", "/v2/repository/index"):
+        r = requests.post(f"{base}{path}", json={}, timeout=10)
+        assert r.status_code == 403 and "cannot be loaded, unloaded or changed" in r.json()["error"], (path, r.text)
+    for method, path in (("POST", "/models?url=two.mar"), ("DELETE", "/models/two"), ("PUT", "/models/two?min_worker=0"),
+                         ("GET", "/models"), ("GET", "/api-description"), ("POST", "/predictions/two"),
+                         ("DELETE", "/v2/models/two"), ("GET", "/metrics")):
+        r = requests.request(method, f"{base}{path}", timeout=10)
+        assert r.status_code in (403, 404, 405), (method, path, r.status_code, r.text)
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        for rpc in ("RepositoryModelUnload", "RepositoryModelLoad", "RepositoryIndex"):
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(OIP + rpc)(protowire.encode_string(2, "two"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, rpc
+        f, m = two(2, seed=9)
+        out = ch.unary_unary(OIP + "ModelInfer")(raw_two(f, m), timeout=60)
+        assert protowire.first_string(out, 1) == "two"
+    assert requests.get(f"{base}/v2/models/two/ready", timeout=5).json()["ready"] is True
+    f, m = two(1, seed=10)
+    assert requests.post(f"{base}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
+    # metrics are served, read-only, on their own port
+    metrics = requests.get(f"http://127.0.0.1:{door['container'].public_metrics}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "ts_inference_requests_total" in metrics.text
+    assert requests.post(f"http://127.0.0.1:{door['container'].public_metrics}/metrics", timeout=10).status_code == 403
+
+
+REST_ERRORS = [
+    # (what, body, headers, status, words the message must hold)
+    ("shape and data disagree", lambda f, m: json.dumps({"inputs": [
+        {"name": "features", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 15}]}), {}, 400, "needs 16 values"),
+    ("strings declared FP32", lambda f, m: json.dumps({"inputs": [
+        {"name": "features", "shape": [1, 2], "datatype": "FP32", "data": ["a", "b"]}]}), {}, 400, "features"),
+    ("NaN token", lambda f, m: '{"inputs": [{"name": "features", "shape": [1, 1], "datatype": "FP32", "data": [NaN]}]}',
+     {}, 400, "NaN"),
+    ("empty body", lambda f, m: b"", {"Content-Type": "application/json"}, 400, ""),
+    ("not JSON", lambda f, m: b"{not json", {"Content-Type": "application/json"}, 400, "JSON"),
+    ("unsupported media type", lambda f, m: b"abc", {"Content-Type": "image/png"}, 415, "Content-Type"),
+    ("wrong binary_data_size", lambda f, m: json.dumps({"inputs": [
+        {"name": "features", "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": 60}},
+        {"name": "mask", "shape": [1, 16], "datatype": "BOOL", "parameters": {"binary_data_size": 16}}]}).encode()
+     + b"\0" * 76, "v2bin", 400, "binary_data_size"),
+]
+
+
+@pytest.mark.parametrize("case", REST_ERRORS, ids=[c[0] for c in REST_ERRORS])
+def test_client_errors_over_rest_are_4xx_and_the_connection_stays_usable(door, case):
+    what, make, headers, status, words = case
+    f, m = two(1, seed=12)
+    body = make(f, m)
+    body = body.encode() if isinstance(body, str) else body
+    if headers == "v2bin":
+        head = body[: body.index(b"}]}") + 3]
+        headers = {"Inference-Header-Content-Length": str(len(head))}
+    conn = http.client.HTTPConnection("127.0.0.1", door["container"].http, timeout=60)
+    conn.request("POST", "/v2/models/two/infer", body=body, headers=headers)
+    r = conn.getresponse()
+    text = r.read().decode()
+    assert r.status == status, (what, r.status, text)
+    err = json.loads(text)
+    assert words in (err.get("message") or err.get("error") or ""), (what, text)
+    # the same keep-alive connection answers the next request
+    conn.request("POST", "/v2/models/two/infer", body=json.dumps(v2_body(f, m)), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.read()
+    check(json.loads(r.read())["outputs"], f, m)
+    conn.close()
+
+
+def test_client_errors_over_grpc_are_invalid_argument(door):
+    f, m = two(1, seed=13)
+    fp32 = protowire.Writer()
+    fp32.packed_varints(3, [1] * 16)  # int64_contents for an FP32 input
+    cases = {
+        "int64_contents for an FP32 input": grpc_infer_request("two", [("features", "FP32", [1, 16], fp32.bytes()),
+                                                                       ("mask", "BOOL", [1, 16], None)]),
+        "raw size": grpc_infer_request("two", [("features", "FP32", [1, 16], None), ("mask", "BOOL", [1, 16], None)],
+                                       [b"\0" * 60, b"\0" * 16]),
+        "truncated message": raw_two(f, m)[:-7],
+        "shape and raw disagree": grpc_infer_request("two", [("features", "FP32", [2, 16], None),
+                                                             ("mask", "BOOL", [1, 16], None)],
+                                                     [f.numpy().tobytes(), b"\1" * 16]),
+    }
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        call = ch.unary_unary(OIP + "ModelInfer")
+        for what, req in cases.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details(), (what, e.value)
+        with pytest.raises(grpc.RpcError) as e:
+            call(grpc_infer_request("nope", []), timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+        out = call(raw_two(f, m), timeout=60)  # the channel still serves
+        assert protowire.first_string(out, 1) == "two"
+
+
+def rss_mib(pids) -> float:
+    return sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
+
+
+def fronts(container) -> list:
+    """pids of nginx's and the bridge's processes of this pod."""
+    return [p.pid for p in container.processes()
+            if "nginx" in p.name() or "pod.grpc_bridge" in " ".join(p.cmdline())]
+
+
+def test_a_body_over_the_limit_is_refused_while_it_streams_and_memory_stays_bounded(door):
+    """100 MB against an 8 MiB limit: REST with a Content-Length and chunked (413 with a JSON
+    message), gRPC (RESOURCE_EXHAUSTED); the fronts' memory grows by less than the limit."""
+    c = door["container"]
+    pids = fronts(c)
+    before = rss_mib(pids)
+    big = b"\0" * (100 * 2**20)
+    r = requests.post(f"{door['base']}/v2/models/two/infer", data=big, headers={"Content-Type": "application/json"},
+                      timeout=60)
+    assert r.status_code == 413 and str(LIMIT) in r.json()["error"], r.text
+    r = requests.post(f"{door['base']}/v2/models/two/infer", data=(big[i:i + 2**20] for i in range(0, len(big), 2**20)),
+                      headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    with grpc.insecure_channel(door["grpc"], options=[("grpc.max_send_message_length", -1)]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(OIP + "ModelInfer")(grpc_infer_request("two", [], [big]), timeout=60)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    grew = rss_mib(pids) - before
+    print(f"fronts' RSS {before:.0f} MiB, grew {grew:.0f} MiB over three 100 MB bodies")
+    assert grew < LIMIT / 2**20, grew
+    f, m = two(1, seed=14)
+    assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
+
+
+def test_a_worker_killed_mid_request_is_a_retryable_503_and_unavailable(door):
+    """Every worker of the model stopped, one REST and one gRPC request sent to them, then the
+    workers killed: the requests in flight get 503 / UNAVAILABLE (retry), not 500 or
+    INVALID_ARGUMENT; the pod is ready again once TorchServe has restarted them. Runs last in
+    this module: the workers are new afterwards."""
+    c = door["container"]
+    workers = [p for p in c.processes() if "model_service_worker" in " ".join(p.cmdline())]
+    assert workers
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    f, m = two(1, seed=15)
+    with ThreadPoolExecutor(2) as pool:
+        rest = pool.submit(requests.post, f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=120)
+
+        def grpc_call():
+            with grpc.insecure_channel(door["grpc"]) as ch:
+                try:
+                    ch.unary_unary(OIP + "ModelInfer")(raw_two(f, m), timeout=120)
+                    return "answered"
+                except grpc.RpcError as e:
+                    return e.code()
+        g = pool.submit(grpc_call)
+        time.sleep(2.0)  # both are in a batch sent to a stopped worker
+        for w in workers:
+            w.send_signal(signal.SIGKILL)
+        r = rest.result()
+        assert r.status_code == 503 and "retry" in r.json()["error"], r.text
+        assert g.result() == grpc.StatusCode.UNAVAILABLE
+    c.wait("ready", timeout=240)
+    assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
