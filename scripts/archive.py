@@ -8,6 +8,7 @@ nothing is pip-installed per model.
   python -m scripts.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
   python -m scripts.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
       [--input-range INPUT=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
+      [--pad auto|none]                # auto: declare the padding the import found safe
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
       [--handler-option KEY=VALUE ...]
 """
@@ -98,7 +99,48 @@ def imported(path: str, i: int, args, tmp: str) -> str:
         fail(f"--artifact {path}: no such file or directory")
     from scripts.import_artifact import import_artifact
 
-    return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range)
+    return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
+                           find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
+
+
+# What serving without padding costs, measured (docs/performance.md "The final revision"):
+# requests of different lengths cannot share a call unless padded.
+NO_PAD_COST = ("requests of different lengths run as groups of equal length, every distinct length its own "
+               "call: a text encoder with lengths 16..128 at 64 clients served 2387.0 req/s without padding against "
+               "14427.5 with it on one H100 (docs/performance.md)")
+
+
+def choose_pad(args, specs) -> dict | None:
+    """The pad values to declare (None: none), printing what was chosen and why: an explicit
+    pad= option as given, --pad none nothing, else what the import found safe for every variant
+    (artifact.json extra.padding, scripts/find_padding.py)."""
+    if not any(s.dims for s in specs):
+        return None
+    if "pad" in args.handler_opts:
+        print("archive.py: pad= as given with --handler-option (the worker checks at load that it leaves "
+              "answers unchanged)")
+        return None
+    if args.pad == "none":
+        print(f"archive.py: no padding (--pad none): {NO_PAD_COST}")
+        return None
+    found = [s.extra.get("padding") for s in specs]
+    if any(f is None for f in found):
+        print("archive.py: no padding: padding was not tried (a directory not imported from a .pt2 with its "
+              f"program; python -m scripts.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
+              "declare it: --handler-option \"pad={input_ids: 0, attention_mask: 0}\"")
+        return None
+    pads = [f.get("pad") for f in found]
+    if all(p and p == pads[0] for p in pads):
+        from scripts.find_padding import show
+
+        pads[0] = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
+        print(f"archive.py: pad={show(pads[0])}: {found[0]['why']} (scripts/find_padding.py; the worker checks it "
+              "again at load; --pad none turns it off)")
+        return pads[0]
+    why = next((f["why"] for f in found if not f.get("pad")), "the variants disagree")
+    unsafe = why.startswith("padding changes")  # find_padding's words for answers that changed
+    print(f"archive.py: {'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}")
+    return None
 
 
 def main(argv=None):
@@ -126,6 +168,10 @@ def main(argv=None):
     p.add_argument("--device-type", choices=("cpu", "gpu"))
     p.add_argument("--device-ids", help="comma-separated GPU ids for this model's workers")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--pad", choices=("auto", "none"), default="auto",
+                   help="auto (default): for inputs with a dynamic length, declare pad= where the import found "
+                        "padding leaves the program's answers unchanged (printed with the reason); none: never "
+                        "pad. An explicit --handler-option pad=... is used as given")
     args = p.parse_args(argv)
     if not args.name.replace("_", "").replace("-", "").isalnum():
         fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
@@ -136,6 +182,7 @@ def main(argv=None):
             fail(f"--handler-option {item!r}: expected KEY=VALUE")
         k, v = item.split("=", 1)
         handler_opts[k] = _yaml_value(v)
+    args.handler_opts = handler_opts
     cfg = {"minWorkers": args.workers, "maxWorkers": args.workers, "batchSize": args.batch_size or 1,
            "maxBatchDelay": args.max_batch_delay, "responseTimeout": args.response_timeout}
     if args.device_type:
@@ -172,6 +219,13 @@ def main(argv=None):
                 tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
                                      else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
                 specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
+        pad = choose_pad(args, specs)
+        if pad:
+            cfg["handler"] = handler_opts = {**handler_opts, "pad": pad}
+            try:
+                parse_config(cfg)  # as validated above, with the found values
+            except LoadError as e:
+                fail(str(e))
         if args.batch_size is None:
             args.batch_size = default_batch_size(specs)
             cfg["batchSize"] = args.batch_size

@@ -4,7 +4,7 @@ directory holding the file and the artifact.json that scripts/compile.py would h
 
   python -m scripts.import_artifact --artifact PROGRAM.pt2 --out DIR
   python -m scripts.import_artifact --artifact PACKAGE.pt2 --program PROGRAM.pt2 --out DIR
-      [--input-range INPUT=LO:HI ...] [--device-index N]
+      [--input-range INPUT=LO:HI ...] [--device-index N] [--pad auto|none]
 
 Accepted:
 - a program saved with `torch.export.save(ep, "PROGRAM.pt2")`: it holds the whole contract
@@ -16,6 +16,9 @@ Accepted:
 
 The same checks as compile: the artifact loads in a child process first (a native crash is
 reported, not suffered), then its answers are compared with the program's on example inputs.
+Where an input has a dynamic length, padding is tried on the program (scripts/find_padding.py)
+and the finding recorded in artifact.json (`extra.padding`: the pad values, or none and why),
+which scripts/archive.py declares as `pad=`; `--pad none` skips it.
 `python -m scripts.archive --artifact FILE.pt2` runs this on its own.
 """
 from __future__ import annotations
@@ -117,8 +120,10 @@ def _compat_facts(kind: str, path: str, device: str) -> dict:
     return facts
 
 
-def import_artifact(path: str, out: str, program: str | None = None, input_ranges=(), device_index: int = 0) -> str:
-    """Writes DIR/model.pt2 and DIR/artifact.json; returns DIR."""
+def import_artifact(path: str, out: str, program: str | None = None, input_ranges=(), device_index: int = 0,
+                    find_pad: bool = True) -> str:
+    """Writes DIR/model.pt2 and DIR/artifact.json (with the padding finding where `find_pad` and
+    an input has a dynamic length); returns DIR."""
     import torch
 
     if not os.path.isfile(path):
@@ -161,6 +166,12 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "
           f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
           + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
+    if find_pad and found.dims:
+        from scripts import find_padding
+
+        finding = find_padding.search(ep.module(), spec, program_device(ep))
+        write_spec(type(spec)(**{**spec.__dict__, "extra": {**spec.extra, "padding": finding.record()}}), out)
+        print(f"padding: {'pad=' + find_padding.show(finding.pad) if finding.pad else 'none'} ({finding.why})")
     return out
 
 
@@ -209,9 +220,12 @@ def main(argv=None) -> int:
     p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
                    help="valid values of an integer input (adds to or tightens the bound from the graph)")
     p.add_argument("--device-index", type=int, default=0, help="CUDA device for the checks")
+    p.add_argument("--pad", choices=("auto", "none"), default="auto",
+                   help="auto: with a dynamic length, try padding on the program and record what is safe "
+                        "(scripts/find_padding.py); none: do not try")
     p.add_argument("--out", required=True, help="output directory (created)")
     args = p.parse_args(argv)
-    import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index)
+    import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index, args.pad == "auto")
     return 0
 
 

@@ -27,7 +27,7 @@ PY = sys.executable
 # A test is marked `server` when it compiles, starts TorchServe or runs the project's scripts in
 # a process of their own: a fixture of SERVER_FIXTURES in its closure, or those calls in its own
 # code. `pytest -m "not server"` runs the in-process rest (docs/testing.md).
-SERVER_FIXTURES = {"artifacts", "serve", "main_server"}
+SERVER_FIXTURES = {"artifacts", "serve", "main_server", "hf_bert"}
 SERVER_CALLS = ("subprocess", "torchserve", "LocalTorchServe", "Popen")
 
 
@@ -134,6 +134,22 @@ class Artifacts:
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
     return Artifacts(tmp_path_factory.mktemp("artifacts"), "cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_bert(tmp_path_factory):
+    """A Hugging Face transformers BERT classifier as a user hands it over (examples/hf_bert.py, the
+    tiny config, random weights, CPU): (directory holding program.pt2 and its AOTInductor
+    package.pt2, the eager model). Exported and compiled once per run, for every test that serves it."""
+    import torch
+
+    from examples import hf_bert as hf
+
+    d = tmp_path_factory.mktemp("hf_bert")
+    model, ep = hf.export("tiny")
+    torch.export.save(ep, d / "program.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(d / "package.pt2"))
+    return d, model
 
 
 def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:

@@ -62,7 +62,9 @@ def user_server(user_files, serve, tmp_path_factory):
     d, _ = user_files
     store = tmp_path_factory.mktemp("user_store")
     batched = ["--batch-size", "8", "--max-batch-delay", "300"]
-    mars = {"text_ep": build_mar(d / "program.pt2", "text_ep", store, *batched),
+    # --pad none: the equal-length groups without padding stay served and tested here (archived
+    # with no options this masked model is padded: the import finds padding safe)
+    mars = {"text_ep": build_mar(d / "program.pt2", "text_ep", store, *batched, "--pad", "none"),
             # padding declared safe (the model masks it): lengths share calls in buckets
             "text_pad": build_mar(d / "program.pt2", "text_pad", store, *batched, "--handler-option",
                                   "pad={input_ids: 0, attention_mask: 0}", "--handler-option", "pad_buckets=[8, 32]"),
@@ -210,8 +212,15 @@ def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
 
 def test_padding_is_announced_in_the_load_line(user_server):
     """Announced with the load-time check that padding leaves this masked model's answers alone
-    (handlers/run/padding.py)."""
-    assert "padding D1 to [8, 32, 64], padding checked (2 trials: answers unchanged)" in user_server.log()
+    (handlers/run/padding.py): declared with its buckets (text_pad), found by the archive with no
+    options (text_aoti), off with --pad none (text_ep)."""
+    lines = {m: [ln for ln in user_server.log().splitlines() if f"-{m}_" in ln and " artifact model.pt2 " in ln]
+             for m in ("text_pad", "text_aoti", "text_ep")}
+    assert lines["text_pad"] and all("padding D1 to [8, 32, 64], padding checked (2 trials: answers unchanged)" in ln
+                                     for ln in lines["text_pad"]), lines
+    assert lines["text_aoti"] and all("padding D1 to [2, 4, 8, 16, 32, 64], padding checked" in ln
+                                      for ln in lines["text_aoti"]), lines
+    assert lines["text_ep"] and not any("padding" in ln for ln in lines["text_ep"]), lines
 
 
 class HalfMLP(nn.Module):
@@ -254,3 +263,147 @@ def test_bf16_program_and_package_import_with_their_dtypes_tolerance(tmp_path):
     torch.export.save(other, tmp_path / "other.pt2")
     with pytest.raises(SystemExit, match="differs from the program"):
         import_artifact.import_artifact(str(tmp_path / "package.pt2"), str(tmp_path / "bad"), str(tmp_path / "other.pt2"))
+
+
+# A Hugging Face transformers model, archived with no options at all: the import finds padding safe
+# (examples/hf_bert.py's tiny BERT masks padded positions through its attention mask), the archive
+# declares it, the worker checks it at load; texts of mixed lengths then share padded calls.
+HF_PAD = "pad={input_ids: 0, attention_mask: 0}"
+
+
+def archive_no_options(artifact, name: str, store, *program) -> str:
+    """python -m scripts.archive as a user runs it, nothing but the files and a name; its stdout."""
+    cmd = [PY, "-m", "scripts.archive", "--artifact", str(artifact), *program, "--name", name, "--out", str(store)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="session")
+def hf_server(hf_bert, serve, tmp_path_factory):
+    d, _ = hf_bert
+    store = tmp_path_factory.mktemp("hf_store")
+    printed = {"hf_ep": archive_no_options(d / "program.pt2", "hf_ep", store),
+               "hf_aoti": archive_no_options(d / "package.pt2", "hf_aoti", store, "--program", str(d / "program.pt2"))}
+    return serve({name: store / f"{name}.mar" for name in printed}), printed
+
+
+def test_hf_bert_archived_with_no_options_is_padded(hf_server):
+    """The archive prints the padding it chose and why; each worker's load line shows it checked."""
+    ts, printed = hf_server
+    for name, out in printed.items():
+        assert f"archive.py: {HF_PAD}: answers unchanged on 16 trials" in out, out
+        assert "the worker checks it again at load" in out, out
+        loaded = [ln for ln in ts.log().splitlines() if f"-{name}_" in ln and " artifact model.pt2 " in ln]
+        assert loaded and all("padding D1 to [4, 8, 16, 32, 64], padding checked (2 trials: answers unchanged)"
+                              in ln for ln in loaded), loaded
+
+
+@pytest.mark.parametrize("model", ["hf_ep", "hf_aoti"])
+def test_hf_bert_mixed_lengths_equal_eager_per_length(hf_server, hf_bert, model):
+    """Requests of different lengths sent together: one worker, so they queue behind the first
+    call and meet in TorchServe batches (8, the archive's default), padded to shared lengths. Each
+    answer equals the eager transformers model on that request alone, and the per-token output
+    is cut to the request's own length."""
+    ts, _ = hf_server
+    _, ref_model = hf_bert
+    lengths = [5, 64, 12, 4, 33, 9, 17, 64, 6, 40, 4, 21, 50, 8, 30, 11]
+    cases = []
+    for i, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(0, 1000, (1 + i % 2, n), generator=g)
+        mask = torch.ones_like(ids)
+        if i % 3 == 0:  # a request may mask some of its own positions too
+            mask[:, n // 2:] = (torch.rand(ids.shape[0], n - n // 2, generator=g) > 0.3).long()
+        cases.append((ids, mask))
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: post(ts, model, body(*c)), cases))
+    for (ids, mask), r in zip(cases, answers):
+        assert r.status_code == 200, r.text
+        got, want = safetensors_io.loads(r.content), eager(ref_model, ids, mask)
+        assert got["last_hidden_state"].shape == (ids.shape[0], ids.shape[1], 32)
+        for k in ("logits", "last_hidden_state"):
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def _export_pooled(tmp_path, masked: bool):
+    """A program that pools token embeddings over the length: over the kept positions (masked)
+    or over every position (a model padding would change)."""
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.head = nn.Embedding(100, 8), nn.Linear(8, 2)
+
+        def forward(self, input_ids, attention_mask):
+            keep = attention_mask.unsqueeze(-1).float()
+            h = self.tokens(input_ids) * keep
+            return self.head(h.sum(1) / keep.sum(1) if masked else h.mean(1))
+
+    torch.manual_seed(0)
+    seq = Dim("seq", min=2, max=32)
+    ep = torch.export.export(Pooled().eval(), (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.int64)),
+                             dynamic_shapes={"input_ids": {0: Dim("batch", min=1, max=8), 1: seq},
+                                             "attention_mask": {0: Dim("batch", min=1, max=8), 1: seq}})
+    path = tmp_path / f"{'masked' if masked else 'unmasked'}.pt2"
+    torch.export.save(ep, path)
+    return path
+
+
+def test_padding_search_finds_masked_models_safe_and_unmasked_unsafe(tmp_path, monkeypatch):
+    """Valid requests (ids in the contract's range, masks of ones over the request's own
+    positions, the pad value beyond): a model that masks is padded with 0; one that averages over
+    every position is unsafe; so is the masked one if its mask were padded with 1."""
+    from handlers.artifact.metadata import read_spec
+    from scripts import find_padding
+    from scripts.import_artifact import import_artifact
+
+    found = {}
+    for masked in (True, False):
+        out = import_artifact(str(_export_pooled(tmp_path, masked)), str(tmp_path / f"imp{masked}"))
+        found[masked] = read_spec(out).extra["padding"]
+    assert found[True]["pad"] == {"input_ids": 0, "attention_mask": 0}, found
+    assert found[False]["pad"] is None and "padding changes the answers: output 'output' differs" in found[False]["why"]
+    spec = read_spec(str(tmp_path / "impTrue"))
+    program = torch.export.load(str(tmp_path / "masked.pt2")).module()
+    monkeypatch.setattr(find_padding, "candidates", lambda spec: {"input_ids": [0], "attention_mask": [1]})
+    one = find_padding.search(program, spec)
+    assert one.pad is None and "padded to" in one.why and "{input_ids: 0, attention_mask: 1}" in one.why, one
+
+
+def test_pad_candidates_stay_inside_the_contract():
+    """Integer ids pad with 0 where 0 is a valid id, else the lowest valid one (a pad id is never
+    checked at admission); masks and bools with 0; floats try a few values; fixed inputs none."""
+    from types import SimpleNamespace
+
+    from handlers.artifact.metadata import TensorSpec
+    from scripts.find_padding import FLOAT_CANDIDATES, candidates
+
+    spec = SimpleNamespace(inputs=[TensorSpec("ids", "int64", (None, "S"), {"min": 5, "max": 99}),
+                                   TensorSpec("tokens", "int64", (None, "S"), {"min": 0, "max": 9}),
+                                   TensorSpec("key_mask", "bool", (None, "S")),
+                                   TensorSpec("x", "float32", (None, "S", 4)), TensorSpec("fixed", "int64", (None, 3))])
+    assert candidates(spec) == {"ids": [5], "tokens": [0], "key_mask": [0], "x": list(FLOAT_CANDIDATES)}
+
+
+def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_path):
+    """An unmasked model: no padding is safe, the archive says so and the cost; an explicit pad=
+    option is used as given, not searched (--pad none: text_ep's load line, below)."""
+    import zipfile
+
+    import yaml
+
+    def archive(artifact, name, *extra):
+        r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(artifact), "--name", name, "--out",
+                            str(tmp_path), *extra], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        with zipfile.ZipFile(tmp_path / f"{name}.mar") as z:
+            return r.stdout, (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
+
+    out, handler = archive(_export_pooled(tmp_path, masked=False), "unmasked")
+    assert "archive.py: no padding is safe: padding changes the answers" in out and "2387.0" in out, out
+    assert "every distinct length its own call" in out and "pad" not in handler, (out, handler)
+    d, _ = user_files
+    out, handler = archive(d / "program.pt2", "given", "--handler-option", "pad={input_ids: 0, attention_mask: 0}")
+    assert "pad= as given" in out and "padding:" not in out, out
+    assert handler["pad"] == {"input_ids": 0, "attention_mask": 0}
