@@ -3,6 +3,9 @@ would write without it, beside the limits measured in the same run.
 
   python -m scripts.bench_e2e --artifact DIR --factory examples/models.py:resnet50 \
       --out docs/results/e2e_resnet50_fp16 [--gpus 1,all] [--clients 1,16,64,192] [--seconds 10]
+  python -m scripts.bench_e2e --artifact PACKAGE.pt2 --program PROGRAM.pt2 --factory FILE.py:FACTORY ...
+      (a user's own files, imported as scripts/archive.py imports them: padding tried; ours is
+      then archived with no options, so it pads where the import found padding safe)
       [--batch-size N] [--max-batch-delay MS] [--workers-per-gpu N] [--cpu-workers N]
       [--thread-sweep 1,2,4] [--sweep-clients 64]
 
@@ -11,8 +14,11 @@ in one `torchserve --start` from the shipped config.properties (only ports and p
   ours   scripts/archive.py's archive of the artifact, archive defaults plus the serving
          settings given here (the same for every handler)
   stock  scripts/baselines/stock_handler.py: BaseHandler subclass, eager model from the
-         factory, `.to(device)` on the default stream, `.cpu()`; given the thread budget our
-         handler chose (read from its load line) so the comparison is not about threads
+         factory, `.to(device)` on the default stream, `.cpu()`; texts of different lengths
+         padded to the batch's longest with zeros (ids 0, mask 0) and run as one call, as users'
+         handlers and Hugging Face pipelines do; given the thread budget our handler chose (read
+         from its load line) so the comparison is not about threads
+  stock_aoti  the same handler calling the AOTInductor package (`aoti_load_package`)
   stock_default  the same handler without a thread budget (what a user gets), at one point
   echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size
          (zeros, parsed and checked by the client like every answer): the transport limit
@@ -48,7 +54,10 @@ from scripts.results_meta import page_head
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py")
+    p.add_argument("--artifact", required=True,
+                   help="directory written by scripts/compile.py or scripts/import_artifact.py, or a .pt2 file "
+                        "(torch.export.save, or an AOTInductor package with --program): imported first")
+    p.add_argument("--program", help="with an AOTInductor package: the program it was compiled from")
     p.add_argument("--factory", required=True, help="FILE.py:FACTORY of the eager model (stock + reference)")
     p.add_argument("--out", required=True, help="results path without extension")
     p.add_argument("--gpus", default="1,all", help="device sets: comma list of counts or 'all'")
@@ -259,6 +268,18 @@ def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30,
     return out
 
 
+def imported(args, stack) -> None:
+    """--artifact FILE.pt2 is imported as the archive imports a user's file (scripts/import_artifact.py:
+    the contract, the checks, padding tried on the program) into a directory kept for the run;
+    args.artifact names that directory afterwards."""
+    if os.path.isdir(args.artifact):
+        return
+    from scripts.import_artifact import import_artifact
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_e2e_import_"))
+    args.artifact = import_artifact(args.artifact, os.path.join(tmp, "artifact"), args.program)
+
+
 def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=()) -> Path:
     cmd = [sys.executable, "-m", "scripts.archive", "--artifact", args.artifact, "--name", name,
            "--out", str(store), "--workers", str(workers), "--batch-size", str(args.batch_size),
@@ -270,6 +291,9 @@ def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=(
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"archive {name} failed: {r.stderr or r.stdout}")
+    for line in r.stdout.splitlines():  # the padding the archive chose for ours, and why
+        if line.startswith(("archive.py: pad=", "archive.py: no padding")) and name == "ours":
+            print(line, flush=True)
     return store / f"{name}.mar"
 
 
@@ -346,7 +370,10 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
                                             ("--handler-option", f"cpu_threads={t}"))
     half = any(s.dtype == "float16" for s in spec.inputs + spec.outputs)
     stock = {"factory": "models.py:" + args.factory.rsplit(":", 1)[1], "inputs": spec.input_names,
-             "outputs": spec.output_names, "precision": "fp16" if half else "fp32"}
+             "outputs": spec.output_names, "precision": "fp16" if half else "fp32",
+             # the axes that carry a variable length: the stock handler pads them to the batch's longest
+             "in_axes": [[s.name, a, d] for s in spec.inputs for a, d in enumerate(s.shape) if isinstance(d, str)],
+             "out_axes": [[s.name, a, d] for s in spec.outputs for a, d in enumerate(s.shape) if isinstance(d, str)]}
     if "stock" in wanted:
         models["stock"] = archive_baseline(args, store, "stock", "stock_handler.py", workers, ids,
                                            {"stock": {**stock, "cpu_threads": budget}})
@@ -663,6 +690,14 @@ def main(argv=None):
         plot(path.with_suffix(".png"), result)
         return 0
     args = parse_args(argv)
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        imported(args, stack)
+        return run(args, argv, from_cli)
+
+
+def run(args, argv, from_cli: bool) -> int:
     import torch
 
     from handlers.artifact.metadata import read_spec
@@ -674,6 +709,8 @@ def main(argv=None):
     device = torch.device("cuda:0" if n_gpu else "cpu")
     bodies, refs, tol, sizes = references(args, spec, device)
     pad, pad_buckets = declared_pad(args)
+    if not pad:  # ours, archived with no options, pads where the import found padding safe
+        pad = (spec.extra.get("padding") or {}).get("pad") or {}
     one = gpu_limit(spec, device, args.batch_size, sizes, pad, pad_buckets=pad_buckets)
     sets = device_sets(args, n_gpu)
     limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}

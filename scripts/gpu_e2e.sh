@@ -24,6 +24,12 @@
 #                               to length buckets; ours_padblock: and cuda_sync=block), stock eager,
 #                               stock_aoti (same package), echo
 #   e2e_mlp_fp16_<tag>          small MLP: ours, ours_block (cuda_sync=block), stock, stock_aoti, echo
+#   e2e_hf_bert_fp16_<tag>      a transformers BERT classifier (examples/hf_bert.py: 6 layers, hidden 768,
+#                               batch 1..64, length 8..256), exported and packaged as a user does, the
+#                               .pt2 files handed to the archive with no options (padding found by the
+#                               import); lengths 16..128 per request: ours, ours_nopad (pad={}: no
+#                               padding), stock eager and stock_aoti (both pad each batch to its
+#                               longest request, zero mask), echo; 1 and 64 clients
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
@@ -101,6 +107,14 @@ for part in $PARTS; do
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
             --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
             --variant "padblock:pad={input_ids: 0, attention_mask: 0},cuda_sync=block" ;;
+    hf_bert) # the user's own model: plain torch and transformers build the files, the archive gets no options
+         [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 \
+           --out "$W/hf_bert"
+         $PY -m scripts.bench_e2e --factory examples/hf_bert.py:bert_bench --rounds "${ROUNDS:-2}" \
+           --artifact "$W/hf_bert/package.pt2" --program "$W/hf_bert/program.pt2" \
+           --out "$RESULTS/e2e_hf_bert_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
+           --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
+           --handlers ours,stock,stock_aoti,echo --variant "nopad:pad={}" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
          # ours (cuda_sync=auto: hybrid with 6 workers) against the blocking wait
          $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
@@ -155,6 +169,6 @@ for part in $PARTS; do
     profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, mlp, start, profile, reader, spy, small)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, start, profile, reader, spy, small)"; exit 2 ;;
   esac
 done

@@ -263,3 +263,69 @@ def test_declared_pad_reads_the_first_padding_variant_with_its_buckets():
     assert declared_pad(args("pad:pad={input_ids: 0, attention_mask: 0}")) == ({"input_ids": 0, "attention_mask": 0}, ())
     assert declared_pad(args("x:cuda_sync=spin", "pb:pad={ids: 1},pad_buckets=[16, 64]",
                              "later:pad={ids: 2}")) == ({"ids": 1}, (16, 64))
+
+
+def test_bench_e2e_with_a_transformers_model_archived_with_no_options(hf_bert, tmp_path):
+    """The user's own files (the tiny transformers BERT's package and program) handed to bench_e2e
+    as to the archive: imported, ours archived with no options (the import found padding safe, and
+    the run prints the archive's choice), the stock handlers padding each batch to its longest
+    request; every answer, the per-token output included, equal to eager at its own length."""
+    d, _ = hf_bert
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(d / "package.pt2"), "--program",
+           str(d / "program.pt2"), "--factory", "examples/hf_bert.py:bert_tiny", "--out", str(out),
+           "--clients", "4", "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
+           "--batch-size", "4", "--max-batch-delay", "5", "--processes", "1", "--handlers", "ours,stock,stock_aoti",
+           "--lengths", "uniform:4:40", "--distinct-inputs", "6"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "archive.py: pad={input_ids: 0, attention_mask: 0}: answers unchanged" in r.stdout, r.stdout[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {p["handler"] for p in result["points"]} == {"ours", "stock", "stock_aoti"}
+    for p in result["points"]:
+        assert p["ok"] > 0 and p["errors"] == 0 and p["mismatches"] == 0, p
+    assert result["model"] == "bert_tiny_int64_aoti"
+
+
+def test_stock_handler_pads_a_batch_to_its_longest_request(monkeypatch):
+    """The stock peer as users write it for texts: one call per batch, every request padded with
+    zeros (ids 0, mask 0) to the batch's longest, per-token outputs cut back to each request's
+    length; each answer equals the model on that request alone (the tiny encoder masks padding).
+    TorchServe's BaseHandler is stubbed: importing it sets process-wide matmul precision."""
+    import importlib.util
+    import types
+
+    import torch
+    from safetensors.torch import load, save
+
+    from examples.text_encoder import text_encoder_tiny
+
+    monkeypatch.setitem(sys.modules, "ts.torch_handler.base_handler", types.SimpleNamespace(BaseHandler=object))
+    spec = importlib.util.spec_from_file_location("stock_handler_under_test", ROOT / "scripts/baselines/stock_handler.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class PerToken(torch.nn.Module):  # the pooled output, and a per-token one with the length
+        def __init__(self):
+            super().__init__()
+            self.enc = text_encoder_tiny()
+
+        def forward(self, input_ids, attention_mask):
+            calls.append(tuple(input_ids.shape))
+            return {**self.enc(input_ids, attention_mask), "ids": input_ids * attention_mask}
+
+    calls = []
+    h = mod.StockHandler()
+    h.device, h.model = torch.device("cpu"), PerToken().eval()
+    h.input_names, h.output_names = ["input_ids", "attention_mask"], ["pooled", "ids"]
+    h.in_axes, h.out_axes = [["input_ids", 1, "S"], ["attention_mask", 1, "S"]], [["ids", 1, "S"]]
+    g = torch.Generator().manual_seed(0)
+    reqs = [{"input_ids": torch.randint(0, 1000, (rows, n), generator=g), "attention_mask": torch.ones(rows, n, dtype=torch.int64)}
+            for rows, n in ((1, 5), (2, 17), (1, 9))]
+    answers = [load(a) for a in h.handle([{"body": save(r)} for r in reqs], None)]
+    assert calls == [(4, 17)]
+    for r, a in zip(reqs, answers):
+        with torch.inference_mode():
+            want = h.model(r["input_ids"], r["attention_mask"])
+        torch.testing.assert_close(a["pooled"], want["pooled"], rtol=1e-4, atol=1e-5)
+        assert torch.equal(a["ids"], r["input_ids"])
