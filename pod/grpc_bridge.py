@@ -88,16 +88,24 @@ def error_message(status: int, body: bytes) -> str:
     return body.decode("utf-8", "replace")[:2000] or f"TorchServe answered {status}"
 
 
+def names(request: bytes, context) -> tuple:
+    """(model name, version) of a request: its fields 1 and 2 (ModelInferRequest,
+    ModelReadyRequest and ModelMetadataRequest alike); a malformed message is the client's."""
+    try:
+        return protowire.first_string(request, 1), protowire.first_string(request, 2)
+    except protowire.ProtoError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a well-formed protobuf message: {e}")
+
+
 class Bridge:
     def __init__(self, cfg):
         self.cfg, self.state = cfg, StateFile(cfg.state_file)
         self.upstream = Upstream(*cfg.inference, timeout_s=cfg.response_timeout_s + 5)
 
     def model_infer(self, request: bytes, context):
-        name = protowire.first_string(request, 1)
+        name, version = names(request, context)
         if not name:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ModelInferRequest.model_name is empty; name the model")
-        version = protowire.first_string(request, 2)
         path = f"/predictions/{quote(name, safe='')}" + (f"/{quote(version, safe='')}" if version else "")
         try:
             status, body = self.upstream.post(path, request)
@@ -109,7 +117,7 @@ class Bridge:
 
     def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""
-        name, version = protowire.first_string(request, 1), protowire.first_string(request, 2)
+        name, version = names(request, context)
         models = (self.state.read() or {}).get("models", {})
         m = models.get(name or "")
         if m is None or (version and version != m["version"]):

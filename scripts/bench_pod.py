@@ -61,6 +61,8 @@ def parse_args(argv):
     p.add_argument("--mask-inputs", default="")
     p.add_argument("--archive-option", action="append", default=[], metavar="=--FLAG=VALUE",
                    help="passed to scripts/archive.py (e.g. --archive-option=--handler-option=pad=...)")
+    p.add_argument("--pod-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4, NGINX_WORKERS=4)")
     p.add_argument("--max-requests", type=int, default=500_000)
     return p.parse_args(argv)
 
@@ -120,7 +122,7 @@ def start_pod(args, work: Path) -> LocalPod:
                        cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"bench_pod: kserve layout failed: {r.stderr or r.stdout}")
-    pod = LocalPod(out / "storage", work / "pod")
+    pod = LocalPod(out / "storage", work / "pod", env=dict(kv.split("=", 1) for kv in args.pod_env))
     pod.wait("ready", timeout=600)
     return pod
 
@@ -241,6 +243,7 @@ def combine(points: list) -> list:
 def write_markdown(path: Path, result: dict) -> None:
     lines = page_head(result, f"The KServe pod beside direct TorchServe: {result['model']}")
     lines += ["Archive defaults" + (f" plus `{' '.join(result['archive_options'])}`" if result["archive_options"] else "")
+              + (f"; pod environment `{' '.join(result['pod_env'])}`" if result.get("pod_env") else "")
               + "; one-row requests; every answer compared with the eager model. `direct_*`: TorchServe's "
               "inference port; `pod_*`: nginx (REST) and the gRPC bridge.", "",
               "| route | clients | req/s | p50 ms | p99 ms | errors | mismatches |", "|---|---|---|---|---|---|---|"]
@@ -298,6 +301,7 @@ def main(argv=None) -> int:
 
     result = {**header(gpu or f"CPU ({os.cpu_count()} cores)", None if from_cli else ["-m", "scripts.bench_pod", *argv]),
               "model": name, "host_cores": os.cpu_count(), "archive_options": args.archive_option,
+              "pod_env": args.pod_env,
               "seconds": args.seconds, "rounds": args.rounds, **got, "summary": summary(got["points"])}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

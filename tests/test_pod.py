@@ -282,7 +282,11 @@ def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(a
         assert ready.status_code == 503 and ready.json()["ready"] is False and needle in ready.json()["reason"]
         meta = requests.get(f"{c.base}/v2/models/cut", timeout=5)
         assert meta.status_code == 503 and "BadZipFile" in meta.json()["error"], meta.text
+        deadline = time.time() + 180
+        while requests.get(f"{c.base}/v2/models/two/ready", timeout=5).status_code != 200 and time.time() < deadline:
+            time.sleep(1)
         assert requests.get(f"{c.base}/v2/models/two/ready", timeout=5).json()["ready"] is True
+        assert c.probe("ready").returncode == 1  # the good model alone does not make the pod ready
         with grpc.insecure_channel(c.grpc_target) as ch:
             with pytest.raises(grpc.RpcError) as e:
                 ch.unary_unary(OIP + "ModelMetadata")(protowire.encode_string(1, "bad"), timeout=10)
