@@ -20,11 +20,9 @@ starts GRPC_BRIDGE_PROCESSES of them.
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import signal
-import threading
-from concurrent import futures
 from urllib.parse import quote
 
 import grpc
@@ -35,45 +33,58 @@ from pod.state import FAILED, READY, StateFile, server_problem
 
 SERVICE = "inference.GRPCInferenceService"
 MEDIA = "application/x-kserve-v2-protobuf"
-THREADS = 128  # each call holds a thread while TorchServe batches it
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 415: grpc.StatusCode.INVALID_ARGUMENT,
           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
           503: grpc.StatusCode.UNAVAILABLE, 507: grpc.StatusCode.UNAVAILABLE,
           502: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
-RETRYABLE = (http.client.RemoteDisconnected, http.client.CannotSendRequest, ConnectionResetError,
-             BrokenPipeError)
 
 
 class Upstream:
-    """One keep-alive HTTP/1.1 connection to TorchServe per bridge thread."""
+    """Keep-alive HTTP/1.1 connections to TorchServe, on this process's event loop: a request
+    takes an idle connection or opens one, and gives it back after reading the answer (TorchServe's
+    inference answers carry a Content-Length)."""
 
     def __init__(self, host: str, port: int, timeout_s: float):
         self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.local = threading.local()
+        self.idle = []
 
-    def post(self, path: str, body: bytes) -> tuple:
-        """(status, body bytes). A kept-alive connection TorchServe closed meanwhile is
-        reopened once (the request had not been read: RemoteDisconnected before any reply)."""
+    async def post(self, path: str, body: bytes) -> tuple:
+        """(status, body bytes). A kept-alive connection TorchServe closed meanwhile fails before
+        any answer; the request then goes once more on a new connection."""
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: {MEDIA}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
-            conn = getattr(self.local, "conn", None)
-            if conn is None:
-                conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            reused = bool(self.idle)
+            reader, writer = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
             try:
-                conn.request("POST", path, body=body, headers={"Content-Type": MEDIA})
-                r = conn.getresponse()
-                data = r.read()
-                if r.will_close:
-                    self.drop()
-                return r.status, data
-            except RETRYABLE:
-                self.drop()
-                if attempt:
-                    raise
+                writer.write(head)
+                writer.write(body)
+                status, data, close = await asyncio.wait_for(read_answer(reader), self.timeout_s)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                writer.close()
+                if attempt or not reused:
+                    raise ConnectionError("TorchServe closed the connection before answering") from None
+                continue
+            except BaseException:
+                writer.close()
+                raise
+            if close:
+                writer.close()
+            else:
+                self.idle.append((reader, writer))
+            return status, data
 
-    def drop(self) -> None:
-        conn, self.local.conn = getattr(self.local, "conn", None), None
-        if conn is not None:
-            conn.close()
+
+async def read_answer(reader) -> tuple:
+    """(status, body, close?) of one HTTP/1.1 answer with a Content-Length."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    if "content-length" not in fields:
+        raise ConnectionError(f"TorchServe answered {status} without a Content-Length")
+    data = await reader.readexactly(int(fields["content-length"]))
+    return status, data, fields.get("connection", "").lower() == "close"
 
 
 def error_message(status: int, body: bytes) -> str:
@@ -88,13 +99,13 @@ def error_message(status: int, body: bytes) -> str:
     return body.decode("utf-8", "replace")[:2000] or f"TorchServe answered {status}"
 
 
-def names(request: bytes, context) -> tuple:
+async def names(request: bytes, context) -> tuple:
     """(model name, version) of a request: its fields 1 and 2 (ModelInferRequest,
     ModelReadyRequest and ModelMetadataRequest alike); a malformed message is the client's."""
     try:
         return protowire.first_string(request, 1), protowire.first_string(request, 2)
     except protowire.ProtoError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a well-formed protobuf message: {e}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a well-formed protobuf message: {e}")
 
 
 class Bridge:
@@ -102,50 +113,50 @@ class Bridge:
         self.cfg, self.state = cfg, StateFile(cfg.state_file)
         self.upstream = Upstream(*cfg.inference, timeout_s=cfg.response_timeout_s + 5)
 
-    def model_infer(self, request: bytes, context):
-        name, version = names(request, context)
+    async def model_infer(self, request: bytes, context):
+        name, version = await names(request, context)
         if not name:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ModelInferRequest.model_name is empty; name the model")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ModelInferRequest.model_name is empty; name the model")
         path = f"/predictions/{quote(name, safe='')}" + (f"/{quote(version, safe='')}" if version else "")
         try:
-            status, body = self.upstream.post(path, request)
-        except (OSError, http.client.HTTPException) as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"TorchServe did not answer ({type(e).__name__}); retry")
+            status, body = await self.upstream.post(path, request)
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"TorchServe did not answer ({type(e).__name__}: {e}); retry")
         if status == 200:
             return body
-        context.abort(STATUS.get(status, grpc.StatusCode.INTERNAL), error_message(status, body))
+        await context.abort(STATUS.get(status, grpc.StatusCode.INTERNAL), error_message(status, body))
 
-    def model(self, request: bytes, context) -> dict:
+    async def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""
-        name, version = names(request, context)
+        name, version = await names(request, context)
         models = (self.state.read() or {}).get("models", {})
         m = models.get(name or "")
         if m is None or (version and version != m["version"]):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model {name!r}{f' version {version!r}' if version else ''} "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name!r}{f' version {version!r}' if version else ''} "
                                                      f"is not served here; this pod serves {', '.join(models) or 'nothing yet'}")
         return dict(m, name=name)
 
-    def server_live(self, request, context) -> bytes:
+    async def server_live(self, request, context) -> bytes:
         snap = self.state.read()
         return protowire.encode_bool(1, bool(snap and snap.get("torchserve_live")))
 
-    def server_ready(self, request, context) -> bytes:
+    async def server_ready(self, request, context) -> bytes:
         return protowire.encode_bool(1, server_problem(self.state.read()) is None)
 
-    def model_ready(self, request, context) -> bytes:
-        return protowire.encode_bool(1, self.model(request, context)["state"] == READY)
+    async def model_ready(self, request, context) -> bytes:
+        return protowire.encode_bool(1, (await self.model(request, context))["state"] == READY)
 
-    def server_metadata(self, request, context) -> bytes:
+    async def server_metadata(self, request, context) -> bytes:
         w = protowire.Writer()
         w.string(1, "compiled-torchserve")
         w.string(2, "1")
         w.string(3, "binary_tensor_data")
         return w.bytes()
 
-    def model_metadata(self, request, context) -> bytes:
-        m = self.model(request, context)
+    async def model_metadata(self, request, context) -> bytes:
+        m = await self.model(request, context)
         if m["state"] == FAILED:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"model {m['name']!r} cannot be served: {m['reason']}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"model {m['name']!r} cannot be served: {m['reason']}")
         w = protowire.Writer()
         w.string(1, m["name"])
         w.string(2, m["version"])
@@ -168,27 +179,26 @@ class Bridge:
             SERVICE, {k: grpc.unary_unary_rpc_method_handler(v) for k, v in calls.items()})
 
 
-def serve(cfg) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=THREADS), options=[
+async def serve(cfg) -> None:
+    server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.max_request_bytes),
         ("grpc.max_send_message_length", cfg.max_response_bytes),
         ("grpc.so_reuseport", 1)])
     server.add_generic_rpc_handlers((Bridge(cfg).handler(),))
     if not server.add_insecure_port(f"0.0.0.0:{cfg.grpc_port}"):
         raise SystemExit(f"pod.grpc_bridge: error: cannot listen on port {cfg.grpc_port}")
-    server.start()
-    return server
+    await server.start()
+    stop = asyncio.Event()
+    # SIGTERM: stop taking calls, finish the ones in flight (up to 20 s), exit
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(grace=20)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="the config.properties TorchServe runs with")
-    server = serve(pod_config.load(p.parse_args(argv).config))
-    done = threading.Event()
-    # SIGTERM: stop taking calls, finish the ones in flight (up to 20 s), exit
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    done.wait()
-    server.stop(grace=20).wait()
+    asyncio.run(serve(pod_config.load(p.parse_args(argv).config)))
     return 0
 
 

@@ -30,6 +30,9 @@
 #                               import); lengths 16..128 per request: ours, ours_nopad (pad={}: no
 #                               padding), stock eager and stock_aoti (both pad each batch to its
 #                               longest request, zero mask), echo; 1 and 64 clients
+#   pod_resnet50_fp16_<tag>, pod_text_encoder_fp16_<tag>  the KServe pod's routes (nginx REST, the
+#                               gRPC bridge) beside direct TorchServe, same bodies, 1 and 64 clients
+#                               (scripts/bench_pod.py; needs nginx: NGINX or on PATH)
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
@@ -60,8 +63,8 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
   [ -f "$W/$dir/artifact.json" ] || { $PY -m scripts.compile "$@" --backend aoti --precision fp16 --device cuda \
     --out "$W/$dir" & pids+=($!); }
 }
-case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*) need r50 $R50 ;; esac
-case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*) need text $TEXT --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*) need r50 $R50 ;; esac
+case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*|*" podtext "*) need text $TEXT --dynamic-batch 1:64 ;; esac
 case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
@@ -107,6 +110,16 @@ for part in $PARTS; do
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
             --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
             --variant "padblock:pad={input_ids: 0, attention_mask: 0},cuda_sync=block" ;;
+    pod) # the KServe pod (nginx, the gRPC bridge) beside direct TorchServe, ResNet-50 fp16,
+         # archive defaults; POD_ENV="K=V ..." sets the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4)
+         $PY -m scripts.bench_pod --artifact "$W/r50" --factory examples/models.py:resnet50 --clients 1,64 \
+           --seconds 6 --rounds "${ROUNDS:-1}" --out "$RESULTS/pod_resnet50_fp16_$TAG" \
+           $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
+    podtext) # the same for the text encoder with declared padding, lengths 16..128 per request
+         $PY -m scripts.bench_pod --artifact "$W/text" --factory examples/text_encoder.py:text_encoder \
+           --clients 1,64 --seconds 6 --rounds "${ROUNDS:-1}" --lengths uniform:16:128 \
+           --archive-option="--handler-option=pad={input_ids: 0, attention_mask: 0}" \
+           --out "$RESULTS/pod_text_encoder_fp16_$TAG" $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
     hf_bert) # the user's own model: plain torch and transformers build the files, the archive gets no options
          [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 \
            --out "$W/hf_bert"
