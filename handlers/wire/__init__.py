@@ -3,7 +3,14 @@ of a request's format (once per request) and of its response's format."""
 from __future__ import annotations
 
 from handlers.errors import RequestError, UnsupportedMediaType
-from handlers.wire import kserve_v1, kserve_v2, ours_json, safetensors, strict_json  # noqa: F401
+from handlers.wire import (  # noqa: F401
+    kserve_v1,
+    kserve_v2,
+    kserve_v2_grpc,
+    ours_json,
+    safetensors,
+    strict_json,
+)
 from handlers.wire.base import JSON_MEDIA, WireFormat, WireName  # noqa: F401  (the interface, for format modules)
 
 FORMATS = {}  # name -> format, in registration order (JSON envelopes are tried in this order)
@@ -28,6 +35,7 @@ def transport_format(request, headers, max_json_bytes: int):
 
 
 register(safetensors.FORMAT)
+register(kserve_v2_grpc.FORMAT)
 register(ours_json.FORMAT)
 register(kserve_v2.FORMAT)
 register(kserve_v1.FORMAT)
