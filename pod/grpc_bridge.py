@@ -57,9 +57,9 @@ class Upstream:
             reused = bool(self.idle)
             reader, writer = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
             try:
-                writer.write(head)
-                writer.write(body)
-                status, data, close = await asyncio.wait_for(read_answer(reader), self.timeout_s)
+                writer.writelines((head, body))  # one send where the transport can
+                async with asyncio.timeout(self.timeout_s):  # no task per call, unlike wait_for
+                    status, data, close = await read_answer(reader)
             except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 writer.close()
                 if attempt or not reused:
@@ -124,7 +124,11 @@ class Bridge:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"TorchServe did not answer ({type(e).__name__}: {e}); retry")
         if status == 200:
             return body
-        await context.abort(STATUS.get(status, grpc.StatusCode.INTERNAL), error_message(status, body))
+        message = error_message(status, body)
+        # TorchServe answers 500 or 507 "Worker died." for a request whose worker died
+        code = grpc.StatusCode.UNAVAILABLE if message.startswith("Worker died") else \
+            STATUS.get(status, grpc.StatusCode.INTERNAL)
+        await context.abort(code, message + ("; retry" if code == grpc.StatusCode.UNAVAILABLE else ""))
 
     async def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""

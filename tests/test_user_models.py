@@ -407,3 +407,22 @@ def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_pa
     out, handler = archive(d / "program.pt2", "given", "--handler-option", "pad={input_ids: 0, attention_mask: 0}")
     assert "pad= as given" in out and "padding:" not in out, out
     assert handler["pad"] == {"input_ids": 0, "attention_mask": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU suite)")
+def test_fp16_cuda_program_and_package_import(tmp_path):
+    """The fp16 twin of the bf16 import above, on the GPU: a CUDA program and its AOTInductor
+    package import with the fp16 tolerance."""
+    from scripts import import_artifact
+
+    torch.manual_seed(0)
+    model = HalfMLP().eval().to("cuda", torch.float16)
+    ep = torch.export.export(model, (torch.randn(4, 64, device="cuda", dtype=torch.float16),),
+                             dynamic_shapes={"x": {0: Dim("batch", min=1, max=16)}})
+    torch.export.save(ep, tmp_path / "program.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "package.pt2"))
+    import_artifact.import_artifact(str(tmp_path / "program.pt2"), str(tmp_path / "ep"))
+    import_artifact.import_artifact(str(tmp_path / "package.pt2"), str(tmp_path / "aoti"), str(tmp_path / "program.pt2"))
+    spec = json.loads((tmp_path / "aoti" / "artifact.json").read_text())
+    assert spec["backend"] == "aoti" and spec["device"] == "cuda" and spec["outputs"][0]["dtype"] == "float16"
