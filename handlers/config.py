@@ -77,8 +77,10 @@ class HandlerConfig:
     answer_load_failure: bool = True
     # Value contracts (handlers/values.py): check each request's integer inputs against the valid
     # ranges in artifact.json (an id past an embedding table would abort an AOTI worker on the CPU
-    # or poison the CUDA context on a GPU); value_ranges adds or tightens bounds, {input: [lo, hi]};
-    # refuse_nonfinite refuses NaN and infinity in floating-point inputs.
+    # or poison the CUDA context on a GPU); value_ranges adds or narrows bounds, {input: [lo, hi]}
+    # or {input[col]: [lo, hi]} for one position along its column dimension (a range wider than
+    # the model's own bound fails the load naming it); refuse_nonfinite refuses NaN and infinity
+    # in floating-point inputs.
     check_values: bool = True
     value_ranges: dict = field(default_factory=dict)
     refuse_nonfinite: bool = False
@@ -134,7 +136,8 @@ def _ranges(key, value) -> dict:
         for k, v in value.items())
     if not ok:
         raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping "
-                          "of input names to [lowest, highest] integers, e.g. {input_ids: [0, 30521]}")
+                          "of input names (or NAME[COL] for one column) to [lowest, highest] integers, e.g. "
+                          "{input_ids: [0, 30521]}")
     return {k: (v[0], v[1]) for k, v in value.items()}
 
 

@@ -7,7 +7,7 @@ nothing is pip-installed per model.
       [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
   python -m scripts.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
   python -m scripts.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
-      [--input-range INPUT=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
+      [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
       [--pad auto|none]                # auto: declare the padding the import found safe
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
       [--handler-option KEY=VALUE ...]
@@ -150,8 +150,8 @@ def main(argv=None):
                         "from torch.export.save or aoti_compile_and_package")
     p.add_argument("--program", help="with an AOTInductor package: the torch.export program it was "
                                      "compiled from (the package does not record its input shapes)")
-    p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
-                   help="with a .pt2 file: valid values of an integer input")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
+                   help="with a .pt2 file: valid values of an integer input (INPUT[COL]: of one column)")
     p.add_argument("--name", required=True)
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
     p.add_argument("--version", default="1.0")

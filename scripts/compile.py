@@ -2,7 +2,7 @@
 """Compile a model into a servable artifact plus its artifact.json.
 
   python -m scripts.compile --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
-      [--dynamic-batch MIN:MAX] [--dim NAME=MIN:MAX ...] [--input-range INPUT=LO:HI ...]
+      [--dynamic-batch MIN:MAX] [--dim NAME=MIN:MAX ...] [--input-range INPUT[COL]=LO:HI ...]
       --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
 
 FACTORY returns an nn.Module in eval mode; SHAPE like 8x3x32x32 (dimension 0 is the batch,
@@ -10,7 +10,8 @@ and the example batch must lie inside MIN:MAX). A dimension may be a name declar
 e.g. `--input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:512`: requests may
 then carry any length in that range (inputs sharing a name must agree). Input names must be the
 forward()'s parameter names, in order. Integer inputs that index a table get their valid values
-from the graph (scripts/contract.py); --input-range adds or tightens a bound. The artifact is
+from the graph (scripts/contract.py), per column where columns index different tables;
+--input-range adds or narrows a bound (a wider one is refused). The artifact is
 checked against eager before metadata is written.
 """
 from __future__ import annotations
@@ -173,8 +174,9 @@ def main(argv=None):
     p.add_argument("--dynamic-batch", help="MIN:MAX range of dimension 0; omit for a fixed batch")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=MIN:MAX",
                    help="a named dynamic dimension used in --input shapes (e.g. S=8:512)")
-    p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
-                   help="valid values of an integer input (adds to or tightens the bound from the graph)")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
+                   help="valid values of an integer input, or of one position along its column dimension "
+                        "(INPUT[COL]); adds a bound or narrows the graph's, never widens it (refused)")
     p.add_argument("--backend", required=True, choices=COMPILABLE,
                    help="artifact kind (handlers/artifact/kinds/): " + ", ".join(COMPILABLE))
     p.add_argument("--device", required=True, choices=("cpu", "cuda"))
@@ -261,7 +263,7 @@ def main(argv=None):
     hints = {f"{s.name}.{a}": d for s in args.inputs for a, d in enumerate(s.shape) if isinstance(d, str)}
     try:
         found = contract.read(ep, [n for n, _ in named], hints)
-        values = contract.tighten(found.values, contract.parse_ranges(args.input_range), names)
+        values = contract.tighten(found.values, contract.parse_ranges(args.input_range), found.inputs)
     except contract.ContractError as e:
         raise CompileError(str(e)) from None
     path = os.path.join(args.out, ARTIFACT)

@@ -13,6 +13,7 @@ reaches an indexing operation any other way gets no bound and is reported as unc
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,14 @@ import torch
 _PASS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "clone", "contiguous",
          "permute", "transpose", "t", "slice", "select", "flatten", "alias", "detach", "lift_fresh_copy",
          "_to_copy", "to", "repeat", "narrow", "unflatten", "view_copy", "expand_copy", "squeeze_copy",
-         "unsqueeze_copy", "permute_copy", "_assert_tensor_metadata"}
+         "unsqueeze_copy", "permute_copy", "_assert_tensor_metadata", "slice_copy", "select_copy",
+         "index", "index_select", "gather", "take"}  # the last four: when the input is their source
+# Ops returning a tuple of tensors, each a part of their first argument (taken by getitem).
+_TUPLES = {"unbind", "split", "split_with_sizes", "chunk", "tensor_split", "unbind_copy", "split_copy"}
 _SHIFT = {"add": 1, "sub": -1}  # value + sign * constant
+_INDEX_ARG = {"embedding": 1, "embedding_bag": 1, "_embedding_bag": 1, "_embedding_bag_forward_only": 1,
+              "index_select": 2, "gather": 2, "take": 1, "one_hot": 0}  # where the indices go
+MAX_COLUMNS = 4096  # positions along a fixed dimension tracked one by one at most
 
 
 @dataclass(frozen=True)
@@ -95,58 +102,205 @@ def _indexing_use(node, user) -> tuple:
                 n = _size(user.args[0], k)
                 return True, ((-n, n - 1, f"indexing a dimension of {n}") if n else None)
         return False, None
-    for pos, a in enumerate(user.args):
-        if a is node:
-            b = _index_bounds(user, pos)
-            if b is not None or name in ("embedding", "embedding_bag", "_embedding_bag", "index_select",
-                                         "gather", "take", "one_hot"):
-                return True, b
+    pos = _INDEX_ARG.get(name)
+    if pos is not None and len(user.args) > pos and user.args[pos] is node:
+        return True, _index_bounds(user, pos)
     return False, None
 
 
 def _is_integer(node) -> bool:
     val = node.meta.get("val")
+    if isinstance(val, (list, tuple)) and val:  # an op returning several tensors
+        val = val[0]
     return val is not None and hasattr(val, "dtype") and not val.dtype.is_floating_point \
         and not val.dtype.is_complex and val.dtype != torch.bool
 
 
-def _walk(start, name: str) -> dict:
-    """Follows one integer input through value-preserving ops; returns its entry for "values"
-    (or None when it indexes nothing)."""
-    lo, hi, sources, unchecked = None, None, [], []
-    stack, seen = [(start, 0)], set()
+@dataclass(frozen=True)
+class _At:
+    """What a node of the walk holds of the input: its values plus `shift`, from the input's
+    positions `cols` along the tracked dimension, enumerated in order along dimension `dim` of
+    the node, or mixed together where `dim` is None (a bound then applies to each of them)."""
+    shift: int
+    cols: tuple
+    dim: int | None
+
+
+def _shape(node):
+    val = node.meta.get("val") if hasattr(node, "meta") else None
+    return tuple(val.shape) if val is not None and hasattr(val, "shape") else None
+
+
+def _ints(*xs) -> bool:
+    return all(isinstance(x, int) for x in xs)
+
+
+def _picked(at: _At, positions) -> _At:
+    """`at` with its columns re-indexed by `positions` (a list of ints, or a slice) along its dim."""
+    cols = at.cols[positions] if isinstance(positions, slice) else tuple(at.cols[i] for i in positions)
+    return _At(at.shift, cols, at.dim)
+
+
+def _constant(node, ep):
+    """The 1-D integer values of a lifted tensor constant (through its copies), or None."""
+    while node is not None and node.op == "call_function" and _op(node)[0] in ("lift_fresh_copy", "detach_",
+                                                                                 "detach", "clone", "_to_copy"):
+        node = node.args[0]
+    if node is None or node.op != "placeholder" or ep is None:
+        return None
+    sig = ep.graph_signature
+    key = getattr(sig, "inputs_to_lifted_tensor_constants", {}).get(node.name)
+    t = ep.constants.get(key) if key is not None else None
+    return [int(v) for v in t.tolist()] if t is not None and t.dim() == 1 and not t.is_floating_point() else None
+
+
+def _moved_dim(at: _At, node, user, name: str, ep):
+    """Where `at.dim` of `node` lands in `user` (an op of _PASS with `node` first), with the columns
+    it then enumerates: an _At, whose dim is None where it cannot be followed."""
+    a, d = user.args, at.dim
+    rin, rout = len(_shape(node) or ()), len(_shape(user) or ())
+    mixed = _At(at.shift, at.cols, None)
+    if not rin:
+        return mixed
+    if name in ("select", "select_copy"):
+        sd, i = a[1] % rin, a[2]
+        if sd == d:
+            return _At(at.shift, (at.cols[i],), None) if isinstance(i, int) else mixed
+        return _At(at.shift, at.cols, d - 1 if sd < d else d)
+    if name in ("slice", "slice_copy", "narrow"):
+        sd = (a[1] if len(a) > 1 else 0) % rin
+        if sd != d:
+            return at
+        if name == "narrow":
+            return _picked(at, slice(a[2], a[2] + a[3])) if _ints(a[2], a[3]) else mixed
+        start, end, step = (list(a[2:]) + [None, None, 1])[:3]
+        return _picked(at, slice(start, end, step)) if all(x is None or isinstance(x, int) for x in (start, end, step)) else mixed
+    if name in ("unsqueeze", "unsqueeze_copy"):
+        return _At(at.shift, at.cols, d + 1 if a[1] % rout <= d else d)
+    if name in ("permute", "permute_copy"):
+        return _At(at.shift, at.cols, [x % rin for x in a[1]].index(d))
+    if name in ("transpose", "t"):
+        if rin < 2:
+            return at
+        x, y = (a[1] % rin, a[2] % rin) if name == "transpose" else (0, 1)
+        return _At(at.shift, at.cols, y if d == x else x if d == y else d)
+    if name in ("squeeze", "squeeze_copy"):
+        return _squeezed(at, node, a)
+    if name in ("index", "index_select"):
+        return _indexed(at, user, name, ep)
+    if name in ("gather", "take", "repeat", "expand", "expand_copy"):
+        return mixed
+    if name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_copy"):
+        before, after = _shape(node), _shape(user)
+        same = before and after and len(after) > d and all(str(x) == str(y) for x, y in zip(before[:d + 1], after[:d + 1]))
+        return at if same else mixed
+    return at if rin == rout else mixed  # clone, casts, detach: the same shape
+
+
+def _squeezed(at: _At, node, args) -> _At:
+    shape = _shape(node) or ()
+    dims = range(len(shape)) if len(args) < 2 else [args[1]] if isinstance(args[1], int) else args[1]
+    gone = {x % len(shape) for x in dims if isinstance(shape[x % len(shape)], int) and shape[x % len(shape)] == 1}
+    if at.dim in gone:
+        return _At(at.shift, at.cols, None)
+    return _At(at.shift, at.cols, at.dim - sum(1 for x in gone if x < at.dim))
+
+
+def _indexed(at: _At, user, name: str, ep) -> _At:
+    """index.Tensor / index_select with the input as the source: a constant 1-D index along the
+    tracked dimension re-indexes its columns; a 1-D index along another dimension leaves it in place."""
+    mixed = _At(at.shift, at.cols, None)
+    if name == "index_select":
+        sd, idx = user.args[1] % len(_shape(user.args[0]) or (1,)), user.args[2]
+    else:
+        given = [(k, i) for k, i in enumerate(user.args[1]) if i is not None]
+        if len(given) != 1:
+            return mixed
+        (sd, idx), = given
+    if len(_shape(idx) or ()) != 1:
+        return mixed
+    if sd != at.dim:
+        return at
+    values = _constant(idx, ep)
+    ok = values is not None and all(-len(at.cols) <= v < len(at.cols) for v in values)
+    return _picked(at, values) if ok else mixed
+
+
+def _parts(at: _At, node, user, name: str) -> list:
+    """Per output of a tuple-returning op (unbind, split, chunk), what it holds of the input."""
+    outs, args = user.meta.get("val") or (), user.args
+    unbind = name.startswith("unbind")
+    sd = (args[1] if len(args) > 1 else 0) if unbind else (args[2] if len(args) > 2 else user.kwargs.get("dim", 0))
+    sd %= max(len(_shape(node) or ()), 1)
+    if at.dim is None:
+        parts = [at] * len(outs)
+    elif sd != at.dim:
+        parts = [_At(at.shift, at.cols, at.dim - 1 if unbind and sd < at.dim else at.dim)] * len(outs)
+    elif unbind:
+        parts = [_At(at.shift, (c,), None) for c in at.cols]
+    else:
+        sizes = [o.shape[sd] for o in outs]
+        if not _ints(*sizes) or sum(sizes) != len(at.cols):
+            return [_At(at.shift, at.cols, None)] * len(outs)
+        parts = [_picked(at, slice(sum(sizes[:k]), sum(sizes[:k + 1]))) for k in range(len(outs))]
+    return [_checked(p, tuple(o.shape)) for p, o in zip(parts, outs)]
+
+
+def _checked(at: _At, shape) -> _At:
+    """A safety net: the positions along `at.dim` must be exactly the columns they are taken for,
+    else the columns count as mixed."""
+    size = shape[at.dim] if at.dim is not None and at.dim < len(shape or ()) else None
+    return at if at.dim is None or (isinstance(size, int) and size == len(at.cols)) else _At(at.shift, at.cols, None)
+
+
+def _passed(node, user, at, ep):
+    """What `user` holds of the input where it passes `node`'s values on (an _At, or a list of
+    them for a tuple-returning op), else None."""
+    if isinstance(at, list):  # node returns several tensors: getitem takes one
+        k = user.args[1] if user.target is operator.getitem and len(user.args) > 1 else None
+        return at[k] if isinstance(k, int) and -len(at) <= k < len(at) else None
+    name, _ = _op(user)
+    if not (user.args and user.args[0] is node and _is_integer(user)):
+        return None
+    if name in _SHIFT and len(user.args) > 1 and isinstance(user.args[1], int):
+        return _At(at.shift + _SHIFT[name] * user.args[1] * user.kwargs.get("alpha", 1), at.cols, at.dim)
+    if name in _TUPLES:
+        return _parts(at, node, user, name)
+    if name not in _PASS:
+        return None
+    return at if at.dim is None else _checked(_moved_dim(at, node, user, name, ep), _shape(user))
+
+
+def _walk(start, cols: tuple = (0,), dim: int | None = None, ep=None) -> tuple:
+    """Follows one integer input through ops that pass its values on, tracking which of its
+    positions `cols` along dimension `dim` each node holds. Returns ({column: [lo, hi, sources]}
+    for the columns some indexing bounds, [why unchecked])."""
+    bounds, unchecked = {}, []
+    stack, seen = [(start, _At(0, cols, dim))], set()
     while stack:
-        node, shift = stack.pop()
+        node, at = stack.pop()
         if node in seen:
             continue
         seen.add(node)
         for user in node.users:
-            indexing, bounds = _indexing_use(node, user)
-            op, _ = _op(user)
+            indexing, found = (False, None) if isinstance(at, list) else _indexing_use(node, user)
             if indexing:
-                if bounds is None:
-                    unchecked.append(f"aten.{op} with a size known only at run time")
+                if found is None:
+                    unchecked.append(f"aten.{_op(user)[0]} with a size known only at run time")
                     continue
-                blo, bhi, why = bounds
-                lo = blo - shift if lo is None else max(lo, blo - shift)
-                hi = bhi - shift if hi is None else min(hi, bhi - shift)
-                sources.append(why + (f" (after adding {shift})" if shift else ""))
-            elif op in _PASS and user.args and user.args[0] is node and _is_integer(user):
-                stack.append((user, shift))
-            elif op in _SHIFT and user.args and user.args[0] is node and len(user.args) > 1 \
-                    and isinstance(user.args[1], int) and _is_integer(user):
-                alpha = user.kwargs.get("alpha", 1)
-                stack.append((user, shift + _SHIFT[op] * user.args[1] * alpha))
+                blo, bhi, why = found
+                for c in set(at.cols):
+                    lo, hi, sources = bounds.get(c, (None, None, []))
+                    lo = blo - at.shift if lo is None else max(lo, blo - at.shift)
+                    hi = bhi - at.shift if hi is None else min(hi, bhi - at.shift)
+                    bounds[c] = (lo, hi, sources + [why + (f" (after adding {at.shift})" if at.shift else "")])
+                continue
+            nxt = _passed(node, user, at, ep)
+            if nxt is not None:
+                stack.append((user, nxt))
             elif _is_integer(user) and _reaches_indexing(user):
-                unchecked.append(f"aten.{op or user.op} before an indexing operation")
-    if unchecked:
-        return {"checked": False, "why": f"{name} reaches " + "; ".join(sorted(set(unchecked)))}
-    if lo is None:
-        return None
-    if lo > hi:
-        raise ContractError(f"input {name!r}: its uses need values in empty range [{lo}, {hi}] "
-                            f"({'; '.join(sources)})")
-    return {"min": lo, "max": hi, "source": "; ".join(sources)}
+                unchecked.append(f"aten.{_op(user)[0] or user.op} before an indexing operation")
+    return bounds, unchecked
 
 
 def _reaches_indexing(node, limit: int = 200) -> bool:
@@ -163,52 +317,83 @@ def _reaches_indexing(node, limit: int = 200) -> bool:
     return False
 
 
+def _range_entry(name: str, where: str, found) -> dict | None:
+    if found is None:
+        return None
+    lo, hi, sources = found
+    if lo > hi:
+        raise ContractError(f"input {name!r}{where}: its uses need values in empty range [{lo}, {hi}] "
+                            f"({'; '.join(sources)})")
+    return {"min": lo, "max": hi, "source": "; ".join(dict.fromkeys(sources))}
+
+
+def _entry(node, name: str, ep) -> dict | None:
+    """The input's "values" entry: one range, a range per column along the first fixed
+    dimension whose positions the graph bounds differently, or unchecked; None where it indexes
+    nothing."""
+    shape = _shape(node) or ()
+    for axis in range(1, len(shape)):
+        n = shape[axis]
+        if not isinstance(n, int) or not 2 <= n <= MAX_COLUMNS:
+            continue
+        bounds, unchecked = _walk(node, tuple(range(n)), axis, ep)
+        if unchecked or not bounds:
+            break
+        per = [_range_entry(name, f" column {c} (dimension {axis})", bounds.get(c)) for c in range(n)]
+        if len({None if p is None else (p["min"], p["max"]) for p in per}) > 1:
+            from handlers.values import columns_entry
+
+            return columns_entry(axis, per)
+    bounds, unchecked = _walk(node, ep=ep)
+    if unchecked:
+        return {"checked": False, "why": f"{name} reaches " + "; ".join(sorted(set(unchecked)))}
+    return _range_entry(name, "", bounds.get(0))
+
+
 def value_ranges(ep) -> dict:
     """{integer input name: its "values" entry} for the program's user inputs that index."""
     user = set(ep.graph_signature.user_inputs)
     out = {}
     for node in ep.graph.nodes:
         if node.op == "placeholder" and node.name in user and _is_integer(node):
-            entry = _walk(node, node.name)
+            entry = _entry(node, node.name, ep)
             if entry is not None:
                 out[node.name] = entry
     return out
 
 
-def tighten(values: dict, user_ranges: dict, input_names) -> dict:
-    """`values` with the user's bounds ({name: (lo, hi)}) added or intersected."""
-    out = dict(values)
-    for name, (lo, hi) in user_ranges.items():
-        if name not in input_names:
-            raise ContractError(f"--input-range {name}: no input of that name ({', '.join(input_names)})")
-        old = out.get(name) or {}
-        if "min" in old:
-            lo, hi = max(lo, old["min"]), min(hi, old["max"])
-            if lo > hi:
-                raise ContractError(f"--input-range {name}: [{lo}, {hi}] is empty against the model's "
-                                    f"own bound [{old['min']}, {old['max']}] ({old['source']})")
-        source = "given with --input-range" + (f"; {old['source']}" if old.get("source") else "")
-        out[name] = {"min": lo, "max": hi, "source": source}
-    return out
+def tighten(values: dict, user_ranges: dict, inputs) -> dict:
+    """`values` with the user's ranges (parse_ranges: {"NAME" or "NAME[COL]": (lo, hi)}) set:
+    `inputs` the contract's [(name, dtype, shape)]. A range wider than the model's own bound (the
+    table it indexes) is refused, naming that bound."""
+    from handlers.values import with_ranges
+
+    shapes = {n: shape for n, _dt, shape in inputs}
+    try:
+        return with_ranges(values, user_ranges, shapes, "--input-range")
+    except ValueError as e:
+        raise ContractError(str(e)) from None
 
 
 def parse_ranges(items) -> dict:
-    """--input-range NAME=LO:HI values as {name: (lo, hi)}."""
+    """--input-range NAME=LO:HI or NAME[COL]=LO:HI values as {"NAME" or "NAME[COL]": (lo, hi)}."""
     out = {}
     for text in items or ():
         name, _, rng = text.partition("=")
         try:
             lo, hi = (int(x) for x in rng.split(":"))
         except ValueError:
-            raise ContractError(f"--input-range {text!r}: expected NAME=LO:HI with integers, e.g. "
-                                "input_ids=0:30521") from None
+            raise ContractError(f"--input-range {text!r}: expected NAME=LO:HI or NAME[COL]=LO:HI with integers, "
+                                "e.g. input_ids=0:30521 or sparse[1]=0:4999") from None
         if lo > hi:
             raise ContractError(f"--input-range {text!r}: LO must not exceed HI")
-        out[name] = (lo, hi)
+        out[name.strip()] = (lo, hi)
     return out
 
 
-def _dim_of(d, symbols: dict, where: str, hints: dict):
+def _dim_of(d, symbols: dict, where: str, hints: dict, first: dict, kind: str = "input"):
+    """The contract's name of dimension `d` ("name.axis" `where` of an input or output, `kind`);
+    `first` records, per symbol, where it was first seen ("kind name.axis", for messages)."""
     if isinstance(d, int):
         return d
     expr = d.node.expr
@@ -217,10 +402,13 @@ def _dim_of(d, symbols: dict, where: str, hints: dict):
                             "each dimension on its own. Export it as its own Dim, or fix it.")
     if expr not in symbols:  # the user's own name (compile's --dim), else D1, D2, ... in order
         symbols[expr] = hints.get(where) or f"D{sum(1 for v in symbols.values() if v != 'batch') + 1}"
+        first[expr] = f"{kind} {where}"
     return symbols[expr]
 
 
-def _range(ep, sym) -> tuple:
+def _range(ep, sym, where: str = "", hint: str = "") -> tuple:
+    """The (min, max) of dimension `sym`, first seen at `where` ("kind name.axis"); refused
+    naming that input and dimension where it has no upper bound."""
     vr = ep.range_constraints.get(sym)
     lo = int(vr.lower) if vr is not None else 0
     upper = vr.upper if vr is not None else None
@@ -231,8 +419,12 @@ def _range(ep, sym) -> tuple:
         except (TypeError, ValueError, OverflowError, AttributeError):
             hi = None
     if hi is None or hi > 2**31:
-        raise ContractError(f"dimension {sym} has no upper bound in the program; export it with "
-                            "torch.export.Dim(name, min=..., max=...) so requests can be bounded")
+        kind, _, at = where.partition(" ")
+        name, _, axis = at.rpartition(".")
+        dim = hint or ("batch" if axis == "0" else "seq")
+        raise ContractError(f"{kind or 'input'} {name or '?'!r} dimension {axis or '?'} has no upper bound; export "
+                            f"with Dim({dim!r}, max=...) (dynamic_shapes={{{name or 'x'!r}: {{{axis or 1}: "
+                            f"torch.export.Dim({dim!r}, max=...)}}}}) so requests can be bounded")
     return max(lo, 0), hi
 
 
@@ -283,12 +475,18 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     ins = _tensors([by_name[n] for n in user], user)
     out_node = next(n for n in ep.graph.nodes if n.op == "output")
     outs = _tensors(list(out_node.args[0]), output_names)
-    symbols = {}
+    symbols, first = {}, {}
     shaped = {}
+    user_hints = dict(hints)
     hints = {**{f"{n}.0": "batch" for n, _ in ins}, **hints}
     for kind, items in (("in", ins), ("out", outs)):
         for name, val in items:
-            shaped[(kind, name)] = [_dim_of(d, symbols, f"{name}.{a}", hints) for a, d in enumerate(val.shape)]
+            shaped[(kind, name)] = [_dim_of(d, symbols, f"{name}.{a}", hints, first, "input" if kind == "in" else "output")
+                                    for a, d in enumerate(val.shape)]
+
+    def rng(sym):
+        where = first.get(sym, "")
+        return _range(ep, sym, where, user_hints.get(where.partition(" ")[2], ""))
     batch_dims = {tuple([shaped[("in", n)][0]]) for n, _ in ins}
     if len(batch_dims) != 1:
         firsts = ", ".join(f"{n}: {shaped[('in', n)][0]}" for n, _ in ins)
@@ -296,8 +494,8 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
                             "dimension 0 of every input")
     (batch,) = batch_dims.pop()
     batch_sym = next((s for s, n in symbols.items() if n == batch), None) if isinstance(batch, str) else None
-    brange = _range(ep, batch_sym) if batch_sym is not None else (batch, batch)
-    dims = {n: _range(ep, s) for s, n in symbols.items() if n != batch}
+    brange = rng(batch_sym) if batch_sym is not None else (batch, batch)
+    dims = {n: rng(s) for s, n in symbols.items() if n != batch}
 
     def entry(kind, name, val):
         shape = shaped[(kind, name)]

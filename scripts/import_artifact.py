@@ -4,7 +4,7 @@ directory holding the file and the artifact.json that scripts/compile.py would h
 
   python -m scripts.import_artifact --artifact PROGRAM.pt2 --out DIR
   python -m scripts.import_artifact --artifact PACKAGE.pt2 --program PROGRAM.pt2 --out DIR
-      [--input-range INPUT=LO:HI ...] [--device-index N] [--pad auto|none]
+      [--input-range INPUT[COL]=LO:HI ...] [--device-index N] [--pad auto|none]
 
 Accepted:
 - a program saved with `torch.export.save(ep, "PROGRAM.pt2")`: it holds the whole contract
@@ -138,7 +138,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
     try:
         structure, names = contract.output_layout(ep)
         found = contract.read(ep, names)
-        values = contract.tighten(found.values, contract.parse_ranges(input_ranges), [i[0] for i in found.inputs])
+        values = contract.tighten(found.values, contract.parse_ranges(input_ranges), found.inputs)
     except contract.ContractError as e:
         raise ImportError_(str(e)) from None
     device = program_device(ep)
@@ -217,8 +217,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", required=True, help="a torch.export program or an AOTInductor package (.pt2)")
     p.add_argument("--program", help="the torch.export program an AOTInductor package was compiled from")
-    p.add_argument("--input-range", action="append", default=[], metavar="INPUT=LO:HI",
-                   help="valid values of an integer input (adds to or tightens the bound from the graph)")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
+                   help="valid values of an integer input, or of one position along its column dimension "
+                        "(INPUT[COL]); adds a bound or narrows the graph's, never widens it (refused)")
     p.add_argument("--device-index", type=int, default=0, help="CUDA device for the checks")
     p.add_argument("--pad", choices=("auto", "none"), default="auto",
                    help="auto: with a dynamic length, try padding on the program and record what is safe "

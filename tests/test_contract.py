@@ -107,18 +107,32 @@ def test_a_dimension_without_an_upper_bound_is_refused_with_the_fix():
             return x * 2
 
     ep = export(M(), torch.ones(2, 5), dynamic={"x": {0: Dim("b", min=1, max=8), 1: Dim("s")}})
-    with pytest.raises(contract.ContractError, match="torch.export.Dim"):
+    with pytest.raises(contract.ContractError) as e:
         contract.read(ep, ["output"])
+    # the input and dimension by name, not torch's symbol for it (s86)
+    assert e.value.args[0] == ("input 'x' dimension 1 has no upper bound; export with Dim('seq', max=...) "
+                               "(dynamic_shapes={'x': {1: torch.export.Dim('seq', max=...)}}) so requests can "
+                               "be bounded")
 
 
-def test_user_ranges_tighten_and_an_empty_intersection_is_refused():
+def test_user_ranges_narrow_and_a_wider_one_is_refused_naming_the_table():
+    """--input-range may narrow the graph's bound, never widen it: a wider range is refused with
+    the table it would index past (it was silently intersected before)."""
     derived = {"ids": {"min": 0, "max": 999, "source": "embedding table of 1000 rows"}}
-    got = contract.tighten(derived, contract.parse_ranges(["ids=5:2000"]), ["ids"])
-    assert (got["ids"]["min"], got["ids"]["max"]) == (5, 999)
-    with pytest.raises(contract.ContractError, match="empty"):
-        contract.tighten(derived, {"ids": (1000, 2000)}, ["ids"])
+    inputs = [("ids", "int64", [None, "D1"]), ("x", "float32", [None, 3])]
+    got = contract.tighten(derived, contract.parse_ranges(["ids=5:900", "x=0:1"]), inputs)
+    assert got["ids"] == {"min": 5, "max": 900, "source": "given with --input-range; embedding table of 1000 rows"}
+    assert (got["x"]["min"], got["x"]["max"]) == (0, 1)  # an input without a bound gets one
+    for wide in ("ids=5:2000", "ids=-1:10", "ids=1000:2000"):
+        with pytest.raises(contract.ContractError) as e:
+            contract.tighten(derived, contract.parse_ranges([wide]), inputs)
+        assert e.value.args[0] == (f"--input-range {wide} is wider than what the model accepts: input 'ids' takes "
+                                   "values from 0 to 999 (embedding table of 1000 rows); a value outside would index "
+                                   "past it. Give a range inside [0, 999]")
     with pytest.raises(contract.ContractError, match="LO:HI"):
         contract.parse_ranges(["ids=zero:9"])
+    with pytest.raises(contract.ContractError, match="no input of that name"):
+        contract.tighten(derived, {"nope": (0, 1)}, inputs)
 
 
 def spec_with(values, dtype="int64"):
@@ -138,10 +152,16 @@ def test_value_check_names_the_first_offending_value_its_position_and_the_range(
 
 def test_handler_options_add_tighten_and_switch_off_checks():
     spec = spec_with({"min": 0, "max": 9, "source": "t"})
-    tight = ValueContract.of(spec, parse_config({"handler": {"value_ranges": {"ids": [2, 50]}}}))
-    assert [(c.lo, c.hi) for c in tight.ranges] == [(2, 9)]
-    with pytest.raises(RequestError, match="from 2 to 9"):
+    tight = ValueContract.of(spec, parse_config({"handler": {"value_ranges": {"ids": [2, 5]}}}))
+    assert [(c.lo, c.hi) for c in tight.ranges] == [(2, 5)]
+    with pytest.raises(RequestError, match="from 2 to 5"):
         tight.check({"ids": torch.tensor([[1]])})
+    # wider than the model's own bound, or naming no input: the load fails saying so
+    with pytest.raises(LoadError, match="handler.value_ranges ids=2:50 is wider than what the model accepts: "
+                                        "input 'ids' takes values from 0 to 9"):
+        ValueContract.of(spec, parse_config({"handler": {"value_ranges": {"ids": [2, 50]}}}))
+    with pytest.raises(LoadError, match="handler.value_ranges nope: no input of that name"):
+        ValueContract.of(spec, parse_config({"handler": {"value_ranges": {"nope": [2, 5]}}}))
     assert ValueContract.of(spec, parse_config({"handler": {"check_values": False}})).ranges == ()
     floats = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("x", "float32", (None, 2)),), (), "tensor",
                           1, 4, torch.__version__)
@@ -406,3 +426,162 @@ def test_declared_padding_is_checked_at_load_and_refused_where_it_changes_answer
     model = LoadedModel(masked, spec, torch.device("cpu"), "test")
     with pytest.raises(LoadError, match="give the mask input the value that marks padding"):
         verify_padding(model, runner_for(model, spec, torch.device("cpu"), ones), spec, torch.device("cpu"))
+
+
+class Columns(nn.Module):
+    """A recommender's sparse features: column j of `sparse` indexes table j (100, 5000 and 20
+    rows), taken apart as users write it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.tables = nn.ModuleList(nn.Embedding(n, 2) for n in (100, 5000, 20))
+
+    def forward(self, sparse):
+        cols = {"select": lambda: [sparse[:, j] for j in range(3)],
+                "unbind": lambda: sparse.unbind(1),
+                "split": lambda: [c.squeeze(1) for c in sparse.split(1, dim=1)],
+                "chunk": lambda: [c.reshape(-1) for c in sparse.chunk(3, dim=1)],
+                "slice": lambda: [sparse[:, j:j + 1] for j in range(3)],
+                "index": lambda: [sparse[:, torch.tensor([j])] for j in range(3)],
+                "t": lambda: list(sparse.t())}[self.how]()
+        return sum(t(c).reshape(sparse.shape[0], -1).sum(1) for t, c in zip(self.tables, cols))
+
+
+TABLES = [{"min": 0, "max": n - 1, "source": f"embedding table of {n} rows"} for n in (100, 5000, 20)]
+
+
+@pytest.mark.parametrize("how", ["select", "unbind", "split", "chunk", "slice", "index", "t"])
+def test_columns_indexing_different_tables_get_a_range_each(how):
+    """The graph walk follows each position along the fixed dimension through select, slice,
+    unbind, split, chunk, constant indexing and a transpose to the table it indexes; "min"/"max"
+    hold what every column accepts (for readers of one range)."""
+    ep = export(Columns(how), torch.zeros(2, 3, dtype=torch.long), dynamic={"sparse": {0: Dim("b", min=1, max=64)}})
+    assert contract.value_ranges(ep) == {"sparse": {"min": 0, "max": 19, "axis": 1, "columns": TABLES,
+                                                    "source": "a range per position along dimension 1"}}
+
+
+def test_columns_mixed_back_together_share_the_tightest_bound_and_unused_columns_take_any():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Embedding(100, 2), nn.Embedding(20, 2)
+
+        def forward(self, ids):
+            # columns 0-1 reach table a through a reshape that mixes them; column 1 also table b;
+            # column 2 is a count, never an index; column 3 indexes b after adding 5
+            both = self.a(ids[:, :2].reshape(-1)).sum()
+            return both + self.b(ids[:, 1]).sum(1) + ids[:, 2].float() + self.b(ids[:, 3] + 5).sum(1)
+
+    got = contract.value_ranges(export(Mixed(), torch.zeros(2, 4, dtype=torch.long)))["ids"]
+    assert got["axis"] == 1 and [None if c is None else (c["min"], c["max"]) for c in got["columns"]] == \
+        [(0, 99), (0, 19), None, (-5, 14)]
+    assert got["columns"][3]["source"] == "embedding table of 20 rows (after adding 5)"
+    # every position indexing the same table: one range, as before
+    same = contract.value_ranges(export(TwoUses(), torch.zeros(2, 3, dtype=torch.long)))["ids"]
+    assert "columns" not in same and (same["min"], same["max"]) == (0, 4)
+
+
+def rec_spec(values=None):
+    values = values or {"min": 0, "max": 19, "axis": 1, "columns": TABLES, "source": "s"}
+    return ArtifactSpec("export", "m", "", "cpu", (TensorSpec("dense", "float32", (None, 13)),
+                                                   TensorSpec("sparse", "int64", (None, 3), values)),
+                        (TensorSpec("y", "float32", (None, 1)),), "tensor", 1, 64, torch.__version__)
+
+
+def test_column_ranges_are_checked_each_and_named_in_the_refusal():
+    vc = ValueContract.of(rec_spec(), parse_config({}))
+    assert vc.describe() == "values checked: sparse per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | 2 in [0, 19]"
+    vc.check({"sparse": torch.tensor([[50, 840, 19], [99, 4999, 0]])})  # valid in their own columns
+    for bad, (pos, value, col, hi, rows) in {(5000, 1): ([0, 1], 5000, 1, 4999, 5000),
+                                             (20, 2): ([0, 2], 20, 2, 19, 20), (-1, 0): ([0, 0], -1, 0, 99, 100)}.items():
+        t = torch.tensor([[50, 840, 3]])
+        t[0, bad[1]] = bad[0]
+        with pytest.raises(RequestError) as e:
+            vc.check({"sparse": t})
+        assert e.value.message == (f"input 'sparse' holds {value} at position {pos}; column {col} of this input "
+                                   f"(dimension 1) accepts values from 0 to {hi} (embedding table of {rows} rows)")
+
+
+def test_column_check_agrees_with_a_plain_loop_on_random_batches():
+    """Differential: the one vectorized comparison against an element-by-element reference."""
+    vc = ValueContract.of(rec_spec(), parse_config({}))
+    bounds = [(0, 99), (0, 4999), (0, 19)]
+    g = torch.Generator().manual_seed(9)
+    for _ in range(200):
+        t = torch.randint(-3, 5003, (int(torch.randint(1, 5, (1,), generator=g)), 3), generator=g)
+        t[:, 0] = t[:, 0] % 104 - 2
+        t[:, 2] = t[:, 2] % 24 - 2
+        flat = [(i, j, v) for i, row in enumerate(t.tolist()) for j, v in enumerate(row)]
+        bad = next(((i, j, v) for i, j, v in flat if not bounds[j][0] <= v <= bounds[j][1]), None)
+        if bad is None:
+            vc.check({"sparse": t})
+            continue
+        with pytest.raises(RequestError) as e:
+            vc.check({"sparse": t})
+        assert f"holds {bad[2]} at position [{bad[0]}, {bad[1]}]; column {bad[1]} " in e.value.message
+
+
+def test_user_ranges_per_column_set_one_and_refuse_a_wider_one_naming_its_table():
+    derived = {"sparse": {"min": 0, "max": 19, "axis": 1, "columns": TABLES, "source": "s"}}
+    inputs = [("dense", "float32", [None, 13]), ("sparse", "int64", [None, 3])]
+    got = contract.tighten(derived, contract.parse_ranges(["sparse[1]=0:999"]), inputs)["sparse"]
+    assert [(c["min"], c["max"]) for c in got["columns"]] == [(0, 99), (0, 999), (0, 19)]
+    assert got["columns"][1]["source"] == "given with --input-range; embedding table of 5000 rows"
+    # NAME=LO:HI sets every column; a NAME[COL] after it its own
+    got = contract.tighten(derived, contract.parse_ranges(["sparse=0:9", "sparse[1]=5:50"]), inputs)["sparse"]
+    assert [(c["min"], c["max"]) for c in got["columns"]] == [(0, 9), (5, 50), (0, 9)]
+    # the issue's case: a range fitting the largest table, given for the whole input
+    with pytest.raises(contract.ContractError) as e:
+        contract.tighten(derived, contract.parse_ranges(["sparse=0:4999"]), inputs)
+    assert e.value.args[0] == ("--input-range sparse=0:4999 is wider than what the model accepts: column 0 of input "
+                               "'sparse' takes values from 0 to 99 (embedding table of 100 rows); a value outside "
+                               "would index past it. Give a range inside [0, 99], or one per column: sparse[0]=LO:HI")
+    with pytest.raises(contract.ContractError, match=r"sparse\[2\]=0:20 is wider .* column 2 of input 'sparse' takes "
+                                                     r"values from 0 to 19 \(embedding table of 20 rows\)"):
+        contract.tighten(derived, contract.parse_ranges(["sparse[2]=0:20"]), inputs)
+    with pytest.raises(contract.ContractError, match=r"has 3 columns along dimension 1 \(0 to 2\)"):
+        contract.tighten(derived, contract.parse_ranges(["sparse[3]=0:1"]), inputs)
+    # a column range on an input the graph gave one range (or none): along its one fixed dimension
+    plain = contract.tighten({}, contract.parse_ranges(["sparse[0]=1:7"]), inputs)["sparse"]
+    assert plain["axis"] == 1 and plain["columns"][0]["min"] == 1 and plain["columns"][1:] == [None, None]
+    with pytest.raises(contract.ContractError, match="a range per column needs exactly one"):
+        contract.tighten({}, contract.parse_ranges(["ids[0]=1:7"]), [("ids", "int64", [None, "S"])])
+
+
+def test_column_contracts_round_trip_as_layout_3_and_show_in_describe(tmp_path):
+    spec = rec_spec()
+    write_spec(spec, str(tmp_path))
+    raw = json.loads((tmp_path / "artifact.json").read_text())
+    assert raw["format"] == 3 and raw["inputs"][1]["values"]["columns"] == TABLES
+    again = read_spec(str(tmp_path))
+    assert again.inputs == spec.inputs and again.inputs[1].columns == (1, ((0, 99), (0, 4999), (0, 19)))
+    assert again.inputs[1].describe() == "sparse: int64[Bx3] per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | 2 in [0, 19]"
+    # files with one range stay layout 2 (older handlers read them)
+    write_spec(spec_with({"min": 0, "max": 9, "source": "t"}), str(tmp_path))
+    assert json.loads((tmp_path / "artifact.json").read_text())["format"] == 2
+    raw["inputs"][1]["values"]["columns"] = TABLES[:2]
+    (tmp_path / "artifact.json").write_text(json.dumps(raw))
+    with pytest.raises(LoadError, match=r"inputs\[1\] in artifact.json is malformed \(values.axis 1 must name"):
+        read_spec(str(tmp_path))
+
+
+def test_examples_for_warm_up_and_capture_are_valid_requests():
+    """Warm-up, graph capture and the probe run spec.example: ids inside their ranges (per
+    column; not all zeros where 0 is outside), masks all ones (no fully masked row), floats and
+    inputs without a range zeros; the same values every call."""
+    spec = ArtifactSpec("export", "m", "", "cpu",
+                        (TensorSpec("input_ids", "int64", (None, "S"), {"min": 5, "max": 9, "source": "t"}),
+                         TensorSpec("attention_mask", "int64", (None, "S")), TensorSpec("x", "float32", (None, 2)),
+                         TensorSpec("sparse", "int64", (None, 3), rec_spec().inputs[1].values),
+                         TensorSpec("n", "int32", (None, 1))),
+                        (), "dict", 2, 8, torch.__version__, dims={"S": (4, 16)})
+    ex = spec.example(8)
+    assert ex["input_ids"].shape == (8, 4) and ex["input_ids"].min() >= 5 and ex["input_ids"].max() <= 9
+    assert len(ex["input_ids"].unique()) > 1 and bool((ex["attention_mask"] == 1).all())
+    assert not ex["x"].any() and not ex["n"].any() and ex["n"].dtype == torch.int32
+    for j, hi in enumerate((99, 4999, 19)):
+        assert 0 <= ex["sparse"][:, j].min() and ex["sparse"][:, j].max() <= hi
+    assert ex["sparse"][:, 1].max() > 19  # drawn across its own column's range, not the smallest table's
+    ValueContract.of(spec, parse_config({})).check(ex)
+    assert all(torch.equal(a, b) for a, b in zip(ex.values(), spec.example(8).values()))

@@ -47,3 +47,37 @@ def test_retry_stops_running_after_a_device_fault():
         restart.exit_soon = real
     assert calls == [3, 1] and all(isinstance(o, ServingError) for o in outs)
     assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2 and health.state == "broken"
+
+
+def test_an_index_error_of_the_model_is_the_clients_400_without_native_paths():
+    """With handler.check_values off, a bad id reaches the model: the error it raises is the
+    client's 400, carrying the error's own first line only (AOTInductor kernels name their
+    generated source and C++ frames; TORCH_SHOW_CPP_STACKTRACES adds torch's; fbgemm's
+    embedding_bag and one_hot word it their own way)."""
+    from dataclasses import replace
+
+    from handlers.artifact.metadata import TensorSpec
+    from handlers.faults import client_fault
+
+    spec = replace(make_spec(), inputs=(TensorSpec("sparse", "int64", (None, 3)),))
+    cases = {
+        RuntimeError("index out of bounds: 0 <= tmp2 < 20L\nException raised from cpp_fused_embedding_sum_0 at "
+                     "/tmp/torchinductor_root/cq/cff4.kernel.cpp:24 (most recent call first):\nframe #0: "
+                     "c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f66 in /x/torch/lib/libc10.so)"):
+            "index out of bounds: 0 <= tmp2 < 20L",
+        RuntimeError("Expected i < index_size to be true, but got false.  (Could this error message be improved?  "
+                     "If so, please report an enhancement request to PyTorch.)\nException raised from "
+                     "fbgemm_spmdm_report_error_ at /__w/pytorch/aten/src/ATen/native/EmbeddingBag.cpp:169"):
+            "Expected i < index_size to be true, but got false.",
+        RuntimeError("Index 1 of input takes value 25 which is not in the valid range [0, 20)"):
+            "Index 1 of input takes value 25 which is not in the valid range [0, 20)",
+        IndexError("index out of range in self"): "index out of range in self",
+        RuntimeError("Class values must be smaller than num_classes."): "Class values must be smaller than num_classes.",
+    }
+    for e, said in cases.items():
+        answer = client_fault(e, spec)
+        assert answer is not None and answer.status == 400, e
+        assert answer.message == (f"the model cannot index with this request's values ({type(e).__name__}: {said}); "
+                                  "check the values of sparse against the model's tables")
+    assert client_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), spec) is None
+    assert client_fault(IndexError("index out of range in self"), make_spec()) is None  # no integer input

@@ -6,6 +6,7 @@ import torch
 from worker_kit import make_spec
 
 from handlers.admission import Limits, admit
+from handlers.artifact.metadata import TensorSpec
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
 from handlers.torchserve import oip
 from handlers.wire import WireName, safetensors_io
@@ -63,6 +64,31 @@ def test_decode_json_scalar_body_is_a_400_naming_the_object_rule(body):
 def test_decode_json_int_values_are_accepted_as_floats():
     d = decode({"body": {"inputs": {"x": [[1, 2, 3, 4]]}}}, make_spec())
     assert d.tensors["x"].dtype == torch.float32 and d.rows == 1
+
+
+@pytest.mark.parametrize("dtype,values,bad", [
+    ("int64", [[2**63, 1]], 2**63),           # numpy made floats of these
+    ("int64", [[2**63, 2**63 + 5]], 2**63),   # and uint64 of these, which a cast wraps to negatives
+    ("int64", [[0, -2**63 - 1]], -2**63 - 1),
+    ("int64", [[1, 2**70]], 2**70),           # an object array
+    ("int32", [[2**31, 0]], 2**31),           # numpy's int64, cast down to int32, wrapped
+    ("uint8", [[255, 256]], 256),
+])
+def test_json_integers_beyond_the_inputs_dtype_are_out_of_its_range(dtype, values, bad):
+    """An id of 2**63 in JSON was refused as 'got floating-point values' (numpy turns such a
+    list into floats), and others wrapped silently; both now name the value and the range."""
+    from dataclasses import replace
+
+    spec = replace(make_spec(), inputs=(TensorSpec("ids", dtype, (None, 2)),))
+    info = torch.iinfo(getattr(torch, dtype))
+    with pytest.raises(RequestError) as e:
+        decode({"body": {"inputs": {"ids": values}}}, spec)
+    assert e.value.message == (f"input 'ids': {bad} is out of {dtype} range ({info.min} to {info.max}) for "
+                               f"ids: {dtype}[Bx2]")
+    edge = decode({"body": {"inputs": {"ids": [[info.max, info.min]]}}}, spec).tensors["ids"]
+    assert edge.tolist() == [[info.max, info.min]] and edge.dtype == getattr(torch, dtype)
+    with pytest.raises(RequestError, match="got floating-point values"):  # a real float is still that
+        decode({"body": {"inputs": {"ids": [[1.5, 2]]}}}, spec)
 
 
 def test_decode_limits_rows_per_request():

@@ -18,10 +18,13 @@ from handlers.errors import LoadError
 METADATA_FILE = "artifact.json"
 # Version of the artifact.json layout (stored under its "format" key): bumped when fields change
 # meaning, so an old handler refuses a newer file instead of misreading it. Layout 2 added named
-# dynamic dimensions ("dims", names in shapes) and per-input "values"; layout 1 files
-# (only the batch varies, nothing else recorded) read as before.
+# dynamic dimensions ("dims", names in shapes) and per-input "values"; layout 3 added a range per
+# column ("values": "axis", "columns"), written only where an input has them (every other file
+# stays layout 2, which older handlers read); layout 1 files (only the batch varies, nothing else
+# recorded) read as before.
 LAYOUT_VERSION = 2
-READS = (1, 2)
+COLUMNS_LAYOUT = 3
+READS = (1, 2, 3)
 DTYPES = NAMES  # torch's dtype names, from the one table in dtypes.py
 
 
@@ -35,7 +38,11 @@ class TensorSpec:
     shape: tuple
     # Valid values of an integer or bool input: {"min", "max", "source"} (inclusive bounds and
     # where they come from), or {"checked": False, "why"} where the values reach an indexing
-    # operation no bound could be derived for; None where no check applies.
+    # operation no bound could be derived for; None where no check applies. Where the positions
+    # along one fixed dimension index different tables (a recommender's sparse features, column
+    # j into table j), also "axis" (that dimension) and "columns": per position along it
+    # {"min", "max", "source"}, or None where that column indexes nothing; "min"/"max" are then
+    # the values every column accepts (the intersection, for readers of one range).
     values: Optional[dict] = None
 
     @property
@@ -47,25 +54,76 @@ class TensorSpec:
         v = self.values or {}
         return (int(v["min"]), int(v["max"])) if "min" in v and "max" in v else None
 
+    @property
+    def columns(self) -> Optional[tuple]:
+        """(axis, per position along it (lo, hi) or None) where the contract holds a range per
+        column; None where one range covers the input."""
+        v = self.values or {}
+        if v.get("columns") is None:
+            return None
+        return int(v["axis"]), tuple(None if c is None else (int(c["min"]), int(c["max"])) for c in v["columns"])
+
     def describe(self) -> str:
         dims = "x".join("B" if d is None else str(d) for d in self.shape)
-        r = self.value_range
-        return f"{self.name}: {self.dtype}[{dims}]" + (f" in [{r[0]}, {r[1]}]" if r else "")
+        head = f"{self.name}: {self.dtype}[{dims}]"
+        cols, r = self.columns, self.value_range
+        if cols:
+            return f"{head} per column of dimension {cols[0]}: {describe_columns(cols[1])}"
+        return head + (f" in [{r[0]}, {r[1]}]" if r else "")
+
+    def _check_values(self) -> None:
+        """Raises ValueError/TypeError/KeyError where "values" is malformed."""
+        self.value_range  # noqa: B018  (min/max must be integers)
+        cols = self.columns
+        if cols is None:
+            return
+        axis, ranges = cols
+        if not 0 < axis < len(self.shape) or not isinstance(self.shape[axis], int) or len(ranges) != self.shape[axis]:
+            raise ValueError(f"values.axis {axis} must name a fixed dimension of {list(self.shape)} with one "
+                             "entry in values.columns per position")
+        if any(c is not None and c[0] > c[1] for c in ranges):
+            raise ValueError("a column's min exceeds its max")
 
     def concrete(self, rows: int, sizes: Optional[dict] = None) -> tuple:
         """The shape with `rows` rows and each named dimension at `sizes[name]`."""
         return (rows,) + tuple(sizes[d] if isinstance(d, str) else d for d in self.shape[1:])
 
-    def zeros(self, rows: int, device=None, sizes: Optional[dict] = None):
-        """A valid all-low tensor of this input with `rows` rows and named dimensions at `sizes`
-        (warm-up, graph capture, the probe): zeros, or the lowest valid value where zero is not."""
+    def draw_ints(self, shape, g, span: Optional[int] = None, default: tuple = (0, 99)):
+        """Integers of this input's dtype inside its value range, drawn with `g`: per column
+        where the contract has columns (`default` for a column or input without a range), each
+        from the lowest `span` + 1 values of its range where `span` is given."""
         import torch
 
-        t = torch.zeros(self.concrete(rows, sizes), dtype=torch_dtype(self.dtype), device=device)
-        r = self.value_range
-        if r and not r[0] <= 0 <= r[1] and t.dtype != torch.bool:
-            t.fill_(r[0])
-        return t
+        def draw(lo_hi, size):
+            lo, hi = lo_hi or default
+            hi = hi if span is None else min(hi, lo + span)
+            return torch.randint(lo, hi + 1, size, generator=g)
+
+        cols, dt = self.columns, torch_dtype(self.dtype)
+        if cols is None:
+            return draw(self.value_range, shape).to(dt)
+        axis, ranges = cols
+        one = tuple(1 if a == axis else n for a, n in enumerate(shape))
+        return torch.cat([draw(r, one) for r in ranges], dim=axis).to(dt)
+
+    def example(self, rows: int, device=None, sizes: Optional[dict] = None, g=None):
+        """A valid request value of this input with `rows` rows and named dimensions at `sizes`
+        (warm-up, graph capture, the probe): an input named like a mask all ones (no row all
+        padding: a fully masked row is a case attention kernels handle badly); integers with a
+        value range drawn inside it, per column (`g`, else seeded), so ids are valid and not all
+        one value, such as a padding id; anything else zeros."""
+        import torch
+
+        dt, shape = torch_dtype(self.dtype), self.concrete(rows, sizes)
+        lo, hi = self.value_range or (0, 1)
+        if is_mask(self.name) and lo <= 1 <= hi:
+            t = torch.ones(shape, dtype=dt)
+        elif (self.values or {}).get("checked") is not False and not dt.is_floating_point and dt != torch.bool \
+                and (self.value_range or self.columns):
+            t = self.draw_ints(shape, g if g is not None else torch.Generator().manual_seed(0))
+        else:
+            t = torch.zeros(shape, dtype=dt)
+        return t.to(device) if device is not None else t
 
 
 @dataclass(frozen=True)
@@ -108,10 +166,13 @@ class ArtifactSpec:
         return {name: lo for name, (lo, _hi) in self.dims.items()}
 
     def example(self, rows: int, device=None, sizes: Optional[dict] = None) -> dict:
-        """{input: valid low tensor} with `rows` rows, named dimensions at `sizes` (default:
-        their minimum)."""
+        """{input: a valid request value (TensorSpec.example)} with `rows` rows, named dimensions
+        at `sizes` (default: their minimum); the same values on every call."""
+        import torch
+
         sizes = sizes or self.min_sizes()
-        return {s.name: s.zeros(rows, device, sizes) for s in self.inputs}
+        g = torch.Generator().manual_seed(0)
+        return {s.name: s.example(rows, device, sizes, g) for s in self.inputs}
 
     @property
     def artifact_path(self) -> str:
@@ -120,13 +181,30 @@ class ArtifactSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("variant_dir")
-        d["format"] = LAYOUT_VERSION
+        d["format"] = COLUMNS_LAYOUT if any(s.columns for s in self.inputs) else LAYOUT_VERSION
         for key in ("inputs", "outputs"):
             d[key] = [{"name": s["name"], "dtype": s["dtype"], "shape": list(s["shape"]),
                        **({"values": s["values"]} if s["values"] else {})} for s in d[key]]
         d["cuda_archs"] = list(self.cuda_archs)
         d["dims"] = {k: {"min": lo, "max": hi} for k, (lo, hi) in self.dims.items()}
         return d
+
+
+def is_mask(name: str) -> bool:
+    """An input named like a mask (attention_mask, padding_mask): 1 keeps a position."""
+    return "mask" in name.lower()
+
+
+def describe_columns(ranges) -> str:
+    """Per-column ranges, runs of equal ones together: `0 in [0, 99] | 1-4 in [0, 19] | 5 any`."""
+    runs = []
+    for i, r in enumerate(ranges):
+        if runs and runs[-1][2] == r:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, r])
+    return " | ".join((f"{a}" if a == b else f"{a}-{b}") + (f" in [{r[0]}, {r[1]}]" if r else " any")
+                      for a, b, r in runs)
 
 
 def _tensor_specs(raw, where: str, dims: dict):
@@ -136,7 +214,7 @@ def _tensor_specs(raw, where: str, dims: dict):
             shape = tuple(item["shape"])
             values = item.get("values")
             spec = TensorSpec(str(item["name"]), str(item["dtype"]), shape, dict(values) if values else None)
-            spec.value_range  # noqa: B018  (min/max must be integers)
+            spec._check_values()
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"{where}[{i}] in {METADATA_FILE} is malformed ({e}); "
                             "expected {name, dtype, shape[, values]}. Re-run scripts/compile.py.") from e

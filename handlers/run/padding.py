@@ -29,8 +29,9 @@ def trial_sizes(plan, dims: dict) -> list:
 
 def random_request(spec, sizes: dict, g: torch.Generator, masks=None, span: int = 999) -> dict:
     """One row of every input at `sizes`: floats random normal, integers inside their value
-    range (else 0..99; at most `span` + 1 values from its low end), the inputs in `masks`
-    (default: those named like a mask) all ones, so a request carries exactly its own length."""
+    range, per column where it has one per column (else 0..99; at most `span` + 1 values from its
+    low end), the inputs in `masks` (default: those named like a mask) all ones, so a request
+    carries exactly its own length."""
     if masks is None:
         masks = {s.name for s in spec.inputs if "mask" in s.name.lower()}
     out = {}
@@ -42,9 +43,8 @@ def random_request(spec, sizes: dict, g: torch.Generator, masks=None, span: int 
             out[s.name] = torch.randn(shape, generator=g).to(dtype)
         elif dtype == torch.bool:
             out[s.name] = torch.rand(shape, generator=g) > 0.5
-        else:
-            lo, hi = s.value_range or (0, 99)
-            out[s.name] = torch.randint(lo, min(hi, lo + span) + 1, shape, generator=g).to(dtype)
+        else:  # per column where the contract has a range per column
+            out[s.name] = s.draw_ints(shape, g, span)
     return out
 
 

@@ -41,8 +41,15 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
     # JSON numbers carry no width: integers are valid floats, floats are never integers.
     ok = got == _kind(want) or (_kind(want) == "float" and got == "int")
     if not ok:
+        _refuse_out_of_range(spec, value, where)  # integers too large for any numpy int become floats or objects
         shown = {"float": "floating-point", "int": "integer", "bool": "bool"}.get(got, f"non-numeric ({got})")
         raise RequestError(f"{where}: expected {spec.dtype} values for {spec.describe()}, got {shown} values")
+    if got == "int" and _kind(want) == "int" and t.dtype != _np_dtype(want):
+        # numpy chose another width (uint64 past int64's top, int64 for a narrower input):
+        # a cast would wrap silently
+        info = torch.iinfo(want)
+        if size and (t.min() < info.min or t.max() > info.max):
+            _refuse_out_of_range(spec, value, where)
     t = (torch.from_numpy(t) if _np is not None else t).to(want)
     if want.is_floating_point and not bool(torch.isfinite(t).all()):
         # JSON has no NaN or Infinity (RFC 8259); Python's parser accepts the tokens and turns
@@ -52,6 +59,27 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
                            f"{spec.dtype}'s range such as 1e400); JSON numbers must be finite. Send "
                            "non-finite values in the binary encoding (application/x-safetensors)")
     return t
+
+
+def _np_dtype(want: torch.dtype):
+    return getattr(_np, str(want).replace("torch.", ""), None) if _np is not None else want
+
+
+def _refuse_out_of_range(spec: TensorSpec, value, where: str) -> None:
+    """Raises naming the first integer of `value` (nested lists) outside the input's integer
+    dtype, where it is an integer input and one is; returns otherwise. Only on a failure path."""
+    want = BY_NAME[spec.dtype].torch
+    if want.is_floating_point or want == torch.bool:
+        return
+    info = torch.iinfo(want)
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(reversed(v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not info.min <= v <= info.max:
+            raise RequestError(f"{where}: {v} is out of {spec.dtype} range ({info.min} to {info.max}) for "
+                               f"{spec.describe()}")
 
 
 def spec_of(spec: ArtifactSpec, name: str) -> TensorSpec:
