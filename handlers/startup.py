@@ -69,6 +69,21 @@ def enter_process() -> None:
     refuse_envelope()
 
 
+def load_failure(e: Exception) -> LoadError:
+    """What a failed start raises to TorchServe: a LoadError as it is, any other exception as a
+    LoadError naming it (type, message) that TorchServe restarts. TorchServe 0.12's worker
+    (ts/model_service_worker.py load_model) answers a RuntimeError whose text holds "CUDA" (a
+    device-side assert, a cuDNN failure) and any MemoryError with "System out of memory" (507)
+    and logs "cuda OOM"; a LoadError is neither, so the worker's log carries the real cause and
+    its traceback ("Backend worker process died") and the frontend starts a fresh worker."""
+    if isinstance(e, LoadError):
+        return e
+    text = str(e).strip() or "(no message)"
+    err = LoadError(f"the worker's start failed with {type(e).__name__}: {text}")
+    err.recurs = False  # not known to recur: a restart may pass (a capture, memory while workers start)
+    return err
+
+
 def answers_load_failure(context) -> bool:
     """handler.answer_load_failure of the archive; where the config itself is what failed,
     the default (answer)."""
@@ -149,7 +164,9 @@ def _log_loaded(worker, placement, budget, notes, sync_why, reader, steps) -> No
 
 
 def warm_up(worker: Worker) -> None:
-    """The model across a few batch sizes: kernels, allocator, staging buffers."""
+    """The model across a few batch sizes: kernels, allocator, staging buffers. Its inputs are
+    valid requests (ArtifactSpec.example: ids inside their ranges, per column; masks all ones),
+    never all zeros: a fully masked row or an id outside its table is what kernels fail on."""
     spec, runner = worker.spec, worker.runner
     for size in warmup_sizes(spec.batch_min, spec.batch_max, worker.config.warmup_batch_sizes):
         with torch.inference_mode():
@@ -180,13 +197,13 @@ def warm_up_request_path(worker: Worker, context, handle) -> None:
     context's batch state is restored afterwards."""
     spec, config = worker.spec, worker.config
     rows = spec.batch_min
-    zeros = spec.example(rows)
-    binary = safetensors_io.dumps(zeros)
+    example = spec.example(rows)  # a valid request (ids in range, masks of ones)
+    binary = safetensors_io.dumps(example)
     cases = []
     # JSON spells each element in at least as many bytes as the binary body holds it: where
     # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
     if len(binary) <= config.max_json_mb * 2**20:
-        cases.append((1, {"inputs": {k: v.tolist() for k, v in zeros.items()}}, "application/json"))
+        cases.append((1, {"inputs": {k: v.tolist() for k, v in example.items()}}, "application/json"))
     sizes = set(worker.runner.bucket_sizes() or warmup_sizes(spec.batch_min, spec.batch_max,
                                                              config.warmup_batch_sizes))
     for size in sorted(sizes | {rows}, reverse=True):

@@ -16,7 +16,6 @@ import logging
 from typing import Optional
 
 from handlers import pipeline, startup
-from handlers.errors import LoadError
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
@@ -38,18 +37,22 @@ class CompiledModelHandler:
         self.model_version = str(context.manifest.get("model", {}).get("modelVersion") or "")
         try:
             startup.start(context, self._metric, self._serving, self.handle)
-        except LoadError as e:
+        except Exception as e:  # noqa: BLE001  (every cause, named: startup.load_failure)
+            err = startup.load_failure(e)
             # It would fail the same way on every restart (an incompatible, corrupt or
             # misconfigured artifact): raising makes TorchServe restart the worker with back-off
             # while requests wait unanswered (measured: none answered in 420 s). Come up instead
             # and answer each request 503 with the reason; TorchServe lists the worker READY, the
             # handler's description says ready: false (README, "A model that cannot load").
-            if not e.recurs or not startup.answers_load_failure(context):
-                raise
+            if not err.recurs or not startup.answers_load_failure(context):
+                logger.error("load failed (%s); TorchServe restarts the worker: %s", type(e).__name__, err)
+                if err is e:
+                    raise
+                raise err from e
             logger.error("load failed (%s); every request will be answered 503 with the reason: %s",
-                         type(e).__name__, e)
+                         type(e).__name__, err)
             self.worker = None
-            self.health.load_failed(self.model_name, e.message)
+            self.health.load_failed(self.model_name, err.message)
             self._metric("ModelLoadFailed", 1.0)
         self.profile = pipeline.batch_profiler(self.model_name)  # after the warm-up: clients' batches only
         self.initialized = True  # last: loaded, or answering with the load error

@@ -44,8 +44,9 @@ class ValueCheck:
         """From an input's "values" entry (handlers/artifact/metadata.py)."""
         if entry.get("columns") is None:
             return cls(name, int(entry["min"]), int(entry["max"]), entry.get("source", ""))
-        axis, cols = int(entry["axis"]), tuple(None if c is None else (int(c["min"]), int(c["max"]), c.get("source", ""))
-                                               for c in entry["columns"])
+        axis = int(entry["axis"])
+        cols = tuple(None if c is None else (int(c["min"]), int(c["max"]), c.get("source", ""))
+                     for c in entry["columns"])
         info = torch.iinfo(torch.int64)
         shape = [1] * rank
         shape[axis] = len(cols)

@@ -174,7 +174,8 @@ def _moved_dim(at: _At, node, user, name: str, ep):
         if name == "narrow":
             return _picked(at, slice(a[2], a[2] + a[3])) if _ints(a[2], a[3]) else mixed
         start, end, step = (list(a[2:]) + [None, None, 1])[:3]
-        return _picked(at, slice(start, end, step)) if all(x is None or isinstance(x, int) for x in (start, end, step)) else mixed
+        plain = all(x is None or isinstance(x, int) for x in (start, end, step))
+        return _picked(at, slice(start, end, step)) if plain else mixed
     if name in ("unsqueeze", "unsqueeze_copy"):
         return _At(at.shift, at.cols, d + 1 if a[1] % rout <= d else d)
     if name in ("permute", "permute_copy"):
@@ -192,7 +193,8 @@ def _moved_dim(at: _At, node, user, name: str, ep):
         return mixed
     if name in ("view", "_unsafe_view", "reshape", "flatten", "unflatten", "view_copy"):
         before, after = _shape(node), _shape(user)
-        same = before and after and len(after) > d and all(str(x) == str(y) for x, y in zip(before[:d + 1], after[:d + 1]))
+        same = before and after and len(after) > d and all(str(x) == str(y)
+                                                           for x, y in zip(before[:d + 1], after[:d + 1]))
         return at if same else mixed
     return at if rin == rout else mixed  # clone, casts, detach: the same shape
 
@@ -481,7 +483,8 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     hints = {**{f"{n}.0": "batch" for n, _ in ins}, **hints}
     for kind, items in (("in", ins), ("out", outs)):
         for name, val in items:
-            shaped[(kind, name)] = [_dim_of(d, symbols, f"{name}.{a}", hints, first, "input" if kind == "in" else "output")
+            label = "input" if kind == "in" else "output"
+            shaped[(kind, name)] = [_dim_of(d, symbols, f"{name}.{a}", hints, first, label)
                                     for a, d in enumerate(val.shape)]
 
     def rng(sym):

@@ -491,10 +491,12 @@ def rec_spec(values=None):
 
 def test_column_ranges_are_checked_each_and_named_in_the_refusal():
     vc = ValueContract.of(rec_spec(), parse_config({}))
-    assert vc.describe() == "values checked: sparse per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | 2 in [0, 19]"
+    assert vc.describe() == ("values checked: sparse per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | "
+                             "2 in [0, 19]")
     vc.check({"sparse": torch.tensor([[50, 840, 19], [99, 4999, 0]])})  # valid in their own columns
-    for bad, (pos, value, col, hi, rows) in {(5000, 1): ([0, 1], 5000, 1, 4999, 5000),
-                                             (20, 2): ([0, 2], 20, 2, 19, 20), (-1, 0): ([0, 0], -1, 0, 99, 100)}.items():
+    cases = {(5000, 1): ([0, 1], 5000, 1, 4999, 5000), (20, 2): ([0, 2], 20, 2, 19, 20),
+             (-1, 0): ([0, 0], -1, 0, 99, 100)}
+    for bad, (pos, value, col, hi, rows) in cases.items():
         t = torch.tensor([[50, 840, 3]])
         t[0, bad[1]] = bad[0]
         with pytest.raises(RequestError) as e:
@@ -556,7 +558,8 @@ def test_column_contracts_round_trip_as_layout_3_and_show_in_describe(tmp_path):
     assert raw["format"] == 3 and raw["inputs"][1]["values"]["columns"] == TABLES
     again = read_spec(str(tmp_path))
     assert again.inputs == spec.inputs and again.inputs[1].columns == (1, ((0, 99), (0, 4999), (0, 19)))
-    assert again.inputs[1].describe() == "sparse: int64[Bx3] per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | 2 in [0, 19]"
+    assert again.inputs[1].describe() == ("sparse: int64[Bx3] per column of dimension 1: 0 in [0, 99] | "
+                                          "1 in [0, 4999] | 2 in [0, 19]")
     # files with one range stay layout 2 (older handlers read them)
     write_spec(spec_with({"min": 0, "max": 9, "source": "t"}), str(tmp_path))
     assert json.loads((tmp_path / "artifact.json").read_text())["format"] == 2

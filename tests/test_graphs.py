@@ -180,3 +180,99 @@ def test_fixed_shape_graphs_are_found_by_rows_alone():
     gs = graphs.GraphSet(buckets, 0, dynamic=False)
     assert [getattr(gs.for_call(n, None, ["x"]), "rows", None) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert gs.sizes == [1, 2, 4, 8] and gs.describe() == "CUDA graphs for batch [1, 2, 4, 8] (4 graphs, 0 MiB)"
+
+
+def fake_cuda(monkeypatch, fail: dict):
+    """graphs.build without a GPU: a capture stands in that raises `fail[(rows, sizes)]` for those
+    shapes and otherwise 'captures' a replay that recomputes the model into static outputs."""
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    seen = []
+
+    def capture(model, spec, rows, device, stream, pool, sizes=None):
+        seen.append((rows, sizes))
+        if (rows, tuple(sorted((sizes or {}).items()))) in fail:
+            raise fail[(rows, tuple(sorted((sizes or {}).items())))]
+        inputs = graphs._static_inputs(spec, rows, device, sizes)
+        outputs = {k: v.clone() for k, v in model(*inputs).items()}
+
+        def replay():
+            for k, v in model(*inputs).items():
+                outputs[k].copy_(v)
+
+        return graphs.GraphBucket(rows, FakeGraph(replay), inputs, outputs, tuple(sorted((sizes or {}).items())))
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    return seen
+
+
+def test_a_shape_whose_capture_fails_runs_plain_calls_and_the_others_keep_their_graphs(monkeypatch):
+    """A capture that raises for one shape (cuDNN attention refusing one size, say) leaves that
+    shape to the artifact's own call, named in the load line; the other shapes keep verified
+    graphs. A sticky CUDA error is never swallowed (nothing can run after it), and where every
+    capture failed the runner falls back to plain calls for all (auto) or fails the load (on)."""
+    from handlers.artifact.metadata import ArtifactSpec
+
+    spec = ArtifactSpec("aoti", "m", "", "cuda", (TensorSpec("x", "float32", (None, 3)),),
+                        (TensorSpec("y", "float32", (None, 3)),), "dict", 1, 8, torch.__version__)
+    model = lambda x: {"y": x * 2}  # noqa: E731
+    fake_cuda(monkeypatch, {(4, ()): RuntimeError("cuDNN Frontend error: mha_graph.execute(...).is_good()")})
+    gs = graphs.build(model, spec, None, None, [1, 2, 4, 8], 1 << 30, verify=True)
+    assert gs.sizes == [1, 2, 8]
+    assert gs.describe() == ("CUDA graphs for batch [1, 2, 8] (3 graphs, 0 MiB); capture failed, plain calls for "
+                             "batch 4 (RuntimeError: cuDNN Frontend error: mha_graph.execute(...).is_good())")
+    assert [getattr(gs.for_call(n, None, ["x"]), "rows", None) for n in (1, 2, 3, 4, 5, 8)] == [1, 2, None, None, 8, 8]
+    # the capture's own exit error carries the model's as its context: both are named. torch
+    # ends every CUDA error with a hint naming device-side assertions: not a sticky error
+    dsa = "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing" + dsa)
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture" + dsa)
+    except RuntimeError as chained:
+        fake_cuda(monkeypatch, {(1, ()): chained})
+    gs = graphs.build(model, spec, None, None, [1, 2], 1 << 30, verify=True)
+    assert gs.sizes == [2] and gs.describe().endswith(
+        "batch 1 (RuntimeError: CUDA error: operation failed due to a previous error during capture (after "
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing))")
+    fake_cuda(monkeypatch, {(2, ()): RuntimeError("CUDA error: device-side assert triggered")})
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        graphs.build(model, spec, None, None, [1, 2, 4], 1 << 30, verify=True)
+    r = bare_runner(monkeypatch, graphs.build)
+    r.model, r.spec = model, spec
+    fake_cuda(monkeypatch, {(2, ()): RuntimeError("no capture at 2")})
+    note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": 4}}), kind_of("aoti"))
+    assert note.endswith("plain calls for batch 2 (RuntimeError: no capture at 2)") and r.graphs.sizes == [1, 4]
+    with pytest.raises(LoadError, match="cuda_graphs is on but .*plain calls for batch 2"):  # on: all or nothing
+        r.prepare(parse_config({"handler": {"cuda_graphs": "on", "cuda_graph_max_batch": 4}}), kind_of("aoti"))
+    fake_cuda(monkeypatch, {(n, ()): RuntimeError(f"no capture at {n}") for n in (1, 2)})
+    note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": 2}}), kind_of("aoti"))
+    assert note == "no CUDA graphs (RuntimeError: every capture failed, the first: RuntimeError: no capture at 1)"
+    with pytest.raises(RuntimeError, match="device-side assert"):  # the load fails with it: a restart
+        fake_cuda(monkeypatch, {(1, ()): RuntimeError("CUDA error: device-side assert triggered")})
+        r.prepare(parse_config({}), kind_of("aoti"))
+
+
+def test_graph_verification_replays_a_valid_request():
+    """The replay-against-plain check feeds a request a client could send: ids inside their
+    range (per column), masks all ones, floats random (it was 0/1 everywhere: ids outside the
+    range and fully masked rows, the inputs kernels fail on)."""
+    from handlers.artifact.metadata import ArtifactSpec
+
+    spec = ArtifactSpec("aoti", "m", "", "cuda",
+                        (TensorSpec("ids", "int64", (None, 6), {"min": 3, "max": 9, "source": "t"}),
+                         TensorSpec("attention_mask", "int64", (None, 6)), TensorSpec("x", "float32", (None, 6))),
+                        (TensorSpec("y", "float32", (None, 6)),), "dict", 1, 8, torch.__version__)
+    seen = {}
+
+    def model(ids, mask, x):
+        seen.update(ids=ids.clone(), mask=mask.clone(), x=x.clone())
+        return {"y": ids * mask + x}
+
+    inputs = graphs._static_inputs(spec, 4, None)
+    out = {"y": torch.zeros(4, 6)}
+    bucket = graphs.GraphBucket(4, FakeGraph(lambda: out["y"].copy_(model(*inputs)["y"])), inputs, out)
+    assert graphs.first_difference(model, bucket, None, seed=3, spec=spec) is None
+    assert 3 <= seen["ids"].min() and seen["ids"].max() <= 9 and bool((seen["mask"] == 1).all())
+    assert seen["x"].std() > 0.1

@@ -114,3 +114,42 @@ def test_mixed_lengths_share_one_graph_when_that_is_cheaper(gpu_artifacts):
     RESULTS.append(row)
     assert calls == [(5, (1, 64))], calls
     assert row["max_abs_vs_alone"] <= 1e-4
+
+
+def test_a_shape_whose_capture_fails_runs_plain_calls_on_the_gpu():
+    """A model that cannot be captured at one batch size (a host synchronization at batch 4, as
+    a kernel that refuses one size would fail): that bucket's calls run the plain call, the
+    other buckets replay their graphs, the stream stays usable after the failed capture, and
+    every answer equals the plain call; the load line names the shape and the error. The
+    capture and its check run valid requests (ids in range, masks of ones)."""
+    from handlers.artifact.kinds import LoadedModel
+    from handlers.artifact.metadata import ArtifactSpec, TensorSpec
+
+    device = torch.device("cuda:0")
+    spec = ArtifactSpec("aoti", "m", "", "cuda",
+                        (TensorSpec("ids", "int64", (None, 6), {"min": 0, "max": 9, "source": "t"}),
+                         TensorSpec("attention_mask", "int64", (None, 6))),
+                        (TensorSpec("y", "float32", (None,)),), "dict", 1, 8, torch.__version__)
+    table = torch.randn(10, device=device)
+
+    def fn(ids, mask):
+        if ids.shape[0] == 4:
+            float(ids.sum())  # a host synchronization: refused while capturing
+        return {"y": (table[ids] * mask).sum(1) / mask.sum(1)}
+
+    cfg = parse_config({"handler": {"cuda_graph_max_batch": 8}})
+    runner = runner_for(LoadedModel(fn, spec, device, "test"), spec, device, cfg)
+    note = runner.prepare(cfg, kind_of("aoti"))
+    RESULTS.append({"test": "capture_fallback", "note": note})
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 8], note
+    assert "capture failed, plain calls for batch 4 (" in note, note
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 4, 5, 8, 4, 1):
+        req = {"ids": torch.randint(0, 10, (rows, 6), generator=g), "attention_mask": torch.ones(rows, 6, dtype=torch.int64)}
+        with torch.inference_mode():
+            got = own(runner.run([req])[0])
+        want = fn(req["ids"].to(device), req["attention_mask"].to(device))["y"].cpu()
+        torch.testing.assert_close(got["y"], want, rtol=1e-5, atol=1e-6)
+        bucket = runner.graphs.for_call(rows, {"ids": [req["ids"]], "attention_mask": [req["attention_mask"]]},
+                                        spec.input_names)
+        assert (bucket is None) == (rows in (3, 4)), rows

@@ -72,7 +72,8 @@ def test_an_index_error_of_the_model_is_the_clients_400_without_native_paths():
         RuntimeError("Index 1 of input takes value 25 which is not in the valid range [0, 20)"):
             "Index 1 of input takes value 25 which is not in the valid range [0, 20)",
         IndexError("index out of range in self"): "index out of range in self",
-        RuntimeError("Class values must be smaller than num_classes."): "Class values must be smaller than num_classes.",
+        RuntimeError("Class values must be smaller than num_classes."):
+            "Class values must be smaller than num_classes.",
     }
     for e, said in cases.items():
         answer = client_fault(e, spec)

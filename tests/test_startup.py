@@ -167,3 +167,63 @@ def test_process_age_counts_from_the_process_start():
                                  capture_output=True, text=True, check=True).stdout)
     assert 0.25 <= child < 10.0
     assert process.age_s() > child
+
+
+def test_a_failed_start_reaches_torchserve_with_its_real_cause(monkeypatch, tmp_path, caplog):
+    """TorchServe 0.12's worker (ts/model_service_worker.py load_model) answers a RuntimeError
+    naming CUDA, raised by a handler's initialize, with 507 "System out of memory" and logs
+    "cuda OOM" (a worker that hit a device-side assert while capturing CUDA graphs was reported
+    so). The handler turns every exception of its start into a LoadError naming its type and
+    message: TorchServe's mapping does not take it, the worker's log has the cause, and since a
+    restart may pass it is re-raised (TorchServe starts a fresh worker), not answered 503.
+    Runs TorchServe's own load_model with a loader that initializes the handler."""
+    import logging
+    import types
+
+    import ts.model_service_worker as msw
+    from ts.context import Context
+
+    from handlers import startup
+    from handlers.errors import LoadError
+    from handlers.ts_entry import CompiledModelHandler
+
+    cause = RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
+                         "reported at some other API call")
+
+    def failing_start(*a, **k):
+        raise cause
+
+    class Loader:
+        def __init__(self, initialize):
+            self.initialize = initialize
+
+        def load(self, model_name, model_dir, *a, **k):
+            self.initialize(Context(model_name, model_dir, {"model": {"modelName": model_name}}, 1, None, "0.12.0",
+                                    model_yaml_config={}))
+
+    def load(initialize):
+        monkeypatch.setattr(msw.ModelLoaderFactory, "get_model_loader", staticmethod(lambda: Loader(initialize)))
+        me = types.SimpleNamespace(metrics_cache=types.SimpleNamespace(model_name=None))
+        request = {"modelPath": str(tmp_path).encode(), "modelName": b"p", "handler": b"", "batchSize": b"1"}
+        return msw.TorchModelServiceWorker.load_model(me, request)
+
+    def raw(ctx):
+        raise cause
+
+    assert load(raw)[1:] == ("System out of memory", 507)  # what TorchServe makes of the raw error
+    monkeypatch.setattr(startup, "start", failing_start)
+    with caplog.at_level(logging.ERROR, logger="handlers.ts_entry"), pytest.raises(LoadError) as e:
+        load(lambda ctx: CompiledModelHandler().initialize(ctx))
+    assert e.value.message == ("the worker's start failed with RuntimeError: CUDA error: device-side assert "
+                               "triggered\nCUDA kernel errors might be asynchronously reported at some other API call")
+    assert e.value.recurs is False and e.value.__cause__ is cause
+    assert any("TorchServe restarts the worker: the worker's start failed with RuntimeError: CUDA error: "
+               "device-side assert triggered" in r.getMessage() for r in caplog.records)
+    # a LoadError stays itself: one that recurs is answered 503 with its reason
+    def no_variant(*a, **k):
+        raise LoadError("no variant fits")
+
+    h = CompiledModelHandler()
+    monkeypatch.setattr(startup, "start", no_variant)
+    load(h.initialize)
+    assert h.load_error == "model 'p' failed to load: no variant fits"

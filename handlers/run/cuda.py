@@ -22,6 +22,7 @@ import time
 import torch
 
 from handlers.errors import LoadError
+from handlers.faults import is_sticky
 from handlers.run import graphs
 from handlers.run.base import Runner
 from handlers.staging import StagingBuffers, concat_into
@@ -118,9 +119,13 @@ class CudaRunner(Runner):
                     self.graphs = graphs.build(self.model, self.spec, self.device, self.stream, sizes,
                                                int(config.cuda_graph_memory_mb * 2**20), verify=True,
                                                lengths=graphs.length_buckets(self.spec, self.pad))
+                if mode == "on" and self.graphs.failed:  # on: every shape captured, or the load fails
+                    raise RuntimeError(self.graphs.describe())
                 return self.graphs.describe()
             except Exception as e:  # capture refused (host sync, CPU op...) or outputs differ
                 self.graphs = None
+                if is_sticky(e):  # the CUDA context is unusable: the load fails with it (a restart)
+                    raise
                 self.stream.synchronize()
                 reason = f"{type(e).__name__}: {e}"
             # after the except block: its traceback no longer holds the captured graphs

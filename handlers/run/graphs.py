@@ -16,7 +16,9 @@ run the artifact's own call.
 
 Policy (`cuda_graphs` in model-config.yaml): `off`; `on` (a capture or check failure fails the
 load); `auto` (the default: capture, replay each bucket once against the plain call on a random
-input, keep graphs only if every output matches bit for bit; otherwise log why and run without).
+valid input, keep graphs only if every output matches bit for bit; otherwise log why and run
+without). A capture that raises for one shape (a kernel that refuses to be captured at that
+size) leaves that shape to plain calls, the others keep their graphs, and the load line names it.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ from typing import Optional
 
 import torch
 
+from handlers.artifact.metadata import is_mask
 from handlers.batch import batch_sizes_in
 from handlers.errors import LoadError
+from handlers.faults import is_sticky
 
 logger = logging.getLogger(__name__)
 # Graphs per worker at most: each costs a warm-up call, a capture and a verifying replay at load
@@ -96,9 +100,28 @@ def capture(model, spec, rows: int, device, stream, pool, sizes: Optional[dict] 
         model(*inputs)
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        outputs = model(*inputs)
+    before = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outputs = model(*inputs)
+    except Exception:
+        _after_failed_capture(device, pool, before)
+        raise
     return GraphBucket(rows, graph, inputs, outputs, tuple(sorted((sizes or {}).items())))
+
+
+def _after_failed_capture(device, pool, before) -> None:
+    """What torch.cuda.graph leaves behind when ending the capture raises (torch 2.11, seen on
+    an H100: a capture the model invalidated): its stream still current, and the caching
+    allocator still routing that capture's allocations into `pool`. Both undone here; the pool
+    itself stays unusable for captures (build moves on to a fresh one)."""
+    torch.cuda.set_stream(before)
+    index = device.index if isinstance(device, torch.device) and device.index is not None else None
+    index = torch.cuda.current_device() if index is None else index
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # ending the capture got that far itself ("not currently recording")
+        pass
 
 
 def replay_ms(bucket: GraphBucket, stream, n: int = 3) -> float:
@@ -115,14 +138,28 @@ def replay_ms(bucket: GraphBucket, stream, n: int = 3) -> float:
     return start.elapsed_time(end) / n
 
 
-def first_difference(model, bucket: GraphBucket, stream, seed: int) -> Optional[str]:
-    """Replay `bucket` and call the model plainly on the same random input; None when every
-    output is bit-identical, else a description of the first difference."""
+def random_valid(s, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Random values a request could hold for static input `t` of input spec `s` (None: unknown):
+    inputs named like a mask all ones (a fully masked row is a case attention kernels handle
+    badly), floats random normal, integers inside their value range (per column), else 0 or 1."""
+    if s is not None and is_mask(s.name):
+        return torch.ones(t.shape, dtype=t.dtype)
+    if t.is_floating_point():
+        return torch.randn(t.shape, generator=g)
+    if s is not None and t.dtype != torch.bool and (s.value_range or s.columns):
+        return s.draw_ints(tuple(t.shape), g)
+    return torch.randint(0, 2, t.shape, generator=g)
+
+
+def first_difference(model, bucket: GraphBucket, stream, seed: int, spec=None) -> Optional[str]:
+    """Replay `bucket` and call the model plainly on the same random valid input (`spec`'s
+    inputs, random_valid); None when every output is bit-identical, else a description of the
+    first difference."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    specs = list(spec.inputs) if spec is not None else [None] * len(bucket.inputs)
     with torch.cuda.stream(stream):
-        for t in bucket.inputs:
-            src = torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.randint(0, 2, t.shape, generator=g)
-            t.copy_(src.to(t.dtype))
+        for s, t in zip(specs, bucket.inputs):
+            t.copy_(random_valid(s, t, g).to(t.dtype))
         bucket.graph.replay()
         replayed = {k: v.clone() for k, v in bucket.outputs.items()}
         plain = model(*bucket.inputs)
@@ -152,10 +189,13 @@ class GraphSet:
     """The captured buckets of one worker, with the memory they hold: per input shape past the
     batch dimension (one shape without named dimensions), the batch buckets captured."""
 
-    def __init__(self, buckets: dict, memory_bytes: int, dynamic: bool = False):
+    def __init__(self, buckets: dict, memory_bytes: int, dynamic: bool = False, failed: Optional[dict] = None):
         self.buckets = buckets  # (rows, shape_key) -> GraphBucket
+        # (rows, shape_key) -> (named-dimension sizes, why): the capture failed, so the calls this
+        # bucket would take run the artifact's own call
+        self.failed = dict(failed or {})
         self.by_shape = {}  # shape_key -> ascending rows
-        for rows, shapes in sorted(buckets):
+        for rows, shapes in sorted(set(buckets) | set(self.failed)):
             self.by_shape.setdefault(shapes, []).append(rows)
         # without named dimensions every call has the one shape admission allows: not looked at
         self._fixed = None if dynamic or len(self.by_shape) != 1 else next(iter(self.by_shape))
@@ -177,21 +217,28 @@ class GraphSet:
         shapes = self._fixed if self._fixed is not None else shape_key([parts[n] for n in names])
         sizes = self.by_shape.get(shapes)
         b = bucket_for(rows, sizes) if sizes else None
-        return self.buckets[(b, shapes)] if b is not None else None
+        return self.buckets.get((b, shapes)) if b is not None else None  # None also where its capture failed
 
     def describe(self) -> str:
         shapes = f" x {len(self.by_shape)} input shapes" if len(self.by_shape) > 1 else ""
-        return f"CUDA graphs for batch {self.sizes}{shapes} ({len(self.buckets)} graphs, {self.memory_bytes / 2**20:.0f} MiB)"
+        mib = self.memory_bytes / 2**20
+        text = f"CUDA graphs for batch {self.sizes}{shapes} ({len(self.buckets)} graphs, {mib:.0f} MiB)"
+        if self.failed:
+            text += "; capture failed, plain calls for " + "; ".join(
+                f"batch {rows}" + (f" at {dims}" if dims else "") + f" ({why})"
+                for (rows, _), (dims, why) in sorted(self.failed.items(), key=lambda kv: kv[0][0]))
+        return text
 
 
 def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
     """Capture every (batch size, named-dimension sizes) pair of `sizes` x `lengths`, the
     smallest calls first, sharing one pool, until the pool would pass `cap_bytes`; with `verify`,
-    every kept bucket is checked against the plain call. Raises on a capture error or a
-    difference (the caller decides whether that fails the load)."""
+    every kept bucket is checked against the plain call. A shape whose capture raises runs plain
+    calls (GraphSet.failed, in the load line); raises where none was captured, on a difference
+    or on a sticky CUDA error (the caller decides whether that fails the load)."""
     pool = torch.cuda.graph_pool_handle()
     base = torch.cuda.memory_reserved(device)
-    kept = {}
+    kept, failed = {}, {}
     pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
                    key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
     if len(pairs) > MAX_GRAPHS:
@@ -199,7 +246,16 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
                     MAX_GRAPHS, len(pairs), MAX_GRAPHS)
         pairs = pairs[:MAX_GRAPHS]
     for rows, dims in pairs:
-        bucket = capture(model, spec, rows, device, stream, pool, dims or None)
+        try:
+            bucket = capture(model, spec, rows, device, stream, pool, dims or None)
+        except Exception as e:  # this shape only: its calls run the artifact's own call
+            key = (rows, tuple(tuple(s.concrete(rows, dims or spec.min_sizes())[1:]) for s in spec.inputs))
+            failed[key] = (dims, _capture_failure(e, rows, dims, stream))
+            # a capture that CUDA invalidated leaves its pool marked as recording (torch 2.11 on
+            # an H100: every later capture into it failed "beginAllocateToPool: already
+            # recording"); the shapes after it share a fresh one
+            pool = torch.cuda.graph_pool_handle()
+            continue
         used = torch.cuda.memory_reserved(device) - base
         if used > cap_bytes:
             logger.info("CUDA graph for batch %d %s not kept (nor any larger): graphs would hold %.0f MiB, "
@@ -209,9 +265,33 @@ def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool
             break
         kept[(rows, shape_key(bucket.inputs))] = bucket
         if verify:
-            problem = first_difference(model, bucket, stream, seed=rows)
+            problem = first_difference(model, bucket, stream, seed=rows, spec=spec)
             if problem:
                 raise RuntimeError(problem)
         if spec.dims:  # read only to plan padding across length buckets (batch.PadPlan.targets)
             bucket.replay_ms = replay_ms(bucket, stream)
-    return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims))
+    if not kept and failed:
+        raise RuntimeError(f"every capture failed, the first: {next(iter(failed.values()))[1]}")
+    return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims), failed=failed)
+
+
+def _capture_failure(e: Exception, rows: int, dims: dict, stream) -> str:
+    """The reason a capture failed, logged; re-raises where the CUDA context is unusable (a
+    device-side assert, say: nothing can run in this process any more)."""
+    def line(x):
+        return f"{type(x).__name__}: {(str(x).splitlines() or [''])[0][:300]}"
+
+    # torch.cuda.graph's exit ends the capture even after the model raised: its own error then
+    # carries the model's as its context, the cause worth naming
+    cause = e.__cause__ or e.__context__
+    why = line(e) + (f" (after {line(cause)})" if cause is not None else "")
+    if is_sticky(e) or (cause is not None and is_sticky(cause)):
+        raise e
+    try:
+        if stream is not None:
+            stream.synchronize()  # a capture that failed must leave nothing queued behind it
+    except Exception as after:
+        raise after from e
+    logger.warning("CUDA graph capture failed for batch %d%s; those calls run without a graph: %s",
+                   rows, f" at {dims}" if dims else "", why)
+    return why
