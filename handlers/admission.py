@@ -115,7 +115,7 @@ def admit(request: dict, spec: ArtifactSpec, limits: Limits, content_type: Optio
         raise PayloadTooLarge(f"request body is {len(payload)} bytes; this model accepts at most "
                               f"{limits.max_body_bytes} (handler.max_body_mb)")
     if transport is not None:
-        body = parse_json(payload, limits)
+        body = payload if transport.binary else parse_json(payload, limits)
         wire = transport.for_request(body)
         tensors, request_id = wire.decode(body, spec)
         return _checked(tensors, request_id, spec, limits, wire, wire)

@@ -30,6 +30,13 @@ class PayloadTooLarge(RequestError):
     error_type = "PayloadTooLarge"
 
 
+class ModelNotFound(RequestError):
+    """The request names a model this worker does not serve."""
+
+    status = 404
+    error_type = "ModelNotFound"
+
+
 class UnsupportedMediaType(RequestError):
     status = 415
     error_type = "UnsupportedMediaType"

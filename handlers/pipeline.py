@@ -56,8 +56,10 @@ class Batch:
     def fail(self, idx: int, err: ServingError) -> None:
         self.failed.append(err)
         fmt = self.transports[idx] or DEFAULT_FORMAT
-        body, content_type, _ = fmt.error(err, self.ids[idx], self.model_name, self.version)
+        body, content_type, extra = fmt.error(err, self.ids[idx], self.model_name, self.version)
         self.context.set_response_status(err.status, err.error_type, idx)
+        for key, value in extra.items():  # a transport's own error headers (gRPC through nginx)
+            self.context.set_response_header(idx, key, value)
         self.context.set_response_content_type(idx, content_type)
         self.results[idx] = body
 
@@ -161,6 +163,8 @@ def encode_all(valid: list, outputs: list, batch: Batch) -> None:
             continue
         try:
             batch.answer(idx, req, out)
+        except ServingError as e:  # the format refused to answer (a request naming another model)
+            batch.fail(idx, e)
         except Exception as e:  # one response that cannot be written fails alone
             logger.exception("encoding the response of request %d failed", idx)
             batch.fail(idx, ServingError(f"internal error while writing the response: "

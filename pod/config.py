@@ -72,7 +72,8 @@ class PodConfig:
     management: tuple
     metrics: tuple
     http_port: int  # the pod's REST port (nginx)
-    grpc_port: int  # the pod's gRPC port (pod.grpc_bridge)
+    grpc_port: int  # the pod's gRPC port (nginx, h2c)
+    bridge_port: int  # pod.grpc_bridge, loopback: status calls, and ModelInfer with several models
     metrics_port: int  # GET /metrics only, proxied to TorchServe's loopback metrics
     status_port: int  # pod.status, loopback: health, ready and metadata
     max_request_bytes: int
@@ -119,12 +120,13 @@ def load(properties: str, env=None) -> PodConfig:
         management=host_port(props.get("management_address", ""), "management_address"),
         metrics=host_port(props.get("metrics_address", ""), "metrics_address"),
         http_port=_int_env(env, "HTTP_PORT", 8080), grpc_port=_int_env(env, "GRPC_PORT", 8081),
+        bridge_port=_int_env(env, "GRPC_BRIDGE_PORT", 8089),
         metrics_port=_int_env(env, "METRICS_PORT", 8082), status_port=_int_env(env, "STATUS_PORT", 8087),
         max_request_bytes=int(props.get("max_request_size", 6553500)),
         max_response_bytes=int(props.get("max_response_size", 6553500)),
         response_timeout_s=int(props.get("default_response_timeout", 120)),
-        # measured defaults (docs/kserve.md): two bridge processes and two nginx workers kept
-        # the pod's routes at direct TorchServe's throughput; one core each is the cap of a
-        # Python gRPC server
-        bridge_processes=_int_env(env, "GRPC_BRIDGE_PROCESSES", min(2, nproc)),
+        # measured defaults (docs/kserve.md): nginx carries every ModelInfer call of a one-model
+        # pod, so one bridge process (status calls; ModelInfer of several-model pods) suffices;
+        # two nginx workers kept the pod's routes at direct TorchServe's throughput
+        bridge_processes=_int_env(env, "GRPC_BRIDGE_PROCESSES", 1),
         nginx_workers=_int_env(env, "NGINX_WORKERS", min(2, nproc)))

@@ -189,8 +189,8 @@ async def serve(cfg) -> None:
         ("grpc.max_send_message_length", cfg.max_response_bytes),
         ("grpc.so_reuseport", 1)])
     server.add_generic_rpc_handlers((Bridge(cfg).handler(),))
-    if not server.add_insecure_port(f"0.0.0.0:{cfg.grpc_port}"):
-        raise SystemExit(f"pod.grpc_bridge: error: cannot listen on port {cfg.grpc_port}")
+    if not server.add_insecure_port(f"127.0.0.1:{cfg.bridge_port}"):  # behind nginx, loopback only
+        raise SystemExit(f"pod.grpc_bridge: error: cannot listen on port {cfg.bridge_port}")
     await server.start()
     stop = asyncio.Event()
     # SIGTERM: stop taking calls, finish the ones in flight (up to 20 s), exit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from urllib.parse import quote
 
 from pod.config import PodConfig
 
@@ -21,7 +22,19 @@ def values(cfg: PodConfig) -> dict:
             "response_timeout_s": cfg.response_timeout_s + 5,
             # as root (a developer's machine, not the image: it runs as uid 1000) nginx would hand
             # its workers to `nobody`, who cannot write the temporary directories made here
-            "user_line": "user root;\n" if os.geteuid() == 0 else ""}
+            "user_line": "user root;\n" if os.geteuid() == 0 else "",
+            "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg)}
+
+
+def model_infer(cfg: PodConfig) -> str:
+    """Where ModelInfer calls go: with one model, straight to TorchServe's predictions route for
+    it (the handler refuses a request naming another model); with several, to the bridge, which
+    reads each request's model name."""
+    if len(cfg.models) != 1:
+        return "grpc_pass grpc://grpc_bridge;"
+    m = cfg.models[0]
+    return (f"add_trailer grpc-status 0;\n            "
+            f"proxy_pass http://torchserve/predictions/{quote(m.name, safe='')};")
 
 
 def render(cfg: PodConfig, template: str = TEMPLATE) -> str:

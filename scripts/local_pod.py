@@ -39,10 +39,12 @@ class LocalPod:
             text = "\n".join(f"{key}={value}" if ln.startswith(f"{key}=") else ln for ln in text.splitlines())
         cfg.write_text(text + f"\ninitial_worker_port={next_worker_port()}\n")
         self.http, self.grpc, self.public_metrics, self.status = free_port(), free_port(), free_port(), free_port()
+        self.bridge = free_port()
         self.env = server_env()
         self.env.update(MODEL_ROOT=str(mnt), RUNTIME_DIR=str(self.root / "run"), HTTP_PORT=str(self.http),
                         GRPC_PORT=str(self.grpc), METRICS_PORT=str(self.public_metrics),
-                        STATUS_PORT=str(self.status), POD_PYTHON=sys.executable, **(env or {}))
+                        STATUS_PORT=str(self.status), GRPC_BRIDGE_PORT=str(self.bridge), POD_PYTHON=sys.executable,
+                        **(env or {}))
         self.out = open(self.root / "stdout.log", "w")
         self.proc = subprocess.Popen([str(ENTRYPOINT)], env=self.env, stdout=self.out,
                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -421,9 +421,13 @@ def test_client_errors_over_grpc_are_invalid_argument(door):
             with pytest.raises(grpc.RpcError) as e:
                 call(req, timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details(), (what, e.value)
+        # a valid request naming a model this pod does not serve is never answered by the one it does
+        f2, m2 = two(1, seed=16)
+        other = grpc_infer_request("nope", [("features", "FP32", [1, 16], None), ("mask", "BOOL", [1, 16], None)],
+                                   [f2.numpy().tobytes(), m2.numpy().astype("uint8").tobytes()])
         with pytest.raises(grpc.RpcError) as e:
-            call(grpc_infer_request("nope", []), timeout=60)
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
+            call(other, timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details(), e.value
         out = call(raw_two(f, m), timeout=60)  # the channel still serves
         assert protowire.first_string(out, 1) == "two"
 

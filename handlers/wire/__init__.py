@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from handlers.errors import RequestError, UnsupportedMediaType
 from handlers.wire import (  # noqa: F401
+    grpc_framed,
     kserve_v1,
     kserve_v2,
     kserve_v2_grpc,
@@ -39,6 +40,7 @@ register(kserve_v2_grpc.FORMAT)
 register(ours_json.FORMAT)
 register(kserve_v2.FORMAT)
 register(kserve_v1.FORMAT)
+register(grpc_framed.FORMAT)  # bound to its transport: a gRPC call's body, passed on by the pod's nginx
 
 
 def _media(content_type) -> str:
