@@ -61,8 +61,11 @@ def candidates(spec) -> dict:
         if is_mask(s.name) or dtype == torch.bool:
             out[s.name] = [0]
         elif not dtype.is_floating_point:
-            lo, hi = s.value_range or (0, 0)
-            out[s.name] = [0 if lo <= 0 <= hi else lo]  # a pad id must be one the model accepts
+            # a pad id must be one the model accepts, in every column where columns index different
+            # tables (the contract's per-column ranges); none where no value is valid in all of them
+            ranges = [r for r in [s.value_range] + list((s.columns or (0, ()))[1]) if r]
+            lo, hi = max([r[0] for r in ranges], default=0), min([r[1] for r in ranges], default=0)
+            out[s.name] = [0 if lo <= 0 <= hi else lo] if lo <= hi else []
         else:
             out[s.name] = list(FLOAT_CANDIDATES)
     return out
@@ -127,6 +130,9 @@ def search(module, spec, device="cpu", trials: int = TRIALS, seed: int = 0) -> F
     from handlers.batch import PadPlan
 
     cands = candidates(spec)
+    empty = [n for n, v in cands.items() if not v]
+    if empty:
+        return Finding(None, f"no one pad value is valid in every column of {', '.join(empty)}")
     plan = PadPlan.of(spec, {n: v[0] for n, v in cands.items()}) if cands else None
     if plan is None or all(lo == hi for d, (lo, hi) in spec.dims.items() if d in plan.buckets):
         return Finding(None, "no input has a dynamic length that padding could fill")

@@ -372,7 +372,8 @@ def test_padding_search_finds_masked_models_safe_and_unmasked_unsafe(tmp_path, m
 
 
 def test_pad_candidates_stay_inside_the_contract():
-    """Integer ids pad with 0 where 0 is a valid id, else the lowest valid one (a pad id is never
+    """Integer ids pad with 0 where 0 is a valid id, else the lowest valid one, valid in every
+    column where columns index different tables, none where no value is (a pad id is never
     checked at admission); masks and bools with 0; floats try a few values; fixed inputs none."""
     from types import SimpleNamespace
 
@@ -382,8 +383,14 @@ def test_pad_candidates_stay_inside_the_contract():
     spec = SimpleNamespace(inputs=[TensorSpec("ids", "int64", (None, "S"), {"min": 5, "max": 99}),
                                    TensorSpec("tokens", "int64", (None, "S"), {"min": 0, "max": 9}),
                                    TensorSpec("key_mask", "bool", (None, "S")),
-                                   TensorSpec("x", "float32", (None, "S", 4)), TensorSpec("fixed", "int64", (None, 3))])
-    assert candidates(spec) == {"ids": [5], "tokens": [0], "key_mask": [0], "x": list(FLOAT_CANDIDATES)}
+                                   TensorSpec("x", "float32", (None, "S", 4)), TensorSpec("fixed", "int64", (None, 3)),
+                                   # columns into different tables: a pad id valid in each of them
+                                   TensorSpec("cols", "int64", (None, "S", 2), {"axis": 2, "columns": [
+                                       {"min": 2, "max": 9}, {"min": 4, "max": 50}]}),
+                                   TensorSpec("apart", "int64", (None, "S", 2), {"axis": 2, "columns": [
+                                       {"min": 0, "max": 3}, {"min": 4, "max": 50}]})])
+    assert candidates(spec) == {"ids": [5], "tokens": [0], "key_mask": [0], "x": list(FLOAT_CANDIDATES),
+                                "cols": [4], "apart": []}
 
 
 def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_path):
