@@ -134,6 +134,11 @@ def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: st
             raise SystemExit(f"{name}: a request was not answered 200: {server.log()[-3000:]}")
         for _ in range(args.restarts):
             point["restarts"].append(restart_once(server, name, n, body, content_type, args.timeout))
+        # workers that died on their own (the restarts above kill one each on purpose), and
+        # loads TorchServe reported as out of memory (its answer to any exception at load)
+        logs = server.log("logs/ts_log.log") + server.log()
+        point["unplanned_worker_deaths"] = logs.count("Worker died") - len(point["restarts"])
+        point["load_reported_oom"] = logs.count("System out of memory")
         return point
     finally:
         server.stop()
