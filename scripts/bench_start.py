@@ -117,9 +117,9 @@ def restart_once(server, name: str, n: int, body: bytes, content_type: str, time
     return out
 
 
-def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: str) -> dict:
+def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: str, index: int = 0) -> dict:
     device_ids = [args.gpu] if args.gpu is not None else []
-    name = f"start{n}"
+    name = f"start{n}_{index}"  # a server of its own per entry of --workers (a count may repeat: cold starts)
     archive_ours(SimpleNamespace(artifact=args.artifact, batch_size=args.batch_size,
                                  max_batch_delay=args.max_batch_delay), store, name, n, device_ids)
     t0 = time.perf_counter()
@@ -239,8 +239,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
         work = Path(tmp)
         (work / "store").mkdir()
-        for n in (int(x) for x in args.workers.split(",")):
-            points.append(measure(args, n, work / "store", work, body, safetensors_io.CONTENT_TYPE))
+        for i, n in enumerate(int(x) for x in args.workers.split(",")):
+            points.append(measure(args, n, work / "store", work, body, safetensors_io.CONTENT_TYPE, i))
             print(json.dumps(points[-1]), flush=True)
     result = {**header(device, argv), "artifact": f"{spec.backend} {', '.join(s.describe() for s in spec.inputs)}",
               "summary": summarize(points), "points": points}
