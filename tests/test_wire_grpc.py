@@ -591,3 +591,55 @@ def test_real_torchserve_answers_a_model_infer_request(main_server, pb):
     assert bad.status_code == 400, bad.text
     err = bad.json()
     assert err["code"] == 400 and "fp32_contents" in err["message"] and "int64_contents" in err["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The same message as a gRPC call's own body (handlers/wire/grpc_framed.py, the pod's nginx)
+
+
+def framed(message: bytes, flag: int = 0) -> bytes:
+    return bytes([flag]) + len(message).to_bytes(4, "big") + message
+
+
+def test_a_grpc_framed_call_decodes_like_the_message_and_answers_framed(pb):
+    from handlers.torchserve.headers import RequestHeaders
+    from handlers.wire import grpc_framed, transport_format
+
+    spec = make_spec([("x", "float32")])
+    msg = pb.ModelInferRequest(model_name="m", id="r7")
+    msg.inputs.add(name="x", datatype="FP32", shape=[2, 4])
+    msg.raw_input_contents.append(np.arange(8, dtype="<f4").tobytes())
+    body = framed(msg.SerializeToString())
+    headers = RequestHeaders(content_type="application/grpc")
+    fmt = transport_format({"body": body}, headers, 1 << 20)
+    assert fmt is grpc_framed.FORMAT  # chosen by the Content-Type alone, before the body
+    assert transport_format({"body": body}, RequestHeaders(content_type="application/json"), 1 << 20) is None
+    one = fmt.for_request(body)
+    tensors, rid = one.decode(body, spec)
+    assert rid == "r7" and torch.equal(tensors["x"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
+    out = one.encoded({"y": torch.ones(2, 4)}, rid, "m", "1")
+    assert out.media_type == "application/grpc" and out.body[0] == 0
+    assert int.from_bytes(out.body[1:5], "big") == len(out.body) - 5
+    reply = pb.ModelInferResponse.FromString(out.body[5:])
+    assert reply.model_name == "m" and reply.id == "r7" and list(reply.outputs[0].shape) == [2, 4]
+
+
+def test_grpc_framing_errors_and_another_model(pb):
+    from handlers.errors import ModelNotFound
+    from handlers.wire import grpc_framed
+
+    msg = pb.ModelInferRequest(model_name="other")
+    msg.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    msg.raw_input_contents.append(np.zeros(4, "<f4").tobytes())
+    good = msg.SerializeToString()
+    for body, words in ((framed(good, flag=1), "compressed"), (framed(good)[:-1], "prefix says"),
+                        (b"\0\0", "5-byte")):
+        with pytest.raises(RequestError, match=words):
+            grpc_framed.FORMAT.for_request(body)
+    one = grpc_framed.FORMAT.for_request(framed(good))
+    one.decode(framed(good), make_spec([("x", "float32")]))
+    with pytest.raises(ModelNotFound, match="'other'"):  # never answered by the model this worker serves
+        one.encoded({"y": torch.ones(1, 4)}, None, "m")
+    err = grpc_framed.FORMAT.error(RequestError("input 'x': 100% wrong\nline two"), None, "m")
+    assert err.body == b"" and err.media_type == "application/grpc"
+    assert err.headers["X-Grpc-Message"] == "input 'x': 100%25 wrong%0Aline two"
