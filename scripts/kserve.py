@@ -146,11 +146,12 @@ def workers(m: dict) -> int:
     return max(int(m["config"].get("minWorkers", 1)), 1)
 
 
-def sized_resources(mars: list, device: str, gpus: int) -> dict:
-    """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS)."""
+def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> dict:
+    """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS), plus
+    our pod's fronts (nginx, the status process, the gRPC bridge) where our runtime serves."""
     n = sum(workers(m) for m in mars)
-    mem = FRONTEND_MIB + FRONTS_MIB + n * WORKER_CPU_MIB
-    res = {"cpu": str(n * CPU_PER_WORKER + FRONTS_CPU), "memory": f"{mem}Mi"}
+    mem = FRONTEND_MIB + (FRONTS_MIB if fronts else 0) + n * WORKER_CPU_MIB
+    res = {"cpu": str(n * CPU_PER_WORKER + (FRONTS_CPU if fronts else 0)), "memory": f"{mem}Mi"}
     out = {"requests": dict(res), "limits": dict(res)}
     if device == "gpu":
         # Extended resources are set as limits (Kubernetes copies them to requests).
@@ -312,7 +313,7 @@ def main(argv=None):
                   f"manifests will not serve it until you archive one (scripts/archive.py --artifact ...)",
                   file=sys.stderr)
         devices.append(device)
-        resources = sized_resources(mars, device, args.gpus)
+        resources = sized_resources(mars, device, args.gpus, fronts=not args.builtin_runtime)
         for key, value in (("cpu", args.cpu), ("memory", args.memory)):
             if value:
                 resources["requests"][key] = resources["limits"][key] = str(value)
