@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment setup from the project's own files: a virtual environment in .venv
-# with pinned packages, and a Java 17 runtime for TorchServe's frontend if `java` is missing.
+# with pinned packages, a Java 17 runtime for TorchServe's frontend if `java` is missing, and
+# nginx for the KServe pod's tests if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,6 +33,17 @@ if ! command -v java >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
   else
     echo "setup: TorchServe needs Java 17 on PATH: install openjdk-17-jre-headless (or set JAVA_HOME)" >&2
+    exit 1
+  fi
+fi
+# The KServe pod's tests (tests/test_pod.py, tests/test_cluster_runtime.py) run the pod as its image
+# does, with the distribution's nginx in front of TorchServe (pod/nginx.py, kserve/nginx.conf).
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing nginx for the KServe pod's tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null
+  else
+    echo "setup: the KServe pod's tests need nginx: install it (apt-get install nginx) or set NGINX=/path/to/nginx" >&2
     exit 1
   fi
 fi
