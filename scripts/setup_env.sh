@@ -6,13 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating the virtual environment .venv"
   "$PY" -m venv .venv
 fi
 stamp=.venv/.installed-$(cat pyproject.toml requirements-cpu.txt | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
+  # a fresh machine takes a minute or two here: say what is happening
+  echo "setup: installing into .venv: pip"
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   if ! command -v nvidia-smi >/dev/null 2>&1; then
     # No NVIDIA driver: take torch's CPU build instead of the multi-GB CUDA one.
+    echo "setup: installing into .venv: torch's CPU build (requirements-cpu.txt)"
     .venv/bin/python -m pip install -q -r requirements-cpu.txt 2>&1 | grep -v "^WARNING: Location" || true
   fi
   # Only the dependencies declared in pyproject.toml: the handler package itself is not
@@ -22,10 +26,12 @@ import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
 PYEOF
+  echo "setup: installing into .venv: TorchServe, the tools and the test packages of pyproject.toml"
   .venv/bin/python -m pip install -q -r .venv/requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, safetensors, hypothesis, matplotlib, tritonclient.http, jsonschema" \
+  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, safetensors, hypothesis, matplotlib, tritonclient.http, jsonschema, transformers" \
     || { echo "setup: package installation failed" >&2; exit 1; }
   rm -f .venv/.installed-*; touch "$stamp"
+  echo "setup: .venv is ready"
 fi
 if ! command -v java >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
