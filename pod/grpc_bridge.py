@@ -29,7 +29,7 @@ import grpc
 
 from handlers import protowire
 from pod import config as pod_config
-from pod.state import FAILED, READY, StateFile, server_problem
+from pod.state import PLATFORM, READY, SERVER_NAME, StateFile, find_model, server_problem, unservable
 
 SERVICE = "inference.GRPCInferenceService"
 MEDIA = "application/x-kserve-v2-protobuf"
@@ -133,11 +133,9 @@ class Bridge:
     async def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""
         name, version = await names(request, context)
-        models = (self.state.read() or {}).get("models", {})
-        m = models.get(name or "")
-        if m is None or (version and version != m["version"]):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {name!r}{f' version {version!r}' if version else ''} "
-                                                     f"is not served here; this pod serves {', '.join(models) or 'nothing yet'}")
+        m, missing = find_model(self.state.read(), name, version)
+        if m is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, missing)
         return dict(m, name=name)
 
     async def server_live(self, request, context) -> bytes:
@@ -152,19 +150,20 @@ class Bridge:
 
     async def server_metadata(self, request, context) -> bytes:
         w = protowire.Writer()
-        w.string(1, "compiled-torchserve")
+        w.string(1, SERVER_NAME)
         w.string(2, "1")
         w.string(3, "binary_tensor_data")
         return w.bytes()
 
     async def model_metadata(self, request, context) -> bytes:
         m = await self.model(request, context)
-        if m["state"] == FAILED:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"model {m['name']!r} cannot be served: {m['reason']}")
+        why = unservable(m["name"], m)
+        if why:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         w = protowire.Writer()
         w.string(1, m["name"])
         w.string(2, m["version"])
-        w.string(3, "pytorch_torchserve")
+        w.string(3, PLATFORM)
         for field, tensors in ((4, m["inputs"]), (5, m["outputs"])):
             for t in tensors:
                 tw = protowire.Writer()

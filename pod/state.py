@@ -20,6 +20,8 @@ import urllib.request
 import zipfile
 
 READY, LOADING, FAILED = "ready", "loading", "failed"
+SERVER_NAME = "compiled-torchserve"  # the OIP server metadata's name (REST and gRPC)
+PLATFORM = "pytorch_torchserve"  # the OIP model metadata's platform
 TIMEOUT_S = 3.0
 
 
@@ -118,6 +120,23 @@ def write_state(path: str, snapshot: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(snapshot, f)
     os.replace(tmp, path)  # readers see the old or the new file, never half of one
+
+
+def find_model(snapshot, name, version) -> tuple:
+    """(the model's state dict, None) or (None, why not: not served, with what is) for a
+    request naming `name` and, where given, `version`; the status routes and the gRPC bridge
+    answer alike."""
+    models = (snapshot or {}).get("models", {})
+    m = models.get(name or "")
+    if m is not None and (not version or version == m["version"]):
+        return m, None
+    served = ", ".join(f"{n} (version {v['version']})" for n, v in models.items()) or "nothing yet"
+    return None, f"model {name!r}{f' version {version!r}' if version else ''} is not served here; this pod serves {served}"
+
+
+def unservable(name: str, m: dict) -> str | None:
+    """Why a model's metadata is not answered (its load failed), or None."""
+    return f"model {name!r} cannot be served: {m['reason']}" if m["state"] == FAILED else None
 
 
 def server_problem(snapshot) -> str | None:

@@ -23,10 +23,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from handlers import protowire
 from pod import config as pod_config
-from pod.state import FAILED, READY, Poller, server_problem
+from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, server_problem, unservable
 
-SERVER_NAME = "compiled-torchserve"
 PERIOD_S = 1.0
 BRIDGE_STALE_S = 30.0  # liveness fails when the gRPC bridge has not answered for this long
 MODEL_ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready)?$")
@@ -60,18 +60,16 @@ class Status:
         return (200, {"ready": True}) if problem is None else (503, {"ready": False, "reason": problem})
 
     def model(self, name: str, version, what: str) -> tuple:
-        models = (self.snapshot or {}).get("models", {})
-        m = models.get(name)
-        if m is None or (version is not None and version != m["version"]):
-            served = ", ".join(f"{n} (version {v['version']})" for n, v in models.items())
-            return 404, {"error": f"model {name!r}{f' version {version!r}' if version else ''} is not served "
-                                  f"here; this pod serves {served}"}
+        m, missing = find_model(self.snapshot, name, version)
+        if m is None:
+            return 404, {"error": missing}
         if what == "ready":
             body = {"name": name, "ready": m["state"] == READY}
             return (200, body) if body["ready"] else (503, dict(body, reason=m["reason"]))
-        if m["state"] == FAILED:
-            return 503, {"error": f"model {name!r} cannot be served: {m['reason']}"}
-        return 200, {"name": name, "versions": [m["version"]], "platform": "pytorch_torchserve",
+        why = unservable(name, m)
+        if why:
+            return 503, {"error": why}
+        return 200, {"name": name, "versions": [m["version"]], "platform": PLATFORM,
                      "inputs": m["inputs"], "outputs": m["outputs"]}
 
     def route(self, path: str) -> tuple:
@@ -94,14 +92,14 @@ class Status:
 
 
 def bridge_live(port: int) -> bool:
-    """One ServerLive call to the bridge on loopback: an empty request; the reply's field 1
-    (bool live) set is the two bytes 08 01."""
+    """One ServerLive call through nginx's gRPC port to the bridge: an empty request; the reply
+    is live when its field 1 (bool live) is set."""
     import grpc
 
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             call = ch.unary_unary("/inference.GRPCInferenceService/ServerLive")
-            return call(b"", timeout=2.0) == b"\x08\x01"
+            return call(b"", timeout=2.0) == protowire.encode_bool(1, True)
     except grpc.RpcError:
         return False
 
