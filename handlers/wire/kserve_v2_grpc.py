@@ -259,15 +259,6 @@ def decode_inputs(parsed: Parsed, spec) -> dict:
     return tensors
 
 
-def raw_view(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes, row-major, without a copy where it is contiguous (bfloat16 through
-    an int16 view: numpy has no bfloat16; the bytes are the same)."""
-    t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
-
-
 def response(outputs: dict, request_id: str | None, model_name: str, model_version: str = "") -> bytes:
     """A serialized ModelInferResponse: every output's name, datatype and shape, and its bytes
     in raw_output_contents in the same order (proto3 leaves empty strings and shapes out)."""
@@ -283,7 +274,7 @@ def response(outputs: dict, request_id: str | None, model_name: str, model_versi
         if t.dim():
             tw.packed_varints(3, t.shape)
         w.message(5, tw.bytes())
-        raws.append(raw_view(t))
+        raws.append(v2_binary.raw_bytes(t))
     for r in raws:
         w.bytes_field(6, r)
     return w.bytes()

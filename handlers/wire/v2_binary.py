@@ -139,11 +139,14 @@ def binary_names(request: Request, outputs: dict) -> set:
     return {n for n in outputs if (flags.get(n) if flags.get(n) is not None else request.all_binary)}
 
 
-def raw_bytes(t: torch.Tensor) -> bytes:
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: same bytes through int16
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, row-major, without a copy where it is contiguous (bfloat16 through
+    an int16 view: numpy has no bfloat16; the bytes are the same). The one writer of raw tensor
+    bytes: the v2 binary extension here, raw_output_contents in kserve_v2_grpc."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return t.numpy().tobytes()
+    return memoryview(t.numpy()).cast("B")
 
 
 def binary_entry(name: str, t: torch.Tensor, size: int) -> dict:
