@@ -77,6 +77,19 @@ def body(ids, mask) -> bytes:
     return bytes(safetensors_io.dumps({"input_ids": ids, "attention_mask": mask}))
 
 
+def each_equals_eager(ts, model, ref_model, cases, per_token: str, width: int) -> None:
+    """Every (ids, mask) case sent at once (they meet in TorchServe batches): each answer equals
+    eager on that request alone, its per-token output cut to the request's own length."""
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda c: post(ts, model, body(*c)), cases))
+    for (ids, mask), r in zip(cases, answers):
+        assert r.status_code == 200, r.text
+        got, want = safetensors_io.loads(r.content), eager(ref_model, ids, mask)
+        assert got[per_token].shape == (ids.shape[0], ids.shape[1], width)
+        for k in ("logits", per_token):
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
 def post(ts, model, data, content_type=safetensors_io.CONTENT_TYPE):
     return ts.predict(model, data, content_type=content_type, timeout=60)
 
@@ -98,14 +111,7 @@ def test_mixed_lengths_in_one_batch_each_equal_to_eager_alone(user_server, user_
     _, ref_model = user_files
     lengths = [3, 64, 10, 3, 33, 2, 17, 64]
     cases = [text_inputs(n, rows=1 + i % 2, seed=i) for i, n in enumerate(lengths)]
-    with ThreadPoolExecutor(len(cases)) as pool:
-        answers = list(pool.map(lambda c: post(user_server, model, body(*c)), cases))
-    for (ids, mask), r in zip(cases, answers):
-        assert r.status_code == 200, r.text
-        got, want = safetensors_io.loads(r.content), eager(ref_model, ids, mask)
-        assert got["tokens"].shape == (ids.shape[0], ids.shape[1], 16)
-        for k in ("logits", "tokens"):
-            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    each_equals_eager(user_server, model, ref_model, cases, "tokens", 16)
 
 
 @pytest.mark.parametrize("model", ["text_ep", "text_aoti", "text_pad"])
@@ -316,14 +322,7 @@ def test_hf_bert_mixed_lengths_equal_eager_per_length(hf_server, hf_bert, model)
         if i % 3 == 0:  # a request may mask some of its own positions too
             mask[:, n // 2:] = (torch.rand(ids.shape[0], n - n // 2, generator=g) > 0.3).long()
         cases.append((ids, mask))
-    with ThreadPoolExecutor(len(cases)) as pool:
-        answers = list(pool.map(lambda c: post(ts, model, body(*c)), cases))
-    for (ids, mask), r in zip(cases, answers):
-        assert r.status_code == 200, r.text
-        got, want = safetensors_io.loads(r.content), eager(ref_model, ids, mask)
-        assert got["last_hidden_state"].shape == (ids.shape[0], ids.shape[1], 32)
-        for k in ("logits", "last_hidden_state"):
-            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+    each_equals_eager(ts, model, ref_model, cases, "last_hidden_state", 32)
 
 
 def _export_pooled(tmp_path, masked: bool):
