@@ -66,6 +66,11 @@ class HandlerConfig:
     # per number: ~0.3 s of worker time per MiB end to end (measured: a 124 MiB body took 36 s), and
     # the batch behind it waits; binary bodies cost a copy.
     max_json_mb: float = 8.0
+    # GPU memory one worker needs, MiB: its copy of the weights plus context, graph pools and
+    # activations, as scripts/archive.py sized the worker count (scripts/worker_sizing.py). A CUDA
+    # worker with less free on its GPU refuses to load with the numbers (handlers/artifact/room.py)
+    # instead of failing out of memory on every restart. 0: no check.
+    worker_gpu_mb: float = 0.0
     crash_safe_load: bool = True  # try loading in a child process first (catches native crashes)
     crash_safe_timeout_s: float = 600.0
     strict_versions: bool = False  # torch major.minor mismatch: fail (True) or warn (False)
@@ -181,6 +186,9 @@ def _validate(values: dict) -> None:
         raise ConfigError(f"model-config.yaml handler.float32_matmul_precision = "
                           f"{values['float32_matmul_precision']!r} is invalid: expected highest (IEEE "
                           "fp32, torch's default), high (TF32) or medium (bf16)")
+    if values.get("worker_gpu_mb", 0.0) < 0:
+        raise ConfigError("model-config.yaml handler.worker_gpu_mb must be 0 (no check) or the MiB of GPU "
+                          "memory one worker needs (scripts/archive.py writes it)")
     for key in ("max_body_mb", "max_json_mb"):
         if values.get(key, 1.0) <= 0:
             raise ConfigError(f"model-config.yaml handler.{key} must be a positive size in MiB")

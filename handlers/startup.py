@@ -15,6 +15,7 @@ from handlers.admission import Limits
 from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
 from handlers.artifact.probe import probe_once
+from handlers.artifact.room import check as check_gpu_room
 from handlers.artifact.variants import choose_variant
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
@@ -109,6 +110,7 @@ def start(context, metric, serving, handle) -> Worker:
     for note in notes:
         logger.warning("%s", note)
     workers = threads.workers_from_yaml(yaml_config)
+    check_gpu_room(config.worker_gpu_mb, placement, workers)  # before the trial load takes GPU memory
     budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, workers, threads.usable_cores()))
     sync_why = ""
     if placement.kind == "cuda":

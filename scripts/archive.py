@@ -10,6 +10,7 @@ nothing is pip-installed per model.
       [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
       [--pad auto|none]                # auto: declare the padding the import found safe
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
+      [--gpu-memory-gib G] [--worker-overhead-mib M] [--gpu-memory-headroom F]  # CUDA worker count
       [--handler-option KEY=VALUE ...]
 """
 from __future__ import annotations
@@ -28,17 +29,72 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from handlers.artifact.metadata import METADATA_FILE, read_spec, sha256_file
 from handlers.config import parse_config
 from handlers.errors import LoadError
+from scripts import worker_sizing
+from scripts.weight_bytes import weight_bytes
 
 
 def default_workers(devices, cpus: int):
-    """(workers, why) for artifacts built for `devices` ("cpu"/"cuda") on a machine with `cpus` cores.
-    A CUDA worker spends its time waiting on the GPU, so several share one GPU (6 measured end to end,
-    docs/results/e2e_*); a CPU worker's operators already run on several threads each, so more
-    workers than cores/4 only make them contend for the same cores."""
+    """(workers, why) for speed, for artifacts built for `devices` ("cpu"/"cuda") on a machine with
+    `cpus` cores. A CUDA worker spends its time waiting on the GPU, so several share one GPU (6
+    measured end to end, docs/results/e2e_*; GPU memory may allow fewer: worker_sizing); a CPU
+    worker's operators already run on several threads each, so more workers than cores/4 only make
+    them contend for the same cores."""
     if any(d != "cpu" for d in devices):
         return 6, "a CUDA artifact: 6 workers, the measured setting for one GPU"
     n = max(1, cpus // 4)
     return n, f"a CPU artifact on {cpus} cores: one worker per 4 cores, at least 1"
+
+
+def gpu_sizing(args, cuda_specs, speed_cap: int) -> worker_sizing.Sizing:
+    """The memory arithmetic for the largest of the CUDA variants (a worker loads one)."""
+    if args.worker_overhead_mib is not None and args.worker_overhead_mib < 0:
+        fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB a worker holds beside its weights")
+    if not 0 <= args.gpu_memory_headroom < 1:
+        fail(f"--gpu-memory-headroom {args.gpu_memory_headroom}: expected a fraction from 0 up to 1, e.g. 0.1")
+    weights = max((weight_bytes(s) for s in cuda_specs), key=lambda w: w.bytes)
+    graphs_off = args.handler_opts.get("cuda_graphs") in ("off", False)
+    if args.worker_overhead_mib is not None:
+        overhead, how = args.worker_overhead_mib, "--worker-overhead-mib"
+    elif graphs_off:
+        overhead, how = worker_sizing.OVERHEAD_NO_GRAPHS_MIB, "measured without CUDA graphs, H100 BERT-style encoder"
+    else:
+        overhead, how = worker_sizing.OVERHEAD_MIB, "measured with CUDA graphs, H100 BERT-style encoder"
+    try:
+        gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
+    except worker_sizing.SizingError as e:
+        fail(str(e))
+    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap)
+
+
+def choose_workers(args, cfg) -> None:
+    """args.workers where not given (printed with why) and, for a CUDA artifact, what a worker needs
+    of GPU memory (handler.worker_gpu_mb, checked at load unless given as a handler option) with the
+    GPU memory it was sized for (gpuSizing); a hand-chosen count that does not fit is warned about."""
+    try:
+        specs = [read_spec(a) for a in args.artifact]
+    except LoadError as e:
+        fail(str(e))
+    speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
+    cuda = [s for s in specs if s.device != "cpu"]
+    if not cuda:
+        if args.workers is None:
+            args.workers = speed
+            print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
+        cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
+        return
+    sizing = gpu_sizing(args, cuda, speed)
+    if args.workers is None:
+        try:
+            args.workers = sizing.workers
+        except worker_sizing.SizingError as e:
+            fail(str(e))
+        print(f"archive.py: {sizing.line()}")
+    elif sizing.misfit(args.workers):
+        print(f"archive.py: warning: {sizing.misfit(args.workers)}", file=sys.stderr)
+    cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
+    args.handler_opts.setdefault("worker_gpu_mb", sizing.need_mib)
+    cfg["handler"] = args.handler_opts
+    cfg["gpuSizing"] = sizing.record()
 
 
 def fail(msg):
@@ -158,8 +214,19 @@ def main(argv=None):
     # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
     # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
     p.add_argument("--workers", type=int, default=None,
-                   help="worker processes for the model (default: 6 for a CUDA artifact, measured per "
-                        "GPU; for a CPU artifact one per 4 cores of this machine, at least 1)")
+                   help="worker processes for the model (default: for a CUDA artifact 6, the measured "
+                        "setting per GPU, or fewer where the GPU's memory holds fewer copies of the weights "
+                        "(printed with the arithmetic); for a CPU artifact one per 4 cores of this machine, "
+                        "at least 1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory of the GPU that will serve a CUDA artifact (default: GPU 0 of this machine; "
+                        f"without one {worker_sizing.DEFAULT_GPU_GIB:g}, the L4/A10G class, printed as assumed)")
+    p.add_argument("--worker-overhead-mib", type=float, default=None,
+                   help="GPU memory a worker holds beside its weights: CUDA context, graph pools, activations "
+                        f"at the largest batch (default {worker_sizing.OVERHEAD_MIB}, measured on an H100 with "
+                        f"CUDA graphs; {worker_sizing.OVERHEAD_NO_GRAPHS_MIB} with cuda_graphs=off)")
+    p.add_argument("--gpu-memory-headroom", type=float, default=worker_sizing.DEFAULT_HEADROOM,
+                   help=f"fraction of the GPU's memory left out of the sizing (default {worker_sizing.DEFAULT_HEADROOM:g})")
     p.add_argument("--batch-size", type=int, default=None,
                    help="TorchServe batchSize (default: 8, at most the artifact's max batch; 1 for "
                         "outputs of several MiB per row)")
@@ -203,14 +270,7 @@ def main(argv=None):
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         specs = []
         args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
-        if args.workers is None:  # after the import: a .pt2 file has no artifact.json until then
-            try:
-                devices = [read_spec(a).device for a in args.artifact]
-            except LoadError as e:
-                fail(str(e))
-            args.workers, why = default_workers(devices, os.cpu_count() or 1)
-            print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
-            cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
+        choose_workers(args, cfg)  # after the import: a .pt2 file has no artifact.json until then
         if len(args.artifact) == 1:
             specs.append(copy_variant(args.artifact[0], stage))
         else:
