@@ -1,0 +1,205 @@
+"""Workers sized by GPU memory (issue 39 item 1): the arithmetic, the weight bytes read from real
+compiled artifacts, the archive's printed line and model-config.yaml, and a worker's refusal to load
+where its GPU has less free than it needs (mem_get_info replaced: no GPU here)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import subprocess
+import zipfile
+
+import pytest
+import torch
+import yaml
+
+from conftest import PY, ROOT, repin
+from handlers.artifact import room
+from handlers.artifact.device import Placement
+from handlers.artifact.metadata import read_spec
+from handlers.config import parse_config
+from handlers.errors import ConfigError
+from scripts import worker_sizing
+from scripts.compile import load_factory
+from scripts.weight_bytes import weight_bytes
+from scripts.worker_sizing import GpuMemory, Sizing, SizingError
+
+GIB = 1024
+
+
+def sizing(weights_mib, gpu_gib, overhead=worker_sizing.OVERHEAD_MIB, headroom=0.1):
+    return Sizing(weights_mib, "test", overhead, "test", GpuMemory(round(gpu_gib * GIB), "test"), headroom)
+
+
+# -- the arithmetic
+
+@pytest.mark.parametrize("gpu_gib", [16, 22.5, 24, 40, 48, 80, 141])
+@pytest.mark.parametrize("weights_mib", [127, 500, 1500, 4096, 7000, 13000])
+def test_count_is_the_most_that_fit_at_most_the_speed_cap(gpu_gib, weights_mib):
+    s = sizing(weights_mib, gpu_gib)
+    usable = gpu_gib * GIB * 0.9
+    need = weights_mib + worker_sizing.OVERHEAD_MIB
+    if need > usable:
+        with pytest.raises(SizingError):
+            s.workers  # noqa: B018
+        return
+    n = s.workers
+    assert 1 <= n <= 6
+    assert n * need <= usable, (n, need, usable)
+    assert n == 6 or (n + 1) * need > usable, f"{n} workers leave room for another: {s.arithmetic()}"
+
+
+def test_a_4gb_fp16_model_on_a_24gb_gpu_gets_a_count_whose_total_fits():
+    weights = 2 * 2**31 / 2**20  # 2 G parameters in fp16: 4 GiB of weights
+    s = sizing(weights, 24)
+    n = s.workers
+    assert 1 <= n < 6, "six copies of 4 GiB plus six contexts cannot fit in 24 GiB"
+    assert n * (weights + worker_sizing.OVERHEAD_MIB) <= 24 * GIB * 0.9
+    assert f"--workers {n} (" in s.line() and "memory caps it below the speed cap 6" in s.line(), s.line()
+    # the same model on an 80 GiB GPU: memory does not bind
+    assert sizing(weights, 80).workers == 6
+
+
+def test_a_model_too_large_for_the_gpu_fails_with_the_numbers_and_the_fix():
+    s = sizing(30 * GIB, 24)  # 30 GiB of weights
+    with pytest.raises(SizingError) as e:
+        s.workers  # noqa: B018
+    msg = str(e.value)
+    assert "not even one worker fits" in msg
+    assert f"{24 * GIB} MiB" in msg and f"{s.need_mib} MiB" in msg and f"{s.usable_mib} // {s.need_mib} = 0" in msg
+    assert f"at least {math.ceil(s.need_mib / 0.9 / 1024)} GiB" in msg and "--gpu-memory-gib" in msg
+
+
+def test_a_hand_chosen_count_is_warned_about_only_where_it_does_not_fit():
+    s = sizing(4 * GIB, 24)
+    assert s.misfit(s.fitting) is None
+    warn = s.misfit(s.fitting + 1)
+    assert warn and f"Pass --workers {s.fitting} or less" in warn and "503" in warn
+
+
+def test_gpu_memory_from_the_flag_this_machines_gpu_or_the_stated_default(monkeypatch):
+    assert worker_sizing.target_gpu(80).mib == 80 * GIB
+    with pytest.raises(SizingError, match="--gpu-memory-gib 0"):
+        worker_sizing.target_gpu(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    g = worker_sizing.target_gpu(None)
+    assert g.assumed and g.mib == round(worker_sizing.DEFAULT_GPU_GIB * GIB) and "assumed" in g.how
+    props = type("Props", (), {"total_memory": 81559 * 2**20, "name": "NVIDIA H100 80GB HBM3"})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    g = worker_sizing.target_gpu(None)
+    assert (g.mib, g.assumed) == (81559, False) and "H100" in g.how
+
+
+# -- weight bytes of real artifacts
+
+def test_exported_program_weights_are_its_state_dict_and_constants(artifacts):
+    spec = read_spec(str(artifacts.get("cls_export")))
+    ep = torch.export.load(spec.artifact_path)
+    tensors = list(ep.state_dict.values()) + list(ep.constants.values())
+    assert weight_bytes(spec).bytes == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_aoti_package_and_its_bare_library_carry_the_models_weights(artifacts):
+    pkg = weight_bytes(read_spec(str(artifacts.get("cls_aoti"))))
+    bare = weight_bytes(read_spec(str(artifacts.get("cls_aoti") / "bare_so")))
+    assert "constants table" in pkg.how and "constants blob" in bare.how
+    assert pkg.bytes == bare.bytes  # the wrapper's table and the linked blob, read independently
+    m = load_factory(str(ROOT / "examples" / "models.py") + ":classifier")().eval()
+    own = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+    assert abs(pkg.bytes - own) <= 0.05 * own, (pkg.bytes, own)
+
+
+def test_an_artifact_whose_weights_cannot_be_read_apart_counts_its_file(artifacts):
+    spec = read_spec(str(artifacts.get("cls_export")))
+    w = weight_bytes(dataclasses.replace(spec, backend="tensorrt"))
+    assert w.upper_bound and w.bytes == (artifacts.get("cls_export") / "model.pt2").stat().st_size
+
+
+# -- the archive
+
+def _cuda_copy(artifacts, name):
+    """cls_export labelled as a CUDA artifact (an exported program is not loaded by the archive)."""
+    d = artifacts.copy("cls_export", name)
+    repin(d, device="cuda")
+    return d
+
+
+def _archive(art, out, *extra):
+    return subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(art), "--name", "sized", "--out",
+                           str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
+    art = _cuda_copy(artifacts, "sizing_cuda")
+    ep = torch.export.load(str(art / "model.pt2"))
+    weights = sum(t.numel() * t.element_size() for t in [*ep.state_dict.values(), *ep.constants.values()]) / 2**20
+    # a GPU small enough that memory, not the speed cap, decides
+    r = _archive(art, tmp_path, "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000")
+    assert r.returncode == 0, r.stderr
+    need = math.ceil(weights + 1000)
+    want = math.floor(4 * GIB * 0.9) // need
+    assert want < 6
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("archive.py: --workers"))
+    assert line.startswith(f"archive.py: --workers {want} (GPU memory 4096 MiB (--gpu-memory-gib 4)"), line
+    assert f"= {need} MiB;" in line and "memory caps it" in line, line
+    with zipfile.ZipFile(tmp_path / "sized.mar") as z:
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    assert cfg["minWorkers"] == cfg["maxWorkers"] == want
+    assert cfg["handler"]["worker_gpu_mb"] == need and parse_config(cfg).worker_gpu_mb == need
+    assert cfg["gpuSizing"]["gpuMiB"] == 4096
+
+
+def test_archive_without_a_gpu_says_the_memory_was_assumed_and_refuses_what_cannot_fit(artifacts, tmp_path):
+    art = _cuda_copy(artifacts, "sizing_cuda2")
+    r = _archive(art, tmp_path, "--worker-overhead-mib", str(30 * GIB))
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: its memory is read, not assumed")
+    assert r.returncode != 0 and not (tmp_path / "sized.mar").exists()
+    assert re.search(r"not even one worker fits: GPU memory 24576 MiB \(assumed: no GPU here", r.stderr), r.stderr
+
+
+# -- the worker's refusal
+
+def _free(monkeypatch, *free_mib, total_mib=23034):
+    """mem_get_info answering each of `free_mib` in turn (the last one from then on)."""
+    seq = list(free_mib)
+    calls = []
+
+    def info(index):
+        calls.append(index)
+        return (seq.pop(0) if len(seq) > 1 else seq[0]) * 2**20, total_mib * 2**20
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", info)
+    monkeypatch.setattr(room, "POLL_S", 0.01)
+    return calls
+
+
+def test_a_worker_with_less_free_than_it_needs_refuses_with_the_numbers(monkeypatch):
+    calls = _free(monkeypatch, 3000)
+    with pytest.raises(room.InsufficientGpuMemory) as e:
+        room.check(5500, Placement("cuda", 1), workers=6, wait_s=0.05)
+    err = e.value
+    assert err.status == 503 and err.recurs and calls[0] == 1
+    assert "needs 5500 MiB" in err.message and "cuda:1 has 3000 MiB free of 23034 MiB" in err.message
+    assert "6 worker(s), 6 x 5500 = 33000 MiB" in err.message and "at most 4 fit" in err.message
+    assert "--workers N" in err.message and "more memory" in err.message
+
+
+def test_a_worker_checks_its_own_need_only_and_waits_out_a_siblings_load(monkeypatch):
+    # 6 workers x 5500 MiB is more than is free, but this worker's own 5500 is: it loads
+    _free(monkeypatch, 6000)
+    room.check(5500, Placement("cuda", 0), workers=6, wait_s=0)
+    # free memory short while a sibling's trial load holds a second context, then back
+    calls = _free(monkeypatch, 3000, 3000, 8000)
+    room.check(5500, Placement("cuda", 0), workers=6, wait_s=5)
+    assert len(calls) == 3
+
+
+def test_no_check_on_a_cpu_worker_or_without_a_need(monkeypatch):
+    calls = _free(monkeypatch, 0)
+    room.check(5500, Placement("cpu", None), workers=2)
+    room.check(0, Placement("cuda", 0), workers=2)
+    assert calls == []
+    with pytest.raises(ConfigError, match="worker_gpu_mb"):
+        parse_config({"handler": {"worker_gpu_mb": -1}})
