@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -21,8 +22,9 @@ from handlers.batch import warmup_sizes
 from handlers.config import parse_config
 from handlers.errors import LoadError
 from handlers.run import runner_for
+from handlers.run.cuda import CudaRunner
 from handlers.run.padding import verify_padding
-from handlers.torchserve import frontend_frames, scratch, threads
+from handlers.torchserve import frontend_frames, idle, restart, scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
 from handlers.wire import safetensors_io
@@ -128,17 +130,15 @@ def start(context, metric, serving, handle) -> Worker:
     pad_note = verify_padding(model, worker.runner, spec, placement.torch_device) if worker.runner.pad else ""
     steps.done("load")
     serving(worker)
+    reader = frontend_frames.install(config.buffered_reader)
+    graphs_note, deferred = prepare_graphs(worker, kind_of(spec), steps)
     if config.warmup:
-        warm_up(worker)
-        steps.done("warm-up")
-    graphs_note = worker.runner.prepare(config, kind_of(spec))
-    steps.done("CUDA graphs")
-    if config.warmup:
-        warm_up_request_path(worker, context, handle)
+        warm_up_request_path(worker, context, handle, smallest_only=deferred)
         worker.stages.reset()  # the gauges' first means are the clients' batches
         steps.done("request-path warm-up")
-    reader = frontend_frames.install(config.buffered_reader)
     _log_loaded(worker, placement, budget, (probe_note, graphs_note, pad_note), sync_why, reader, steps)
+    if deferred:
+        defer_graphs(worker)
     metric("ArtifactLoadTime", sum(steps.times.get(k, 0.0) for k in ("variant", "trial load", "load")) * 1000.0)
     metric("ArtifactWarmupTime", sum(steps.times.get(k, 0.0) for k in ("warm-up", "CUDA graphs",
                                                                        "request-path warm-up")) * 1000.0)
@@ -165,12 +165,66 @@ def _log_loaded(worker, placement, budget, notes, sync_why, reader, steps) -> No
     logger.info("process-wide changes: %s", process.describe())
 
 
-def warm_up(worker: Worker) -> None:
-    """The model across a few batch sizes: kernels, allocator, staging buffers. Its inputs are
+def between_batches_hook() -> bool:
+    """Whether this worker's loop reads its messages with frontend_frames.retrieve_msg, which
+    runs the work deferred between batches (torchserve/restart.py, idle.py) each time the loop
+    is back for its next message: TorchServe's own reader, its async worker and a handler
+    driven in-process (tests, scripts.bench) never get there."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "retrieve_msg", None) is frontend_frames.retrieve_msg
+
+
+def prepare_graphs(worker: Worker, kind, steps: StartSteps) -> tuple:
+    """Warm-up and CUDA graphs before the worker is ready: (the load line's graphs note, whether
+    the capture was deferred). With `cuda_graphs: auto` on a CUDA worker whose loop runs work
+    between batches, the graphs are captured after ready (defer_graphs) and the warm-up runs
+    the smallest batch only (each graph's capture first runs its own shape on the worker's
+    stream, as the warm-up would); otherwise as before: the warm-up's batch sizes, then every
+    capture."""
+    config = worker.config
+    defer = (config.cuda_graphs == "auto" and isinstance(worker.runner, CudaRunner)
+             and between_batches_hook())
+    if config.warmup:
+        warm_up(worker, smallest_only=defer)
+        steps.done("warm-up")
+    note = worker.runner.prepare(config, kind, defer=True) if defer else worker.runner.prepare(config, kind)
+    steps.done("CUDA graphs")
+    return note, defer and worker.runner.deferred is not None
+
+
+def defer_graphs(worker: Worker) -> None:
+    """The deferred captures, one shape per step between batches (idle.py: only while no next
+    message has begun to arrive; a message that arrives during a step waits for that one
+    capture). Calls run plainly until their shape's graph is captured and verified. Logs when
+    done: how long since ready, how many calls ran plainly meanwhile, what was kept and what
+    fell back. A sticky CUDA error during a capture exits the worker (restart.exit_soon), as
+    one in a batch does: TorchServe starts a fresh one."""
+    runner, t0 = worker.runner, time.perf_counter()
+
+    def step() -> bool:
+        try:
+            note = runner.capture_next()
+        except Exception as e:  # sticky (capture_next raises nothing else): the context is unusable
+            logger.critical("CUDA graph capture after ready hit a device fault: %s: %s", type(e).__name__, e)
+            restart.exit_soon(f"CUDA graph capture after ready: {type(e).__name__}: {e}")
+            return False
+        if note is None:
+            return True
+        logger.info("CUDA graphs after ready: done in %.2fs, %d call(s) ran without a graph meanwhile; %s",
+                    time.perf_counter() - t0, runner.plain_calls, note)
+        return False
+
+    idle.defer(step)
+
+
+def warm_up(worker: Worker, smallest_only: bool = False) -> None:
+    """The model across a few batch sizes (`smallest_only`: the smallest accepted batch):
+    kernels, allocator, staging buffers; then every length bucket at that batch. Its inputs are
     valid requests (ArtifactSpec.example: ids inside their ranges, per column; masks all ones),
     never all zeros: a fully masked row or an id outside its table is what kernels fail on."""
     spec, runner = worker.spec, worker.runner
-    for size in warmup_sizes(spec.batch_min, spec.batch_max, worker.config.warmup_batch_sizes):
+    sizes = warmup_sizes(spec.batch_min, spec.batch_max, worker.config.warmup_batch_sizes)
+    for size in sizes[:1] if smallest_only else sizes:
         with torch.inference_mode():
             runner.run([spec.example(size)])
     # every length bucket (padding), or the longest request: the allocator sees its blocks now
@@ -183,7 +237,7 @@ def warm_up(worker: Worker) -> None:
             runner.run([spec.example(spec.batch_min, sizes=sizes)])
 
 
-def warm_up_request_path(worker: Worker, context, handle) -> None:
+def warm_up_request_path(worker: Worker, context, handle, smallest_only: bool = False) -> None:
     """Requests through handle(), set up as TorchServe's Service.predict sets up a batch
     (request ids, per-request headers, metrics ids), so the first client request pays no
     first-execution cost: metric objects, profiler labels, header parsing, admission, runner
@@ -196,7 +250,8 @@ def warm_up_request_path(worker: Worker, context, handle) -> None:
     list evicts them) and the interpreter has specialized it (measured on the CI CPU, first
     call over steady at batch 1, median of 12 loads, two runs: 1.21-1.24x with one binary
     call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
-    context's batch state is restored afterwards."""
+    context's batch state is restored afterwards. `smallest_only` (CUDA graphs captured after
+    ready): the JSON request and the smallest binary batch only."""
     spec, config = worker.spec, worker.config
     rows = spec.batch_min
     example = spec.example(rows)  # a valid request (ids in range, masks of ones)
@@ -206,8 +261,8 @@ def warm_up_request_path(worker: Worker, context, handle) -> None:
     # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
     if len(binary) <= config.max_json_mb * 2**20:
         cases.append((1, {"inputs": {k: v.tolist() for k, v in example.items()}}, "application/json"))
-    sizes = set(worker.runner.bucket_sizes() or warmup_sizes(spec.batch_min, spec.batch_max,
-                                                             config.warmup_batch_sizes))
+    sizes = set() if smallest_only else set(worker.runner.bucket_sizes() or warmup_sizes(
+        spec.batch_min, spec.batch_max, config.warmup_batch_sizes))
     for size in sorted(sizes | {rows}, reverse=True):
         n = max(1, size // rows)
         # Every answer of a batch is encoded into a buffer of its own: a batch of large

@@ -227,3 +227,113 @@ def test_a_failed_start_reaches_torchserve_with_its_real_cause(monkeypatch, tmp_
     monkeypatch.setattr(startup, "start", no_variant)
     load(h.initialize)
     assert h.load_error == "model 'p' failed to load: no variant fits"
+
+
+def test_work_between_batches_runs_only_while_no_message_waits(monkeypatch, caplog):
+    """The frame reader's check between messages (restart.exit_if_idle) runs the deferred steps
+    one at a time while nothing of a next message has arrived on the frontend's socket, and
+    none once a byte waits (the message is read first; the rest waits for the next gap). A step
+    that raises is logged and dropped; the loop goes on."""
+    import socket
+
+    from handlers.torchserve import idle, restart
+
+    monkeypatch.setattr(idle, "_steps", [])
+    front, worker = socket.socketpair()
+    try:
+        done = []
+
+        def step():
+            done.append(len(done))
+            if len(done) == 2:
+                front.sendall(b"I")  # the frontend's next message begins during the second step
+            return len(done) < 5
+
+        idle.defer(step)
+        restart.exit_if_idle(worker)
+        assert done == [0, 1] and idle.pending()  # stopped: a byte waits
+        assert worker.recv(1) == b"I"  # the loop reads its message...
+        restart.exit_if_idle(worker)  # ...answers it, and is back: the rest runs
+        assert done == [0, 1, 2, 3, 4] and not idle.pending()
+
+        def broken():
+            raise ValueError("a bug in deferred work")
+
+        idle.defer(broken)
+        with caplog.at_level("ERROR"):
+            restart.exit_if_idle(worker)
+        assert not idle.pending() and "deferred work failed and was dropped" in caplog.text
+    finally:
+        front.close()
+        worker.close()
+
+
+def test_graphs_deferred_after_ready_log_when_done_and_a_device_fault_exits(monkeypatch, caplog):
+    """startup.defer_graphs: one capture per step until the runner says what it kept; the line
+    then says how long since ready and how many calls ran without a graph meanwhile (what
+    scripts.bench_start reads back). A sticky CUDA error in a capture exits the worker as one
+    in a batch does (restart.exit_soon), and stops the steps."""
+    import types
+
+    from handlers import startup
+    from handlers.torchserve import idle, restart
+    from scripts.bench_start import graphs_done
+
+    monkeypatch.setattr(idle, "_steps", [])
+    notes = iter([None, None, "CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)"])
+    runner = types.SimpleNamespace(capture_next=lambda: next(notes), plain_calls=0)
+    startup.defer_graphs(types.SimpleNamespace(runner=runner))
+    runner.plain_calls = 3
+    with caplog.at_level("INFO", logger="handlers.startup"):
+        idle.run(lambda: False)
+    (done,) = graphs_done(caplog.text)
+    assert done["calls_without_graph"] == 3 and 0 <= done["graphs_after_ready_s"] < 5
+    assert "; CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)" in caplog.text and not idle.pending()
+
+    exits = []
+    monkeypatch.setattr(restart, "exit_soon", exits.append)
+
+    def sticky():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    startup.defer_graphs(types.SimpleNamespace(runner=types.SimpleNamespace(capture_next=sticky, plain_calls=0)))
+    idle.run(lambda: False)
+    assert len(exits) == 1 and "illegal memory access" in exits[0] and not idle.pending()
+
+
+@pytest.mark.parametrize("mode,hook,deferred", [("auto", True, True), ("auto", False, False), ("on", True, False)])
+def test_graphs_are_deferred_only_with_auto_and_the_between_batches_check(monkeypatch, mode, hook, deferred):
+    """auto on a worker whose loop runs work between batches: the warm-up runs the smallest
+    batch only and the captures wait until after ready; without that loop (TorchServe's own
+    reader, a handler driven in process) or with `on` (every shape or the load fails), warm-up
+    and every capture come before ready, as before."""
+    import types
+
+    from handlers import startup
+    from handlers.artifact.kinds import kind_of
+    from handlers.config import parse_config
+    from handlers.run import cuda as cuda_runner
+    from handlers.run import graphs
+
+    spec = types.SimpleNamespace(backend="aoti", batch_min=1, batch_max=8, dims={},
+                                 inputs=[types.SimpleNamespace(name="x", shape=(None, 3))])
+    r = cuda_runner.CudaRunner.__new__(cuda_runner.CudaRunner)
+    r.model, r.spec, r.device, r.graphs, r.pad, r.deferred, r.stream = None, spec, None, None, None, None, None
+    monkeypatch.setattr(graphs, "GraphBuilder", lambda *a, **k: types.SimpleNamespace(pending=[1, 2, 4, 8]))
+    monkeypatch.setattr(graphs, "build", lambda *a, **k: graphs.GraphSet({}, 0))
+    warmed = []
+    monkeypatch.setattr(startup, "warm_up", lambda worker, smallest_only=False: warmed.append(smallest_only))
+    monkeypatch.setattr(startup, "between_batches_hook", lambda: hook)
+    worker = types.SimpleNamespace(config=parse_config({"handler": {"cuda_graphs": mode}}), runner=r)
+    note, was_deferred = startup.prepare_graphs(worker, kind_of("aoti"), startup.StartSteps())
+    assert was_deferred is deferred and warmed == [deferred]
+    assert (note == "CUDA graphs: capturing 4 buckets after ready (between batches)") is deferred
+    assert (r.deferred is not None) is deferred
+
+
+def test_in_process_handlers_never_defer_work_between_batches():
+    """A handler driven in this process (tests, scripts.bench) has no TorchServe loop to run
+    deferred work in: graphs are captured before ready there."""
+    from handlers import startup
+
+    assert startup.between_batches_hook() is False

@@ -102,32 +102,38 @@ class CudaRunner(Runner):
         # a short GPU call is caught while spinning, a long one does not hold a core. The only
         # host wait of a call is this event.
         self.done = torch.cuda.Event(blocking=sync in ("block", "hybrid"))
-        self.graphs = None  # graphs.GraphSet once prepare() captured some
+        self.graphs = None  # graphs.GraphSet once prepare() or capture_next() captured some
+        self.deferred = None  # graphs.GraphBuilder whose shapes capture_next() captures after ready
+        self.plain_calls = 0  # calls without a graph while the capture is deferred (the log says)
 
-    def prepare(self, config, kind) -> str:
-        """Capture CUDA graphs per batch bucket as `config.cuda_graphs` says (after warm-up);
-        returns the note for the load line."""
+    def prepare(self, config, kind, defer: bool = False) -> str:
+        """CUDA graphs per batch bucket as `config.cuda_graphs` says (after warm-up); returns the
+        note for the load line. With `defer` (and `auto`), nothing is captured here: the shapes
+        wait in `self.deferred` for `capture_next`, called between batches once the worker is
+        ready, and calls run plainly until their shape's graph is captured and verified. `on`
+        always captures here: every shape captured or the load fails."""
         mode = config.cuda_graphs if config else "off"
         if mode == "off":
             return "CUDA graphs off"
         reason = graphs.why_not_capturable(kind, self.spec, self.pad)
         if reason is None:
-            sizes = graphs.graph_buckets(self.spec.batch_min, self.spec.batch_max,
-                                         config.cuda_graph_batch_sizes, config.cuda_graph_max_batch)
+            args = (self.model, self.spec, self.device, self.stream,
+                    graphs.graph_buckets(self.spec.batch_min, self.spec.batch_max,
+                                         config.cuda_graph_batch_sizes, config.cuda_graph_max_batch),
+                    int(config.cuda_graph_memory_mb * 2**20))
+            lengths = graphs.length_buckets(self.spec, self.pad)
+            if defer and mode == "auto":
+                self.deferred = graphs.GraphBuilder(*args, verify=True, lengths=lengths)
+                self.plain_calls = 0
+                return f"CUDA graphs: capturing {len(self.deferred.pending)} buckets after ready (between batches)"
             try:
                 with torch.inference_mode():
-                    self.graphs = graphs.build(self.model, self.spec, self.device, self.stream, sizes,
-                                               int(config.cuda_graph_memory_mb * 2**20), verify=True,
-                                               lengths=graphs.length_buckets(self.spec, self.pad))
+                    self.graphs = graphs.build(*args, verify=True, lengths=lengths)
                 if mode == "on" and self.graphs.failed:  # on: every shape captured, or the load fails
                     raise RuntimeError(self.graphs.describe())
                 return self.graphs.describe()
             except Exception as e:  # capture refused (host sync, CPU op...) or outputs differ
-                self.graphs = None
-                if is_sticky(e):  # the CUDA context is unusable: the load fails with it (a restart)
-                    raise
-                self.stream.synchronize()
-                reason = f"{type(e).__name__}: {e}"
+                reason = self._failed(e)
             # after the except block: its traceback no longer holds the captured graphs
             torch.cuda.empty_cache()
         if mode == "on":
@@ -135,6 +141,41 @@ class CudaRunner(Runner):
                             "Fix: set cuda_graphs to auto (falls back) or off.")
         logger.warning("running without CUDA graphs: %s", reason)
         return f"no CUDA graphs ({reason})"
+
+    def capture_next(self):
+        """One step of the deferred capture (prepare(defer=True)): the next shape captured,
+        checked against the plain call and, where it matches, replayed by the calls of its shape
+        from the next batch on. Returns None while shapes are left, then the note saying what
+        was kept. A difference from the plain call drops every graph (as at load); a sticky
+        CUDA error is raised (the process cannot serve any more). Call it only on the thread
+        that serves requests, between batches: a capture must not overlap a call."""
+        builder = self.deferred
+        try:
+            with torch.inference_mode():
+                builder.step()
+                if builder.pending:
+                    if builder.kept:
+                        self.graphs = builder.graphs()
+                    return None
+                self.deferred, self.graphs = None, builder.finish()
+            return self.graphs.describe()
+        except Exception as e:
+            self.deferred = None
+            builder.kept.clear()  # nothing may hold a graph once the cache is emptied below
+            reason = self._failed(e)
+        del builder
+        torch.cuda.empty_cache()  # after the except block: its traceback held the graphs
+        logger.warning("running without CUDA graphs: %s", reason)
+        return f"no CUDA graphs ({reason})"
+
+    def _failed(self, e: Exception) -> str:
+        """After a capture or check that failed for every shape: no graph is replayed again;
+        re-raises a sticky CUDA error (nothing else can run in this process). The reason."""
+        self.graphs = None
+        if is_sticky(e):
+            raise e
+        self.stream.synchronize()
+        return f"{type(e).__name__}: {e}"
 
     def _device_inputs(self, parts: dict, run_rows: int) -> list:
         """Device input tensors for a call of `run_rows` rows, the same ones for every call of
@@ -161,6 +202,8 @@ class CudaRunner(Runner):
 
     def call(self, parts: dict, run_rows: int) -> dict:
         bucket = self.graphs.for_call(run_rows, parts, self.spec.input_names) if self.graphs else None
+        if bucket is None and self.deferred is not None:
+            self.plain_calls += 1
         self.stream.wait_stream(self.producer)
         try:
             with torch.cuda.stream(self.stream):

@@ -33,7 +33,7 @@ import torch
 from handlers.artifact.metadata import is_mask
 from handlers.batch import batch_sizes_in
 from handlers.errors import LoadError
-from handlers.faults import is_sticky
+from handlers.faults import is_oom, is_sticky
 
 logger = logging.getLogger(__name__)
 # Graphs per worker at most: each costs a warm-up call, a capture and a verifying replay at load
@@ -230,49 +230,89 @@ class GraphSet:
         return text
 
 
-def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
-    """Capture every (batch size, named-dimension sizes) pair of `sizes` x `lengths`, the
-    smallest calls first, sharing one pool, until the pool would pass `cap_bytes`; with `verify`,
-    every kept bucket is checked against the plain call. A shape whose capture raises runs plain
-    calls (GraphSet.failed, in the load line); raises where none was captured, on a difference
-    or on a sticky CUDA error (the caller decides whether that fails the load)."""
-    pool = torch.cuda.graph_pool_handle()
-    base = torch.cuda.memory_reserved(device)
-    kept, failed = {}, {}
-    pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
-                   key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
-    if len(pairs) > MAX_GRAPHS:
-        logger.info("capturing the %d smallest of %d (batch, length) shapes (at most %d graphs per worker)",
-                    MAX_GRAPHS, len(pairs), MAX_GRAPHS)
-        pairs = pairs[:MAX_GRAPHS]
-    for rows, dims in pairs:
+class GraphBuilder:
+    """The captures of one worker, one (batch size, named-dimension sizes) pair per `step`, the
+    smallest calls first, sharing one pool until the graphs would hold more than `cap_bytes`;
+    with `verify`, every kept bucket is checked against the plain call. A shape whose capture
+    raises runs plain calls (GraphSet.failed, in the load line). Steps run either all before the
+    worker is ready (`build`) or one at a time between batches (handlers/startup.py), always on
+    the thread that serves requests, so a capture never overlaps a batch on the device."""
+
+    def __init__(self, model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)):
+        self.model, self.spec, self.device, self.stream = model, spec, device, stream
+        self.cap_bytes, self.verify = cap_bytes, verify
+        pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
+                       key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
+        if len(pairs) > MAX_GRAPHS:
+            logger.info("capturing the %d smallest of %d (batch, length) shapes (at most %d graphs per worker)",
+                        MAX_GRAPHS, len(pairs), MAX_GRAPHS)
+            pairs = pairs[:MAX_GRAPHS]
+        self.pending = pairs  # what is left to capture, smallest first
+        self.kept, self.failed = {}, {}
+        # the pool's growth over the captures alone: memory_reserved read around each capture,
+        # where nothing else allocates (the serving thread is the capturing one)
+        self.memory_bytes = 0
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def step(self) -> None:
+        """Capture, keep and check the next pending shape. Raises on a difference from the plain
+        call (with `verify`) and on a sticky CUDA error; stops (nothing left pending) where the
+        cap is reached or the device ran out of memory (larger shapes would need more)."""
+        rows, dims = self.pending.pop(0)
+        spec, before = self.spec, torch.cuda.memory_reserved(self.device)
         try:
-            bucket = capture(model, spec, rows, device, stream, pool, dims or None)
+            bucket = capture(self.model, spec, rows, self.device, self.stream, self.pool, dims or None)
         except Exception as e:  # this shape only: its calls run the artifact's own call
             key = (rows, tuple(tuple(s.concrete(rows, dims or spec.min_sizes())[1:]) for s in spec.inputs))
-            failed[key] = (dims, _capture_failure(e, rows, dims, stream))
+            self.failed[key] = (dims, _capture_failure(e, rows, dims, self.stream))
             # a capture that CUDA invalidated leaves its pool marked as recording (torch 2.11 on
             # an H100: every later capture into it failed "beginAllocateToPool: already
             # recording"); the shapes after it share a fresh one
-            pool = torch.cuda.graph_pool_handle()
-            continue
-        used = torch.cuda.memory_reserved(device) - base
-        if used > cap_bytes:
-            logger.info("CUDA graph for batch %d %s not kept (nor any larger): graphs would hold %.0f MiB, "
-                        "over handler.cuda_graph_memory_mb", rows, dims or "", used / 2**20)
+            self.pool = torch.cuda.graph_pool_handle()
+            if is_oom(e):
+                self._stop(f"out of device memory at batch {rows}")
+            return
+        used = self.memory_bytes + torch.cuda.memory_reserved(self.device) - before
+        if used > self.cap_bytes:
             del bucket
-            torch.cuda.empty_cache()  # hand the dropped graph's pool memory back
-            break
-        kept[(rows, shape_key(bucket.inputs))] = bucket
-        if verify:
-            problem = first_difference(model, bucket, stream, seed=rows, spec=spec)
+            self._stop(f"graphs would hold {used / 2**20:.0f} MiB, over handler.cuda_graph_memory_mb", rows, dims)
+            return
+        self.memory_bytes = used
+        self.kept[(rows, shape_key(bucket.inputs))] = bucket
+        if self.verify:
+            problem = first_difference(self.model, bucket, self.stream, seed=rows, spec=spec)
             if problem:
                 raise RuntimeError(problem)
         if spec.dims:  # read only to plan padding across length buckets (batch.PadPlan.targets)
-            bucket.replay_ms = replay_ms(bucket, stream)
-    if not kept and failed:
-        raise RuntimeError(f"every capture failed, the first: {next(iter(failed.values()))[1]}")
-    return GraphSet(kept, torch.cuda.memory_reserved(device) - base, dynamic=bool(spec.dims), failed=failed)
+            bucket.replay_ms = replay_ms(bucket, self.stream)
+
+    def _stop(self, why: str, rows=None, dims=None) -> None:
+        """No further capture: the shapes left (all larger) run plain calls."""
+        what = f"CUDA graph for batch {rows} {dims or ''} not kept (nor any larger)" if rows else \
+            f"no CUDA graph for the {len(self.pending)} larger shape(s) left"
+        logger.info("%s: %s", what, why)
+        self.pending = []
+        torch.cuda.empty_cache()  # hand the dropped graph's pool memory back
+
+    def graphs(self) -> GraphSet:
+        """The graphs kept so far (a call of a shape not yet captured runs its plain call)."""
+        return GraphSet(dict(self.kept), self.memory_bytes, dynamic=bool(self.spec.dims), failed=self.failed)
+
+    def finish(self) -> GraphSet:
+        """The graphs once nothing is pending; raises where every capture failed."""
+        if not self.kept and self.failed:
+            raise RuntimeError(f"every capture failed, the first: {next(iter(self.failed.values()))[1]}")
+        return self.graphs()
+
+
+def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
+    """Every shape captured now (GraphBuilder's steps, one after another); raises where none was
+    captured, on a difference or on a sticky CUDA error (the caller decides whether that fails
+    the load)."""
+    builder = GraphBuilder(model, spec, device, stream, sizes, cap_bytes, verify, lengths)
+    while builder.pending:
+        builder.step()
+    return builder.finish()
 
 
 def _capture_failure(e: Exception, rows: int, dims: dict, stream) -> str:

@@ -1,13 +1,16 @@
 """The worker's exit after a sticky device fault, so TorchServe starts a fresh one (it restarts
 workers that die; handlers/faults.py says which faults are sticky). The exit waits until this
-batch's answers are sent and no next message has begun to arrive."""
+batch's answers are sent and no next message has begun to arrive. The same moment, with no exit
+pending, runs the worker's work between batches (handlers/torchserve/idle.py)."""
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 
 from handlers import process
+from handlers.torchserve import idle
 
 logger = logging.getLogger(__name__)
 EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)
@@ -32,23 +35,29 @@ def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
 
 
 def exit_if_idle(conn) -> None:
-    """Exits now if an exit is pending and nothing of a next message waits on `conn` (a socket
-    the frontend writes to; checked without blocking)."""
+    """Called by the frame reader when the worker's loop is back for its next message with nothing
+    buffered. Runs the work deferred between batches (idle.py) while nothing of a next message
+    waits on `conn` (a socket the frontend writes to; checked without blocking before each
+    step), then exits now if an exit is pending (after a sticky fault, also one a deferred step
+    met) and nothing waits."""
+    if idle.pending() and _exit_reason is None:
+        idle.run(lambda: _waiting(conn))
     if _exit_reason is None:
         return
-    import socket
-
-    try:
-        waiting = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        waiting = b""
-    except OSError:
-        waiting = b""  # the frontend is gone: nothing left to answer
-    if not waiting:
+    if not _waiting(conn):
         # at once: anything slower here (removing the scratch directory, which holds the
         # extracted artifact) would widen the window for a next batch to arrive; the reaper
         # process scratch.enter started removes that directory when this process is gone
         os._exit(70)
+
+
+def _waiting(conn) -> bool:
+    """Whether any byte of a next message has arrived on `conn` (peeked without blocking); a
+    frontend that is gone has nothing left to answer."""
+    try:
+        return bool(conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # BlockingIOError: nothing has arrived; any other: the frontend is gone
+        return False
 
 
 def _exit_now() -> None:
