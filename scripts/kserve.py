@@ -2,7 +2,7 @@
 
   python -m scripts.kserve --mar model_store/NAME.mar [--mar ...] --storage-uri URI --out DIR
       [--name ISVC] [--namespace NS] [--protocol v1|v2|grpc-v2 ...] [--device cpu|gpu ...]
-      [--cpu N] [--memory SIZE] [--gpus N] [--force-gpu] [--force] [--digests FILE]
+      [--cpu N] [--memory SIZE] [--gpus N] [--force-gpu] [--no-gpu-memory-affinity] [--force] [--digests FILE]
       [--image REPO] [--image-torch X.Y] [--builtin-runtime]
 
 Writes
@@ -26,11 +26,17 @@ Upload DIR/storage to URI (e.g. `gsutil cp -r DIR/storage/* gs://bucket/path/`),
 model_snapshot lists each archive under its model name with the workers, batchSize,
 maxBatchDelay and responseTimeout of the model-config.yaml inside it (what
 scripts/archive.py wrote), so TorchServe loads every model at start with its own settings.
+
+The gpu manifests require nodes whose GPUs have the memory the archives' workers need (each
+archive's handler.worker_gpu_mb times its workers per GPU, summed): a node affinity on NVIDIA GPU
+feature discovery's nvidia.com/gpu.memory label (MiB), with an annotation stating the GPU memory
+each archive's worker count was sized for (docs/kserve.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -58,8 +64,9 @@ IMAGE_REPO = "ghcr.io/example/compiled-serving"
 # status process: pod/) and each worker's resident memory, MiB. WORKER_CPU_MIB is the RSS of one
 # CPU worker of the example model measured here, FRONTS_MIB the fronts' RSS with bodies in flight
 # (tests/test_cluster_runtime.py and tests/test_pod.py assert the measurements stay below them);
-# a GPU worker's device memory (1,178 MiB for a BERT-style fp16 encoder on an H100) is not a
-# Kubernetes resource: size the GPU by nvidia.com/gpu and check it against that figure.
+# a GPU worker's device memory is not a Kubernetes resource: each archive states what one of its
+# workers needs (handler.worker_gpu_mb, scripts/worker_sizing.py) and the GPU manifests require
+# nodes whose GPU has that much for all of them (gpu_memory_affinity).
 FRONTEND_MIB = 768
 FRONTS_MIB = 256
 WORKER_CPU_MIB = 512
@@ -76,6 +83,11 @@ BUILTIN_GRPC_PORT = 7070
 SNAPSHOT_FIELDS = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 1, "maxBatchDelay": 100,
                    "responseTimeout": 120}
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# NVIDIA GPU feature discovery (part of the GPU operator) labels each GPU node with its GPUs' memory
+# in MiB; Kubernetes cannot request GPU memory, so the GPU manifests select nodes by this label.
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+# The GPU manifests' annotation stating what the worker counts were sized for.
+SIZING_ANNOTATION = "compiled-serving/gpu-memory"
 
 
 def fail(msg):
@@ -159,6 +171,32 @@ def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> 
     return out
 
 
+def gpu_memory_need(mars: list, gpus: int) -> tuple | None:
+    """(MiB each of the pod's `gpus` GPUs needs for the archives' workers, the statement of what each
+    archive's count was sized for); None where no archive states a worker's need (CPU archives,
+    archives built before scripts/worker_sizing.py, handler.worker_gpu_mb: 0). TorchServe hands a
+    model's workers to the GPUs round-robin, so a GPU holds at most ceil(workers / gpus) of them."""
+    total, parts = 0, []
+    for m in mars:
+        need = (m["config"].get("handler") or {}).get("worker_gpu_mb") or 0
+        if not isinstance(need, (int, float)) or need <= 0:
+            continue
+        n = math.ceil(workers(m) / gpus)
+        total += n * need
+        sized = m["config"].get("gpuSizing") or {}
+        parts.append(f"{m['name']}: {n} worker(s) per GPU x {need:g} MiB, counted for a "
+                     f"{sized.get('gpuMiB', '?')} MiB GPU ({sized.get('gpuMemory', 'not recorded')})")
+    return (math.ceil(total), "; ".join(parts)) if parts else None
+
+
+def gpu_memory_affinity(need_mib: int) -> dict:
+    """Nodes whose GPUs have at least `need_mib` MiB (the label's value is an integer, so Gt works;
+    a nodeSelector can only match one exact size)."""
+    term = {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(need_mib - 1)]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [term]}]}}}
+
+
 def model_snapshot(mars: list) -> dict:
     models = {}
     for m in mars:
@@ -183,7 +221,9 @@ def config_text(snapshot: dict) -> str:
             f"model_snapshot={json.dumps(snapshot, separators=(',', ':'))}\n")
 
 
-def manifest(name, namespace, protocol, storage_uri, resources, runtime) -> dict:
+def manifest(name, namespace, protocol, storage_uri, resources, runtime, gpu_memory=None) -> dict:
+    """One InferenceService; `gpu_memory`: (MiB a GPU needs, statement) from gpu_memory_need, for
+    the node affinity and the annotation, or None."""
     model = {
         "modelFormat": {"name": "pytorch"},
         "runtime": runtime,
@@ -197,8 +237,12 @@ def manifest(name, namespace, protocol, storage_uri, resources, runtime) -> dict
     meta = {"name": name}
     if namespace:
         meta["namespace"] = namespace
+    predictor = {"model": model}
+    if gpu_memory:
+        meta["annotations"] = {SIZING_ANNOTATION: f"each GPU needs {gpu_memory[0]} MiB: {gpu_memory[1]}"}
+        predictor["affinity"] = gpu_memory_affinity(gpu_memory[0])
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
-            "spec": {"predictor": {"model": model}}}
+            "spec": {"predictor": predictor}}
 
 
 def runtime_docs(repo: str, torch_mm: str, devices: list) -> list:
@@ -255,6 +299,9 @@ def main(argv=None):
                    help=f"name KServe's {BUILTIN_RUNTIME} instead of ours (it cannot load archives "
                         "compiled with torch >= 2.5; see docs/kserve.md)")
     p.add_argument("--gpus", type=int, default=1, help="nvidia.com/gpu limit of the gpu manifests")
+    p.add_argument("--no-gpu-memory-affinity", action="store_true",
+                   help=f"leave out the gpu manifests' node affinity on {GPU_MEMORY_LABEL} (for clusters "
+                        "without NVIDIA GPU feature discovery: then check the GPU's memory yourself)")
     p.add_argument("--force", action="store_true", help="replace an existing DIR/storage and DIR/manifests")
     p.add_argument("--digests", help="operator-kept digest list (python -m scripts.verify_store record): "
                                      "every --mar must match it")
@@ -317,10 +364,19 @@ def main(argv=None):
         for key, value in (("cpu", args.cpu), ("memory", args.memory)):
             if value:
                 resources["requests"][key] = resources["limits"][key] = str(value)
+        gpu_memory = gpu_memory_need(mars, args.gpus) if device == "gpu" else None
+        if gpu_memory and args.no_gpu_memory_affinity:
+            print(f"kserve: note: no node affinity on {GPU_MEMORY_LABEL}: each GPU must have {gpu_memory[0]} MiB "
+                  f"for the archives' workers ({gpu_memory[1]})", file=sys.stderr)
+            gpu_memory = None
+        elif gpu_memory:
+            print(f"kserve: gpu manifests require nodes labelled {GPU_MEMORY_LABEL} >= {gpu_memory[0]} MiB "
+                  f"({gpu_memory[1]}; NVIDIA GPU feature discovery sets the label; --no-gpu-memory-affinity "
+                  "leaves it out)")
         for protocol in args.protocol or PROTOCOLS:
             name = f"{isvc}-{protocol}" + ("-gpu" if device == "gpu" else "")
             rt = f"{runtime}-gpu" if device == "gpu" and runtime == RUNTIME else runtime
-            doc = manifest(name, args.namespace, protocol, args.storage_uri, resources, rt)
+            doc = manifest(name, args.namespace, protocol, args.storage_uri, resources, rt, gpu_memory)
             path = os.path.join(manifests, f"{name}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(doc, f, sort_keys=False)

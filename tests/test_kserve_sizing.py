@@ -1,0 +1,78 @@
+"""KServe manifests of GPU-sized archives (issue 39 item 1): the gpu manifests require nodes whose
+GPU has the memory the archives' workers need (node affinity on nvidia.com/gpu.memory) and state
+what the worker counts were sized for; CPU manifests and archives without a stated need carry neither."""
+from __future__ import annotations
+
+import subprocess
+import zipfile
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import PY, ROOT, build_mar, repin
+from scripts.kserve import GPU_MEMORY_LABEL, SIZING_ANNOTATION
+from test_kserve import _crd_schema, _unknown_fields
+
+
+@pytest.fixture(scope="module")
+def sized_mars(artifacts, tmp_path_factory):
+    """Two archives of a CUDA-labelled exported program (not loaded here): one sized for a 4 GiB GPU
+    with a 1000 MiB overhead (memory caps the count), one with 3 workers chosen by hand."""
+    art = artifacts.copy("cls_export", "kserve_sizing_cuda")
+    repin(art, device="cuda")
+    store = tmp_path_factory.mktemp("sized_store")
+    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(art), "--name", "sized", "--out", str(store),
+                        "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "memory caps it" in r.stdout, r.stdout + r.stderr
+    # build_mar passes --workers 1 first; a later --workers wins in argparse
+    hand = build_mar(art, "hand", store, "--workers", "3", "--gpu-memory-gib", "80")
+    return store / "sized.mar", hand
+
+
+def _config(mar):
+    with zipfile.ZipFile(mar) as z:
+        return yaml.safe_load(z.read("model-config.yaml"))
+
+
+def _layout(mars, out, *extra):
+    cmd = [PY, "-m", "scripts.kserve", "--storage-uri", "gs://b/p", "--out", str(out), "--name", "sized", *extra]
+    for m in mars:
+        cmd += ["--mar", str(m)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_gpu_manifests_require_the_memory_the_workers_need(sized_mars, tmp_path):
+    cfgs = [_config(m) for m in sized_mars]
+    r = _layout(sized_mars, tmp_path, "--device", "gpu", "--device", "cpu", "--protocol", "v2")
+    assert 1 < cfgs[0]["minWorkers"] < 6 and cfgs[1]["minWorkers"] == 3
+    need = sum(c["minWorkers"] * c["handler"]["worker_gpu_mb"] for c in cfgs)  # one GPU holds them all
+    assert f"{GPU_MEMORY_LABEL} >= {need} MiB" in r.stdout, r.stdout
+    gpu = yaml.safe_load((tmp_path / "manifests" / "sized-v2-gpu.yaml").read_text())
+    jsonschema.Draft7Validator(_crd_schema()).validate(gpu)
+    assert _unknown_fields(gpu, _crd_schema()) == []
+    terms = gpu["spec"]["predictor"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+        {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(need - 1)]}]}]
+    note = gpu["metadata"]["annotations"][SIZING_ANNOTATION]
+    assert note.startswith(f"each GPU needs {need} MiB") and "4096 MiB GPU (--gpu-memory-gib 4)" in note, note
+    assert f"hand: 3 worker(s) per GPU x {cfgs[1]['handler']['worker_gpu_mb']:g} MiB" in note, note
+    # the host-side sizing follows the chosen worker counts
+    workers = sum(c["minWorkers"] for c in cfgs)
+    assert gpu["spec"]["predictor"]["model"]["resources"]["requests"]["cpu"] == str(workers + 1)
+    cpu = yaml.safe_load((tmp_path / "manifests" / "sized-v2.yaml").read_text())
+    assert "affinity" not in cpu["spec"]["predictor"] and "annotations" not in cpu["metadata"]
+
+
+def test_two_gpus_halve_what_each_needs_and_the_affinity_can_be_left_out(sized_mars, tmp_path):
+    cfgs = [_config(m) for m in sized_mars]
+    _layout(sized_mars, tmp_path / "two", "--device", "gpu", "--protocol", "v1", "--gpus", "2")
+    doc = yaml.safe_load((tmp_path / "two" / "manifests" / "sized-v1-gpu.yaml").read_text())
+    per_gpu = sum(-(-c["minWorkers"] // 2) * c["handler"]["worker_gpu_mb"] for c in cfgs)
+    assert doc["metadata"]["annotations"][SIZING_ANNOTATION].startswith(f"each GPU needs {per_gpu} MiB")
+    r = _layout(sized_mars, tmp_path / "none", "--device", "gpu", "--protocol", "v1", "--no-gpu-memory-affinity")
+    doc = yaml.safe_load((tmp_path / "none" / "manifests" / "sized-v1-gpu.yaml").read_text())
+    assert "affinity" not in doc["spec"]["predictor"] and "no node affinity" in r.stderr
