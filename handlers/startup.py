@@ -176,14 +176,13 @@ def between_batches_hook() -> bool:
 
 def prepare_graphs(worker: Worker, kind, steps: StartSteps) -> tuple:
     """Warm-up and CUDA graphs before the worker is ready: (the load line's graphs note, whether
-    the capture was deferred). With `cuda_graphs: auto` on a CUDA worker whose loop runs work
-    between batches, the graphs are captured after ready (defer_graphs) and the warm-up runs
+    the capture was deferred). With `cuda_graphs: auto`, a model whose graphs can be captured
+    and a CUDA worker whose loop runs work between batches, the graphs are captured after ready (defer_graphs) and the warm-up runs
     the smallest batch only (each graph's capture first runs its own shape on the worker's
     stream, as the warm-up would); otherwise as before: the warm-up's batch sizes, then every
     capture."""
     config = worker.config
-    defer = (config.cuda_graphs == "auto" and isinstance(worker.runner, CudaRunner)
-             and between_batches_hook())
+    defer = isinstance(worker.runner, CudaRunner) and worker.runner.defers(config, kind) and between_batches_hook()
     if config.warmup:
         warm_up(worker, smallest_only=defer)
         steps.done("warm-up")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("option,expected", [(None, "highest"), ("high", "high")])
 def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
     """TorchServe's base_handler sets TF32 ("high") on import when it sees an Ampere+ GPU; the
@@ -27,6 +28,7 @@ def test_load_restores_fp32_matmul_precision(artifacts, option, expected):
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("buckets,batches,json_mb,cap", [
     ([1, 2, 4], [4, 2], 8.0, None),
     ([], [16, 8, 4, 2], 8.0, None),
@@ -72,6 +74,7 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     assert ctx.request_ids is None  # the batch state TorchServe set (none before a request) is back
 
 
+@pytest.mark.server
 def test_load_lists_every_process_wide_change_it_made(artifacts, caplog):
     """handlers/process.py: the load logs one line naming each change to the process (the
     environment, torch's global state, signal handlers), recorded where it is made."""

@@ -142,6 +142,12 @@ class CudaRunner(Runner):
         logger.warning("running without CUDA graphs: %s", reason)
         return f"no CUDA graphs ({reason})"
 
+    def defers(self, config, kind) -> bool:
+        """Whether prepare(defer=True) would leave the captures for after ready: `auto`, and a
+        model whose graphs can be captured (else nothing waits; the caller warms up as usual)."""
+        return (config is not None and config.cuda_graphs == "auto"
+                and graphs.why_not_capturable(kind, self.spec, self.pad) is None)
+
     def capture_next(self):
         """One step of the deferred capture (prepare(defer=True)): the next shape captured,
         checked against the plain call and, where it matches, replayed by the calls of its shape

@@ -91,6 +91,15 @@ def length_buckets(spec, pad) -> list:
     return combos
 
 
+def run_shape(model, spec, rows: int, device, stream, sizes: Optional[dict] = None) -> None:
+    """One plain call at `rows` rows (named dimensions at `sizes`) on `stream`, waited for."""
+    inputs = _static_inputs(spec, rows, device, sizes)
+    with torch.cuda.stream(stream):
+        model(*inputs)
+    if stream is not None:
+        stream.synchronize()
+
+
 def capture(model, spec, rows: int, device, stream, pool, sizes: Optional[dict] = None) -> GraphBucket:
     """Capture one call of `model` at `rows` rows (named dimensions at `sizes`) on `stream`
     (warmed up on it first: lazy initialisation such as cuBLAS workspaces must not happen
@@ -259,8 +268,12 @@ class GraphBuilder:
         call (with `verify`) and on a sticky CUDA error; stops (nothing left pending) where the
         cap is reached or the device ran out of memory (larger shapes would need more)."""
         rows, dims = self.pending.pop(0)
-        spec, before = self.spec, torch.cuda.memory_reserved(self.device)
+        spec = self.spec
         try:
+            # the shape's own activations, cached for plain calls on this stream from now on,
+            # are allocated by this call, before the graph's memory is counted
+            run_shape(self.model, spec, rows, self.device, self.stream, dims or None)
+            before = torch.cuda.memory_reserved(self.device)
             bucket = capture(self.model, spec, rows, self.device, self.stream, self.pool, dims or None)
         except Exception as e:  # this shape only: its calls run the artifact's own call
             key = (rows, tuple(tuple(s.concrete(rows, dims or spec.min_sizes())[1:]) for s in spec.inputs))
