@@ -102,7 +102,24 @@ def role_compile(args) -> None:
         torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=configs)
         out[f"{name}_compile_s"] = round(time.perf_counter() - t, 2)
         out[f"{name}_package_bytes"] = os.path.getsize(path)
+    out["api"] = api_facts()
     say(proto, out)
+
+
+def api_facts() -> dict:
+    """What this torch offers for user-managed constants (the study runs on another torch than
+    the one it was written on)."""
+    import inspect
+
+    import torch
+    from torch._inductor.package.package import AOTICompiledModel
+
+    runner = getattr(torch._C._aoti, "AOTIModelContainerRunnerCuda", torch._C._aoti.AOTIModelContainerRunnerCpu)
+    return {"AOTICompiledModel.load_constants": str(inspect.signature(AOTICompiledModel.load_constants)),
+            "runner": [m for m in ("update_constant_buffer", "swap_constant_buffer",
+                                   "free_inactive_constant_buffer", "get_constant_names_to_original_fqns")
+                       if hasattr(runner, m)],
+            "runner.update_constant_buffer": (getattr(runner.update_constant_buffer, "__doc__", "") or "")[:400]}
 
 
 def protocol_stdout():
@@ -204,6 +221,7 @@ class WorkerModel:
             mem("package_loaded")
             self.keep = self.shared_weights()
             mem("attached")
+            # the caller keeps self.keep alive: the model stores these tensors' pointers
             model.load_constants(self.keep, check_full_update=True, user_managed=True)
             mem("loaded")
         elif mode == "shared_swap":
@@ -221,7 +239,9 @@ class WorkerModel:
         unpacked = tempfile.mkdtemp(prefix="sw_pkg_")
         with zipfile.ZipFile(self.args.package) as z:
             z.extractall(unpacked)
-        so = next(os.path.join(d, f) for d, _, fs in os.walk(unpacked) for f in fs if f.endswith(".so"))
+        found = sorted((not f.endswith(".wrapper.so"), os.path.join(d, f))  # the model's .so first
+                       for d, _, fs in os.walk(unpacked) for f in fs if f.endswith(".so"))
+        so = found[0][1]
         if self.args.device == "cuda":
             runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1, "cuda", os.path.dirname(so))
         else:
@@ -691,7 +711,7 @@ def parse(argv=None):
     p.add_argument("--width", type=int, default=8192)
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--bench-s", type=float, default=5.0)
-    p.add_argument("--budget-s", type=float, default=330.0, help="steps not started after this")
+    p.add_argument("--budget-s", type=float, default=300.0, help="steps not started after this")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--compile-timeout", type=float, default=240.0)
     # internal: the children

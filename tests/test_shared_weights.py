@@ -1,0 +1,116 @@
+"""AOTInductor on constants it does not own (issue 39 item 2, the CPU proof; docs/shared-weights.md).
+
+One tiny model compiled once into two packages: the normal one (weights in the .so) and one with
+`aot_inductor.package_constants_in_so=False` (code only). The weights handed to the models come
+from another source (a saved and reloaded state dict), as a per-GPU holder would hand them.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+from scripts.shared_weights_study import summary
+
+WIDTH = 32
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(3)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shared_weights")
+    torch.manual_seed(0)
+    model = Stack().eval()
+    x = torch.randn(4, WIDTH)
+    batch = torch.export.Dim("batch", min=1, max=16)
+    with torch.no_grad():
+        ep = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    normal = torch._inductor.aoti_compile_and_package(ep, package_path=str(d / "normal.pt2"))
+    code_only = torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(d / "code_only.pt2"),
+        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    torch.save(model.state_dict(), d / "weights.pt")
+    return {"model": model, "normal": normal, "code_only": code_only, "dir": d,
+            "x": torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(1))}
+
+
+def other_source(built):
+    """The weights as another process would have them: their own tensors, equal values."""
+    return dict(torch.load(built["dir"] / "weights.pt"))
+
+
+def eager(built, weights, x):
+    m = Stack().eval()
+    m.load_state_dict(weights)
+    with torch.no_grad():
+        return m(x)
+
+
+@pytest.mark.parametrize("package", ["normal", "code_only"])
+def test_user_managed_constants_are_read_in_place(built, package):
+    compiled = torch._inductor.aoti_load_package(built[package])
+    weights = other_source(built)
+    assert set(compiled.get_constant_fqns()) == set(weights)
+    compiled.load_constants(weights, check_full_update=True, user_managed=True)
+    x = built["x"]
+    assert torch.equal(compiled(x), eager(built, weights, x))
+    if package == "normal":
+        unshared = torch._inductor.aoti_load_package(built["normal"])
+        assert torch.equal(compiled(x), unshared(x))
+    before = compiled(x).clone()
+    with torch.no_grad():
+        weights["layers.2.bias"].add_(1.0)  # the caller's tensor, after load_constants
+        weights["layers.0.weight"].mul_(0.5)
+    after = compiled(x)
+    assert not torch.allclose(after, before)
+    assert torch.allclose(after, eager(built, weights, x), atol=1e-5)  # the model read our memory
+
+
+def test_runner_swaps_to_user_constants_and_frees_its_own(built, tmp_path):
+    """The normal package through the container runner: the package's weights are loaded,
+    user-managed ones go into the inactive buffer, swap, free the inactive (the package's copy).
+    The active constants are then the caller's storage (same data pointers)."""
+    with zipfile.ZipFile(built["normal"]) as z:
+        z.extractall(tmp_path)
+    so = next(os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".so"))
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
+    x = built["x"]
+    own = runner.run([x])[0].clone()
+    names = runner.get_constant_names_to_original_fqns()
+    shared = other_source(built)
+    mine = {inner: shared[fqn] for inner, fqn in names.items()}
+    own_ptrs = {k: v.data_ptr() for k, v in runner.extract_constants_map(False).items()}
+    runner.update_constant_buffer(mine, True, True, True)  # use_inactive, validate, user_managed
+    runner.swap_constant_buffer()
+    runner.free_inactive_constant_buffer()
+    active = runner.extract_constants_map(False)
+    # extract_constants_map names the constants by their original fqn, as `shared` does
+    assert {k: v.data_ptr() for k, v in active.items()} == {k: v.data_ptr() for k, v in shared.items()}
+    assert not set(own_ptrs.values()) & {v.data_ptr() for v in mine.values()}
+    assert torch.equal(runner.run([x])[0], own)
+    with torch.no_grad():
+        shared["layers.1.bias"].sub_(2.0)
+    assert torch.allclose(runner.run([x])[0], eager(built, shared, x), atol=1e-5)
+
+
+def test_summary_ratios_count_the_holder_and_contexts():
+    steps = {"one_unshared": {"after_load_mib": 2600, "contexts_mib": 500, "bench": {}},
+             "six_unshared": {"after_load_mib": 15000, "bench": {"total_calls_per_s": 1000.0},
+                              "answers_equal_reference": [True] * 6},
+             "shared_nc": {"workers": 6, "after_load_mib": 5600, "bench": {"total_calls_per_s": 990.0},
+                           "answers_equal_reference": [True] * 5 + ["RuntimeError('x')"]}}
+    s = summary(steps)
+    assert s["ratio_six_shared_to_one"] == round(5600 / 2600, 3)
+    assert s["ratio_six_shared_to_one_beyond_contexts"] == round((5600 - 7 * 500) / (2600 - 500), 3)
+    assert s["throughput_shared_over_unshared"] == 0.99
+    assert s["answers_all_identical"] is False  # one worker answered with an error
