@@ -199,6 +199,7 @@ def defer_graphs(worker: Worker) -> None:
     fell back. A sticky CUDA error during a capture exits the worker (restart.exit_soon), as
     one in a batch does: TorchServe starts a fresh one."""
     runner, t0 = worker.runner, time.perf_counter()
+    runner.plain_calls = 0  # the clients' calls only: the request-path warm-up ran before ready
 
     def step() -> bool:
         try:
