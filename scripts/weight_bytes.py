@@ -19,8 +19,10 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import shutil
 import struct
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 
@@ -90,21 +92,14 @@ def _aoti_package(path: str) -> WeightBytes | None:
                                    f"{len(sizes)} constants in the AOTInductor package's constants table")
         for info in z.infolist():
             if info.filename.endswith(".so"):
-                with z.open(info.filename) as src, _spooled(src) as f:
+                # mmap needs a file: the member, copied out
+                with z.open(info.filename) as src, tempfile.TemporaryFile() as f:
+                    shutil.copyfileobj(src, f, 16 << 20)
+                    f.flush()
                     n = elf_constants_blob(f)
                 if n is not None:
                     return WeightBytes(n, "the constants blob of the AOTInductor package's .so")
     return None
-
-
-def _spooled(src):
-    import tempfile
-
-    f = tempfile.TemporaryFile()
-    while chunk := src.read(16 << 20):
-        f.write(chunk)
-    f.flush()
-    return f
 
 
 def _aoti_so(path: str) -> WeightBytes | None:

@@ -9,10 +9,12 @@ import zipfile
 import jsonschema
 import pytest
 import yaml
-
 from conftest import PY, ROOT, build_mar, repin
+from kserve_kit import crd_schema, unknown_fields
+
 from scripts.kserve import GPU_MEMORY_LABEL, SIZING_ANNOTATION
-from test_kserve import _crd_schema, _unknown_fields
+
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,8 @@ def test_gpu_manifests_require_the_memory_the_workers_need(sized_mars, tmp_path)
     need = sum(c["minWorkers"] * c["handler"]["worker_gpu_mb"] for c in cfgs)  # one GPU holds them all
     assert f"{GPU_MEMORY_LABEL} >= {need} MiB" in r.stdout, r.stdout
     gpu = yaml.safe_load((tmp_path / "manifests" / "sized-v2-gpu.yaml").read_text())
-    jsonschema.Draft7Validator(_crd_schema()).validate(gpu)
-    assert _unknown_fields(gpu, _crd_schema()) == []
+    jsonschema.Draft7Validator(crd_schema()).validate(gpu)
+    assert unknown_fields(gpu, crd_schema()) == []
     terms = gpu["spec"]["predictor"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
         {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(need - 1)]}]}]

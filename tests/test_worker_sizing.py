@@ -12,8 +12,8 @@ import zipfile
 import pytest
 import torch
 import yaml
-
 from conftest import PY, ROOT, repin
+
 from handlers.artifact import room
 from handlers.artifact.device import Placement
 from handlers.artifact.metadata import read_spec
@@ -41,7 +41,7 @@ def test_count_is_the_most_that_fit_at_most_the_speed_cap(gpu_gib, weights_mib):
     need = weights_mib + worker_sizing.OVERHEAD_MIB
     if need > usable:
         with pytest.raises(SizingError):
-            s.workers  # noqa: B018
+            s.workers
         return
     n = s.workers
     assert 1 <= n <= 6
@@ -63,7 +63,7 @@ def test_a_4gb_fp16_model_on_a_24gb_gpu_gets_a_count_whose_total_fits():
 def test_a_model_too_large_for_the_gpu_fails_with_the_numbers_and_the_fix():
     s = sizing(30 * GIB, 24)  # 30 GiB of weights
     with pytest.raises(SizingError) as e:
-        s.workers  # noqa: B018
+        s.workers
     msg = str(e.value)
     assert "not even one worker fits" in msg
     assert f"{24 * GIB} MiB" in msg and f"{s.need_mib} MiB" in msg and f"{s.usable_mib} // {s.need_mib} = 0" in msg
@@ -93,6 +93,8 @@ def test_gpu_memory_from_the_flag_this_machines_gpu_or_the_stated_default(monkey
 
 # -- weight bytes of real artifacts
 
+@pytest.mark.server
+@pytest.mark.server
 def test_exported_program_weights_are_its_state_dict_and_constants(artifacts):
     spec = read_spec(str(artifacts.get("cls_export")))
     ep = torch.export.load(spec.artifact_path)
@@ -100,6 +102,8 @@ def test_exported_program_weights_are_its_state_dict_and_constants(artifacts):
     assert weight_bytes(spec).bytes == sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.server
+@pytest.mark.server
 def test_aoti_package_and_its_bare_library_carry_the_models_weights(artifacts):
     pkg = weight_bytes(read_spec(str(artifacts.get("cls_aoti"))))
     bare = weight_bytes(read_spec(str(artifacts.get("cls_aoti") / "bare_so")))
@@ -110,6 +114,21 @@ def test_aoti_package_and_its_bare_library_carry_the_models_weights(artifacts):
     assert abs(pkg.bytes - own) <= 0.05 * own, (pkg.bytes, own)
 
 
+@pytest.mark.server
+@pytest.mark.server
+def test_a_package_without_its_source_is_read_from_its_library(artifacts, tmp_path):
+    spec = read_spec(str(artifacts.get("cls_aoti")))
+    stripped = tmp_path / "model.pt2"
+    with zipfile.ZipFile(spec.artifact_path) as zin, zipfile.ZipFile(stripped, "w") as zout:
+        for item in zin.infolist():
+            if not item.filename.endswith(".cpp"):
+                zout.writestr(item, zin.read(item.filename))
+    w = weight_bytes(dataclasses.replace(spec, variant_dir=str(tmp_path), artifact="model.pt2"))
+    assert "constants blob of the AOTInductor package's .so" in w.how
+    assert w.bytes == weight_bytes(spec).bytes
+
+
+@pytest.mark.server
 def test_an_artifact_whose_weights_cannot_be_read_apart_counts_its_file(artifacts):
     spec = read_spec(str(artifacts.get("cls_export")))
     w = weight_bytes(dataclasses.replace(spec, backend="tensorrt"))
@@ -130,6 +149,8 @@ def _archive(art, out, *extra):
                            str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.server
+@pytest.mark.server
 def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda")
     ep = torch.export.load(str(art / "model.pt2"))
@@ -150,6 +171,8 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     assert cfg["gpuSizing"]["gpuMiB"] == 4096
 
 
+@pytest.mark.server
+@pytest.mark.server
 def test_archive_without_a_gpu_says_the_memory_was_assumed_and_refuses_what_cannot_fit(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda2")
     r = _archive(art, tmp_path, "--worker-overhead-mib", str(30 * GIB))
