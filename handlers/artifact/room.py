@@ -8,6 +8,13 @@ The check compares this worker's own need with what is free now, never the model
 workers load at the same time, so free memory shrinks while they do, and each of them has already
 taken its own share. A sibling's crash-safe trial load holds a second CUDA context for a few seconds
 (handlers/artifact/probe.py), so a shortfall is read again for up to WAIT_S before it is final.
+
+What it does not do: TorchServe starts a model's workers at once, so their checks run before any
+of them has loaded, and all pass. Keeping their sum within the GPU is the archive's count
+(scripts/worker_sizing.py); the check catches the rest (a GPU shared with other models or
+processes, a count chosen by hand): a worker that lost that race fails its load out of memory once,
+and on TorchServe's restart sees its siblings' memory and refuses here, instead of every restart
+running out of memory again.
 """
 from __future__ import annotations
 
