@@ -24,39 +24,25 @@ from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
 
 PY = sys.executable
 
-# A test is marked `server` when it compiles, starts TorchServe or runs the project's scripts in
-# a process of their own: a fixture of SERVER_FIXTURES in its closure, or those calls in its own
-# code. `pytest -m "not server"` runs the in-process rest (docs/testing.md).
+# A test that compiles, starts TorchServe or runs the project's scripts in a process of its own is
+# marked `server` where it is written: `pytestmark = pytest.mark.server` in its module, or
+# `@pytest.mark.server` on the test. `pytest -m "not server"` runs the in-process rest
+# (docs/testing.md). The fixtures below that compile or start servers are SERVER_FIXTURES; a test
+# that reaches one of them without the marker fails the collection (the `gpu` suite, run apart
+# with -m gpu on the GPU machine, is exempt).
 SERVER_FIXTURES = {"artifacts", "serve", "main_server", "hf_bert"}
-SERVER_CALLS = ("subprocess", "torchserve", "LocalTorchServe", "Popen")
 
 
 def pytest_collection_modifyitems(config, items):
-    import inspect
-
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        try:
-            # the handler package's own `handlers.torchserve` is no call of TorchServe
-            code = inspect.getsource(item.function).replace("handlers.torchserve", "handlers.")
-        except (OSError, TypeError):
-            code = ""
-        module_fixtures = {name for name in fixtures if name not in ("request", "tmp_path", "monkeypatch")
-                           and _fixture_code(item, name, SERVER_CALLS)}
-        if fixtures & SERVER_FIXTURES or module_fixtures or any(c in code for c in SERVER_CALLS):
-            item.add_marker(pytest.mark.server)
-
-
-def _fixture_code(item, name: str, needles) -> bool:
-    """Whether fixture `name` of this item's module calls any of `needles` in its own code."""
-    import inspect
-
-    fn = getattr(item.module, name, None)
-    fn = getattr(fn, "__wrapped__", fn)
-    try:
-        return any(n in inspect.getsource(fn) for n in needles)
-    except (OSError, TypeError):
-        return False
+    unmarked = sorted(item.nodeid for item in items
+                      if SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+                      and not item.get_closest_marker("server") and not item.get_closest_marker("gpu"))
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests use a fixture that compiles or starts TorchServe (" + ", ".join(sorted(SERVER_FIXTURES))
+            + ") but are not marked `server`: add `pytestmark = pytest.mark.server` to the module (or "
+            "`@pytest.mark.server` to the test) so that `pytest -m \"not server\"` stays in process:\n  "
+            + "\n  ".join(unmarked))
 
 
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
@@ -134,6 +120,53 @@ class Artifacts:
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
     return Artifacts(tmp_path_factory.mktemp("artifacts"), "cpu")
+
+
+@pytest.fixture(scope="session")
+def gpu_artifacts(tmp_path_factory):
+    """The GPU suite's artifacts, compiled on the CUDA device `get(name, index)` names, once per run."""
+    return Artifacts(tmp_path_factory.mktemp("gpu_artifacts"), "cuda")
+
+
+@pytest.fixture(scope="module")
+def results_file(request):
+    """The one writer of a measuring module's RESULTS (a dict at its top level): yields it and, once
+    the module's tests are done (a failing run writes too), writes its non-empty entries after the
+    provenance keys: a `gpu` module to $GPU_RESULTS (write_gpu_results), the CPU fault suite to
+    $FAULT_RESULTS. A module asks for it with `pytest.mark.usefixtures("results_file")` in its
+    pytestmark."""
+    results = request.module.RESULTS
+    yield results
+    measured = {k: v for k, v in results.items() if v}
+    if request.node.get_closest_marker("gpu"):
+        write_gpu_results(measured)
+    elif os.environ.get("FAULT_RESULTS") and measured:
+        from scripts.results_meta import header
+
+        out = {**header(f"CPU ({os.cpu_count()} cores), real TorchServe", env=("FAULT_RESULTS",)), **measured}
+        Path(os.environ["FAULT_RESULTS"]).write_text(json.dumps(out, indent=1) + "\n")
+
+
+# The KServe tests' archive: two_export with 2 workers, batches of 4 (tests/kserve_kit.py lays it out).
+CLUSTER_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def cluster_mar(artifacts, tmp_path_factory):
+    store = tmp_path_factory.mktemp("cluster_store")
+    return build_mar(artifacts.get("two_export"), "two", store, "--workers", str(CLUSTER_WORKERS),
+                     "--batch-size", "4", "--max-batch-delay", "300")
+
+
+@pytest.fixture(scope="module")
+def cluster_layout(cluster_mar, tmp_path_factory):
+    """(out, completed process) of `python -m scripts.kserve` on cluster_mar."""
+    from kserve_kit import lay_out
+
+    out = tmp_path_factory.mktemp("cluster_out")
+    r = lay_out([cluster_mar], out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r
 
 
 @pytest.fixture(scope="session")
@@ -258,6 +291,37 @@ def eager(factory: str, *inputs):
     with torch.no_grad():
         out = model(*inputs)
     return out if isinstance(out, dict) else {"output": out}
+
+
+# The example models' requests and the comparison every serving test makes (absolute tolerance
+# against eager: compiled kernels reorder float sums).
+TOL = 1e-4
+
+
+def image(n, seed=0):
+    """`n` inputs of examples/models.py:classifier."""
+    import torch
+
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def two(n, seed=0):
+    """`n` rows of examples/models.py:two_input (features, mask)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.rand(n, 16, generator=g) > 0.3
+
+
+def close(got: dict, ref: dict):
+    """An answer (lists or tensors by output name) equal to eager's within TOL, output by output."""
+    import torch
+
+    assert set(got) == set(ref)
+    for k in ref:
+        t = torch.tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k]
+        assert t.shape == ref[k].shape, k
+        assert (t - ref[k]).abs().max().item() < TOL, k
 
 
 # name -> (artifact, extra archive.py arguments)

@@ -4,10 +4,12 @@ ones padded, refused where configured."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
-from conftest import eager
-from test_serving import close, image, two
+from conftest import close, eager, image, two
+
+pytestmark = pytest.mark.server
 
 
 def fire(server, model, bodies):

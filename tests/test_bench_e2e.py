@@ -15,6 +15,7 @@ from conftest import ROOT
 SPIN_2_5_S = "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"
 
 
+@pytest.mark.server
 def test_bench_e2e_smoke(artifacts, tmp_path):
     out = tmp_path / "e2e"
     cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
@@ -93,6 +94,7 @@ def test_ts_config_lines_must_be_key_value():
             parse_args(base + ["--ts-config", bad])
 
 
+@pytest.mark.server
 def test_cpu_usage_counts_a_busy_child_as_load_generator():
     """A child of this process spinning on one core for the whole window shows as about one
     core of load generator, inside the host's busy cores."""
@@ -143,6 +145,7 @@ def test_py_spy_started_by_the_benchmark_is_not_load():
     assert _group("9", b"python3\x00/ts/model_service_worker.py", 1, me) == "workers"
 
 
+@pytest.mark.server
 def test_cores_by_key_of_a_busy_process():
     """A spinning child's threads add up to about one core, all under the name of its main
     thread with the digits written as #, and its busiest thread is that one core."""
@@ -179,6 +182,7 @@ def test_variant_models_name_each_variant_once():
     assert variant_models(args) == ["ours_nographs", "ours_spin"]
 
 
+@pytest.mark.server
 def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(artifacts, tmp_path):
     """Two int64 inputs (ids inside the value contract's range, the mask all ones), lengths
     drawn per request; every answer of ours, the stock handlers (eager, and calling the same
@@ -233,6 +237,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     assert draw_lengths("choice:8,300", spec.dims, g)["S"] in (8, 64)  # clamped into the range
 
 
+@pytest.mark.server
 def test_gpu_limit_weights_each_length_by_how_often_the_run_sends_it(artifacts):
     """The limit is the served batch over the mean time per batch, each distinct size counted as
     often as requests of that size are sent (here one size twice as often as the other)."""
@@ -265,6 +270,7 @@ def test_declared_pad_reads_the_first_padding_variant_with_its_buckets():
                              "later:pad={ids: 2}")) == ({"ids": 1}, (16, 64))
 
 
+@pytest.mark.server
 def test_bench_e2e_with_a_transformers_model_archived_with_no_options(hf_bert, tmp_path):
     """The user's own files (the tiny transformers BERT's package and program) handed to bench_e2e
     as to the archive: imported, ours archived with no options (the import found padding safe, and

@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.server
 
 
 def test_bench_start_smoke(artifacts, tmp_path):

@@ -29,6 +29,7 @@ def commands(text, program):
     return out
 
 
+@pytest.mark.server
 def test_serve_and_call_name_the_model_that_compile_and_archive_build():
     compile_cmd = commands(section("Compile: `python -m scripts.compile`"), "scripts.compile")[0]
     archive_cmd = commands(section("Archive: `python -m scripts.archive`"), "scripts.archive")[0]
@@ -49,6 +50,7 @@ def test_quickstart_model_is_the_one_the_readme_tells_to_call():
     assert f"scripts.client --model {served}" in section("Serve and call")
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("fmt", ["json", "v1", "v2", "safetensors"])
 def test_client_checks_every_format_against_eager(main_server, tmp_path, fmt):
     import json
@@ -62,6 +64,7 @@ def test_client_checks_every_format_against_eager(main_server, tmp_path, fmt):
     assert r.returncode == 0 and "(OK)" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.server
 def test_client_from_another_directory_says_where_the_token_comes_from(main_server, tmp_path):
     r = subprocess.run([PY, "-m", "scripts.client", "--model", "cls_export", "--url", main_server.base,
                         "--key-file", str(tmp_path / "nowhere.json"), "--example", "image:1x3x32x32:float32"],

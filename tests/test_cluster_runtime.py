@@ -21,15 +21,13 @@ import requests
 import torch
 import yaml
 
-from conftest import PY, ROOT, build_mar, corrupt_inside_mar, eager
+from conftest import CLUSTER_WORKERS, ROOT, build_mar, close, corrupt_inside_mar, eager, two
+from kserve_kit import Container, lay_out, unknown_fields
 from scripts import kserve as kserve_script
-from scripts.local_pod import LocalPod
-from scripts.local_server import server_env
-from test_kserve import STORAGE_URI, _unknown_fields
-from test_serving import close, two
+
+pytestmark = pytest.mark.server
 
 ENTRYPOINT = Path(ROOT) / "kserve" / "entrypoint.sh"
-WORKERS = 2
 DATA = Path(__file__).parent / "data"
 
 
@@ -38,60 +36,37 @@ def schema(name):
         return json.load(f)
 
 
-def lay_out(mars, out, *extra):
-    cmd = [PY, "-m", "scripts.kserve", "--storage-uri", STORAGE_URI, "--out", str(out), "--name", "compiled",
-           *extra]
-    for m in mars:
-        cmd += ["--mar", str(m)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())
-
-
-@pytest.fixture(scope="module")
-def good_mar(artifacts, tmp_path_factory):
-    store = tmp_path_factory.mktemp("cluster_store")
-    return build_mar(artifacts.get("two_export"), "two", store, "--workers", str(WORKERS),
-                     "--batch-size", "4", "--max-batch-delay", "300")
-
-
-@pytest.fixture(scope="module")
-def layout(good_mar, tmp_path_factory):
-    out = tmp_path_factory.mktemp("cluster_out")
-    r = lay_out([good_mar], out)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out, r
-
-
 # ---------------------------------------------------------------------------------------------
 # Manifests
 
 
-def test_manifests_name_our_runtime_validate_and_follow_the_archive(layout):
+def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layout):
     import jsonschema
 
-    out, r = layout
+    out, r = cluster_layout
     isvc_schema = schema("kserve_inferenceservice_v1beta1.schema.json.gz")
     rt_schema = schema("kserve_clusterservingruntime_v1alpha1.schema.json.gz")
     files = sorted((out / "manifests").glob("compiled-*.yaml"))
     # a CPU-only archive: no GPU manifests unless forced, and the layout says why
     assert [f.name for f in files] == sorted(f"compiled-{p}.yaml" for p in ("v1", "v2", "grpc-v2"))
     assert "no gpu manifests" in r.stderr and "has no cuda variant" in r.stderr
-    mem = f"{kserve_script.FRONTEND_MIB + kserve_script.FRONTS_MIB + WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
+    mem = f"{kserve_script.FRONTEND_MIB + kserve_script.FRONTS_MIB + CLUSTER_WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
     for f in files:
         doc = yaml.safe_load(f.read_text())
         jsonschema.Draft7Validator(isvc_schema).validate(doc)
-        assert _unknown_fields(doc, isvc_schema) == [], f.name
+        assert unknown_fields(doc, isvc_schema) == [], f.name
         model = doc["spec"]["predictor"]["model"]
         assert model["runtime"] == "compiled-torchserve"
         # gRPC goes to the bridge's port, over h2c; REST to the container's http1 port
         want_ports = [{"name": "h2c", "containerPort": 8081, "protocol": "TCP"}] if "grpc" in f.name else None
         assert model.get("ports") == want_ports, f.name
         res = model["resources"]
-        assert res["requests"] == res["limits"] == {"cpu": str(WORKERS + kserve_script.FRONTS_CPU), "memory": mem}
+        assert res["requests"] == res["limits"] == {"cpu": str(CLUSTER_WORKERS + kserve_script.FRONTS_CPU), "memory": mem}
     runtimes = list(yaml.safe_load_all((out / "manifests" / "servingruntime.yaml").read_text()))
     assert len(runtimes) == 1
     rt = runtimes[0]
     jsonschema.Draft7Validator(rt_schema).validate(rt)
-    assert _unknown_fields(rt, rt_schema) == []
+    assert unknown_fields(rt, rt_schema) == []
     assert rt["kind"] == "ClusterServingRuntime" and rt["metadata"]["name"] == "compiled-torchserve"
     assert {f["name"] for f in rt["spec"]["supportedModelFormats"]} == {"pytorch", "compiled-pytorch"}
     assert rt["spec"]["protocolVersions"] == ["v1", "v2", "grpc-v2"]
@@ -101,11 +76,11 @@ def test_manifests_name_our_runtime_validate_and_follow_the_archive(layout):
     template = yaml.safe_load((Path(ROOT) / "kserve" / "servingruntime.yaml").read_text())
     jsonschema.Draft7Validator(rt_schema).validate(template)
     template["spec"]["protocolversions"] = ["v2"]
-    assert _unknown_fields(template, rt_schema) == [".spec.protocolversions"]
+    assert unknown_fields(template, rt_schema) == [".spec.protocolversions"]
 
 
-def test_gpu_manifests_when_forced_and_image_torch_mismatch_refused(good_mar, tmp_path):
-    r = lay_out([good_mar], tmp_path / "gpu", "--force-gpu", "--gpus", "2", "--device", "gpu",
+def test_gpu_manifests_when_forced_and_image_torch_mismatch_refused(cluster_mar, tmp_path):
+    r = lay_out([cluster_mar], tmp_path / "gpu", "--force-gpu", "--gpus", "2", "--device", "gpu",
                 "--protocol", "v2")
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load((tmp_path / "gpu" / "manifests" / "compiled-v2-gpu.yaml").read_text())
@@ -114,7 +89,7 @@ def test_gpu_manifests_when_forced_and_image_torch_mismatch_refused(good_mar, tm
     assert model["resources"]["limits"]["nvidia.com/gpu"] == "2"
     rt = yaml.safe_load((tmp_path / "gpu" / "manifests" / "servingruntime.yaml").read_text())
     assert rt["metadata"]["name"] == "compiled-torchserve-gpu" and rt["spec"]["containers"][0]["image"].endswith("-cuda")
-    r = lay_out([good_mar], tmp_path / "old", "--image-torch", "2.4")
+    r = lay_out([cluster_mar], tmp_path / "old", "--image-torch", "2.4")
     assert r.returncode != 0
     assert "the image has torch 2.4" in r.stderr and "--build-arg TORCH_VERSION=" in r.stderr, r.stderr
     assert not (tmp_path / "old" / "storage").exists()
@@ -162,25 +137,9 @@ def test_dockerfile_parses_and_names_what_the_runtime_runs():
 # The entrypoint, run as the container runs it
 
 
-class Container(LocalPod):
-    """The pod as its container runs it (scripts/local_pod.py), with the probes' answers in the
-    shape of a finished process (returncode 0 when the probe passed, stdout its body)."""
-
-    def probe(self, kind):
-        ok, body = super().probe(kind)
-        return subprocess.CompletedProcess([], 0 if ok else 1, body, "")
-
-    def wait(self, kind, timeout=180):
-        return subprocess.CompletedProcess([], 0, super().wait(kind, timeout), "")
-
-    def worker_rss_mib(self):
-        workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]
-        return [p.memory_info().rss / 2**20 for p in workers]
-
-
 @pytest.fixture(scope="module")
-def container(layout, tmp_path_factory):
-    c = Container(layout[0] / "storage", tmp_path_factory.mktemp("container"))
+def container(cluster_layout, tmp_path_factory):
+    c = Container(cluster_layout[0] / "storage", tmp_path_factory.mktemp("container"))
     yield c
     c.stop()
 
@@ -210,18 +169,18 @@ def test_entrypoint_serves_probes_pass_and_v1_answers_equal_eager(container):
     assert bad.status_code == 400 and "input 'mask'" in bad.json()["message"], bad.text
     # the sizing's per-worker figure holds for the example model
     rss = container.worker_rss_mib()
-    assert len(rss) == WORKERS, rss
+    assert len(rss) == CLUSTER_WORKERS, rss
     print(f"worker RSS MiB: {[round(x) for x in rss]}")
     assert max(rss) < kserve_script.WORKER_CPU_MIB, rss
     assert "process died" not in container.log("ts_log.log")
 
 
-def test_broken_archive_is_never_ready_and_says_why(good_mar, artifacts, tmp_path_factory):
+def test_broken_archive_is_never_ready_and_says_why(cluster_mar, artifacts, tmp_path_factory):
     store = tmp_path_factory.mktemp("cluster_broken_store")
     bad = build_mar(artifacts.get("cls_export"), "bad", store)
     corrupt_inside_mar(bad)
     out = tmp_path_factory.mktemp("cluster_broken_out")
-    r = lay_out([good_mar, bad], out)
+    r = lay_out([cluster_mar, bad], out)
     assert r.returncode == 0, r.stderr
     c = Container(out / "storage", tmp_path_factory.mktemp("container_broken"))
     try:

@@ -146,6 +146,7 @@ def broken_server(broken, artifacts, serve, tmp_path_factory):
     return serve(mars, ready=False)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
                                   "trt_missing"])
 def test_refused_with_message_and_answered(broken, broken_server, name):
@@ -172,6 +173,7 @@ def test_refused_with_message_and_answered(broken, broken_server, name):
     assert not [ln for ln in mine if "AttributeError" in ln], mine[-10:]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("name", ["wrong_isa", "cuda_on_cpu", "corrupt", "truncated", "crashing_library",
                                   "trt_missing"])
 def test_inspect_names_the_mismatch(broken, name):
@@ -182,12 +184,14 @@ def test_inspect_names_the_mismatch(broken, name):
     assert needle in r.stdout, r.stdout
 
 
+@pytest.mark.server
 def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
     mar = build_mar(artifacts.get("two_aoti"), "good", tmp_path)
     r = subprocess.run([PY, "-m", "scripts.inspect_artifact", str(mar)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "OK             runs here on cpu" in r.stdout, r.stdout
 
 
+@pytest.mark.server
 def test_variants_pick_the_one_that_fits(artifacts, broken, tmp_path):
     """An archive with a variant this CPU cannot run and one it can: the worker picks the second."""
     from handlers.artifact.variants import choose_variant
@@ -296,6 +300,7 @@ print(len(builds), round(time.perf_counter() - t0, 2))
 """
 
 
+@pytest.mark.server
 def test_aoti_load_compiles_no_isa_probes(artifacts):
     """Left alone, aoti_load_package builds a probe library per SIMD extension and imports torch
     in a child Python to dlopen each (minutes per worker on the GPU image). Our
@@ -334,6 +339,7 @@ def _patched(version: str) -> str:
     return f"{major}.{minor}.{int(rest[0].rstrip('abcdefghijklmnopqrstuvwxyz') or 0) + 1 if rest else 1}"
 
 
+@pytest.mark.server
 def test_strict_versions_makes_a_patch_difference_fatal(artifacts):
     """Through the worker's own path (choose_variant + parse_config) on a real exported
     program whose artifact.json records another torch patch release."""
@@ -352,6 +358,7 @@ def test_strict_versions_makes_a_patch_difference_fatal(artifacts):
     assert "no artifact in this archive can run on this worker" in str(e.value)
 
 
+@pytest.mark.server
 def test_package_metadata_disagreeing_with_artifact_json_fails(artifacts):
     from handlers.artifact.variants import open_variant
     from handlers.errors import IncompatibleArtifact
@@ -365,6 +372,7 @@ def test_package_metadata_disagreeing_with_artifact_json_fails(artifacts):
                             "rebuild the archive")
 
 
+@pytest.mark.server
 def test_package_metadata_wins_over_artifact_json(artifacts):
     from handlers.artifact.variants import open_variant
 
@@ -378,6 +386,7 @@ def test_package_metadata_wins_over_artifact_json(artifacts):
 # ---------------------------------------------------------------- crash-safe probe paths
 
 
+@pytest.mark.server
 def test_probe_reports_a_python_error_as_the_load_error(artifacts):
     """A Python-level failure in the child comes back as the child's own error message."""
     from handlers.artifact.kinds import recognise
@@ -415,6 +424,7 @@ def fake_python(tmp_path, monkeypatch):
     return make
 
 
+@pytest.mark.server
 def test_probe_timeout_is_a_load_error(artifacts, fake_python):
     from handlers.artifact.probe import crash_safe_probe
     from handlers.config import parse_config
@@ -430,6 +440,7 @@ def test_probe_timeout_is_a_load_error(artifacts, fake_python):
                             "(handler.crash_safe_timeout_s)")
 
 
+@pytest.mark.server
 def test_probe_names_an_abort(artifacts, fake_python):
     from handlers.artifact.probe import crash_safe_probe
     from handlers.config import parse_config
@@ -445,6 +456,7 @@ def test_probe_names_an_abort(artifacts, fake_python):
     assert msg.endswith("Last output: terminate called after throwing"), msg
 
 
+@pytest.mark.server
 def test_a_load_hashes_only_the_variant_it_serves(artifacts, tmp_path, monkeypatch):
     """Two fitting variants: the first (archive order) is chosen and hashed, the second is never
     read past its artifact.json, so its corrupt file does not stop the load; the chosen one's
@@ -514,6 +526,7 @@ print(json.dumps({{"inductor": inductor, "names": list(ours),
 """
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("name", ["cls_aoti", "two_aoti"])
 def test_aoti_package_loads_without_inductor_and_answers_as_torch_wrapper(artifacts, name):
     """The package goes through the loader aoti_load_package wraps, never importing

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+pytestmark = pytest.mark.server
 
 
 def test_cpu_per_call_writes_consistent_figures(artifacts, tmp_path):

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, build_mar, corrupt_inside_mar, eager
+from conftest import PY, ROOT, TOL, build_mar, corrupt_inside_mar, eager
 from hostile import JSON, KINDS, good_request
 
 from handlers.wire import safetensors_io
 from scripts.local_server import server_env, tool
 
-TOL = 1e-4
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("results_file")]
+
 RESULTS = {}
 
 
@@ -33,17 +34,6 @@ def strict(text):
     def refuse(token):
         raise ValueError(f"non-standard JSON token {token}")
     return json.loads(text, parse_constant=refuse)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def results_file():
-    yield RESULTS
-    path = os.environ.get("FAULT_RESULTS")
-    if path and RESULTS:
-        from scripts.results_meta import header
-
-        out = {**header(f"CPU ({os.cpu_count()} cores), real TorchServe", env=("FAULT_RESULTS",)), **RESULTS}
-        Path(path).write_text(json.dumps(out, indent=1) + "\n")
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from conftest import ARTIFACTS, Artifacts, build_mar, write_gpu_results
+from conftest import ARTIFACTS, build_mar
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU fault tests run on the GPU machine",
                 allow_module_level=True)
@@ -36,15 +36,9 @@ RESULTS = {}
 ST = safetensors_io.CONTENT_TYPE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def results_file():
-    yield
-    write_gpu_results(RESULTS)
-
-
 @pytest.fixture(scope="module")
-def gpu_fault_server(tmp_path_factory, serve):
-    arts = Artifacts(tmp_path_factory.mktemp("gpu_fault_artifacts"), "cuda")
+def gpu_fault_server(gpu_artifacts, tmp_path_factory, serve):
+    arts = gpu_artifacts
     store = tmp_path_factory.mktemp("gpu_fault_store")
     mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, "--batch-size", "8",
                                "--max-batch-delay", "100", "--workers", "1", "--handler-option", "warmup=false",

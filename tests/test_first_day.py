@@ -56,6 +56,7 @@ def test_default_workers_by_device_and_cores():
     assert "2 cores" in default_workers(["cpu"], 2)[1]
 
 
+@pytest.mark.server
 def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_path):
     r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(artifacts.get("cls_export")),
                         "--name", "sized", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
@@ -68,6 +69,7 @@ def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_p
     assert cfg["minWorkers"] == cfg["maxWorkers"] == want, cfg
 
 
+@pytest.mark.server
 def test_archive_says_which_artifact_it_could_not_read(tmp_path):
     r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(tmp_path), "--name", "x",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -101,6 +103,7 @@ def cls_server(artifacts, serve, tmp_path_factory):
     return serve({"cls_export": build_mar(artifacts.get("cls_export"), "cls_export", store)})
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("fmt", ["json", "safetensors"])
 def test_client_sends_values_from_a_file_and_matches_eager(cls_server, tmp_path, fmt):
     x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
@@ -118,6 +121,7 @@ def test_client_sends_values_from_a_file_and_matches_eager(cls_server, tmp_path,
 
 # -- quickstart stops only its own server
 
+@pytest.mark.server
 def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
     (tmp_path / "store").mkdir()
     ours = LocalTorchServe(tmp_path / "ours", tmp_path / "store", {})
@@ -143,6 +147,7 @@ def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
         other.stop()
 
 
+@pytest.mark.server
 def test_stopping_a_server_whose_launcher_died_stops_its_frontend(tmp_path):
     """The Java frontend can outlive the `torchserve` launcher (killed here); stop() still ends
     it, found by its config file: no server is left running after the suite."""

@@ -85,6 +85,7 @@ def test_inference_messages_read_alike_however_they_arrive(pieces):
     assert cmd == b"I" and len(msg) == len(MIXED)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("decode", [None, "true", "false"])
 def test_json_and_text_values_decoded_as_torchserve_decodes_them(monkeypatch, decode):
     if decode is None:
@@ -147,6 +148,7 @@ def _worker_main(monkeypatch, retrieve=otf_message_handler.retrieve_msg, name="m
     return main
 
 
+@pytest.mark.server
 def test_install_replaces_the_reader_of_a_torchserve_worker_loop(monkeypatch):
     main = _worker_main(monkeypatch)
     assert frontend_frames.install(True) == "buffered frame reader"
@@ -154,6 +156,7 @@ def test_install_replaces_the_reader_of_a_torchserve_worker_loop(monkeypatch):
     assert frontend_frames.install(True) == "buffered frame reader"  # idempotent
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", ["disabled", "not a worker", "other version", "already replaced", "async worker"])
 def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
     someone_elses = lambda conn: None  # noqa: E731
@@ -173,6 +176,7 @@ def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
             "async worker": "async worker reads with its own loop"}[case] in note
 
 
+@pytest.mark.server
 def test_bench_frames_writes_its_results(tmp_path):
     """scripts/bench_frames.py: both readers timed on the same messages (it raises if they
     disagree), results JSON with the common first keys, Markdown and plot beside it."""
@@ -192,6 +196,7 @@ def test_bench_frames_writes_its_results(tmp_path):
     assert (tmp_path / "frames.png").stat().st_size > 1000
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("waiting", [False, True])
 def test_after_a_sticky_fault_the_reader_exits_only_between_messages(waiting):
     """handlers/torchserve/restart.exit_soon + retrieve_msg: once a sticky device fault set the exit, the

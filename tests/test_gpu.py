@@ -6,16 +6,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import (
-    ARTIFACTS,
-    Artifacts,
-    build_mar,
-    repin,
-    rewrite_package_metadata,
-    write_gpu_results,
-)
+from conftest import ARTIFACTS, build_mar, repin, rewrite_package_metadata
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
@@ -35,17 +28,6 @@ ARTIFACTS["big_aoti_fp16"] = ["--model", "examples/models.py:big_conv", "--input
 ARTIFACTS["big_export_fp32"] = ["--model", "examples/models.py:big_conv", "--input",
                                 "image:2x3x2160x3840:float32", "--dynamic-batch", "1:2", "--backend", "export"]
 RESULTS = {"placement": [], "streams": [], "torchserve": {}, "compat": {}}
-
-
-@pytest.fixture(scope="session")
-def gpu_artifacts(tmp_path_factory):
-    return Artifacts(tmp_path_factory.mktemp("gpu_artifacts"), "cuda")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def results_file():
-    yield
-    write_gpu_results({k: v for k, v in RESULTS.items() if v})
 
 
 def eager_on(factory, device, inputs, half=False):

@@ -6,9 +6,8 @@ the counts (device, date, torch, command first)."""
 
 import pytest
 import torch
-from conftest import Artifacts, write_gpu_results
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU tests run on the GPU machine",
                 allow_module_level=True)
@@ -20,18 +19,7 @@ from handlers.artifact.metadata import read_spec  # noqa: E402
 from handlers.config import parse_config  # noqa: E402
 from handlers.run import graphs, runner_for  # noqa: E402
 
-RESULTS = []
-
-
-@pytest.fixture(scope="module")
-def gpu_artifacts(tmp_path_factory):
-    return Artifacts(tmp_path_factory.mktemp("graph_artifacts"), "cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def results_file():
-    yield
-    write_gpu_results({"graphs": RESULTS})
+RESULTS = {"graphs": []}
 
 
 def request(spec, rows, g):
@@ -60,7 +48,7 @@ def test_graph_path_matches_the_plain_path(gpu_artifacts, name):
     note = with_graphs.prepare(cfg, kind_of(spec))
     plain = runner_for(model, spec, torch.device("cuda:0"), parse_config({"handler": {"cuda_graphs": "off"}}))
     row = {"artifact": name, "note": note, "calls": 0, "exact_mismatches": 0, "max_abs_vs_unpadded": 0.0}
-    RESULTS.append(row)
+    RESULTS["graphs"].append(row)
     assert with_graphs.graphs is not None, note
     g = torch.Generator().manual_seed(0)
     for rows in [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 1, 16, 3]:
@@ -111,7 +99,7 @@ def test_mixed_lengths_share_one_graph_when_that_is_cheaper(gpu_artifacts):
     row = {"artifact": "text_tiny_aoti", "note": note, "merged_calls": calls,
            "max_abs_vs_alone": max((t[k].float() - a[k].float()).abs().max().item()
                                    for t, a in zip(together, alone) for k in t)}
-    RESULTS.append(row)
+    RESULTS["graphs"].append(row)
     assert calls == [(5, (1, 64))], calls
     assert row["max_abs_vs_alone"] <= 1e-4
 
@@ -140,7 +128,7 @@ def test_a_shape_whose_capture_fails_runs_plain_calls_on_the_gpu():
     cfg = parse_config({"handler": {"cuda_graph_max_batch": 8}})
     runner = runner_for(LoadedModel(fn, spec, device, "test"), spec, device, cfg)
     note = runner.prepare(cfg, kind_of("aoti"))
-    RESULTS.append({"test": "capture_fallback", "note": note})
+    RESULTS["graphs"].append({"test": "capture_fallback", "note": note})
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 8], note
     assert "capture failed, plain calls for batch 4 (" in note, note
     g = torch.Generator().manual_seed(0)

@@ -8,10 +8,11 @@ import zipfile
 import grpc
 import pytest
 import torch
-from conftest import eager
-from test_serving import close, two
+from conftest import close, eager, two
 
 from handlers.wire import safetensors_io
+
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="session")

@@ -276,6 +276,7 @@ def test_load_failure_answers_every_request_with_the_reason(tmp_path):
     assert json.loads(h.describe_handle())["ready"] is False
 
 
+@pytest.mark.server
 def test_scratch_sweep_removes_only_directories_of_gone_processes(tmp_path):
     from handlers.torchserve import scratch
 
@@ -289,6 +290,7 @@ def test_scratch_sweep_removes_only_directories_of_gone_processes(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["other", f"worker-{os.getpid()}"]
 
 
+@pytest.mark.server
 def test_scratch_reaper_removes_the_directory_when_its_process_is_killed(tmp_path):
     from handlers.torchserve import scratch
 
@@ -349,6 +351,7 @@ def test_sticky_device_error_answers_then_exits(monkeypatch):
     assert json.loads(h.describe_handle())["ready"] is False
 
 
+@pytest.mark.server
 def test_torchserve_profiler_switch_writes_a_trace_per_batch(monkeypatch, tmp_path):
     """ENABLE_TORCH_PROFILER, read as TorchServe's BaseHandler reads it: each batch is profiled
     and its trace written under PROFILE_ROOT/MODEL; the answers stay the same."""

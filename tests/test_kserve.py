@@ -8,7 +8,6 @@ asserts that nothing else changed.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -26,12 +25,11 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import PY, ROOT, build_mar, eager
-from test_serving import close, image, two
+from conftest import PY, ROOT, build_mar, close, eager, image, two
+from kserve_kit import STORAGE_URI, crd_schema, unknown_fields
 
 from scripts.local_server import free_port, next_worker_port, server_env, tool
 
-STORAGE_URI = "gs://example-bucket/models/compiled-serving"
 # model name -> (artifact, archive.py arguments); "two" batches up to 4 requests.
 MODELS = {
     "two": ("two_export", ["--batch-size", "4", "--max-batch-delay", "400"]),
@@ -81,6 +79,7 @@ def layout(artifacts, tmp_path_factory):
             "stdout": r.stdout, "stderr": r.stderr}
 
 
+@pytest.mark.server
 def test_storage_layout_holds_the_archives_and_the_snapshot(layout):
     storage = layout["storage"]
     assert sorted(p.name for p in storage.iterdir()) == ["config", "model-store"]
@@ -104,6 +103,7 @@ def test_storage_layout_holds_the_archives_and_the_snapshot(layout):
     assert snap["models"]["two"]["1.0"]["maxBatchDelay"] == 400
 
 
+@pytest.mark.server
 def test_config_keeps_the_protections_and_documents_each_difference(layout):
     text = (layout["storage"] / "config" / "config.properties").read_text()
     kcfg = properties(text)
@@ -140,6 +140,7 @@ def test_config_keeps_the_protections_and_documents_each_difference(layout):
     assert "DIFFERS" in next(b for b in blocks if "enable_envvars_config=" in b)
 
 
+@pytest.mark.server
 def test_kserve_wrapper_reads_the_config(layout):
     """What TorchServe's KServe wrapper (kubernetes/kserve/kserve_wrapper/__main__.py) derives."""
     cfg = properties((layout["storage"] / "config" / "config.properties").read_text())
@@ -152,35 +153,11 @@ def test_kserve_wrapper_reads_the_config(layout):
     assert cfg["model_store"] == "/mnt/models/model-store"
 
 
-def _crd_schema():
-    with gzip.open(Path(__file__).parent / "data" / "kserve_inferenceservice_v1beta1.schema.json.gz") as f:
-        return json.load(f)
-
-
-def _unknown_fields(obj, schema, path="") -> list:
-    """Fields the API server's strict field validation (kubectl apply --validate=strict) rejects."""
-    if schema.get("x-kubernetes-preserve-unknown-fields"):
-        return []
-    bad = []
-    if isinstance(obj, dict) and "properties" in schema:
-        for k, v in obj.items():
-            if k not in schema["properties"]:
-                bad.append(f"{path}.{k}")
-            else:
-                bad += _unknown_fields(v, schema["properties"][k], f"{path}.{k}")
-    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
-        for k, v in obj.items():
-            bad += _unknown_fields(v, schema["additionalProperties"], f"{path}.{k}")
-    elif isinstance(obj, list) and "items" in schema:
-        for i, v in enumerate(obj):
-            bad += _unknown_fields(v, schema["items"], f"{path}[{i}]")
-    return bad
-
-
+@pytest.mark.server
 def test_manifests_are_valid_inference_services_naming_the_layout(layout):
     import jsonschema
 
-    schema = _crd_schema()
+    schema = crd_schema()
     files = sorted(layout["manifests"].glob("*.yaml"))
     assert [f.name for f in files] == sorted(
         f"compiled-{p}{d}.yaml" for p in ("v1", "v2", "grpc-v2") for d in ("", "-gpu"))
@@ -190,7 +167,7 @@ def test_manifests_are_valid_inference_services_naming_the_layout(layout):
         doc = yaml.safe_load(f.read_text())
         assert doc["apiVersion"] == "serving.kserve.io/v1beta1" and doc["kind"] == "InferenceService"
         jsonschema.Draft7Validator(schema).validate(doc)
-        assert _unknown_fields(doc, schema) == [], f.name
+        assert unknown_fields(doc, schema) == [], f.name
         assert doc["metadata"] == {"name": f.stem, "namespace": "ml"}
         model = doc["spec"]["predictor"]["model"]
         protocol = re.match(r"compiled-(v1|v2|grpc-v2)", f.stem).group(1)
@@ -209,13 +186,14 @@ def test_manifests_are_valid_inference_services_naming_the_layout(layout):
     # the validation above can fail: a misspelt field and a wrong type are caught
     bad = yaml.safe_load(files[0].read_text())
     bad["spec"]["predictor"]["model"]["protocolversion"] = "v2"
-    assert _unknown_fields(bad, schema) == [".spec.predictor.model.protocolversion"]
+    assert unknown_fields(bad, schema) == [".spec.predictor.model.protocolversion"]
     bad = yaml.safe_load(files[0].read_text())
     bad["spec"]["predictor"]["model"]["ports"] = [{"containerPort": "7070"}]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema).validate(bad)
 
 
+@pytest.mark.server
 def test_command_refuses_bad_input(layout, tmp_path):
     def run(*args):
         return subprocess.run([PY, "-m", "scripts.kserve", *args], cwd=ROOT, capture_output=True, text=True)
@@ -594,6 +572,7 @@ def check_v2(result, f, m, request_id):
     assert {o["name"] for o in resp["outputs"]} == set(ref)
 
 
+@pytest.mark.server
 def test_v2_rest_json_with_tritonclient(kserve_ts):
     ts = kserve_ts("v2")
     client = triton(ts)
@@ -612,6 +591,7 @@ def test_v2_rest_json_with_tritonclient(kserve_ts):
     close({"output": torch.from_numpy(out.as_numpy("output"))}, eager("classifier", x))
 
 
+@pytest.mark.server
 def test_v2_concurrent_batch_and_a_bad_request_failing_alone(kserve_ts):
     from tritonclient.utils import InferenceServerException
 
@@ -653,6 +633,7 @@ def test_v2_concurrent_batch_and_a_bad_request_failing_alone(kserve_ts):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     ts = kserve_ts("v2")
     f, m = two(4, seed=51)
@@ -672,6 +653,7 @@ def test_v2_rest_binary_tensors_with_tritonclient(kserve_ts):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_v2_metadata_and_ready_routes_are_absent_in_torchserve_0_12(kserve_ts):
     """Documented limit: TorchServe 0.12 answers no v2 model metadata/ready route."""
     ts = kserve_ts("v2")
@@ -679,6 +661,7 @@ def test_v2_metadata_and_ready_routes_are_absent_in_torchserve_0_12(kserve_ts):
         assert requests.get(ts.base + path, timeout=10).status_code == 404, path
 
 
+@pytest.mark.server
 def test_v1_predict_matches_eager_in_a_concurrent_batch(kserve_ts):
     ts = kserve_ts("v1")
     url = f"{ts.base}/v1/models/two:predict"
@@ -716,6 +699,7 @@ def test_v1_predict_matches_eager_in_a_concurrent_batch(kserve_ts):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_management_and_model_api_stay_closed(kserve_ts):
     ts = kserve_ts("v1")
     # registration over the network stays off even without tokens
@@ -749,6 +733,7 @@ def oip(tmp_path_factory):
     return open_inference_grpc_pb2, open_inference_grpc_pb2_grpc
 
 
+@pytest.mark.server
 def test_grpc_v2_model_ready(kserve_ts, oip):
     import grpc
 
@@ -780,6 +765,7 @@ def check_grpc(resp, f, m, request_id):
     close(got, ref)
 
 
+@pytest.mark.server
 def test_grpc_v2_model_infer(kserve_ts, oip):
     import grpc
 
@@ -798,6 +784,7 @@ def test_grpc_v2_model_infer(kserve_ts, oip):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_grpc_v2_bad_requests_get_a_status_and_the_worker_lives(kserve_ts, oip):
     import grpc
 
@@ -823,6 +810,7 @@ def test_grpc_v2_bad_requests_get_a_status_and_the_worker_lives(kserve_ts, oip):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_grpc_v2_concurrent_batch_with_a_bad_request(kserve_ts, oip):
     import grpc
 
@@ -860,6 +848,7 @@ def test_grpc_v2_concurrent_batch_with_a_bad_request(kserve_ts, oip):
     ts.assert_no_worker_restarts()
 
 
+@pytest.mark.server
 def test_envelope_from_kserve_docs_fails_the_load_naming_the_setting(layout, tmp_path_factory):
     """KServe's docs set enable_envvars_config=true, which makes TS_SERVICE_ENVELOPE=kservev2 wrap
     the handler: only the first request of a batch would be passed on. The handler refuses to

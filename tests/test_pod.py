@@ -23,10 +23,11 @@ import pytest
 import requests
 import torch
 
-from conftest import ROOT, eager
+from conftest import ROOT, close, eager, two
 from handlers import protowire
-from test_cluster_runtime import Container, layout, good_mar  # noqa: F401 (fixtures)
-from test_serving import close, two
+from kserve_kit import Container, lay_out
+
+pytestmark = pytest.mark.server
 
 KPY = Path(ROOT) / ".venv-kserve" / "bin" / "python"
 OIP = "/inference.GRPCInferenceService/"
@@ -44,10 +45,10 @@ def kserve_env():
 
 
 @pytest.fixture(scope="module")
-def door(layout, tmp_path_factory):  # noqa: F811
+def door(cluster_layout, tmp_path_factory):
     """The image's entrypoint as the image runs it: TorchServe on the storage's loopback
     addresses, nginx, the gRPC bridge and the status process on the container's ports."""
-    c = Container(layout[0] / "storage", tmp_path_factory.mktemp("door"),
+    c = Container(cluster_layout[0] / "storage", tmp_path_factory.mktemp("door"),
                   properties={"max_request_size": LIMIT, "max_response_size": LIMIT})
     try:
         c.wait("ready")
@@ -251,21 +252,20 @@ def test_tritonclient_http_json_and_binary_equal_eager(door, kserve_env):
     assert str(out["bad"][0]) == "400" and "the artifact needs 16" in out["bad"][1], out["bad"]
 
 
-def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(artifacts, good_mar,  # noqa: F811
+def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(artifacts, cluster_mar,
                                                                               tmp_path_factory):
     """A good archive, one whose artifact was damaged after archiving and one truncated in
     transfer: the pod comes up and stays up (liveness passes, no crash loop), the good model
     answers, and the server's and each broken model's ready and metadata routes, over REST and
     gRPC, name the reason; the readiness probe fails naming both."""
     from conftest import build_mar, corrupt_inside_mar
-    from test_cluster_runtime import lay_out
 
     store = tmp_path_factory.mktemp("door_broken_store")
     bad = build_mar(artifacts.get("cls_export"), "bad", store)
     corrupt_inside_mar(bad)
     cut = build_mar(artifacts.get("cls_export"), "cut", store)
     out = tmp_path_factory.mktemp("door_broken_out")
-    r = lay_out([good_mar, bad, cut], out)
+    r = lay_out([cluster_mar, bad, cut], out)
     assert r.returncode == 0, r.stderr
     stored = out / "storage" / "model-store" / "cut.mar"
     stored.write_bytes(stored.read_bytes()[: stored.stat().st_size // 2])

@@ -12,6 +12,8 @@ from handlers.artifact.device import Placement
 from handlers.artifact.variants import open_variant
 from handlers.config import HandlerConfig
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture
 def private_root(tmp_path):

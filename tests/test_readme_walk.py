@@ -81,6 +81,7 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.server
 def test_walk_the_readme_in_a_fresh_clone(tmp_path):
     """Long (it compiles the example with AOTInductor): what a newcomer does on day one."""
     if os.environ.get("README_WALK") != "1":

@@ -15,6 +15,8 @@ from conftest import PY, ROOT, build_mar
 from torch import nn
 from torch.export import Dim
 
+pytestmark = pytest.mark.server
+
 TABLES = (100, 5000, 20)
 SHOWN = "sparse: int64[Bx3] per column of dimension 1: 0 in [0, 99] | 1 in [0, 4999] | 2 in [0, 19]"
 

@@ -26,6 +26,7 @@ def test_compile_rejects_bad_arguments(tmp_path):
     assert r.returncode != 0 and "torch_tensorrt" in r.stderr
 
 
+@pytest.mark.server
 def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
     r = run("scripts/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
             "--out", str(tmp_path), "--batch-size", "8")
@@ -36,6 +37,7 @@ def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
     assert r.returncode != 0 and "unknown handler option(s) strem_priority" in r.stderr
 
 
+@pytest.mark.server
 def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
     """TorchServe 0.12 relays a batched worker response in time quadratic in its size; an
     image-sized output per row with batchSize > 1 gets a warning, batchSize 1 none."""
@@ -52,6 +54,7 @@ def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
     assert r.returncode == 0 and "outputs is" not in r.stderr
 
 
+@pytest.mark.server
 def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     import json
 
@@ -114,6 +117,7 @@ def test_xfer_study_says_it_needs_a_gpu():
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.server
 def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path):
     """1 ms delay, batches of 8 capped at what the artifact accepts per call (docs/performance.md
     "Serving settings"; docs/results/e2e_*); workers for a CPU artifact from this machine's cores

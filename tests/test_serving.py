@@ -2,28 +2,11 @@
 
 import pytest
 import torch
-from conftest import eager
+from conftest import close, eager, image, two
 
 from handlers.wire import safetensors_io
 
-TOL = 1e-4
-
-
-def image(n, seed=0):
-    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
-
-
-def two(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 16, generator=g), torch.rand(n, 16, generator=g) > 0.3
-
-
-def close(got: dict, ref: dict):
-    assert set(got) == set(ref)
-    for k in ref:
-        t = torch.tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k]
-        assert t.shape == ref[k].shape, k
-        assert (t - ref[k]).abs().max().item() < TOL, k
+pytestmark = pytest.mark.server
 
 
 @pytest.mark.parametrize("model", ["cls_aoti", "cls_so", "cls_export"])

@@ -55,6 +55,7 @@ def test_cpu_threads_option_validated():
         parse_config({"handler": {"cpu_threads": 1.5}})
 
 
+@pytest.mark.server
 def test_apply_sets_torch_pools_in_a_fresh_process():
     code = ("import torch; from handlers.torchserve import threads;"
             "b = threads.apply(threads.ThreadBudget(3, 1, 'test'));"
@@ -64,6 +65,7 @@ def test_apply_sets_torch_pools_in_a_fresh_process():
     assert out.stdout.split() == ["3", "1", "3", "1"]
 
 
+@pytest.mark.server
 def test_probe_child_inherits_the_budget():
     """crash_safe_probe starts its child with ThreadBudget.child_env: torch there must come up
     with the parent's intra-op count, also for OpenMP-backed native kernels."""

@@ -106,6 +106,7 @@ def worker_pids(ts, model) -> list:
     return sorted(w.get("pid") for w in r.json()[0]["workers"])
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("model", ["text_ep", "text_aoti", "text_pad"])
 def test_mixed_lengths_in_one_batch_each_equal_to_eager_alone(user_server, user_files, model):
     _, ref_model = user_files
@@ -114,6 +115,7 @@ def test_mixed_lengths_in_one_batch_each_equal_to_eager_alone(user_server, user_
     each_equals_eager(user_server, model, ref_model, cases, "tokens", 16)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("model", ["text_ep", "text_aoti", "text_pad"])
 def test_lengths_and_ids_outside_the_contract_are_400_with_the_range(user_server, model):
     long_, short = text_inputs(MAX_LEN + 1), text_inputs(1)
@@ -172,6 +174,7 @@ def _round(ts, model, ref_model, seconds: float, with_bad: bool, seed: int) -> d
             "p50": statistics.median(good_ms), "p99": good_ms[int(0.99 * (len(good_ms) - 1))]}
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("model", ["text_ep", "text_aoti"])
 def test_a_stream_of_bad_ids_never_takes_a_worker_down(user_server, user_files, model):
     """On the CPU an AOTInductor package aborts the whole worker on an id past its table; the
@@ -193,6 +196,7 @@ def test_a_stream_of_bad_ids_never_takes_a_worker_down(user_server, user_files, 
     assert mixed["p99"] < 5 * calm["p99"] + 200, (calm["p99"], mixed["p99"])
 
 
+@pytest.mark.server
 def test_imported_contract_is_shown_truthfully(user_files, tmp_path):
     d, _ = user_files
     out = tmp_path / "imported"
@@ -209,6 +213,7 @@ def test_imported_contract_is_shown_truthfully(user_files, tmp_path):
     assert f"D1 {MIN_LEN}..{MAX_LEN}" in shown.stdout and "tokens: float32[BxD1x16]" in shown.stdout, shown.stdout
 
 
+@pytest.mark.server
 def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
     d, _ = user_files
     r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(d / "package.pt2"), "--name", "x",
@@ -216,6 +221,7 @@ def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
     assert r.returncode != 0 and "--program PROGRAM.pt2" in r.stderr and "torch.export.save" in r.stderr, r.stderr
 
 
+@pytest.mark.server
 def test_padding_is_announced_in_the_load_line(user_server):
     """Announced with the load-time check that padding leaves this masked model's answers alone
     (handlers/run/padding.py): declared with its buckets (text_pad), found by the archive with no
@@ -294,6 +300,7 @@ def hf_server(hf_bert, serve, tmp_path_factory):
     return serve({name: store / f"{name}.mar" for name in printed}), printed
 
 
+@pytest.mark.server
 def test_hf_bert_archived_with_no_options_is_padded(hf_server):
     """The archive prints the padding it chose and why; each worker's load line shows it checked."""
     ts, printed = hf_server
@@ -305,6 +312,7 @@ def test_hf_bert_archived_with_no_options_is_padded(hf_server):
                               in ln for ln in loaded), loaded
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("model", ["hf_ep", "hf_aoti"])
 def test_hf_bert_mixed_lengths_equal_eager_per_length(hf_server, hf_bert, model):
     """Requests of different lengths sent together: one worker, so they queue behind the first
@@ -392,6 +400,7 @@ def test_pad_candidates_stay_inside_the_contract():
                                 "cols": [4], "apart": []}
 
 
+@pytest.mark.server
 def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_path):
     """An unmasked model: no padding is safe, the archive says so and the cost; an explicit pad=
     option is used as given, not searched (--pad none: text_ep's load line, below)."""

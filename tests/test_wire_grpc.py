@@ -563,6 +563,7 @@ def test_mutated_valid_requests_are_only_ever_400s(pb, position, byte, cut):
 # ---------------------------------------------------------------- through a real TorchServe
 
 
+@pytest.mark.server
 def test_real_torchserve_answers_a_model_infer_request(main_server, pb):
     """Raw and typed contents, requested outputs and the id through TorchServe's REST path, equal
     to eager; a bad request gets the usual JSON error with 400."""

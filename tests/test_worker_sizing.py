@@ -94,7 +94,6 @@ def test_gpu_memory_from_the_flag_this_machines_gpu_or_the_stated_default(monkey
 # -- weight bytes of real artifacts
 
 @pytest.mark.server
-@pytest.mark.server
 def test_exported_program_weights_are_its_state_dict_and_constants(artifacts):
     spec = read_spec(str(artifacts.get("cls_export")))
     ep = torch.export.load(spec.artifact_path)
@@ -102,7 +101,6 @@ def test_exported_program_weights_are_its_state_dict_and_constants(artifacts):
     assert weight_bytes(spec).bytes == sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.server
 @pytest.mark.server
 def test_aoti_package_and_its_bare_library_carry_the_models_weights(artifacts):
     pkg = weight_bytes(read_spec(str(artifacts.get("cls_aoti"))))
@@ -114,7 +112,6 @@ def test_aoti_package_and_its_bare_library_carry_the_models_weights(artifacts):
     assert abs(pkg.bytes - own) <= 0.05 * own, (pkg.bytes, own)
 
 
-@pytest.mark.server
 @pytest.mark.server
 def test_a_package_without_its_source_is_read_from_its_library(artifacts, tmp_path):
     spec = read_spec(str(artifacts.get("cls_aoti")))
@@ -150,7 +147,6 @@ def _archive(art, out, *extra):
 
 
 @pytest.mark.server
-@pytest.mark.server
 def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda")
     ep = torch.export.load(str(art / "model.pt2"))
@@ -171,7 +167,6 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     assert cfg["gpuSizing"]["gpuMiB"] == 4096
 
 
-@pytest.mark.server
 @pytest.mark.server
 def test_archive_without_a_gpu_says_the_memory_was_assumed_and_refuses_what_cannot_fit(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda2")

@@ -12,6 +12,7 @@ PREDICT = LOOP.format(185) + ";Service.predict (ts/service.py:{})"
 HANDLE = PREDICT.format(135) + ";CompiledModelHandler.handle (ts_entry.py:67);serve (/x/main/handlers/pipeline.py:96)"
 
 
+@pytest.mark.server
 def test_stages_follow_the_priority_list():
     lines = [
         f"{LOOP.format(179)};retrieve_msg (/x/main/handlers/torchserve/frontend_frames.py:167) 30",
@@ -49,6 +50,7 @@ def test_frame_names_drop_line_numbers_and_install_prefixes():
     assert worker_spy.frame_name("odd") == "odd"
 
 
+@pytest.mark.server
 def test_only_one_servers_workers_are_found():
     """Workers are found by their command line, and with a root only below that process: a
     second server's workers on the same host are left out."""

@@ -1,0 +1,67 @@
+"""What the KServe tests share (tests/test_kserve.py, test_cluster_runtime.py, test_kserve_sizing.py,
+test_pod.py): the storage URI they lay out for, KServe's InferenceService CRD schema and the strict
+field check the API server applies, the layout command, and the pod as its container runs it.
+Their archive and layout fixtures (cluster_mar, cluster_layout) are in conftest.py."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.local_pod import LocalPod
+from scripts.local_server import server_env
+
+ROOT = Path(__file__).resolve().parents[1]
+STORAGE_URI = "gs://example-bucket/models/compiled-serving"
+
+
+def crd_schema() -> dict:
+    """KServe's InferenceService v1beta1 schema (tests/data, as its CRD publishes it)."""
+    with gzip.open(Path(__file__).parent / "data" / "kserve_inferenceservice_v1beta1.schema.json.gz") as f:
+        return json.load(f)
+
+
+def unknown_fields(obj, schema, path="") -> list:
+    """Fields the API server's strict field validation (kubectl apply --validate=strict) rejects."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    bad = []
+    if isinstance(obj, dict) and "properties" in schema:
+        for k, v in obj.items():
+            if k not in schema["properties"]:
+                bad.append(f"{path}.{k}")
+            else:
+                bad += unknown_fields(v, schema["properties"][k], f"{path}.{k}")
+    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for k, v in obj.items():
+            bad += unknown_fields(v, schema["additionalProperties"], f"{path}.{k}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, v in enumerate(obj):
+            bad += unknown_fields(v, schema["items"], f"{path}[{i}]")
+    return bad
+
+
+def lay_out(mars, out, *extra):
+    """`python -m scripts.kserve` on these archives into `out` (the storage layout and manifests)."""
+    cmd = [sys.executable, "-m", "scripts.kserve", "--storage-uri", STORAGE_URI, "--out", str(out), "--name", "compiled", *extra]
+    for m in mars:
+        cmd += ["--mar", str(m)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())
+
+
+class Container(LocalPod):
+    """The pod as its container runs it (scripts/local_pod.py), with the probes' answers in the
+    shape of a finished process (returncode 0 when the probe passed, stdout its body)."""
+
+    def probe(self, kind):
+        ok, body = super().probe(kind)
+        return subprocess.CompletedProcess([], 0 if ok else 1, body, "")
+
+    def wait(self, kind, timeout=180):
+        return subprocess.CompletedProcess([], 0, super().wait(kind, timeout), "")
+
+    def worker_rss_mib(self):
+        workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]
+        return [p.memory_info().rss / 2**20 for p in workers]
