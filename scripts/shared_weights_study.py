@@ -37,6 +37,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,6 +172,7 @@ def role_holder(args) -> None:
         weights[name], at = view, at + value.numel()
     if args.device == "cuda":
         torch.cuda.synchronize()
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()  # the parent's end
     if os.path.exists(args.socket):
         os.unlink(args.socket)  # a killed holder's socket file; one holder per socket is the parent's job
     with Listener(args.socket, family="AF_UNIX", authkey=os.environ[KEY_ENV].encode()) as listener:
@@ -236,7 +238,7 @@ class WorkerModel:
         exposes swap_constant_buffer and free_inactive_constant_buffer."""
         import torch
 
-        unpacked = tempfile.mkdtemp(prefix="sw_pkg_")
+        unpacked = tempfile.mkdtemp(prefix="sw_pkg_")  # under TMPDIR, the study's work directory
         with zipfile.ZipFile(self.args.package) as z:
             z.extractall(unpacked)
         found = sorted((not f.endswith(".wrapper.so"), os.path.join(d, f))  # the model's .so first
@@ -246,6 +248,7 @@ class WorkerModel:
             runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1, "cuda", os.path.dirname(so))
         else:
             runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
+        shutil.rmtree(unpacked)  # loaded: the .so stays mapped, its weights are copied to the device
         mem("package_loaded")
         shared = self.shared_weights()
         mem("attached")
@@ -343,6 +346,7 @@ class Child:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, env=args.child_env, cwd=ROOT)
         self.buf = b""
+        args.children.append(self)  # stopped by stop_all after the step
 
     @property
     def pid(self):
@@ -385,13 +389,23 @@ class Child:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def stop(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill9()
+
+
+def stop_all(children, grace=10.0) -> None:
+    """Every child's stdin closed at once (workers and holders exit on its end), then a shared
+    grace period, then kill -9 for whatever is left."""
+    for c in children:
+        try:
+            c.proc.stdin.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill9()
+    children.clear()
 
 
 class GpuMeter:
@@ -497,8 +511,8 @@ class Study:
         """A wait of `seconds`, cut to what is left of the study's budget (at least 5 s)."""
         return max(5.0, min(seconds, self.deadline - time.monotonic()))
 
-    def answers(self, workers):
-        return same_answers(ask_all(workers, {"cmd": "check"}, self.t(60)), self.reference)
+    def answers(self, workers, timeout=60):
+        return same_answers(ask_all(workers, {"cmd": "check"}, self.t(timeout)), self.reference)
 
     def load_one_by_one(self, workers, base):
         """Each worker's load alone, so its device figures are its own: nvidia-smi before,
@@ -518,87 +532,70 @@ class Study:
 
 
 def step_compile(s):
-    c = Child(s.args, "compile", "compile")
-    try:
-        return c.read(s.t(s.args.compile_timeout))
-    finally:
-        c.stop()
+    return Child(s.args, "compile", "compile").read(s.t(s.args.compile_timeout))
 
 
 def step_unshared(s, n, prefix):
     base = s.meter.used()
     workers, ready = start_workers(s.args, "own", s.normal, n, prefix)
-    try:
-        ctx, t0 = s.meter.used(), time.monotonic()
-        loads = ask_all(workers, {"cmd": "load"}, s.t(s.args.step_timeout))
-        loaded, peak = s.meter.used(), s.meter.peak_since(t0)
-        checks = ask_all(workers, {"cmd": "check"}, s.t(60))
-        if s.reference is None and "hashes" in checks[0]:
-            s.reference = checks[0]["hashes"]
-        bench_r = ask_all(workers, {"cmd": "bench", "seconds": s.args.bench_s}, s.t(s.args.bench_s + 60))
-        return {"workers": n, "baseline_mib": base, "contexts_mib": diff(ctx, base),
-                "after_load_mib": diff(loaded, base), "sampled_peak_load_mib": diff(peak, base),
-                "after_bench_mib": diff(s.meter.used(), base), "per_process_mib": pid_memory(s.meter, workers),
-                "loads": loads, "answers_equal_reference": same_answers(checks, s.reference),
-                "hashes": checks[0].get("hashes"), "bench": throughput(bench_r)}
-    finally:
-        for w in workers:
-            w.stop()
+    ctx, t0 = s.meter.used(), time.monotonic()
+    loads = ask_all(workers, {"cmd": "load"}, s.t(s.args.step_timeout))
+    loaded, peak = s.meter.used(), s.meter.peak_since(t0)
+    checks = ask_all(workers, {"cmd": "check"}, s.t(60))
+    if s.reference is None and "hashes" in checks[0]:
+        s.reference = checks[0]["hashes"]
+    bench_r = ask_all(workers, {"cmd": "bench", "seconds": s.args.bench_s}, s.t(s.args.bench_s + 60))
+    return {"workers": n, "baseline_mib": base, "contexts_mib": diff(ctx, base),
+            "after_load_mib": diff(loaded, base), "sampled_peak_load_mib": diff(peak, base),
+            "after_bench_mib": diff(s.meter.used(), base), "per_process_mib": pid_memory(s.meter, workers),
+            "loads": loads, "answers_equal_reference": same_answers(checks, s.reference),
+            "hashes": checks[0].get("hashes"), "bench": throughput(bench_r)}
 
 
 def step_shared(s, mode, package, n, prefix, faults=False, bench_it=True):
     base = s.meter.used()
     holder, holder_ready = s.holder(f"{prefix}holder")
-    children = [holder]
-    try:
-        after_holder = s.meter.used()
-        workers, ready = start_workers(s.args, mode, package, n, prefix)
-        children += workers
-        ctx = s.meter.used()
-        out = {"workers": n, "mode": mode, "baseline_mib": base, "holder": holder_ready,
-               "holder_mib": diff(after_holder, base), "holder_and_contexts_mib": diff(ctx, base),
-               "loads": s.load_one_by_one(workers, base)}
-        out["after_load_mib"] = diff(s.meter.used(), base)
-        out["answers_equal_reference"] = s.answers(workers)
-        if bench_it:
-            r = ask_all(workers, {"cmd": "bench", "seconds": s.args.bench_s}, s.t(s.args.bench_s + 60))
-            out["bench"] = throughput(r)
-            out["after_bench_mib"] = diff(s.meter.used(), base)
-        out["per_process_mib"] = pid_memory(s.meter, children)
-        if faults:
-            out["faults"] = shared_faults(s, holder, workers, mode, package, children, base)
-        return out
-    finally:
-        for c in children:
-            c.stop()
+    after_holder = s.meter.used()
+    workers, ready = start_workers(s.args, mode, package, n, prefix)
+    ctx = s.meter.used()
+    out = {"workers": n, "mode": mode, "baseline_mib": base, "holder": holder_ready,
+           "holder_mib": diff(after_holder, base), "holder_and_contexts_mib": diff(ctx, base),
+           "loads": s.load_one_by_one(workers, base)}
+    out["after_load_mib"] = diff(s.meter.used(), base)
+    out["answers_equal_reference"] = s.answers(workers)
+    if bench_it:
+        r = ask_all(workers, {"cmd": "bench", "seconds": s.args.bench_s}, s.t(s.args.bench_s + 60))
+        out["bench"] = throughput(r)
+        out["after_bench_mib"] = diff(s.meter.used(), base)
+    out["per_process_mib"] = pid_memory(s.meter, [holder, *workers])
+    if faults:
+        out["faults"] = shared_faults(s, holder, workers, mode, package, base)
+    return out
 
 
-def shared_faults(s, holder, workers, mode, package, children, base):
+def shared_faults(s, holder, workers, mode, package, base):
     """kill -9 of a worker, then of the holder; a new worker with no holder; a restarted
     holder and a worker attaching to it. Each outcome as the workers report it."""
     out = {}
     workers[0].kill9()
     rest = workers[1:]
-    out["kill9_worker"] = {"others_answers_equal": s.answers(rest)}
+    out["kill9_worker"] = {"others_answers_equal": s.answers(rest, 20)}
     holder.kill9()
     time.sleep(1.0)
     out["kill9_holder"] = {
-        "others_answers_equal": s.answers(rest),
+        "others_answers_equal": s.answers(rest, 20),
         "others_alive": [w.proc.poll() is None for w in rest],
         "device_mib_after": diff(s.meter.used(), base),
-        "others_bench_1s": throughput(ask_all(rest, {"cmd": "bench", "seconds": 1}, s.t(60))),
-        "others_answers_equal_after_bench": s.answers(rest)}
+        "others_bench_1s": throughput(ask_all(rest, {"cmd": "bench", "seconds": 1}, s.t(20))),
+        "others_answers_equal_after_bench": s.answers(rest, 20)}
     orphans, _ = start_workers(s.args, mode, package, 1, "nohold")
-    children += orphans
-    out["new_worker_without_holder"] = {"load": orphans[0].ask({"cmd": "load"}, s.t(60)),
-                                        "check": orphans[0].ask({"cmd": "check"}, s.t(60))}
+    out["new_worker_without_holder"] = {"load": orphans[0].ask({"cmd": "load"}, s.t(30)),
+                                        "check": orphans[0].ask({"cmd": "check"}, s.t(20))}
     holder2, ready2 = s.holder("holder2")
-    children.append(holder2)
     fresh, _ = start_workers(s.args, mode, package, 1, "fresh")
-    children += fresh
     out["restarted_holder"] = {
         "holder": ready2, "new_worker_load": fresh[0].ask({"cmd": "load"}, s.t(s.args.step_timeout)),
-        "new_worker_answers_equal": s.answers(fresh), "old_workers_answers_equal": s.answers(rest),
+        "new_worker_answers_equal": s.answers(fresh, 20), "old_workers_answers_equal": s.answers(rest, 20),
         "device_mib_after": diff(s.meter.used(), base)}
     return out
 
@@ -673,6 +670,7 @@ def run_study(args) -> dict:
               "config": {k: getattr(args, k) for k in ("layers", "width", "workers", "bench_s", "budget_s", "small")},
               "steps": {}}
     meter = GpuMeter(args.device == "cuda")
+    report["device_mib_at_start"] = meter.used()
     study = Study(args, meter)
     try:
         for name, needs, run in STEPS:
@@ -684,15 +682,18 @@ def run_study(args) -> dict:
                 report["steps"][name] = run(study)
             except Exception:
                 report["steps"][name] = {"error": traceback.format_exc()[-1500:]}
+            stop_all(args.children)
             report["steps"][name]["step_s"] = round(time.monotonic() - t0, 1)
+            report["steps"][name]["device_mib_after_stop"] = meter.used()  # all of this step's processes gone
             if name == "compile" and "error" in report["steps"][name]:
                 break  # nothing else can run without the packages
             write_json(report, args.out + ".json")
-    finally:
+    finally:  # also on SIGTERM (main turns it into SystemExit): what was measured is written
+        stop_all(args.children)
         meter.close()
-    report["summary"] = summary(report["steps"])
-    write_json(report, args.out + ".json")
-    write_md(report, args.out + ".md")
+        report["summary"] = summary(report["steps"])
+        write_json(report, args.out + ".json")
+        write_md(report, args.out + ".md")
     return report
 
 
@@ -731,12 +732,14 @@ def main(argv=None) -> None:
     if args.role != "study":
         {"compile": role_compile, "holder": role_holder, "worker": role_worker}[args.role](args)
         return
-    import shutil
-
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     args.work = tempfile.mkdtemp(prefix="shared_weights_")
     args.socket = os.path.join(args.work, "holder.sock")
-    args.child_env = {**os.environ, KEY_ENV: secrets.token_hex(16)}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.children = []
+    # TMPDIR: the package loader's and the workers' extractions land in the work directory,
+    # which is removed at the end
+    args.child_env = {**os.environ, KEY_ENV: secrets.token_hex(16), "TMPDIR": args.work}
     try:
         report = run_study(args)
         print(json.dumps(report["summary"], indent=1))
