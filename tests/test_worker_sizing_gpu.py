@@ -67,7 +67,8 @@ def test_archiving_on_the_gpu_machine_reads_gpu_0(gpu_artifacts, tmp_path):
 
 @pytest.fixture(scope="module")
 def wide_program(tmp_path_factory):
-    """A torch.export program of LAYERS fp16 Linear(WIDE, WIDE) on cuda:0 (batch 1..16)."""
+    """A torch.export program of LAYERS fp16 Linear(WIDE, WIDE) on cuda:0 (batch 1..16; nn.Sequential
+    names its input `input`)."""
     d = tmp_path_factory.mktemp("wide")
     g = torch.Generator().manual_seed(0)
     layers = []
@@ -114,7 +115,7 @@ def test_the_printed_count_for_a_large_model_fits_the_gpu_it_names(wide_program,
         ready_s = time.time() - t0
         used = free_before - torch.cuda.mem_get_info(0)[0] / MIB
         workers = ts.workers("wide")
-        r = ts.predict("wide", bytes(safetensors_io.dumps({"x": probe})), content_type=safetensors_io.CONTENT_TYPE)
+        r = ts.predict("wide", bytes(safetensors_io.dumps({"input": probe})), content_type=safetensors_io.CONTENT_TYPE)
         RESULTS["large_model"].update({
             "free_before_server_mib": round(free_before), "server_used_mib": round(used),
             "used_per_worker_mib": round(used / max(1, len(workers)), 1), "ready_s": round(ready_s, 1),
