@@ -204,10 +204,12 @@ def test_a_worker_with_less_free_than_it_needs_refuses_with_the_numbers(monkeypa
     assert "--workers N" in err.message and "more memory" in err.message
 
 
-def test_a_worker_checks_its_own_need_only_and_waits_out_a_siblings_load(monkeypatch):
+def test_a_worker_checks_its_own_need_only_and_waits_out_a_siblings_load(monkeypatch, caplog):
     # 6 workers x 5500 MiB is more than is free, but this worker's own 5500 is: it loads
     _free(monkeypatch, 6000)
-    room.check(5500, Placement("cuda", 0), workers=6, wait_s=0)
+    with caplog.at_level("INFO", logger="handlers.artifact.room"):
+        room.check(5500, Placement("cuda", 0), workers=6, wait_s=0)
+    assert "needs 5500 MiB (handler.worker_gpu_mb); cuda:0 has 6000 MiB free of 23034 MiB" in caplog.text
     # free memory short while a sibling's trial load holds a second context, then back
     calls = _free(monkeypatch, 3000, 3000, 8000)
     room.check(5500, Placement("cuda", 0), workers=6, wait_s=5)

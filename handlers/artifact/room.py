@@ -18,9 +18,12 @@ running out of memory again.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from handlers.errors import LoadError
+
+logger = logging.getLogger(__name__)
 
 WAIT_S = 20.0
 POLL_S = 0.5
@@ -51,6 +54,8 @@ def check(need_mb: float, placement, workers: int | None, wait_s: float = WAIT_S
         time.sleep(POLL_S)
     if free < need_mb:
         raise InsufficientGpuMemory(shortfall_message(need_mb, free, total, placement, workers, wait_s))
+    logger.info("GPU memory: this worker needs %.0f MiB (handler.worker_gpu_mb); %s has %.0f MiB free of %.0f MiB",
+                need_mb, placement, free, total)
 
 
 def shortfall_message(need_mb, free_mb, total_mb, placement, workers, wait_s) -> str:
