@@ -77,6 +77,9 @@ def choose_workers(args, cfg) -> None:
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
     cuda = [s for s in specs if s.device != "cpu"]
     if not cuda:
+        if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
+            print("archive.py: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; these "
+                  "artifacts are CPU-only, so they are not used", file=sys.stderr)
         if args.workers is None:
             args.workers = speed
             print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
