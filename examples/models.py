@@ -156,3 +156,20 @@ class TextClassifier(nn.Module):
 
 def text() -> nn.Module:
     return _seeded(TextClassifier(), 5)
+
+
+class Wide(nn.Module):
+    """x (float32, [B, 16 Mi]) -> [B, 16]: 64 MiB per row, so one request is the largest body the
+    KServe pod is measured with (scripts/bench_pod.py's largest batch; the pod's limit is
+    max_request_size in kserve/config.properties, 128 MiB). Block means through a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4096, 16)
+
+    def forward(self, x):
+        return self.head(x.reshape(-1, 4096, 4096).mean(-1))
+
+
+def wide() -> nn.Module:
+    return _seeded(Wide(), 6)

@@ -64,6 +64,12 @@ def parse_args(argv):
     p.add_argument("--pod-env", action="append", default=[], metavar="KEY=VALUE",
                    help="the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4, NGINX_WORKERS=4)")
     p.add_argument("--max-requests", type=int, default=500_000)
+    p.add_argument("--largest-rows", type=int, default=0,
+                   help="rows of the one large request by each pod route (default: the artifact's largest batch)")
+    p.add_argument("--load-generator", choices=("python", "native"), default="python",
+                   help="python: scripts/bench_load.py's clients, every answer checked; native: wrk (HTTP/1.1) "
+                        "and h2load (gRPC), C clients (scripts/native_load.py: $LOADGEN or on PATH), one body "
+                        "per route, its answer checked by a real client before and after each point")
     return p.parse_args(argv)
 
 
@@ -137,13 +143,49 @@ def measure(args, pod, route, clients, enc, refs, tol) -> dict:
     url, path = route_target(pod, route)
     kind = ROUTES[route][2]
     bodies, headers = enc[kind]
+    if args.load_generator == "native":
+        return {"route": route, "clients": clients, **measure_native(args, url, path, bodies[0],
+                                                                     headers, clients, (refs[0], tol, kind))}
     res = run_point(url, path, "", bodies, (refs, tol, kind), clients, args.seconds, args.warmup_seconds,
                     args.max_requests, headers=headers)
     return {"route": route, "clients": clients, **res}
 
 
-def largest(pod, spec, model, device, tol) -> list:
-    """One request at the artifact's largest batch by each pod route, checked against eager."""
+def answer_ok(url: str, path: str, body: bytes, headers: dict, check: tuple) -> bool:
+    """Whether one request by a real client answers 200 with outputs equal to the eager model's."""
+    from urllib.parse import urlparse
+
+    from scripts.bench_load import Connection, GrpcConnection, build_request
+
+    u = urlparse(url)
+    if u.scheme == "grpc":
+        conn = GrpcConnection(u.netloc, path)
+        status, data = conn.exchange(body)
+    else:
+        conn = Connection(u.hostname, u.port)
+        status, data = conn.exchange(build_request(u.hostname, u.port, path, headers, body))
+    conn.close()
+    return status == 200 and not _mismatch(data, *check)
+
+
+def measure_native(args, url, path, body, headers, clients, check) -> dict:
+    """One point by the C load generators on the first body; that body's answer checked by a real client
+    before and after (they see HTTP statuses only, not the answer nor gRPC's status trailer)."""
+    from scripts import native_load
+
+    headers = headers[0] if isinstance(headers, list) else headers
+    before = answer_ok(url, path, body, headers, check)
+    res = native_load.run_point(url, path, body, headers, clients, args.seconds, args.warmup_seconds,
+                                grpc=url.startswith("grpc://"))
+    after = answer_ok(url, path, body, headers, check)
+    res["checked_by"] = "one request by a real client before and after, compared with eager"
+    res["mismatches"] = int(not before) + int(not after)
+    return res
+
+
+def largest(pod, spec, model, device, tol, rows: int = 0) -> list:
+    """One request of `rows` rows (default: the artifact's largest batch) by each pod route, checked
+    against eager."""
     import torch
 
     from handlers.run.padding import random_request
@@ -151,7 +193,8 @@ def largest(pod, spec, model, device, tol) -> list:
 
     sizes = {d: hi for d, (lo, hi) in spec.dims.items()}
     x = random_request(spec, sizes, torch.Generator().manual_seed(7), None, span=1_000_000)
-    x = {n: t.expand(spec.batch_max, *t.shape[1:]).contiguous() for n, t in x.items()}
+    rows = rows or spec.batch_max
+    x = {n: t.expand(rows, *t.shape[1:]).contiguous() for n, t in x.items()}
     with torch.inference_mode():
         y = model(*[x[s.name].to(device) for s in spec.inputs])
     y = y if isinstance(y, dict) else dict(zip(spec.output_names, y if isinstance(y, (tuple, list)) else [y]))
@@ -162,10 +205,10 @@ def largest(pod, spec, model, device, tol) -> list:
     out = []
     body, headers = v2_binary(x)
     r = requests.post(f"{pod.base}/v2/models/{MODEL}/infer", data=body, headers=headers, timeout=120)
-    out.append({"route": "pod_v2_binary", "batch": spec.batch_max, "request_mib": round(mb, 2), "status": r.status_code,
+    out.append({"route": "pod_v2_binary", "batch": rows, "request_mib": round(mb, 2), "status": r.status_code,
                 "equal_eager": r.status_code == 200 and not _mismatch(r.content, ref, tol, "v2_binary")})
     status, reply = GrpcConnection(pod.grpc_target, ROUTES["pod_grpc"][1]).exchange(protobuf(MODEL, x))
-    out.append({"route": "pod_grpc", "batch": spec.batch_max, "request_mib": round(mb, 2), "status": status,
+    out.append({"route": "pod_grpc", "batch": rows, "request_mib": round(mb, 2), "status": status,
                 "equal_eager": status == 200 and not _mismatch(reply, ref, tol, "protobuf")})
     return out
 
@@ -216,7 +259,7 @@ def run(args, spec, device) -> dict:
             model = bench_e2e.load_factory(str(ROOT / args.factory))().eval().to(device)
             if any(s.dtype == "float16" for s in spec.inputs):
                 model = model.half()
-            big = largest(pod, spec, model, device, tol)
+            big = largest(pod, spec, model, device, tol, args.largest_rows)
             rss = fronts_rss_mib(pod)
         finally:
             pod.stop()
@@ -244,8 +287,10 @@ def write_markdown(path: Path, result: dict) -> None:
     lines = page_head(result, f"The KServe pod beside direct TorchServe: {result['model']}")
     lines += ["Archive defaults" + (f" plus `{' '.join(result['archive_options'])}`" if result["archive_options"] else "")
               + (f"; pod environment `{' '.join(result['pod_env'])}`" if result.get("pod_env") else "")
-              + "; one-row requests; every answer compared with the eager model. `direct_*`: TorchServe's "
-              "inference port; `pod_*`: nginx (REST) and the gRPC bridge.", "",
+              + ("; one-row requests; every answer compared with the eager model" if result.get("load_generator") != "native"
+                 else "; load by C clients (wrk for HTTP/1.1, h2load for gRPC), one one-row body per route, its answer compared with "
+                      "the eager model by a real client before and after each point (mismatches counts those)")
+              + ". `direct_*`: TorchServe's inference port; `pod_*`: nginx (REST and gRPC h2c).", "",
               "| route | clients | req/s | p50 ms | p99 ms | errors | mismatches |", "|---|---|---|---|---|---|---|"]
     for p in sorted(result["points"], key=lambda p: (p["clients"], p["route"])):
         per_round = f" ({' / '.join(map(str, p['rounds_req_s']))})" if len(p.get("rounds_req_s", [])) > 1 else ""
@@ -301,7 +346,7 @@ def main(argv=None) -> int:
 
     result = {**header(gpu or f"CPU ({os.cpu_count()} cores)", None if from_cli else ["-m", "scripts.bench_pod", *argv]),
               "model": name, "host_cores": os.cpu_count(), "archive_options": args.archive_option,
-              "pod_env": args.pod_env,
+              "pod_env": args.pod_env, "load_generator": args.load_generator,
               "seconds": args.seconds, "rounds": args.rounds, **got, "summary": summary(got["points"])}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,9 @@
 #                               longest request, zero mask), echo; 1 and 64 clients
 #   pod_resnet50_fp16_<tag>, pod_text_encoder_fp16_<tag>  the KServe pod's routes (nginx REST, the
 #                               gRPC bridge) beside direct TorchServe, same bodies, 1 and 64 clients
-#                               (scripts/bench_pod.py; needs nginx: NGINX or on PATH)
+#                               (scripts/bench_pod.py; needs nginx: NGINX or on PATH); POD_LOAD=native
+#                               loads them with wrk and h2load (LOADGEN or on PATH) instead of Python clients
+#   pod_wide_fp32_<tag>         one 64 MiB FP32 request by the pod's REST binary and gRPC routes, equal eager
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (scripts/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
@@ -113,13 +115,20 @@ for part in $PARTS; do
     pod) # the KServe pod (nginx, the gRPC bridge) beside direct TorchServe, ResNet-50 fp16,
          # archive defaults; POD_ENV="K=V ..." sets the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4)
          $PY -m scripts.bench_pod --artifact "$W/r50" --factory examples/models.py:resnet50 --clients 1,64 \
-           --seconds 6 --rounds "${ROUNDS:-1}" --out "$RESULTS/pod_resnet50_fp16_$TAG" \
+           --seconds 6 --rounds "${ROUNDS:-1}" --out "$RESULTS/pod_resnet50_fp16_$TAG" --load-generator "${POD_LOAD:-python}" \
            $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
     podtext) # the same for the text encoder with declared padding, lengths 16..128 per request
          $PY -m scripts.bench_pod --artifact "$W/text" --factory examples/text_encoder.py:text_encoder \
            --clients 1,64 --seconds 6 --rounds "${ROUNDS:-1}" --lengths uniform:16:128 \
            --archive-option="--handler-option=pad={input_ids: 0, attention_mask: 0}" \
-           --out "$RESULTS/pod_text_encoder_fp16_$TAG" $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
+           --out "$RESULTS/pod_text_encoder_fp16_$TAG" --load-generator "${POD_LOAD:-python}" $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
+    podwide) # 64 MiB of FP32 in one request (examples/models.py:wide) by the pod's REST binary and gRPC
+         # routes, answers against eager; a short direct/pod point beside it
+         [ -f "$W/wide/artifact.json" ] || $PY -m scripts.compile --model examples/models.py:wide \
+           --input x:2x16777216:float32 --dynamic-batch 1:2 --backend aoti --precision fp32 --device cuda --out "$W/wide"
+         $PY -m scripts.bench_pod --artifact "$W/wide" --factory examples/models.py:wide --clients 1 --seconds 3 \
+           --routes direct_v2_binary,pod_v2_binary,direct_protobuf,pod_grpc --distinct-inputs 1 --largest-rows 1 \
+           --out "$RESULTS/pod_wide_fp32_$TAG" ;;
     hf_bert) # the user's own model: plain torch and transformers build the files, the archive gets no options
          [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 \
            --out "$W/hf_bert"
@@ -182,6 +191,6 @@ for part in $PARTS; do
     profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, start, profile, reader, spy, small)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small)"; exit 2 ;;
   esac
 done
