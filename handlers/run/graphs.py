@@ -268,7 +268,7 @@ class GraphBuilder:
         call (with `verify`) and on a sticky CUDA error; stops (nothing left pending) where the
         cap is reached or the device ran out of memory (larger shapes would need more)."""
         rows, dims = self.pending.pop(0)
-        spec = self.spec
+        spec, out_of_memory = self.spec, None  # True/False once this shape's capture failed
         try:
             # the shape's own activations, cached for plain calls on this stream from now on,
             # are allocated by this call, before the graph's memory is counted
@@ -282,7 +282,9 @@ class GraphBuilder:
             # an H100: every later capture into it failed "beginAllocateToPool: already
             # recording"); the shapes after it share a fresh one
             self.pool = torch.cuda.graph_pool_handle()
-            if is_oom(e):
+            out_of_memory = is_oom(e)
+        if out_of_memory is not None:
+            if out_of_memory:  # after the except block: its traceback no longer holds the capture's memory
                 self._stop(f"out of device memory at batch {rows}")
             return
         used = self.memory_bytes + torch.cuda.memory_reserved(self.device) - before
