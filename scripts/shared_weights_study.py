@@ -79,31 +79,36 @@ def build_model(layers: int, width: int, device: str, dtype):
     return Stack().eval()
 
 
+PACKAGES = {"normal": {}, "code_only": {"aot_inductor.package_constants_in_so": False}}
+
+
 def role_compile(args) -> None:
-    """Child: export once, write both packages and the weights file; prints one JSON line."""
+    """Child: export, write the package `--package` names (normal or code_only) and, for the
+    normal one, the weights file; prints one JSON line. The two run at once, each exporting the
+    same seeded model."""
     proto = protocol_stdout()
     import torch
 
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    out = {}
+    out = {"dtype": str(dtype)}
     t = time.perf_counter()
     model = build_model(args.layers, args.width, args.device, dtype)
     x = torch.randn(4, args.width, device=args.device, dtype=dtype)
     batch = torch.export.Dim("batch", min=1, max=16)
     with torch.no_grad():
         ep = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
-    weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    torch.save(weights, os.path.join(args.work, "weights.pt"))
-    out["weights_bytes"] = sum(v.numel() * v.element_size() for v in weights.values())
-    out["dtype"] = str(dtype)
     out["export_s"] = round(time.perf_counter() - t, 2)
-    for name, configs in (("normal", {}), ("code_only", {"aot_inductor.package_constants_in_so": False})):
-        t = time.perf_counter()
-        path = os.path.join(args.work, f"{name}.pt2")
-        torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=configs)
-        out[f"{name}_compile_s"] = round(time.perf_counter() - t, 2)
-        out[f"{name}_package_bytes"] = os.path.getsize(path)
-    out["api"] = api_facts()
+    if args.package == "normal":
+        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        torch.save(weights, os.path.join(args.work, "weights.pt"))
+        out["weights_bytes"] = sum(v.numel() * v.element_size() for v in weights.values())
+        out["api"] = api_facts()
+    del model
+    t = time.perf_counter()
+    path = os.path.join(args.work, f"{args.package}.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=PACKAGES[args.package])
+    out["compile_s"] = round(time.perf_counter() - t, 2)
+    out["package_bytes"] = os.path.getsize(path)
     say(proto, out)
 
 
@@ -295,7 +300,9 @@ def worker_command(cmd, model, mem, stages, dtype) -> dict:
             mem("before")
             t = time.perf_counter()
             info = model.load(mem)
-            return {"load_s": round(time.perf_counter() - t, 2), "free_mib": dict(stages), **info}
+            used = {k: stages["before"] - v for k, v in stages.items()} if stages else None
+            return {"load_s": round(time.perf_counter() - t, 2), "used_mib_since_before": used,
+                    "free_mib": dict(stages), **info}
         if model.call is None:
             return {"error": "not loaded"}
         if cmd["cmd"] == "check":
@@ -532,7 +539,16 @@ class Study:
 
 
 def step_compile(s):
-    return Child(s.args, "compile", "compile").read(s.t(s.args.compile_timeout))
+    children = {name: Child(s.args, "compile", f"compile_{name}", ("--package", name)) for name in PACKAGES}
+    out = {}
+    for name, c in children.items():
+        try:
+            out[name] = c.read(s.t(s.args.compile_timeout))
+        except (TimeoutError, EOFError, ValueError) as e:
+            out[name] = {"error": repr(e)[:1500]}
+    if "error" in out["normal"]:
+        out["error"] = "the normal package was not built: nothing else can run"
+    return out
 
 
 def step_unshared(s, n, prefix):
