@@ -341,3 +341,22 @@ def test_in_process_handlers_never_defer_work_between_batches():
     from handlers import startup
 
     assert startup.between_batches_hook() is False
+
+
+def test_bench_start_reads_the_deferred_graphs_lines_of_the_workers_it_started():
+    """scripts.bench_start waits for a done line per worker whose load line deferred its graphs,
+    and for none where no load line did (a CPU worker, cuda_graphs off or on)."""
+    import types
+
+    from scripts.bench_start import wait_graphs
+
+    load = "loaded aoti artifact m; started in 1.00s (load 1.00s); CUDA graphs: capturing 7 buckets after ready (between batches); x\n"
+    done = "CUDA graphs after ready: done in {}s, {} call(s) ran without a graph meanwhile; CUDA graphs for batch [1]\n"
+    earlier = load + done.format("9.00", 9)
+    log = earlier + load + load + done.format("0.50", 2) + done.format("0.75", 0)
+    server = types.SimpleNamespace(log=lambda: log)
+    assert wait_graphs(server, len(earlier), 2) == [{"graphs_after_ready_s": 0.5, "calls_without_graph": 2},
+                                                    {"graphs_after_ready_s": 0.75, "calls_without_graph": 0}]
+    plain = types.SimpleNamespace(log=lambda: load.replace("capturing 7 buckets after ready (between batches)",
+                                                           "CUDA graphs for batch [1]"))
+    assert wait_graphs(plain, 0, 1) == []
