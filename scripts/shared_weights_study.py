@@ -253,7 +253,10 @@ class WorkerModel:
             runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1, "cuda", os.path.dirname(so))
         else:
             runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
-        shutil.rmtree(unpacked)  # loaded: the .so stays mapped, its weights are copied to the device
+        # the .so (2 GiB with its weights) is mapped now and may go; the rest of the directory
+        # stays: the generated CUDA wrapper loads each kernel file on first use (loadKernel when
+        # its handle is still nullptr, codegen/cpp_wrapper_gpu.py)
+        os.remove(so)
         mem("package_loaded")
         shared = self.shared_weights()
         mem("attached")
