@@ -424,23 +424,28 @@ class GpuMeter:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.samples = []
+        self.error = None
         self._stop = threading.Event()
         if enabled:
             threading.Thread(target=self._sample, daemon=True).start()
 
     def used(self):
+        """MiB in use on GPU 0, or None (the failure kept in self.error; the study goes on)."""
         if not self.enabled:
             return None
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                              "-i", "0"], capture_output=True, text=True, timeout=20).stdout
-        return int(out.split()[0])
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                  "-i", "0"], capture_output=True, text=True, timeout=20).stdout
+            return int(out.split()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+            self.error = repr(e)
+            return None
 
     def _sample(self):
         while not self._stop.is_set():
-            try:
-                self.samples.append((time.monotonic(), self.used()))
-            except Exception:
-                pass
+            used = self.used()
+            if used is not None:
+                self.samples.append((time.monotonic(), used))
             time.sleep(0.2)
 
     def peak_since(self, t0):
@@ -451,9 +456,13 @@ class GpuMeter:
         """{pid: used MiB} per compute process (pids as nvidia-smi sees them)."""
         if not self.enabled:
             return None
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=20).stdout
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                 timeout=20).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            self.error = repr(e)
+            return None
         rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
         return {int(p): int(m) for p, m in rows if m.strip().isdigit()}
 
@@ -666,10 +675,25 @@ def write_md(report: dict, path: str) -> None:
                      f"{bench_r} | {r.get('answers_equal_reference', '')} | {r.get('step_s')} | "
                      f"{str(r.get('error', ''))[:120]} |")
     lines += ["", "## Summary", "", "```json", json.dumps(report.get("summary"), indent=1), "```"]
+    lines += load_stage_rows(report["steps"])
     faults = (report["steps"].get("shared_nc") or {}).get("faults")
     lines += ["", "## kill -9 (shared_nc)", "", "```json", json.dumps(faults, indent=1), "```", ""]
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def load_stage_rows(steps: dict) -> list:
+    """Each shared worker's load, by its own mem_get_info: the device MiB taken since its load
+    began, after the package loaded (the peak for a normal package), after attaching to the
+    holder, and at the end (after the free, for shared_swap)."""
+    rows = ["", "## Each shared worker's load (device MiB taken since the load began)", "",
+            "| step | worker | package loaded | attached | loaded | load s | error |", "|---|---|---|---|---|---|---|"]
+    for name in ("shared_nc", "shared_swap", "shared_keep"):
+        for i, load in enumerate((steps.get(name) or {}).get("loads", [])):
+            used = load.get("used_mib_since_before") or {}
+            rows.append(f"| {name} | {i} | {used.get('package_loaded')} | {used.get('attached')} | "
+                        f"{used.get('loaded')} | {load.get('load_s')} | {str(load.get('error', ''))[:120]} |")
+    return rows
 
 
 def device_name(device: str) -> str:
@@ -711,6 +735,7 @@ def run_study(args) -> dict:
         stop_all(args.children)
         meter.close()
         report["summary"] = summary(report["steps"])
+        report["nvidia_smi_error"] = meter.error
         write_json(report, args.out + ".json")
         write_md(report, args.out + ".md")
     return report
