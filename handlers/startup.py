@@ -204,7 +204,7 @@ def defer_graphs(worker: Worker) -> None:
     def step() -> bool:
         try:
             note = runner.capture_next()
-        except Exception as e:  # sticky (capture_next raises nothing else): the context is unusable
+        except Exception as e:  # noqa: BLE001  (sticky: capture_next raises nothing else; the context is unusable)
             logger.critical("CUDA graph capture after ready hit a device fault: %s: %s", type(e).__name__, e)
             restart.exit_soon(f"CUDA graph capture after ready: {type(e).__name__}: {e}")
             return False

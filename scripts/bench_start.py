@@ -197,9 +197,9 @@ def summarize(points: list) -> dict:
 def write_markdown(path: Path, result: dict) -> None:
     lines = page_head(result, "Worker start and restart through TorchServe",
                       f"Artifact: {result['artifact']}.")
-    lines += ["| workers | torchserve start to all READY (s) | slowest worker's start (s) | over one worker | "
-              "kill -9 to READY again (s, median) | kill -9 to an answer (s, median) | restarted worker's own start (s) | "
-              "its CUDA graphs done, after ready (s) |",
+    lines += [("| workers | torchserve start to all READY (s) | slowest worker's start (s) | over one worker | "
+               "kill -9 to READY again (s, median) | kill -9 to an answer (s, median) | restarted worker's own start (s) | "
+               "its CUDA graphs done, after ready (s) |"),
               "|---|---|---|---|---|---|---|---|"]
     for n, s in result["summary"].items():
         p = next(p for p in result["points"] if str(p["workers"]) == n)

@@ -158,7 +158,7 @@ def test_deferred_capture_between_calls_matches_the_plain_path(gpu_artifacts):
     assert note == "CUDA graphs: capturing 5 buckets after ready (between batches)" and runner.graphs is None
     g = torch.Generator().manual_seed(2)
     row = {"test": "deferred_capture", "calls": 0, "max_abs": 0.0, "steps": 0}
-    RESULTS.append(row)
+    RESULTS["graphs"].append(row)
     done = None
     while True:
         for rows in (1, 3, 8, 16):

@@ -18,10 +18,11 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
-from conftest import TOL, Artifacts, build_mar, eager, image, write_gpu_results
+from conftest import TOL, build_mar, eager, image
 
-pytestmark = [pytest.mark.gpu, pytest.mark.server]
+pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU restart tests run on the GPU machine",
                 allow_module_level=True)
@@ -32,19 +33,12 @@ RESULTS = {}
 LOAD_LINE = re.compile(r"loaded aoti artifact .*")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def results_file():
-    yield
-    write_gpu_results(RESULTS)
-
-
 @pytest.fixture(scope="module")
-def started(tmp_path_factory, serve):
+def started(tmp_path_factory, serve, gpu_artifacts):
     """TorchServe started with one worker of the classifier, and the answers of requests sent
     from the moment it starts until the worker's graphs are done: [(input, outputs)] of the 200s."""
-    arts = Artifacts(tmp_path_factory.mktemp("restart_artifacts"), "cuda")
     store = tmp_path_factory.mktemp("restart_store")
-    mar = build_mar(arts.get("cls_aoti"), "cls", store, "--batch-size", "4", "--max-batch-delay", "5",
+    mar = build_mar(gpu_artifacts.get("cls_aoti"), "cls", store, "--batch-size", "4", "--max-batch-delay", "5",
                     "--handler-option", f"cuda_graph_batch_sizes={list(range(1, 17))}")
     ts = serve({"cls": mar}, ready=False)
     answers, stop = [], threading.Event()
@@ -55,7 +49,7 @@ def started(tmp_path_factory, serve):
             x = image(1 + (seed + n) % 5, seed=seed * 1000 + n)
             try:
                 r = ts.predict("cls", {"inputs": {"image": x.tolist()}}, timeout=120)
-            except Exception:  # not up yet
+            except requests.RequestException:  # not listening yet
                 time.sleep(0.02)
                 continue
             if r.status_code == 200:

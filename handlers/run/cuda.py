@@ -165,7 +165,7 @@ class CudaRunner(Runner):
                     return None
                 self.deferred, self.graphs = None, builder.finish()
             return self.graphs.describe()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (any failure of the capture or its check: plain calls, or re-raised if sticky)
             self.deferred = None
             builder.kept.clear()  # nothing may hold a graph once the cache is emptied below
             reason = self._failed(e)
