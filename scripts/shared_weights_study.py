@@ -159,9 +159,10 @@ def role_holder(args) -> None:
     """Child: the weights on the device in one allocation (one IPC handle), then serve them to
     every connection on the unix socket until killed. Prints one JSON line when ready."""
     proto = protocol_stdout()
-    import torch
-    import torch.multiprocessing  # noqa: F401  registers torch's reductions with ForkingPickler
     from multiprocessing.connection import Listener
+
+    import torch
+    import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
     if args.device == "cpu":
         # CPU tensors go by named shared memory files, which unrelated processes can open
@@ -187,7 +188,7 @@ def role_holder(args) -> None:
             try:
                 with listener.accept() as conn:
                     conn.send(weights)
-            except Exception as e:  # a client that went away mid-handshake; keep serving
+            except Exception as e:  # noqa: BLE001  any client's failure (gone mid-handshake, wrong key): keep serving
                 print(f"holder: {e!r}", file=sys.stderr, flush=True)
 
 
@@ -203,9 +204,10 @@ class WorkerModel:
         self.call = None
 
     def shared_weights(self):
-        import torch
-        import torch.multiprocessing  # noqa: F401  rebuilds tensors sent with torch's reductions
         from multiprocessing.connection import Client
+
+        import torch
+        import torch.multiprocessing  # the receiving side of torch's tensor reductions
 
         if self.args.device == "cpu":
             torch.multiprocessing.set_sharing_strategy("file_system")
@@ -319,7 +321,7 @@ def worker_command(cmd, model, mem, stages, dtype) -> dict:
             mem("now")
             return {"free_mib": stages.get("now")}
         return {"error": f"unknown command {cmd!r}"}
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  whatever the model raises is this command's reply
         return {"error": repr(e)[:500]}
 
 
@@ -435,7 +437,7 @@ class GpuMeter:
             return None
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                  "-i", "0"], capture_output=True, text=True, timeout=20).stdout
+                                  "-i", "0"], check=False, capture_output=True, text=True, timeout=20).stdout
             return int(out.split()[0])
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
             self.error = repr(e)
@@ -458,7 +460,7 @@ class GpuMeter:
             return None
         try:
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                  "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                  "--format=csv,noheader,nounits"], check=False, capture_output=True, text=True,
                                  timeout=20).stdout
         except (OSError, subprocess.SubprocessError) as e:
             self.error = repr(e)
@@ -565,7 +567,7 @@ def step_compile(s):
 
 def step_unshared(s, n, prefix):
     base = s.meter.used()
-    workers, ready = start_workers(s.args, "own", s.normal, n, prefix)
+    workers, _ = start_workers(s.args, "own", s.normal, n, prefix)
     ctx, t0 = s.meter.used(), time.monotonic()
     loads = ask_all(workers, {"cmd": "load"}, s.t(s.args.step_timeout))
     loaded, peak = s.meter.used(), s.meter.peak_since(t0)
@@ -584,7 +586,7 @@ def step_shared(s, mode, package, n, prefix, faults=False, bench_it=True):
     base = s.meter.used()
     holder, holder_ready = s.holder(f"{prefix}holder")
     after_holder = s.meter.used()
-    workers, ready = start_workers(s.args, mode, package, n, prefix)
+    workers, _ = start_workers(s.args, mode, package, n, prefix)
     ctx = s.meter.used()
     out = {"workers": n, "mode": mode, "baseline_mib": base, "holder": holder_ready,
            "holder_mib": diff(after_holder, base), "holder_and_contexts_mib": diff(ctx, base),
@@ -619,7 +621,7 @@ def shared_faults(s, holder, workers, mode, package, base):
     orphans, _ = start_workers(s.args, mode, package, 1, "nohold")
     out["new_worker_without_holder"] = {"load": orphans[0].ask({"cmd": "load"}, s.t(30)),
                                         "check": orphans[0].ask({"cmd": "check"}, s.t(20))}
-    holder2, ready2 = s.holder("holder2")
+    _, ready2 = s.holder("holder2")
     fresh, _ = start_workers(s.args, mode, package, 1, "fresh")
     out["restarted_holder"] = {
         "holder": ready2, "new_worker_load": fresh[0].ask({"cmd": "load"}, s.t(s.args.step_timeout)),
@@ -664,8 +666,8 @@ def write_md(report: dict, path: str) -> None:
 
     lines = page_head(report, "Shared weights: one copy per GPU (issue 39, item 2)",
                       "MiB are nvidia-smi's device memory.used minus the step's baseline.")
-    lines += ["| step | workers | holder | after load MiB | sampled load peak MiB | after bench MiB |"
-              " calls/s (all) | answers = unshared | time s | error |", "|---|" * 1 + "---|" * 9]
+    lines += [("| step | workers | holder | after load MiB | sampled load peak MiB | after bench MiB |"
+               " calls/s (all) | answers = unshared | time s | error |"), "|---" * 10 + "|"]
     for name, r in report["steps"].items():
         bench_r = (r.get("bench") or {}).get("total_calls_per_s")
         peak = r.get("sampled_peak_load_mib", max((l.get("device_mib", {}).get("sampled_peak") or 0
@@ -699,8 +701,11 @@ def load_stage_rows(steps: dict) -> list:
 def device_name(device: str) -> str:
     if device == "cpu":
         return "cpu"
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                         capture_output=True, text=True, timeout=20).stdout.strip()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                             check=False, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        out = f"cuda (nvidia-smi failed: {e!r})"
     return out or "cuda (nvidia-smi gave no name)"
 
 
@@ -723,7 +728,7 @@ def run_study(args) -> dict:
             t0 = time.monotonic()
             try:
                 report["steps"][name] = run(study)
-            except Exception:
+            except Exception:  # noqa: BLE001  a failed step is a result; the next one runs
                 report["steps"][name] = {"error": traceback.format_exc()[-1500:]}
             stop_all(args.children)
             report["steps"][name]["step_s"] = round(time.monotonic() - t0, 1)
