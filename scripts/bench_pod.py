@@ -64,6 +64,10 @@ def parse_args(argv):
     p.add_argument("--pod-env", action="append", default=[], metavar="KEY=VALUE",
                    help="the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4, NGINX_WORKERS=4)")
     p.add_argument("--max-requests", type=int, default=500_000)
+    p.add_argument("--loadgen-cores", type=int, default=2,
+                   help="with --load-generator native: cores of its own for the load generator (the last N of "
+                        "this process's; the pod and TorchServe run on the others, as with clients on other hosts); "
+                        "0: shared")
     p.add_argument("--largest-rows", type=int, default=0,
                    help="rows of the one large request by each pod route (default: the artifact's largest batch)")
     p.add_argument("--load-generator", choices=("python", "native"), default="python",
@@ -176,7 +180,7 @@ def measure_native(args, url, path, body, headers, clients, check) -> dict:
     headers = headers[0] if isinstance(headers, list) else headers
     before = answer_ok(url, path, body, headers, check)
     res = native_load.run_point(url, path, body, headers, clients, args.seconds, args.warmup_seconds,
-                                grpc=url.startswith("grpc://"))
+                                grpc=url.startswith("grpc://"), cores=args.loadgen_cpus)
     after = answer_ok(url, path, body, headers, check)
     res["checked_by"] = "one request by a real client before and after, compared with eager"
     res["mismatches"] = int(not before) + int(not after)
@@ -213,6 +217,19 @@ def largest(pod, spec, model, device, tol, rows: int = 0) -> list:
     return out
 
 
+def split_cores(args):
+    """The load generator's own cores (native load, --loadgen-cores N): the last N of this process's; this
+    process keeps the rest, and the pod it starts inherits them. None where they are shared."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    n = args.loadgen_cores if args.load_generator == "native" else 0
+    if not n or n >= len(cores):
+        return None
+    os.sched_setaffinity(0, cores[:-n])
+    return cores[-n:]
+
+
 def summary(points: list) -> list:
     rows = []
     for clients in sorted({p["clients"] for p in points}):
@@ -246,6 +263,7 @@ def run(args, spec, device) -> dict:
     bodies, refs, tol, _ = bench_e2e.references(ns, spec, device)
     enc = encodings(bodies)
     routes = [r for r in args.routes.split(",") if r]
+    args.loadgen_cpus = split_cores(args)
     with tempfile.TemporaryDirectory(prefix="bench_pod_") as tmp:
         pod = start_pod(args, Path(tmp))
         try:
@@ -263,7 +281,8 @@ def run(args, spec, device) -> dict:
             rss = fronts_rss_mib(pod)
         finally:
             pod.stop()
-    return {"points": combine(points), "largest": big, "fronts_rss_mib": rss, "tolerance": tol}
+    return {"points": combine(points), "largest": big, "fronts_rss_mib": rss, "tolerance": tol,
+            "load_generator_cores": args.loadgen_cpus}
 
 
 def combine(points: list) -> list:
@@ -289,7 +308,9 @@ def write_markdown(path: Path, result: dict) -> None:
               + (f"; pod environment `{' '.join(result['pod_env'])}`" if result.get("pod_env") else "")
               + ("; one-row requests; every answer compared with the eager model" if result.get("load_generator") != "native"
                  else "; load by C clients (wrk for HTTP/1.1, h2load for gRPC), one one-row body per route, its answer compared with "
-                      "the eager model by a real client before and after each point (mismatches counts those)")
+                      "the eager model by a real client before and after each point (mismatches counts those)"
+                      + (f"; the load generator on cores {result['load_generator_cores']} of its own, TorchServe and the "
+                         "pod on the others" if result.get("load_generator_cores") else ""))
               + ". `direct_*`: TorchServe's inference port; `pod_*`: nginx (REST and gRPC h2c).", "",
               "| route | clients | req/s | p50 ms | p99 ms | errors | mismatches |", "|---|---|---|---|---|---|---|"]
     for p in sorted(result["points"], key=lambda p: (p["clients"], p["route"])):

@@ -45,12 +45,13 @@ def tool(name: str) -> list:
     return [exe]
 
 
-def threads(clients: int) -> int:
-    return max(1, min(clients, 4, len(os.sched_getaffinity(0)) // 4 or 1))
+def threads(clients: int, cores=None) -> int:
+    """One thread per core given to the load generator, else a quarter of this process's cores; at most 4."""
+    return max(1, min(clients, 4, len(cores) if cores else len(os.sched_getaffinity(0)) // 4 or 1))
 
 
-def wrk_command(url: str, path: str, script: str, headers: dict, clients: int, seconds: float) -> list:
-    cmd = tool("wrk") + ["-t", str(threads(clients)), "-c", str(clients), "-d", f"{max(1, round(seconds))}s",
+def wrk_command(url: str, path: str, script: str, headers: dict, clients: int, seconds: float, cores=None) -> list:
+    cmd = tool("wrk") + ["-t", str(threads(clients, cores)), "-c", str(clients), "-d", f"{max(1, round(seconds))}s",
                          "--latency", "--timeout", "30s", "-s", script]
     for k, v in headers.items():
         cmd += ["-H", f"{k}: {v}"]
@@ -74,8 +75,8 @@ def parse_wrk(out: str, seconds: float) -> dict:
 
 
 def h2load_command(url: str, path: str, body_file: str, headers: dict, clients: int, seconds: float,
-                   warmup: float, log_file: str) -> list:
-    cmd = tool("h2load") + ["-c", str(clients), "-m", "1", "-t", str(threads(clients)), "-D", f"{seconds:g}",
+                   warmup: float, log_file: str, cores=None) -> list:
+    cmd = tool("h2load") + ["-c", str(clients), "-m", "1", "-t", str(threads(clients, cores)), "-D", f"{seconds:g}",
                             f"--warm-up-time={warmup:g}", "-d", body_file, "--log-file", log_file]
     for k, v in headers.items():
         cmd += ["-H", f"{k.lower()}: {v}"]
@@ -97,9 +98,15 @@ def parse_h2load_log(log_file: str, seconds: float) -> dict:
             "p50_ms": round(float(np.percentile(lat, 50)), 2), "p99_ms": round(float(np.percentile(lat, 99)), 2)}
 
 
-def _measured(cmd: list, warmup: float, seconds: float) -> tuple:
+def _pinned(cores):
+    """preexec_fn running the tool on `cores` only (None: where this process may run)."""
+    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
+
+
+def _measured(cmd: list, warmup: float, seconds: float, cores=None) -> tuple:
     """Run `cmd`, the host's cores counted over its measured window (after `warmup`); (output, cores)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_pinned(cores))
     time.sleep(warmup + 0.2)
     before = cpu_usage.snapshot()
     time.sleep(max(0.1, seconds - 0.4))
@@ -111,17 +118,18 @@ def _measured(cmd: list, warmup: float, seconds: float) -> tuple:
 
 
 def run_point(url: str, path: str, body: bytes, headers: dict, clients: int, seconds: float, warmup: float,
-              grpc: bool = False) -> dict:
+              grpc: bool = False, cores=None) -> dict:
     """bench_load.summarize's figures for one body sent by `clients` connections: gRPC (url grpc://HOST:PORT,
-    path the method; body the serialized request message) by h2load, else HTTP/1.1 POSTs by wrk."""
+    path the method; body the serialized request message) by h2load, else HTTP/1.1 POSTs by wrk; on
+    `cores` only when given (the server kept off them by the caller, as clients on other hosts would be)."""
     with tempfile.TemporaryDirectory(prefix="native_load_") as tmp:
         body_file, log_file = f"{tmp}/body", f"{tmp}/log"
         if grpc:
             # gRPC's length-prefixed message: compression flag 0, 4-byte big-endian length
             Path(body_file).write_bytes(b"\0" + len(body).to_bytes(4, "big") + body)
             cmd = h2load_command(url, path, body_file, {"content-type": "application/grpc", "te": "trailers",
-                                                        **headers}, clients, seconds, warmup, log_file)
-            out, cores = _measured(cmd, warmup, seconds)
+                                                        **headers}, clients, seconds, warmup, log_file, cores)
+            out, busy = _measured(cmd, warmup, seconds, cores)
             res, gen = parse_h2load_log(log_file, seconds), "h2load"
         else:
             Path(body_file).write_bytes(body)
@@ -129,9 +137,10 @@ def run_point(url: str, path: str, body: bytes, headers: dict, clients: int, sec
             # Lua strings are byte strings: the body goes out as read
             Path(script).write_text(f'local f = io.open("{body_file}", "rb")\nwrk.method = "POST"\n'
                                     'wrk.body = f:read("*a")\nf:close()\n')
-            subprocess.run(wrk_command(url, path, script, headers, clients, warmup), capture_output=True,
-                           check=True, timeout=warmup + 60)  # warm-up: wrk has no option of its own
-            cmd = wrk_command(url, path, script, headers, clients, seconds)
-            out, cores = _measured(cmd, 0.0, seconds)
+            subprocess.run(wrk_command(url, path, script, headers, clients, warmup, cores), capture_output=True,
+                           check=True, timeout=warmup + 60, preexec_fn=_pinned(cores))  # wrk has no warm-up option
+            cmd = wrk_command(url, path, script, headers, clients, seconds, cores)
+            out, busy = _measured(cmd, 0.0, seconds, cores)
             res, gen = parse_wrk(out, seconds), "wrk"
-    return {**res, "mismatches": None, "seconds": seconds, "cpu_cores": cores, "load_generator": gen}
+    return {**res, "mismatches": None, "seconds": seconds, "cpu_cores": busy, "load_generator": gen,
+            "load_generator_cores": sorted(cores) if cores else None}
