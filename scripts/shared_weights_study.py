@@ -728,6 +728,9 @@ def run_study(args) -> dict:
             t0 = time.monotonic()
             try:
                 report["steps"][name] = run(study)
+            except SystemExit:
+                report["steps"][name] = {"error": "stopped by SIGTERM during this step"}
+                raise
             except Exception:  # noqa: BLE001  a failed step is a result; the next one runs
                 report["steps"][name] = {"error": traceback.format_exc()[-1500:]}
             stop_all(args.children)
@@ -776,6 +779,13 @@ def parse(argv=None):
     return args
 
 
+def on_sigterm(*_):
+    """The first SIGTERM ends the study through its finally blocks (results written); later ones
+    are ignored: `timeout` signals its child and then the whole group, the child twice."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     if args.role != "study":
@@ -784,7 +794,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     args.work = tempfile.mkdtemp(prefix="shared_weights_")
     args.socket = os.path.join(args.work, "holder.sock")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, on_sigterm)
     args.children = []
     # TMPDIR: the package loader's and the workers' extractions land in the work directory,
     # which is removed at the end
