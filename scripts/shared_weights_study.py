@@ -293,7 +293,8 @@ def role_worker(args) -> None:
     mem("ready")
     say(proto, {"ready": os.getpid(), "free_mib": stages.get("ready")})
     for line in iter(sys.stdin.readline, ""):  # until the parent closes stdin
-        say(proto, worker_command(json.loads(line), model, mem, stages, dtype))
+        cmd = json.loads(line)
+        say(proto, {**worker_command(cmd, model, mem, stages, dtype), "id": cmd.get("id")})
 
 
 def worker_command(cmd, model, mem, stages, dtype) -> dict:
@@ -358,6 +359,7 @@ class Child:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, env=args.child_env, cwd=ROOT)
         self.buf = b""
+        self.sent = 0  # commands carry a number, replies echo it: a late reply is never taken for the next
         args.children.append(self)  # stopped by stop_all after the step
 
     @property
@@ -365,8 +367,15 @@ class Child:
         return self.proc.pid
 
     def read(self, timeout):
-        """The next JSON line, or raises TimeoutError / EOFError (the process ended)."""
+        """The reply to the last command sent (the first line before any), or raises
+        TimeoutError / EOFError (the process ended)."""
         deadline = time.monotonic() + timeout
+        while True:
+            reply = self._line(deadline, timeout)
+            if reply.get("id", self.sent) == self.sent:
+                return reply
+
+    def _line(self, deadline, timeout):
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -375,13 +384,15 @@ class Child:
             if select.select([fd], [], [], left)[0]:
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise EOFError(f"{self.name} ended, rc={self.proc.wait(5)}; log tail: {self.tail()}")
+                    time.sleep(0.5)  # its exit status, where it has one by then
+                    raise EOFError(f"{self.name} ended, rc={self.proc.poll()}; log tail: {self.tail()}")
                 self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
     def send(self, cmd):
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.sent += 1
+        self.proc.stdin.write((json.dumps({**cmd, "id": self.sent}) + "\n").encode())
         self.proc.stdin.flush()
 
     def ask(self, cmd, timeout):
@@ -400,7 +411,6 @@ class Child:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
-
 
 
 def stop_all(children, grace=10.0) -> None:
