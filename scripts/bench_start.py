@@ -38,7 +38,7 @@ START_LINE = re.compile(r"started in ([0-9.]+)s(?: since the process began)? \((
 # handlers/startup.py: a load line whose CUDA graphs wait until after ready, and the line that
 # says they are done (seconds since ready, calls that ran without a graph meanwhile)
 DEFERRED = "buckets after ready"
-GRAPHS_DONE = re.compile(r"CUDA graphs after ready: done in ([0-9.]+)s, (\d+) call\(s\) ran without a graph meanwhile")
+GRAPHS_DONE = re.compile(r"CUDA graphs after ready: done in ([0-9.]+)s, (\d+) call\(s\) ran without a graph meanwhile(?:; ([^\n]*))?")
 POLL_S = 0.05
 
 
