@@ -12,7 +12,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,75 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scripts import local_server  # noqa: E402
 from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
 
 PY = sys.executable
+
+# Under pytest-xdist (scripts/test.sh runs `-n 2`) each worker is a process of its own. TorchServe
+# names its workers' unix sockets /tmp/.ts.sock.<port> from initial_worker_port whatever TMPDIR
+# says, and scripts.local_server gives each server of a process a block of 100 ports counted from
+# the process id, so two workers' blocks could meet: each xdist worker counts from a range of its own.
+_XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST.startswith("gw"):
+    local_server._worker_port = 9000 + int(_XDIST[2:]) % 5 * 10000
+
+# The processes a test starts take their temporary files from a directory of this pytest process
+# alone: torch-model-archiver stages every archive in $TMPDIR/<model name> and deletes it after,
+# so two processes (xdist workers, or two people's runs on one machine) archiving a model of the
+# same name at once would share that directory and fail.
+_RUN_TMP = tempfile.mkdtemp(prefix=f"cs-tests-{_XDIST or 'run'}-")
+os.environ["TMPDIR"] = _RUN_TMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_RUN_TMP, ignore_errors=True)
+
+
+# The modules whose tests use main_server: under `-n N --dist loadfile` one xdist worker runs them
+# all, so main_server (11 archives, one TorchServe) starts once. A module missing here still
+# passes; it only starts a main_server of its own on another worker.
+MAIN_SERVER_MODULES = {"test_serving.py", "test_batching.py", "test_client.py", "test_grpc.py", "test_wire_grpc.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the MAIN_SERVER_MODULES as one file: each module runs whole on one
+    worker (its module-scoped servers start once). pytest-xdist's own grouping by mark
+    (`--dist loadgroup`) does not work with pytest 9: it renames items through `_nodeid`, which
+    pytest 9's `nodeid` no longer reads."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "main_server" if Path(path).name in MAIN_SERVER_MODULES else path
+
+    return ModuleScheduling(config, log)
+
+
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory every xdist worker of this run shares (the run's base temp directory; the
+    session's own without xdist), so what is built once serves them all."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if _XDIST else base
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@contextmanager
+def file_lock(path: Path):
+    """Exclusive across processes (the xdist workers) while held."""
+    import fcntl
+
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 # A test that compiles, starts TorchServe or runs the project's scripts in a process of its own is
 # marked `server` where it is written: `pytestmark = pytest.mark.server` in its module, or
@@ -97,7 +165,7 @@ class Artifacts:
         """Compile once per run; `index` picks the CUDA device compiled on."""
         tag = self.device if self.device == "cpu" else f"cuda{index}"
         out = self.root / f"{name}_{tag}{'_'.join([''] + [e.strip('-') for e in extra])}"
-        with self._lock:
+        with self._lock, file_lock(self.root / f".{out.name}.lock"):
             if not (out / "artifact.json").exists():
                 cmd = [PY, "-m", "scripts.compile", *ARTIFACTS[name], *extra, "--device", self.device,
                        "--out", str(out)]
@@ -119,13 +187,13 @@ class Artifacts:
 
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
-    return Artifacts(tmp_path_factory.mktemp("artifacts"), "cpu")
+    return Artifacts(shared_dir(tmp_path_factory, "artifacts"), "cpu")
 
 
 @pytest.fixture(scope="session")
 def gpu_artifacts(tmp_path_factory):
     """The GPU suite's artifacts, compiled on the CUDA device `get(name, index)` names, once per run."""
-    return Artifacts(tmp_path_factory.mktemp("gpu_artifacts"), "cuda")
+    return Artifacts(shared_dir(tmp_path_factory, "gpu_artifacts"), "cuda")
 
 
 @pytest.fixture(scope="module")
@@ -178,10 +246,13 @@ def hf_bert(tmp_path_factory):
 
     from examples import hf_bert as hf
 
-    d = tmp_path_factory.mktemp("hf_bert")
-    model, ep = hf.export("tiny")
-    torch.export.save(ep, d / "program.pt2")
-    torch._inductor.aoti_compile_and_package(ep, package_path=str(d / "package.pt2"))
+    d = shared_dir(tmp_path_factory, "hf_bert")
+    with file_lock(d / ".lock"):
+        if (d / "package.pt2").exists():  # another xdist worker built it; the weights are seeded
+            return d, hf.build("tiny")
+        model, ep = hf.export("tiny")
+        torch.export.save(ep, d / "program.pt2")
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(d / "package.pt2"))
     return d, model
 
 
