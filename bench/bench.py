@@ -2,7 +2,7 @@
 """In-process benchmark: the handler's handle() on encoded requests next to the raw floor,
 measured side by side (interleaved) in one run.
 
-  python -m scripts.bench --artifact DIR [--batch-sizes 1,64] [--iters 40] [--out results.json]
+  python -m bench.bench --artifact DIR [--batch-sizes 1,64] [--iters 40] [--out results.json]
 
 Raw floor = pinned host batch -> device (non-blocking, side stream) + model forward + copy of
 outputs into pinned host memory + synchronize: the least any server must do. handle() adds
@@ -213,11 +213,11 @@ def plot(path: str, results: list, first: dict):
 def markdown(report: dict) -> str:
     """The results page of a bench.py JSON: its header and command, the side-by-side table and
     the first-request table, every figure as the JSON holds it."""
-    from scripts.results_meta import page_head
+    from bench.results_meta import page_head
 
     art = report["artifact"]
     lines = page_head(report, f"handle() in process: {art['backend']} artifact, inputs {', '.join(art['inputs'])}",
-                      f"CPU threads: {report['cpu_threads']}. Written by `scripts/bench.py` from the JSON beside it.")
+                      f"CPU threads: {report['cpu_threads']}. Written by `bench/bench.py` from the JSON beside it.")
     lines += ["Medians of interleaved rounds. Floor: pinned host batch to the device, the model, outputs "
              "into pinned host memory, one synchronize; the pageable floor first copies the request out "
              "of its pageable body, as any handler must.", "",
@@ -270,7 +270,7 @@ def render(path: str) -> int:
     return 0
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact")
     p.add_argument("--render", metavar="JSON", help="only rewrite the Markdown page and plot of a results JSON")
@@ -295,30 +295,12 @@ def main(argv=None):
                    help="fresh loads of the warmed-up handler(s) whose first requests are timed")
     p.add_argument("--load-profile", action="store_true",
                    help="profile the first load in this process (cProfile, plus a stack dump every 20 s)")
-    args = p.parse_args(argv)
-    if args.render:
-        return render(args.render)
-    if not args.artifact:
-        p.error("--artifact is required (or --render JSON)")
+    return p
 
-    import torch
 
-    from handlers.admission import Limits, admit
-    from handlers.artifact.metadata import read_spec
-    from handlers.run.cuda import upload
-    from handlers.staging import StagingBuffers
-    from handlers.wire import safetensors_io
-
-    spec = read_spec(args.artifact)
-    limits = Limits(1 << 62, 1 << 30, spec.batch_max, True)
-
-    def decode(request, spec, ct):
-        return admit(request, spec, limits, ct)
-    gpu = 0 if spec.device == "cuda" or torch.cuda.is_available() else None
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-
-    # First request after load: each handler's first call right after its load, against its
-    # steady state and against calls after an idle pause (see first_requests).
+def load_cold(args, gpu):
+    """(handler, ctx) loaded with no warm-up and no CUDA graphs (capture replays the model: a
+    warm-up of its own), its load seconds, and with --load-profile the load's profile."""
     t0 = time.perf_counter()
     profile_top = None
     if args.load_profile:
@@ -330,7 +312,6 @@ def main(argv=None):
         faulthandler.dump_traceback_later(20, repeat=True, file=sys.stderr)
         prof = cProfile.Profile()
         prof.enable()
-    # "no_warmup": no warm-up and no CUDA graphs (capture replays the model: a warm-up of its own)
     cold = new_handler(args.artifact, gpu, {"warmup": False, "crash_safe_load": False, "cuda_graphs": "off",
                                             **EVERY_CALL_STAGES})
     load_cold_s = time.perf_counter() - t0
@@ -341,6 +322,13 @@ def main(argv=None):
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
         profile_top = text.getvalue()
         print(profile_top, flush=True)
+    return cold, load_cold_s, profile_top
+
+
+def input_maker(spec):
+    """inputs(b): seeded random inputs of batch b (zeros for integer inputs)."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
 
     def inputs(b):
@@ -351,155 +339,204 @@ def main(argv=None):
             out[s.name] = (torch.randn(shape, generator=g).to(dt) if dt.is_floating_point
                            else torch.zeros(shape, dtype=dt))
         return out
+    return inputs
 
-    first = {"no_warmup": first_requests(*cold, sizes, inputs, args, args.idle_repeats)}
-    del cold
-    handler, ctx, load_warm_s, first["warmup"] = load_and_time_first(args, gpu, {"crash_safe_load": False},
-                                                                      sizes, inputs)
-    device = handler.device
-    off = None
-    if args.graphs_contrast:
-        h_off, c_off, _, first["warmup_no_graphs"] = load_and_time_first(
-            args, gpu, {"crash_safe_load": False, "cuda_graphs": "off"}, sizes, inputs)
-        off = (h_off, c_off)
-    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
 
-    results = []
-    model = handler.model
-    for b in sizes:
-        x = inputs(b)
-        names = spec.input_names
-        pinned = [x[n].pin_memory() if device.type == "cuda" else x[n] for n in names]
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        out_bufs = {}
+class Case:
+    """One batch size of the run: the raw floor's pinned inputs, stream and output buffers."""
 
-        def floor():
-            if stream is None:
-                with torch.inference_mode():
-                    model(*pinned)
-                return
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                dev = [t.to(device, non_blocking=True) for t in pinned]
-                out = model(*dev)
-                for k, v in out.items():
-                    if k not in out_bufs or out_bufs[k].shape != v.shape:
-                        out_bufs[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-                    out_bufs[k].copy_(v, non_blocking=True)
+    def __init__(self, run, b):
+        import torch
+
+        self.run, self.b = run, b
+        self.x = run.inputs(b)
+        self.names = run.spec.input_names
+        device = run.device
+        self.pinned = [self.x[n].pin_memory() if device.type == "cuda" else self.x[n] for n in self.names]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.out_bufs = {}
+
+    def floor(self):
+        import torch
+
+        model, device, stream = self.run.handler.model, self.run.device, self.stream
+        if stream is None:
+            with torch.inference_mode():
+                model(*self.pinned)
+            return
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            dev = [t.to(device, non_blocking=True) for t in self.pinned]
+            out = model(*dev)
+            for k, v in out.items():
+                if k not in self.out_bufs or self.out_bufs[k].shape != v.shape:
+                    self.out_bufs[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                self.out_bufs[k].copy_(v, non_blocking=True)
+        stream.synchronize()
+
+
+def request_of(fmt, x):
+    """(body, TorchServe's request headers) of a request in `fmt`."""
+    from handlers.wire import safetensors_io
+
+    if fmt == "safetensors":
+        return safetensors_io.dumps(x), {"body": {"content-type": safetensors_io.CONTENT_TYPE}}
+    # TorchServe hands the handler application/json bodies already parsed
+    return {"inputs": {n: t.tolist() for n, t in x.items()}}, {"body": {"content-type": "application/json"}}
+
+
+def handler_stages(run, case, cur, body, ct):
+    """The stages timed for every format: the floor, handle(), and the handler's stages alone
+    (to show where the time over the floor goes)."""
+    import torch
+
+    handler, ctx, off, spec = run.handler, run.ctx, run.off, run.spec
+
+    def handle(request_body=None, h=handler, c=ctx):
+        res = h.handle([{"body": cur["body"] if request_body is None else request_body}], c)
+        assert c.get_response_status(0)[0] in (None, 200), res[0][:300]
+
+    def decode_only():
+        return run.decode({"body": cur["body"]}, spec, ct)
+
+    outs = {}
+
+    def run_only():
+        with torch.inference_mode():
+            outs["o"] = handler.runner.run([cur["req"].tensors])[0]
+
+    stages = {"floor": case.floor, "handle": handle, "decode": decode_only, "run": run_only,
+              "encode": lambda: cur["req"].encode(outs["o"], "bench")}
+    if off:
+        stages["handle_no_graphs"] = lambda: handle(None, *off)
+    return stages, handle
+
+
+def cuda_stages(run, case, cur, body, handle) -> dict:
+    """safetensors on CUDA: the floor from pageable memory, the transfers alone, and handle()
+    with the staging uploads in pieces."""
+    import torch
+
+    from handlers.run.cuda import upload
+    from handlers.staging import StagingBuffers
+
+    handler, device, stream, pinned, names = run.handler, run.device, case.stream, case.pinned, case.names
+    stages = {}
+
+    def floor_from_pageable():
+        # TorchServe hands a worker the request in pageable memory: the least any
+        # handler must do is copy it into pinned memory before the floor's steps.
+        for dst, n in zip(pinned, names):
+            dst.copy_(cur["req"].tensors[n])
+        case.floor()
+
+    stages["floor_from_pageable"] = floor_from_pageable
+    pinned_copy = torch.empty_like(cur["req"].tensors[names[0]]).pin_memory()
+    stages["host_copy_first_input"] = lambda: pinned_copy.copy_(cur["req"].tensors[names[0]])
+    stages["h2d_first_input"] = lambda: pinned[0].to(device, non_blocking=True)
+    probe = StagingBuffers(pinned=True)
+    probe_dev = StagingBuffers(device=device)
+
+    def with_pieces(mib):
+        def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
+            keep, handler.runner.piece_bytes = handler.runner.piece_bytes, int(mib * (1 << 20))
+            try:
+                handle()
+            finally:
+                handler.runner.piece_bytes = keep
+        return fn
+
+    def xfer(mib):
+        def fn():  # transfer only: host copy into pinned memory + upload, no model
+            first_in = cur["req"].tensors[names[0]]
+            with torch.cuda.stream(stream):
+                dev = probe_dev.view("x", first_in.shape, first_in.dtype)
+                upload(probe, "x", [first_in], dev, int(mib * (1 << 20)))
             stream.synchronize()
+        return fn
 
-        for fmt in args.formats.split(","):
-            if fmt == "safetensors":
-                body = safetensors_io.dumps(x)
-                hdr = {"body": {"content-type": safetensors_io.CONTENT_TYPE}}
-            else:  # TorchServe hands the handler application/json bodies already parsed
-                body = {"inputs": {n: t.tolist() for n, t in x.items()}}
-                hdr = {"body": {"content-type": "application/json"}}
-            set_requests(ctx, [hdr])
-            if off:
-                set_requests(off[1], [hdr])
-            ct = hdr["body"]["content-type"]
-            cur = {"body": body, "req": decode({"body": body}, spec, ct)}
-            refresh = None
-            if fmt == "safetensors":
-                def refresh():
-                    # Untimed, before every timed call: TorchServe hands each request to the
-                    # handler as a bytearray it has just filled from the socket (fresh memory,
-                    # as warm in the CPU caches as its size allows), never a reused one.
-                    cur["body"] = bytearray(body)
-                    cur["req"] = decode({"body": cur["body"]}, spec, ct)
+    # For contrast: one body reused, long out of the CPU caches by the next call.
+    stages["handle_reused_body"] = lambda: handle(body)
+    for mib in run.args.pieces:
+        stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
+        stages[f"xfer_pieces_{mib:g}MiB"] = xfer(mib)
+    return stages
 
-            def handle(request_body=None, h=handler, c=ctx):
-                res = h.handle([{"body": cur["body"] if request_body is None else request_body}], c)
-                assert c.get_response_status(0)[0] in (None, 200), res[0][:300]
 
-            def with_pieces(mib):
-                def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
-                    keep, handler.runner.piece_bytes = handler.runner.piece_bytes, int(mib * (1 << 20))
-                    try:
-                        handle()
-                    finally:
-                        handler.runner.piece_bytes = keep
-                return fn
+def medians(stages, args, device, refresh) -> dict:
+    """Each stage's median milliseconds, after warm-up, the stages interleaved."""
+    for _ in range(args.warmup):
+        for fn in stages.values():
+            timed(fn, device, refresh)
+    times = {k: [] for k in stages}
+    for _ in range(args.iters):  # interleaved so drift hits all alike
+        for k, fn in stages.items():
+            times[k].append(timed(fn, device, refresh))
+    return {k: statistics.median(v) for k, v in times.items()}
 
-            # The handler's stages alone, to show where the time over the floor goes.
-            def decode_only():
-                return decode({"body": cur["body"]}, spec, ct)
 
-            outs = {}
+def result_row(b, fmt, med) -> dict:
+    mf, mh = med["floor"], med["handle"]
+    row = {"batch": b, "format": fmt, "floor_ms": round(mf, 4), "handle_ms": round(mh, 4),
+           "ratio": round(mh / mf, 4),
+           "stages_ms": {k: round(v, 4) for k, v in med.items()
+                         if k not in ("floor", "handle", "floor_from_pageable")}}
+    if "floor_from_pageable" in med:
+        row["floor_from_pageable_ms"] = round(med["floor_from_pageable"], 4)
+        row["ratio_vs_floor_from_pageable"] = round(mh / med["floor_from_pageable"], 4)
+    if "handle_no_graphs" in med:
+        row["handle_no_graphs_ms"] = round(med["handle_no_graphs"], 4)
+        row["graphs_over_no_graphs"] = round(mh / med["handle_no_graphs"], 4)
+    for k in med:
+        if k.startswith(("handle_pieces_", "handle_reused")):
+            row["ratio_" + k[len("handle_"):]] = round(med[k] / mf, 4)
+    return row
 
-            def run_only():
-                with torch.inference_mode():
-                    outs["o"] = handler.runner.run([cur["req"].tensors])[0]
 
-            stages = {"floor": floor, "handle": handle, "decode": decode_only, "run": run_only,
-                      "encode": lambda: cur["req"].encode(outs["o"], "bench")}
-            if off:
-                stages["handle_no_graphs"] = lambda: handle(None, *off)
-            if fmt == "safetensors" and device.type == "cuda":
-                def floor_from_pageable():
-                    # TorchServe hands a worker the request in pageable memory: the least any
-                    # handler must do is copy it into pinned memory before the floor's steps.
-                    for dst, n in zip(pinned, names):
-                        dst.copy_(cur["req"].tensors[n])
-                    floor()
+def profile_calls(handle, iters) -> None:
+    import cProfile
+    import pstats
 
-                stages["floor_from_pageable"] = floor_from_pageable
-                pinned_copy = torch.empty_like(cur["req"].tensors[names[0]]).pin_memory()
-                stages["host_copy_first_input"] = lambda: pinned_copy.copy_(cur["req"].tensors[names[0]])
-                stages["h2d_first_input"] = lambda: pinned[0].to(device, non_blocking=True)
-                probe = StagingBuffers(pinned=True)
-                probe_dev = StagingBuffers(device=device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        handle()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
-                def xfer(mib):
-                    def fn():  # transfer only: host copy into pinned memory + upload, no model
-                        first_in = cur["req"].tensors[names[0]]
-                        with torch.cuda.stream(stream):
-                            dev = probe_dev.view("x", first_in.shape, first_in.dtype)
-                            upload(probe, "x", [first_in], dev, int(mib * (1 << 20)))
-                        stream.synchronize()
-                    return fn
 
-                # For contrast: one body reused, long out of the CPU caches by the next call.
-                stages["handle_reused_body"] = lambda: handle(body)
-                for mib in args.pieces:
-                    stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
-                    stages[f"xfer_pieces_{mib:g}MiB"] = xfer(mib)
-            for _ in range(args.warmup):
-                for fn in stages.values():
-                    timed(fn, device, refresh)
-            times = {k: [] for k in stages}
-            for _ in range(args.iters):  # interleaved so drift hits all alike
-                for k, fn in stages.items():
-                    times[k].append(timed(fn, device, refresh))
-            med = {k: statistics.median(v) for k, v in times.items()}
-            mf, mh = med["floor"], med["handle"]
-            row = {"batch": b, "format": fmt, "floor_ms": round(mf, 4), "handle_ms": round(mh, 4),
-                   "ratio": round(mh / mf, 4),
-                   "stages_ms": {k: round(v, 4) for k, v in med.items()
-                                 if k not in ("floor", "handle", "floor_from_pageable")}}
-            if "floor_from_pageable" in med:
-                row["floor_from_pageable_ms"] = round(med["floor_from_pageable"], 4)
-                row["ratio_vs_floor_from_pageable"] = round(mh / med["floor_from_pageable"], 4)
-            if "handle_no_graphs" in med:
-                row["handle_no_graphs_ms"] = round(med["handle_no_graphs"], 4)
-                row["graphs_over_no_graphs"] = round(mh / med["handle_no_graphs"], 4)
-            for k in med:
-                if k.startswith(("handle_pieces_", "handle_reused")):
-                    row["ratio_" + k[len("handle_"):]] = round(med[k] / mf, 4)
-            results.append(row)
-            if args.profile_handle and fmt == "safetensors" and b == sizes[-1]:
-                import cProfile
-                import pstats
+def measure_format(run, case, fmt) -> dict:
+    """One (batch, format) row: every stage timed side by side with the floor."""
+    args, spec, b = run.args, run.spec, case.b
+    body, hdr = request_of(fmt, case.x)
+    set_requests(run.ctx, [hdr])
+    if run.off:
+        set_requests(run.off[1], [hdr])
+    ct = hdr["body"]["content-type"]
+    cur = {"body": body, "req": run.decode({"body": body}, spec, ct)}
+    refresh = None
+    if fmt == "safetensors":
+        def refresh():
+            # Untimed, before every timed call: TorchServe hands each request to the
+            # handler as a bytearray it has just filled from the socket (fresh memory,
+            # as warm in the CPU caches as its size allows), never a reused one.
+            cur["body"] = bytearray(body)
+            cur["req"] = run.decode({"body": cur["body"]}, spec, ct)
 
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(args.iters):
-                    handle()
-                prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-            print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}  "
-                  + "  ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()), flush=True)
+    stages, handle = handler_stages(run, case, cur, body, ct)
+    if fmt == "safetensors" and run.device.type == "cuda":
+        stages.update(cuda_stages(run, case, cur, body, handle))
+    med = medians(stages, args, run.device, refresh)
+    row = result_row(b, fmt, med)
+    if args.profile_handle and fmt == "safetensors" and b == run.sizes[-1]:
+        profile_calls(handle, args.iters)
+    mf, mh = med["floor"], med["handle"]
+    print(f"batch {b:4d} {fmt:12s} floor {mf:8.3f} ms  handle {mh:8.3f} ms  ratio {mh / mf:6.3f}  "
+          + "  ".join(f"{k} {v:.3f}" for k, v in row["stages_ms"].items()), flush=True)
+    return row
+
+
+def print_first(first) -> None:
     for name, rows in first.items():
         for r in rows.values():
             idle = (f"; after {r['idle_seconds']:g} s idle {r['after_idle_median_ms']:.2f} ms "
@@ -508,21 +545,72 @@ def main(argv=None):
                      f"{r['first_over_steady_median']:.2f}x)" if "first_over_steady_loads" in r else "")
             print(f"first request ({name}, batch {r['batch']}): {r['first_ms']:.2f} ms vs steady "
                   f"{r['steady_median_ms']:.2f} ms -> {r['first_over_steady']:.2f}x{loads}{idle}")
-    from scripts.results_meta import header
+
+
+def load_handlers(run) -> dict:
+    """Load the handlers (cold, warmed up, and with --graphs-contrast one without CUDA graphs),
+    timing each one's first requests; sets run.handler, ctx, device, off, load times."""
+    args, sizes, inputs = run.args, run.sizes, run.inputs
+    # First request after load: each handler's first call right after its load, against its
+    # steady state and against calls after an idle pause (see first_requests).
+    cold, run.load_cold_s, run.profile_top = load_cold(args, run.gpu)
+    first = {"no_warmup": first_requests(*cold, sizes, inputs, args, args.idle_repeats)}
+    del cold
+    run.handler, run.ctx, run.load_warm_s, first["warmup"] = load_and_time_first(
+        args, run.gpu, {"crash_safe_load": False}, sizes, inputs)
+    run.device = run.handler.device
+    run.off = None
+    if args.graphs_contrast:
+        h_off, c_off, _, first["warmup_no_graphs"] = load_and_time_first(
+            args, run.gpu, {"crash_safe_load": False, "cuda_graphs": "off"}, sizes, inputs)
+        run.off = (h_off, c_off)
+    return first
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.render:
+        return render(args.render)
+    if not args.artifact:
+        p.error("--artifact is required (or --render JSON)")
+
+    from types import SimpleNamespace
+
+    import torch
+
+    from handlers.admission import Limits, admit
+    from handlers.artifact.metadata import read_spec
+
+    spec = read_spec(args.artifact)
+    limits = Limits(1 << 62, 1 << 30, spec.batch_max, True)
+    run = SimpleNamespace(args=args, spec=spec, decode=lambda request, spec, ct: admit(request, spec, limits, ct),
+                          gpu=0 if spec.device == "cuda" or torch.cuda.is_available() else None,
+                          sizes=[int(b) for b in args.batch_sizes.split(",")], inputs=input_maker(spec))
+    first = load_handlers(run)
+    handler, device = run.handler, run.device
+    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
+    results = []
+    for b in run.sizes:
+        case = Case(run, b)
+        for fmt in args.formats.split(","):
+            results.append(measure_format(run, case, fmt))
+    print_first(first)
+    from bench.results_meta import header
 
     report = {
         **header(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                 None if argv is None else ["-m", "scripts.bench", *argv]),
+                 None if argv is None else ["-m", "bench.bench", *argv]),
         "artifact": {"backend": spec.backend, "inputs": [s.describe() for s in spec.inputs],
                      "batch_range": [spec.batch_min, spec.batch_max]},
         "results": results,
         "first_request": first,
-        "load_s": {"first_in_process_without_warmup": round(load_cold_s, 3),
-                   "second_with_warmup": round(load_warm_s, 3)},
+        "load_s": {"first_in_process_without_warmup": round(run.load_cold_s, 3),
+                   "second_with_warmup": round(run.load_warm_s, 3)},
         "cpu_threads": torch.get_num_threads(),
     }
-    if profile_top:
-        report["first_load_profile"] = profile_top.splitlines()
+    if run.profile_top:
+        report["first_load_profile"] = run.profile_top.splitlines()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

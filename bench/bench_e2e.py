@@ -1,26 +1,26 @@
 """End-to-end benchmark through real TorchServe: this handler against the handler a user
 would write without it, beside the limits measured in the same run.
 
-  python -m scripts.bench_e2e --artifact DIR --factory examples/models.py:resnet50 \
+  python -m bench.bench_e2e --artifact DIR --factory examples/models.py:resnet50 \
       --out docs/results/e2e_resnet50_fp16 [--gpus 1,all] [--clients 1,16,64,192] [--seconds 10]
-  python -m scripts.bench_e2e --artifact PACKAGE.pt2 --program PROGRAM.pt2 --factory FILE.py:FACTORY ...
-      (a user's own files, imported as scripts/archive.py imports them: padding tried; ours is
+  python -m bench.bench_e2e --artifact PACKAGE.pt2 --program PROGRAM.pt2 --factory FILE.py:FACTORY ...
+      (a user's own files, imported as compiled_serving/archive.py imports them: padding tried; ours is
       then archived with no options, so it pads where the import found padding safe)
       [--batch-size N] [--max-batch-delay MS] [--workers-per-gpu N] [--cpu-workers N]
       [--thread-sweep 1,2,4] [--sweep-clients 64]
 
 For each device set (one GPU, all GPUs; or the CPU when there is none) it archives and serves,
 in one `torchserve --start` from the shipped config.properties (only ports and paths changed):
-  ours   scripts/archive.py's archive of the artifact, archive defaults plus the serving
+  ours   compiled_serving/archive.py's archive of the artifact, archive defaults plus the serving
          settings given here (the same for every handler)
-  stock  scripts/baselines/stock_handler.py: BaseHandler subclass, eager model from the
+  stock  bench/baselines/stock_handler.py: BaseHandler subclass, eager model from the
          factory, `.to(device)` on the default stream, `.cpu()`; texts of different lengths
          padded to the batch's longest with zeros (ids 0, mask 0) and run as one call, as users'
          handlers and Hugging Face pipelines do; given the thread budget our handler chose (read
          from its load line) so the comparison is not about threads
   stock_aoti  the same handler calling the AOTInductor package (`aoti_load_package`)
   stock_default  the same handler without a thread budget (what a user gets), at one point
-  echo   scripts/baselines/echo_handler.py: no model, a response of the model's output size
+  echo   bench/baselines/echo_handler.py: no model, a response of the model's output size
          (zeros, parsed and checked by the client like every answer): the transport limit
          (TorchServe's frontend + worker protocol + this client)
   ours_tN  our archive with handler.cpu_threads=N (the thread-budget sweep), at one point
@@ -29,7 +29,7 @@ time, loopback only) sending one-row safetensors requests. Every answer is compa
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
 Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
-(`python -m scripts.bench_e2e --replot OUT.json [--markdown]` draws the PNG, and the Markdown, again from the JSON).
+(`python -m bench.bench_e2e --replot OUT.json [--markdown]` draws the PNG, and the Markdown, again from the JSON).
 """
 from __future__ import annotations
 
@@ -47,15 +47,15 @@ from pathlib import Path
 
 import yaml
 
-from scripts.bench_load import first_request, run_point
-from scripts.local_server import ROOT, LocalTorchServe, tool
-from scripts.results_meta import page_head
+from bench.bench_load import first_request, run_point
+from compiled_serving.local_server import ROOT, LocalTorchServe, tool
+from bench.results_meta import page_head
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", required=True,
-                   help="directory written by scripts/compile.py or scripts/import_artifact.py, or a .pt2 file "
+                   help="directory written by compiled_serving/compile.py or compiled_serving/import_artifact.py, or a .pt2 file "
                         "(torch.export.save, or an AOTInductor package with --program): imported first")
     p.add_argument("--program", help="with an AOTInductor package: the program it was compiled from")
     p.add_argument("--factory", required=True, help="FILE.py:FACTORY of the eager model (stock + reference)")
@@ -69,7 +69,7 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every point this many times, every other round in reverse order")
     p.add_argument("--max-requests", type=int, default=500_000, help="per point")
-    # the archive defaults (scripts/archive.py)
+    # the archive defaults (compiled_serving/archive.py)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batch-delay", type=int, default=1)
     p.add_argument("--workers-per-gpu", type=int, default=6)
@@ -103,8 +103,13 @@ def parse_args(argv):
     p.add_argument("--spy", type=int, default=0, metavar="RATE",
                    help="sample TorchServe's workers with py-spy at RATE per second during each point's "
                         "measured window of the first round: their time per request by stage "
-                        "(scripts/worker_spy.py)")
+                        "(bench/worker_spy.py)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     for line in args.ts_config:
         if not re.fullmatch(r"[A-Za-z_][\w.]*=\S.*", line):
@@ -116,7 +121,7 @@ def parse_args(argv):
         # which ends a second before the window does, so it must be at least two seconds long
         if args.seconds < 3:
             p.error(f"--spy needs --seconds 3 or more (got {args.seconds:g})")
-        from scripts import worker_spy
+        from bench import worker_spy
 
         args.spy_exe = worker_spy.executable()
     return args
@@ -127,7 +132,7 @@ def ints(text: str) -> list:
 
 
 def load_factory(ref: str):
-    from scripts.compile import load_factory as lf
+    from compiled_serving.compile import load_factory as lf
 
     return lf(ref)
 
@@ -269,19 +274,19 @@ def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30,
 
 
 def imported(args, stack) -> None:
-    """--artifact FILE.pt2 is imported as the archive imports a user's file (scripts/import_artifact.py:
+    """--artifact FILE.pt2 is imported as the archive imports a user's file (compiled_serving/import_artifact.py:
     the contract, the checks, padding tried on the program) into a directory kept for the run;
     args.artifact names that directory afterwards."""
     if os.path.isdir(args.artifact):
         return
-    from scripts.import_artifact import import_artifact
+    from compiled_serving.import_artifact import import_artifact
 
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_e2e_import_"))
     args.artifact = import_artifact(args.artifact, os.path.join(tmp, "artifact"), args.program)
 
 
 def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=()) -> Path:
-    cmd = [sys.executable, "-m", "scripts.archive", "--artifact", args.artifact, "--name", name,
+    cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", args.artifact, "--name", name,
            "--out", str(store), "--workers", str(workers), "--batch-size", str(args.batch_size),
            "--max-batch-delay", str(args.max_batch_delay), *extra]
     if device_ids:
@@ -313,9 +318,9 @@ def archive_baseline(args, store: Path, name: str, handler: str, workers: int, d
         shutil.copy2(ROOT / args.factory.rsplit(":", 1)[0], files / "models.py")
         if artifact:  # the stock AOTI handler: the package and the handler it extends
             shutil.copy2(artifact, files / os.path.basename(artifact))
-            shutil.copy2(ROOT / "scripts" / "baselines" / "stock_handler.py", files / "stock_handler.py")
+            shutil.copy2(ROOT / "bench" / "baselines" / "stock_handler.py", files / "stock_handler.py")
         cmd = [tool("torch-model-archiver"), "--model-name", name, "--version", "1.0",
-               "--handler", str(ROOT / "scripts" / "baselines" / handler), "--extra-files", str(files),
+               "--handler", str(ROOT / "bench" / "baselines" / handler), "--extra-files", str(files),
                "--config-file", str(cfg_path), "--export-path", str(store), "--force"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -593,7 +598,7 @@ def write_markdown(path: Path, result: dict):
 
 
 def _spy_table(points: list) -> list:
-    """The workers' time per request by stage (--spy; scripts/worker_spy.py), a column per point,
+    """The workers' time per request by stage (--spy; bench/worker_spy.py), a column per point,
     beside the workers' CPU per request from /proc."""
     rows = [p for p in points if p.get("spy")]
     if not rows:
@@ -621,7 +626,7 @@ def _spy_table(points: list) -> list:
 
 
 def _cores_table(points: list) -> list:
-    """Where the host's cores went during each point (scripts/cpu_usage.py): cores busy on
+    """Where the host's cores went during each point (bench/cpu_usage.py): cores busy on
     average in the measured window, per process group."""
     rows = [p for p in points if p.get("cpu_cores")]
     if not rows:
@@ -722,11 +727,11 @@ def run(args, argv, from_cli: bool) -> int:
             points += got
             firsts += first
     name = Path(args.factory.rsplit(":", 1)[1]).name + f"_{spec.inputs[0].dtype}_{spec.backend}"
-    from scripts.results_meta import header
+    from bench.results_meta import header
 
     result = {
         **header(torch.cuda.get_device_name(0) + f" x{n_gpu}" if n_gpu else f"CPU ({os.cpu_count()} cores)",
-                 None if from_cli else ["-m", "scripts.bench_e2e", *argv]),
+                 None if from_cli else ["-m", "bench.bench_e2e", *argv]),
         "model": name, "host_cores": os.cpu_count(),
         "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,

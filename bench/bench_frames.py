@@ -7,8 +7,8 @@ thread's clock) of `ts.protocol.otf_message_handler.retrieve_msg` and of
 `handlers.torchserve.frontend_frames.retrieve_msg` per message, interleaved round by round, and checks that
 both return the same message.
 
-    python -m scripts.bench_frames [--batch-sizes 1,8] [--body-bytes 301160] [--out docs/results/frames_TAG.json]
-    python -m scripts.bench_frames --replot docs/results/frames_TAG.json   # the PNG again
+    python -m bench.bench_frames [--batch-sizes 1,8] [--body-bytes 301160] [--out docs/results/frames_TAG.json]
+    python -m bench.bench_frames --replot docs/results/frames_TAG.json   # the PNG again
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.results_meta import header, page_head
+from bench.results_meta import header, page_head
 
 # The headers a client such as python-requests sends with a binary request, plus the token.
 CLIENT_HEADERS = (("Host", "127.0.0.1:8080"), ("User-Agent", "python-requests/2.32.3"),

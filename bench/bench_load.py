@@ -1,4 +1,4 @@
-"""Closed-loop HTTP load generator for scripts/bench_e2e.py: `clients` keep-alive connections
+"""Closed-loop HTTP load generator for bench/bench_e2e.py: `clients` keep-alive connections
 spread over several processes (one thread per connection), each sending its next request as
 soon as the last answer arrived. Loopback only; bounded by time and by a request count.
 
@@ -10,9 +10,9 @@ limit being measured (docs/results/e2e_resnet50_fp16_scaling_httpclient_h200x2.m
 
 Answers are counted only when they complete inside the measured window, after a warm-up;
 every 200 answer is parsed (`safetensors` by default; the KServe v2 binary extension or a gRPC
-ModelInferResponse for scripts/bench_pod.py's routes: ANSWERS) and compared with the reference
+ModelInferResponse for bench/bench_pod.py's routes: ANSWERS) and compared with the reference
 output of the input it answered (|d| <= tol + tol * max|ref|). A `grpc://HOST:PORT` url sends
-each body as one unary gRPC call of the method `path` instead (scripts/bench_pod.py).
+each body as one unary gRPC call of the method `path` instead (bench/bench_pod.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import threading
 import time
 from urllib.parse import urlparse
 
-from scripts import cpu_usage, worker_spy
+from bench import cpu_usage, worker_spy
 
 HEADERS = {"Content-Type": "application/x-safetensors"}
 
@@ -252,7 +252,7 @@ def run_point(url, path, token, bodies, check, clients, seconds, warmup, max_req
     headers: the requests' headers (default HEADERS: safetensors), or a list of one per body. spy_rate: also sample TorchServe's
     workers (those descending from process `spy_root`, the server's launcher) with py-spy
     (`spy_exe`) at this rate during the measured window, but for its last second
-    (scripts/worker_spy.py). Returns the point's figures."""
+    (bench/worker_spy.py). Returns the point's figures."""
     # half the cores this process may run on at most: each process is one interpreter lock, and
     # the server needs the rest
     procs = processes or max(1, min(clients, len(os.sched_getaffinity(0)) // 2))

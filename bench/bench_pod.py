@@ -1,17 +1,17 @@
 """The KServe pod's routes beside direct TorchServe, in one run, on one pod:
 
-  python -m scripts.bench_pod --artifact DIR --factory examples/models.py:resnet50 \
+  python -m bench.bench_pod --artifact DIR --factory examples/models.py:resnet50 \
       --out docs/results/pod_resnet50_fp16 [--clients 1,64] [--seconds 10] [--rounds 2]
       [--lengths uniform:16:128] [--archive-option=--handler-option=pad=...]
 
-The artifact is archived with scripts/archive.py (its defaults, plus any --archive-option), laid
-out with scripts/kserve.py and served by the pod as its container runs it (scripts/local_pod.py:
+The artifact is archived with compiled_serving/archive.py (its defaults, plus any --archive-option), laid
+out with compiled_serving/kserve.py and served by the pod as its container runs it (pod/local_pod.py:
 kserve/entrypoint.sh -> pod/start.py: TorchServe on loopback, nginx, the gRPC bridge). The same
 one-row requests then go, at each client count, by each route (ROUTES): straight to TorchServe's
 inference port (what a TorchServe user gets) and through the pod's ports, in three encodings:
 safetensors and the KServe v2 binary extension over REST, a ModelInferRequest with raw contents
 over HTTP to TorchServe and over gRPC to the pod. Every answer is compared with the eager model
-(scripts/bench_load.py). Also one request at the artifact's largest batch by each pod route
+(bench/bench_load.py). Also one request at the artifact's largest batch by each pod route
 (bytes through unchanged, answers equal eager). Writes OUT.json (device, date, torch, command
 first), OUT.md (ratios pod / direct side by side) and OUT.png.
 """
@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.bench_load import _mismatch, run_point
-from scripts.local_pod import LocalPod
-from scripts.local_server import ROOT
-from scripts.results_meta import header, page_head
+from bench.bench_load import _mismatch, run_point
+from pod.local_pod import LocalPod
+from compiled_serving.local_server import ROOT
+from bench.results_meta import header, page_head
 
 # name: (where it is sent, path, body encoding); the pod's counterpart of each direct route is
 # the pair's second entry (PAIRS)
@@ -60,7 +60,7 @@ def parse_args(argv):
     p.add_argument("--lengths", default="")
     p.add_argument("--mask-inputs", default="")
     p.add_argument("--archive-option", action="append", default=[], metavar="=--FLAG=VALUE",
-                   help="passed to scripts/archive.py (e.g. --archive-option=--handler-option=pad=...)")
+                   help="passed to compiled_serving/archive.py (e.g. --archive-option=--handler-option=pad=...)")
     p.add_argument("--pod-env", action="append", default=[], metavar="KEY=VALUE",
                    help="the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4, NGINX_WORKERS=4)")
     p.add_argument("--max-requests", type=int, default=500_000)
@@ -71,8 +71,8 @@ def parse_args(argv):
     p.add_argument("--largest-rows", type=int, default=0,
                    help="rows of the one large request by each pod route (default: the artifact's largest batch)")
     p.add_argument("--load-generator", choices=("python", "native"), default="python",
-                   help="python: scripts/bench_load.py's clients, every answer checked; native: wrk (HTTP/1.1) "
-                        "and h2load (gRPC), C clients (scripts/native_load.py: $LOADGEN or on PATH), one body "
+                   help="python: bench/bench_load.py's clients, every answer checked; native: wrk (HTTP/1.1) "
+                        "and h2load (gRPC), C clients (bench/native_load.py: $LOADGEN or on PATH), one body "
                         "per route, its answer checked by a real client before and after each point")
     return p.parse_args(argv)
 
@@ -122,12 +122,12 @@ def encodings(bodies: list) -> dict:
 def start_pod(args, work: Path) -> LocalPod:
     store, out = work / "store", work / "layout"
     store.mkdir()
-    r = subprocess.run([sys.executable, "-m", "scripts.archive", "--artifact", args.artifact, "--name", MODEL,
+    r = subprocess.run([sys.executable, "-m", "compiled_serving.archive", "--artifact", args.artifact, "--name", MODEL,
                         "--out", str(store), *args.archive_option], cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"bench_pod: archive failed: {r.stderr or r.stdout}")
     print(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "", file=sys.stderr)
-    r = subprocess.run([sys.executable, "-m", "scripts.kserve", "--mar", str(store / f"{MODEL}.mar"),
+    r = subprocess.run([sys.executable, "-m", "compiled_serving.kserve", "--mar", str(store / f"{MODEL}.mar"),
                         "--storage-uri", "pvc://bench/pod", "--out", str(out), "--name", "bench"],
                        cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
@@ -159,7 +159,7 @@ def answer_ok(url: str, path: str, body: bytes, headers: dict, check: tuple) -> 
     """Whether one request by a real client answers 200 with outputs equal to the eager model's."""
     from urllib.parse import urlparse
 
-    from scripts.bench_load import Connection, GrpcConnection, build_request
+    from bench.bench_load import Connection, GrpcConnection, build_request
 
     u = urlparse(url)
     if u.scheme == "grpc":
@@ -175,7 +175,7 @@ def answer_ok(url: str, path: str, body: bytes, headers: dict, check: tuple) -> 
 def measure_native(args, url, path, body, headers, clients, check) -> dict:
     """One point by the C load generators on the first body; that body's answer checked by a real client
     before and after (they see HTTP statuses only, not the answer nor gRPC's status trailer)."""
-    from scripts import native_load
+    from bench import native_load
 
     headers = headers[0] if isinstance(headers, list) else headers
     before = answer_ok(url, path, body, headers, check)
@@ -193,7 +193,7 @@ def largest(pod, spec, model, device, tol, rows: int = 0) -> list:
     import torch
 
     from handlers.run.padding import random_request
-    from scripts.bench_load import GrpcConnection
+    from bench.bench_load import GrpcConnection
 
     sizes = {d: hi for d, (lo, hi) in spec.dims.items()}
     x = random_request(spec, sizes, torch.Generator().manual_seed(7), None, span=1_000_000)
@@ -256,7 +256,7 @@ def fronts_rss_mib(pod: LocalPod) -> dict:
 
 
 def run(args, spec, device) -> dict:
-    from scripts import bench_e2e
+    from bench import bench_e2e
 
     ns = argparse.Namespace(factory=args.factory, distinct_inputs=args.distinct_inputs, lengths=args.lengths,
                             mask_inputs=args.mask_inputs)
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if spec.device == "cuda" else None
     import os
 
-    result = {**header(gpu or f"CPU ({os.cpu_count()} cores)", None if from_cli else ["-m", "scripts.bench_pod", *argv]),
+    result = {**header(gpu or f"CPU ({os.cpu_count()} cores)", None if from_cli else ["-m", "bench.bench_pod", *argv]),
               "model": name, "host_cores": os.cpu_count(), "archive_options": args.archive_option,
               "pod_env": args.pod_env, "load_generator": args.load_generator,
               "seconds": args.seconds, "rounds": args.rounds, **got, "summary": summary(got["points"])}

@@ -2,7 +2,7 @@
 is killed (kill -9, as a device fault, an OOM kill or a crash ends one), through real TorchServe
 started from the shipped config.
 
-    python -m scripts.bench_start --artifact DIR --workers 1,6 --restarts 3 --out docs/results/start_TAG.json
+    python -m bench.bench_start --artifact DIR --workers 1,6 --restarts 3 --out docs/results/start_TAG.json
 
 For each worker count: the seconds from `torchserve --start` until every worker is READY, and each
 worker's own start, step by step, as its load line gives it (handlers/startup.py: the process's
@@ -30,9 +30,9 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-from scripts.bench_e2e import archive_ours
-from scripts.local_server import LocalTorchServe
-from scripts.results_meta import header, page_head
+from bench.bench_e2e import archive_ours
+from compiled_serving.local_server import LocalTorchServe
+from bench.results_meta import header, page_head
 
 START_LINE = re.compile(r"started in ([0-9.]+)s(?: since the process began)? \(([^)]*)\)")
 # handlers/startup.py: a load line whose CUDA graphs wait until after ready, and the line that
@@ -44,7 +44,7 @@ POLL_S = 0.05
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py")
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
     p.add_argument("--workers", default="1,6", help="worker counts to start, one server each")
     p.add_argument("--restarts", type=int, default=3, help="workers killed (SIGKILL) per server, one at a time")
     p.add_argument("--gpu", type=int, default=None, help="GPU id the workers use (default: 0 where CUDA is, else CPU)")

@@ -8,7 +8,7 @@ call is what the worker takes from the host's cores per batch; the rest of the w
 waits for the GPU. The cost of building the request bytearrays (TorchServe's worker builds one
 per request before `handle()`) is measured alone and reported beside, not subtracted.
 
-    python -m scripts.cpu_per_call --artifact DIR --batch-sizes 1,8 --out docs/results/cpu_per_call_TAG.json
+    python -m bench.cpu_per_call --artifact DIR --batch-sizes 1,8 --out docs/results/cpu_per_call_TAG.json
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import statistics
 import time
 from pathlib import Path
 
-from scripts.results_meta import header, page_head
+from bench.results_meta import header, page_head
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py")
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
     p.add_argument("--batch-sizes", default="1,8", help="requests per batch, one row each")
     p.add_argument("--sync", default="block,spin", help="cuda_sync values to measure (GPU only)")
     p.add_argument("--calls", type=int, default=300, help="timed calls per round")
@@ -45,7 +45,7 @@ def _bodies(spec, n: int) -> list:
 def measure(handler, ctx, bodies: list, calls: int, rounds: int) -> dict:
     """Median over rounds of wall and CPU ms per handle() call on these requests."""
     from handlers.wire import safetensors_io
-    from scripts.bench import set_requests
+    from bench.bench import set_requests
 
     headers = [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}] * len(bodies)
 
@@ -74,7 +74,7 @@ def measure(handler, ctx, bodies: list, calls: int, rounds: int) -> dict:
 
 def markdown(report: dict) -> str:
     lines = page_head(report, f"CPU per batch of one-row requests: {report['artifact_kind']} artifact, "
-                      f"inputs {report['inputs']}", "Written by `scripts/cpu_per_call.py` from the JSON beside it.")
+                      f"inputs {report['inputs']}", "Written by `bench/cpu_per_call.py` from the JSON beside it.")
     lines += ["`handle()` in process on a batch of one-row binary requests; wall and CPU time per call "
              "(the process's CPU clock: all its threads), medians of rounds. `block`: the worker sleeps "
              "while the GPU works (what `cuda_sync: auto` picks when workers share a GPU); `spin`: it "
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     import torch
 
     from handlers.artifact.metadata import read_spec
-    from scripts.bench import StageRecorder, new_handler
+    from bench.bench import StageRecorder, new_handler
 
     args = parse_args(argv)
     spec = read_spec(args.artifact)

@@ -4,7 +4,7 @@
 Why: the Python gRPC client costs 0.5-0.75 ms of CPU per call (docs/results/pod_*_h100_s24.json: the
 load generator took 4-6 of 16 cores at 64 clients), so a pod route measured with it competes with its
 own load generator for the host's cores; these spend microseconds per request. Each client is one
-connection with one request in flight, as the Python clients of scripts/bench_load.py are, sending
+connection with one request in flight, as the Python clients of bench/bench_load.py are, sending
 one body over and over.
 
 Why two tools: h2load reads an HTTP/1.1 status only from a non-empty reason phrase (its parser's
@@ -15,7 +15,7 @@ HTTP/2's.
 
 Neither sees an answer's content, and a gRPC call answers HTTP 200 with its outcome in the
 `grpc-status` trailer, which h2load does not report: the caller checks the same body's answer by a
-real client before and after the point (scripts/bench_pod.py does, against the eager model).
+real client before and after the point (bench/bench_pod.py does, against the eager model).
 
 Tools: the command in $LOADGEN followed by the tool's name (e.g. `.gpukit/loadgen/run`, which sets
 the library path for the Debian binaries it carries), else `wrk` / `h2load` on PATH.
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from scripts import cpu_usage
+from bench import cpu_usage
 
 
 def tool(name: str) -> list:

@@ -2,7 +2,7 @@
 """Where a worker's CPU goes per request: `handle()` in process under cProfile, on batches of
 one-row safetensors requests (as TorchServe hands a worker a batch of clients' requests).
 
-    python -m scripts.profile_handle --artifact DIR --batch-sizes 1,8 --out docs/results/profile_TAG.json
+    python -m bench.profile_handle --artifact DIR --batch-sizes 1,8 --out docs/results/profile_TAG.json
 
 For each batch size: the handler's own stage split (decode = admission, run, encode; its
 HandlerDecodeTime/RunTime/EncodeTime gauges emitted every call), the wall and CPU microseconds
@@ -23,18 +23,18 @@ import statistics
 import time
 from pathlib import Path
 
-from scripts.results_meta import header, page_head
+from bench.results_meta import header, page_head
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py")
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
     p.add_argument("--batch-sizes", default="1,8", help="one-row requests per handle() call")
     p.add_argument("--calls", type=int, default=400, help="calls per measurement")
     p.add_argument("--rounds", type=int, default=3, help="unprofiled rounds; the median is reported")
     p.add_argument("--top", type=int, default=25, help="functions listed per batch size")
     p.add_argument("--lengths", default="",
-                   help="named dynamic dimensions per request, as scripts.bench_e2e draws them "
+                   help="named dynamic dimensions per request, as bench.bench_e2e draws them "
                         "(uniform:LO:HI or choice:A,B,C; default: uniform over each range)")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="handler options for the load (e.g. cuda_sync=spin)")
@@ -58,7 +58,7 @@ def _group(filename: str) -> str:
 
 def _caller(handler, ctx, bodies):
     from handlers.wire import safetensors_io
-    from scripts.bench import set_requests
+    from bench.bench import set_requests
 
     headers = [{"body": {"content-type": safetensors_io.CONTENT_TYPE}}] * len(bodies)
 
@@ -115,7 +115,7 @@ def measure(handler, ctx, bodies: list, args) -> dict:
 
 def markdown(report: dict) -> str:
     lines = page_head(report, f"Where handle() spends its time: {report['artifact_kind']} artifact, "
-                      f"inputs {report['inputs']}", "Written by `scripts/profile_handle.py` from the JSON beside it.")
+                      f"inputs {report['inputs']}", "Written by `bench/profile_handle.py` from the JSON beside it.")
     lines += ["Unprofiled: wall and CPU microseconds per request, and the handler's own stage gauges "
               "(ms per call, medians). Profiled (cProfile, which slows Python calls down): the share of "
               "each module group and the functions with the most own time.", ""]
@@ -138,14 +138,14 @@ def main(argv=None) -> int:
     import yaml
 
     from handlers.artifact.metadata import read_spec
-    from scripts.bench import EVERY_CALL_STAGES, StageRecorder, new_handler
-    from scripts.cpu_per_call import _bodies
+    from bench.bench import EVERY_CALL_STAGES, StageRecorder, new_handler
+    from bench.cpu_per_call import _bodies
 
     def bodies(n):
         if not spec.dims:
             return _bodies(spec, n)
         from handlers.wire import safetensors_io
-        from scripts.bench_e2e import one_request
+        from bench.bench_e2e import one_request
 
         g = torch.Generator().manual_seed(0)
         how = argparse.Namespace(lengths=args.lengths, mask_inputs="")  # masks: inputs named *mask*

@@ -3,8 +3,8 @@
 `.json` (what: the title of its `.md`; device and date: its own keys; committed in: the commit
 that added it, from git; headline: the first row of its page's first table; links).
 
-    python -m scripts.results_index          # rewrite the table in place
-    python -m scripts.results_index --check  # exit 1 if the table is not what the files say
+    python -m bench.results_index          # rewrite the table in place
+    python -m bench.results_index --check  # exit 1 if the table is not what the files say
 """
 from __future__ import annotations
 

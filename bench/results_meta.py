@@ -25,8 +25,8 @@ def invocation(argv=None, env=()) -> str:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         a0 = os.path.abspath(argv[0])
         rel = os.path.relpath(a0, root) if a0.startswith(root + os.sep) else None
-        if rel and rel.startswith("scripts" + os.sep) and rel.endswith(".py"):
-            argv[0:1] = ["-m", rel[:-3].replace(os.sep, ".")]  # scripts run as modules
+        if rel and rel.split(os.sep)[0] in ("compiled_serving", "bench", "pod") and rel.endswith(".py"):
+            argv[0:1] = ["-m", rel[:-3].replace(os.sep, ".")]  # the packages run as modules
         elif rel:
             argv[0] = rel
     assigns = [f"{k}={shlex.quote(os.environ[k])}" for k in env if os.environ.get(k)]

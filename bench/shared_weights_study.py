@@ -1,7 +1,7 @@
 """One copy of the weights per GPU, shared by the workers: the experiment (issue 39, item 2).
 
-  python -m scripts.shared_weights_study --out OUT/shared_weights_h100
-  python -m scripts.shared_weights_study --device cpu --small --out /tmp/sw_cpu   (shakes out bugs)
+  python -m bench.shared_weights_study --out OUT/shared_weights_h100
+  python -m bench.shared_weights_study --device cpu --small --out /tmp/sw_cpu   (shakes out bugs)
 
 Builds a stack of Linear layers (16 x 8192x8192 fp16 = 2 GiB of weights by default; batch
 dimension dynamic 1..16), compiles it once with AOTInductor into two packages (weights in the
@@ -346,11 +346,11 @@ def bench(model, seconds, dtype) -> dict:
 # ---------------------------------------------------------------- the parent's tools
 
 class Child:
-    """A fresh `python -m scripts.shared_weights_study --role ...` process; replies are JSON
+    """A fresh `python -m bench.shared_weights_study --role ...` process; replies are JSON
     lines on its stdout, its stderr goes to a log file in the work directory."""
 
     def __init__(self, args, role, name, extra=()):
-        cmd = [sys.executable, "-m", "scripts.shared_weights_study", "--role", role,
+        cmd = [sys.executable, "-m", "bench.shared_weights_study", "--role", role,
                "--work", args.work, "--device", args.device, "--layers", str(args.layers),
                "--width", str(args.width), "--socket", args.socket, *extra]
         self.name = name
@@ -672,7 +672,7 @@ def summary(steps: dict) -> dict:
 
 
 def write_md(report: dict, path: str) -> None:
-    from scripts.results_meta import page_head
+    from bench.results_meta import page_head
 
     lines = page_head(report, "Shared weights: one copy per GPU (issue 39, item 2)",
                       "MiB are nvidia-smi's device memory.used minus the step's baseline.")
@@ -722,7 +722,7 @@ def device_name(device: str) -> str:
 def run_study(args) -> dict:
     import traceback
 
-    from scripts.results_meta import header
+    from bench.results_meta import header
 
     report = {**header(device_name(args.device)),
               "config": {k: getattr(args, k) for k in ("layers", "width", "workers", "bench_s", "budget_s", "small")},

@@ -1,7 +1,7 @@
 """Where a worker's start goes before it serves, piece by piece: each step timed in a fresh
 Python (what a restarted worker pays; files already in the page cache), median of --repeats.
 
-    python -m scripts.start_study --artifact DIR --out docs/results/start_study_TAG.json
+    python -m bench.start_study --artifact DIR --out docs/results/start_study_TAG.json
 
 Steps, each measured cumulatively in its own process so imports are not shared: the bare
 interpreter; `import torch`; torch plus the CUDA context (first tensor on the device); TorchServe's
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.results_meta import header, page_head
+from bench.results_meta import header, page_head
 
 PRELUDE = "import time, sys; t0 = time.perf_counter()\n"
 CUDA = "import torch; torch.cuda.set_device(0); torch.zeros(1, device='cuda'); torch.cuda.synchronize()\n"
@@ -56,7 +56,7 @@ def time_step(code: str, path: str) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by scripts/compile.py (an AOTI package)")
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py (an AOTI package)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

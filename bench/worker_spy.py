@@ -26,7 +26,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from scripts import cpu_usage
+from bench import cpu_usage
 
 # (stage, function names that mark it), in priority order; names with a class are matched as
 # py-spy 0.4.3 and later write them (Class.method). Our handler's stage functions
@@ -143,7 +143,7 @@ _PACKAGES = re.compile(r"/(?:site-packages|dist-packages)/(.*)$")
 _STDLIB = re.compile(r"/lib/python3\.\d+/(.*)$")
 # this project's packages, wherever they run from (TorchServe extracts an archive into a
 # directory of its own)
-_OURS = re.compile(r"(?:^|/)((?:handlers|scripts|examples)/.*)$")
+_OURS = re.compile(r"(?:^|/)((?:handlers|compiled_serving|bench|pod|examples)/.*)$")
 
 
 def frame_name(frame: str) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Transfer experiment on the GPU machine: where does request bytes -> pinned -> device go?
 
-  python -m scripts.xfer_study [--mb 19.3] [--out xfer.json]
+  python -m bench.xfer_study [--mb 19.3] [--out xfer.json]
 
 TorchServe hands a worker each request body as a freshly received bytearray (pageable). The
 handler copies it into a pinned staging buffer and uploads that asynchronously. This times,
@@ -39,6 +39,104 @@ def write_combined_buffer(nbytes: int):
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr.value), dtype=torch.uint8)
 
 
+class Transfers:
+    """The buffers of the experiment and the timed operations over them; `state["src"]` is the
+    request body of the current iteration."""
+
+    def __init__(self, mb: float, iters: int):
+        import torch
+
+        self.torch, self.iters = torch, iters
+        self.dev = dev = torch.device("cuda:0")
+        self.n = n = int(mb * 1e6) // 2
+        self.template = bytearray(torch.randn(n).half().numpy().tobytes())
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8)  # larger than any last-level cache
+        self.pin = torch.empty(n, dtype=torch.float16, pin_memory=True)
+        self.pin_clean = torch.empty(n, dtype=torch.float16, pin_memory=True)
+        self.wc = write_combined_buffer(n * 2).view(torch.float16)
+        self.d = torch.empty(n, dtype=torch.float16, device=dev)
+        self.d2 = torch.empty(n, dtype=torch.float16, device=dev)
+        self.s = torch.cuda.Stream(dev)
+        self.state = {}
+
+    def fresh(self):  # what TorchServe does before calling the handler: not timed
+        self.state["src"] = self.torch.frombuffer(bytearray(self.template), dtype=self.torch.float16)
+
+    def cold(self):
+        self.flush.fill_(1)
+        self.state.setdefault("reused", self.torch.frombuffer(self.template, dtype=self.torch.float16))
+        self.state["src"] = self.state["reused"]
+
+    def med(self, fn, prep):
+        torch, times = self.torch, []
+        for i in range(self.iters + 5):
+            prep()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= 5:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return round(statistics.median(times), 4)
+
+    def copy_into(self, buf):
+        return lambda: buf.copy_(self.state["src"])
+
+    def h2d(self, buf):
+        return lambda: self.d.copy_(buf, non_blocking=True)
+
+    def copy_then_h2d(self, buf):
+        def fn():
+            buf.copy_(self.state["src"])
+            with self.torch.cuda.stream(self.s):
+                self.d.copy_(buf, non_blocking=True)
+            self.s.synchronize()
+        return fn
+
+    def pieces(self, buf, k):
+        n, d, state = self.n, self.d, self.state
+        step = (n + k - 1) // k
+
+        def fn():
+            with self.torch.cuda.stream(self.s):
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    buf[a:b].copy_(state["src"][a:b])
+                    d[a:b].copy_(buf[a:b], non_blocking=True)
+            self.s.synchronize()
+        return fn
+
+    def overlap(self, buf):  # an upload of other, clean pinned memory while the host fills buf
+        def fn():
+            with self.torch.cuda.stream(self.s):
+                self.d2.copy_(self.pin_clean, non_blocking=True)
+            buf.copy_(self.state["src"])
+            self.s.synchronize()
+        return fn
+
+    def dirty_then(self, buf):  # write buf untimed, then time only its upload
+        def prep():
+            self.fresh()
+            buf.copy_(self.state["src"])
+        return prep
+
+    def run(self) -> dict:
+        """Every measurement's median milliseconds."""
+        r = {}
+        for body, prep in (("fresh", self.fresh), ("cold", self.cold)):
+            for kind, buf in (("pinned", self.pin), ("wc", self.wc)):
+                r[f"{body}_{kind}_host_copy"] = self.med(self.copy_into(buf), prep)
+                r[f"{body}_{kind}_copy_then_h2d"] = self.med(self.copy_then_h2d(buf), prep)
+                for k in (2, 4):
+                    r[f"{body}_{kind}_pieces{k}"] = self.med(self.pieces(buf, k), prep)
+                r[f"{body}_{kind}_h2d_during_other_host_copy"] = self.med(self.overlap(buf), prep)
+        r["h2d_clean_pinned"] = self.med(self.h2d(self.pin_clean), lambda: None)
+        r["h2d_just_written_pinned"] = self.med(self.h2d(self.pin), self.dirty_then(self.pin))
+        r["h2d_just_written_wc"] = self.med(self.h2d(self.wc), self.dirty_then(self.wc))
+        r["h2d_pageable_fresh"] = self.med(lambda: self.d.copy_(self.state["src"]), self.fresh)
+        return r
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=64 * 3 * 224 * 224 * 2 / 1e6)
@@ -51,100 +149,18 @@ def main(argv=None):
         print("xfer_study.py measures host-to-GPU transfers and needs a CUDA GPU; none is visible "
               "here (torch.cuda.is_available() is False). Run it on the GPU machine.", file=sys.stderr)
         return 2
-    dev = torch.device("cuda:0")
-    n = int(args.mb * 1e6) // 2
-    template = bytearray(torch.randn(n).half().numpy().tobytes())
-    flush = torch.empty(256 << 20, dtype=torch.uint8)  # larger than any last-level cache
-    pin = torch.empty(n, dtype=torch.float16, pin_memory=True)
-    pin_clean = torch.empty(n, dtype=torch.float16, pin_memory=True)
-    wc = write_combined_buffer(n * 2).view(torch.float16)
-    d = torch.empty(n, dtype=torch.float16, device=dev)
-    d2 = torch.empty(n, dtype=torch.float16, device=dev)
-    s = torch.cuda.Stream(dev)
-    state = {}
+    study = Transfers(args.mb, args.iters)
+    r = study.run()
+    from bench.results_meta import header
 
-    def fresh():  # what TorchServe does before calling the handler: not timed
-        state["src"] = torch.frombuffer(bytearray(template), dtype=torch.float16)
-
-    def cold():
-        flush.fill_(1)
-        state.setdefault("reused", torch.frombuffer(template, dtype=torch.float16))
-        state["src"] = state["reused"]
-
-    def med(fn, prep):
-        times = []
-        for i in range(args.iters + 5):
-            prep()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i >= 5:
-                times.append((time.perf_counter() - t0) * 1e3)
-        return round(statistics.median(times), 4)
-
-    def copy_into(buf):
-        return lambda: buf.copy_(state["src"])
-
-    def h2d(buf):
-        return lambda: d.copy_(buf, non_blocking=True)
-
-    def copy_then_h2d(buf):
-        def fn():
-            buf.copy_(state["src"])
-            with torch.cuda.stream(s):
-                d.copy_(buf, non_blocking=True)
-            s.synchronize()
-        return fn
-
-    def pieces(buf, k):
-        step = (n + k - 1) // k
-
-        def fn():
-            with torch.cuda.stream(s):
-                for a in range(0, n, step):
-                    b = min(n, a + step)
-                    buf[a:b].copy_(state["src"][a:b])
-                    d[a:b].copy_(buf[a:b], non_blocking=True)
-            s.synchronize()
-        return fn
-
-    def overlap(buf):  # an upload of other, clean pinned memory while the host fills buf
-        def fn():
-            with torch.cuda.stream(s):
-                d2.copy_(pin_clean, non_blocking=True)
-            buf.copy_(state["src"])
-            s.synchronize()
-        return fn
-
-    def dirty_then(buf):  # write buf untimed, then time only its upload
-        def prep():
-            fresh()
-            buf.copy_(state["src"])
-        return prep
-
-    r = {}
-    for body, prep in (("fresh", fresh), ("cold", cold)):
-        for kind, buf in (("pinned", pin), ("wc", wc)):
-            r[f"{body}_{kind}_host_copy"] = med(copy_into(buf), prep)
-            r[f"{body}_{kind}_copy_then_h2d"] = med(copy_then_h2d(buf), prep)
-            for k in (2, 4):
-                r[f"{body}_{kind}_pieces{k}"] = med(pieces(buf, k), prep)
-            r[f"{body}_{kind}_h2d_during_other_host_copy"] = med(overlap(buf), prep)
-    r["h2d_clean_pinned"] = med(h2d(pin_clean), lambda: None)
-    r["h2d_just_written_pinned"] = med(h2d(pin), dirty_then(pin))
-    r["h2d_just_written_wc"] = med(h2d(wc), dirty_then(wc))
-    r["h2d_pageable_fresh"] = med(lambda: d.copy_(state["src"]), fresh)
-    from scripts.results_meta import header
-
-    report = {**header(torch.cuda.get_device_name(dev), None if argv is None else ["-m", "scripts.xfer_study", *argv]),
-              "bytes": n * 2, "cpu_threads": torch.get_num_threads(), "median_ms": r}
+    report = {**header(torch.cuda.get_device_name(study.dev),
+                       None if argv is None else ["-m", "bench.xfer_study", *argv]),
+              "bytes": study.n * 2, "cpu_threads": torch.get_num_threads(), "median_ms": r}
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,11 +3,11 @@
 with their artifact.json, and a model-config.yaml. A stock TorchServe with torch serves it;
 nothing is pip-installed per model.
 
-  python -m scripts.archive --artifact DIR --name NAME [--out model_store]
+  python -m compiled_serving.archive --artifact DIR --name NAME [--out model_store]
       [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
-  python -m scripts.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
-  python -m scripts.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
-      [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (scripts/import_artifact.py)
+  python -m compiled_serving.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
+  python -m compiled_serving.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
+      [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (compiled_serving/import_artifact.py)
       [--pad auto|none]                # auto: declare the padding the import found safe
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
       [--gpu-memory-gib G] [--worker-overhead-mib M] [--gpu-memory-headroom F]  # CUDA worker count
@@ -29,8 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from handlers.artifact.metadata import METADATA_FILE, read_spec, sha256_file
 from handlers.config import parse_config
 from handlers.errors import LoadError
-from scripts import worker_sizing
-from scripts.weight_bytes import weight_bytes
+from compiled_serving import worker_sizing
+from compiled_serving.weight_bytes import weight_bytes
 
 
 def default_workers(devices, cpus: int):
@@ -156,7 +156,7 @@ def imported(path: str, i: int, args, tmp: str) -> str:
         return path
     if not os.path.exists(path):
         fail(f"--artifact {path}: no such file or directory")
-    from scripts.import_artifact import import_artifact
+    from compiled_serving.import_artifact import import_artifact
 
     return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
                            find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
@@ -172,7 +172,7 @@ NO_PAD_COST = ("requests of different lengths run as groups of equal length, eve
 def choose_pad(args, specs) -> dict | None:
     """The pad values to declare (None: none), printing what was chosen and why: an explicit
     pad= option as given, --pad none nothing, else what the import found safe for every variant
-    (artifact.json extra.padding, scripts/find_padding.py)."""
+    (artifact.json extra.padding, compiled_serving/find_padding.py)."""
     if not any(s.dims for s in specs):
         return None
     if "pad" in args.handler_opts:
@@ -185,15 +185,15 @@ def choose_pad(args, specs) -> dict | None:
     found = [s.extra.get("padding") for s in specs]
     if any(f is None for f in found):
         print("archive.py: no padding: padding was not tried (a directory not imported from a .pt2 with its "
-              f"program; python -m scripts.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
+              f"program; python -m compiled_serving.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
               "declare it: --handler-option \"pad={input_ids: 0, attention_mask: 0}\"")
         return None
     pads = [f.get("pad") for f in found]
     if all(p and p == pads[0] for p in pads):
-        from scripts.find_padding import show
+        from compiled_serving.find_padding import show
 
         pads[0] = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
-        print(f"archive.py: pad={show(pads[0])}: {found[0]['why']} (scripts/find_padding.py; the worker checks it "
+        print(f"archive.py: pad={show(pads[0])}: {found[0]['why']} (compiled_serving/find_padding.py; the worker checks it "
               "again at load; --pad none turns it off)")
         return pads[0]
     why = next((f["why"] for f in found if not f.get("pad")), "the variants disagree")
@@ -202,10 +202,10 @@ def choose_pad(args, specs) -> dict | None:
     return None
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", action="append", required=True,
-                   help="directory written by scripts/compile.py (repeat for variants), or a .pt2 file "
+                   help="directory written by cs-compile (repeat for variants), or a .pt2 file "
                         "from torch.export.save or aoti_compile_and_package")
     p.add_argument("--program", help="with an AOTInductor package: the torch.export program it was "
                                      "compiled from (the package does not record its input shapes)")
@@ -242,10 +242,14 @@ def main(argv=None):
                    help="auto (default): for inputs with a dynamic length, declare pad= where the import found "
                         "padding leaves the program's answers unchanged (printed with the reason); none: never "
                         "pad. An explicit --handler-option pad=... is used as given")
-    args = p.parse_args(argv)
+    return p
+
+
+def model_config(args) -> dict:
+    """model-config.yaml's settings from the arguments, validated as the worker validates them;
+    sets args.handler_opts."""
     if not args.name.replace("_", "").replace("-", "").isalnum():
         fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
-
     handler_opts = {}
     for item in args.handler_option:
         if "=" not in item:
@@ -261,67 +265,89 @@ def main(argv=None):
         cfg["deviceIds"] = [int(x) for x in args.device_ids.split(",")]
     if handler_opts:
         cfg["handler"] = handler_opts
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg) -> None:
     try:
         parse_config(cfg)  # the same validation the worker runs: fail here, not at load
     except LoadError as e:
         fail(str(e))
 
+
+def stage_variants(args, stage) -> list:
+    """Copy each artifact into the staging directory (several: one variant directory each); their specs."""
+    if len(args.artifact) == 1:
+        return [copy_variant(args.artifact[0], stage)]
+    specs = []
+    for i, src in enumerate(args.artifact):
+        spec = read_spec(src)
+        tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
+                             else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
+        specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
+    return specs
+
+
+def warn_batch_size(args, specs, handler_opts) -> None:
+    """Warnings where the batch size exceeds what an artifact takes, or its responses are large."""
+    for spec in specs:
+        if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
+            print(f"archive.py: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
+                  f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
+                  "into several calls", file=sys.stderr)
+        elif args.batch_size > spec.batch_max:
+            print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
+                  f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
+                  file=sys.stderr)
+        big = response_row_bytes(spec)
+        if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
+            print(f"archive.py: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
+                  "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
+                  "every network read until the last request's bytes arrive, which is quadratic in "
+                  "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "
+                  "inference, docs/results/soak.md). Use --batch-size 1 for this model",
+                  file=sys.stderr)
+
+
+def run_archiver(args, cfg, stage, tmp) -> None:
+    """torch-model-archiver over the staging directory, with model-config.yaml from `cfg`."""
+    config_path = os.path.join(tmp, "model-config.yaml")
+    with open(config_path, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+    cmd = ["torch-model-archiver", "--model-name", args.name, "--version", args.version,
+           "--handler", os.path.join(stage, "handlers", "ts_entry.py"),
+           "--extra-files", stage, "--config-file", config_path,
+           "--export-path", args.out, "--force"]
+    exe = shutil.which("torch-model-archiver") or os.path.join(os.path.dirname(sys.executable),
+                                                                "torch-model-archiver")
+    cmd[0] = exe
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"torch-model-archiver failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg = model_config(args)
+    handler_opts = args.handler_opts
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         stage = os.path.join(tmp, "stage")
         shutil.copytree(os.path.join(ROOT, "handlers"), os.path.join(stage, "handlers"),
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        specs = []
         args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
         choose_workers(args, cfg)  # after the import: a .pt2 file has no artifact.json until then
-        if len(args.artifact) == 1:
-            specs.append(copy_variant(args.artifact[0], stage))
-        else:
-            for i, src in enumerate(args.artifact):
-                spec = read_spec(src)
-                tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
-                                     else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
-                specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
+        specs = stage_variants(args, stage)
         pad = choose_pad(args, specs)
         if pad:
             cfg["handler"] = handler_opts = {**handler_opts, "pad": pad}
-            try:
-                parse_config(cfg)  # as validated above, with the found values
-            except LoadError as e:
-                fail(str(e))
+            validate(cfg)  # as validated above, with the found values
         if args.batch_size is None:
             args.batch_size = default_batch_size(specs)
             cfg["batchSize"] = args.batch_size
-        for spec in specs:
-            if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
-                print(f"archive.py: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
-                      f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
-                      "into several calls", file=sys.stderr)
-            elif args.batch_size > spec.batch_max:
-                print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
-                      f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
-                      file=sys.stderr)
-            big = response_row_bytes(spec)
-            if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
-                print(f"archive.py: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
-                      "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
-                      "every network read until the last request's bytes arrive, which is quadratic in "
-                      "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "
-                      "inference, docs/results/soak.md). Use --batch-size 1 for this model",
-                      file=sys.stderr)
-        config_path = os.path.join(tmp, "model-config.yaml")
-        with open(config_path, "w") as f:
-            yaml.safe_dump(cfg, f, sort_keys=False)
-        cmd = ["torch-model-archiver", "--model-name", args.name, "--version", args.version,
-               "--handler", os.path.join(stage, "handlers", "ts_entry.py"),
-               "--extra-files", stage, "--config-file", config_path,
-               "--export-path", args.out, "--force"]
-        exe = shutil.which("torch-model-archiver") or os.path.join(os.path.dirname(sys.executable),
-                                                                    "torch-model-archiver")
-        cmd[0] = exe
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            fail(f"torch-model-archiver failed: {r.stderr.strip() or r.stdout.strip()}")
+        warn_batch_size(args, specs, handler_opts)
+        run_archiver(args, cfg, stage, tmp)
     mar = os.path.join(args.out, f"{args.name}.mar")
     print(f"wrote {mar} ({len(specs)} variant(s); batchSize {args.batch_size}, workers {args.workers})")
     return 0

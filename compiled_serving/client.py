@@ -2,7 +2,7 @@
 """A small REST client for a served model: reads the token from key_file.json, sends a request
 in one of the supported formats and prints the answer.
 
-  python -m scripts.client --model NAME --example NAME:SHAPE:DTYPE [--example ...]
+  python -m compiled_serving.client --model NAME --example NAME:SHAPE:DTYPE [--example ...]
       [--format json|v1|v2|safetensors] [--url http://127.0.0.1:8080] [--key-file key_file.json]
       [--wait SECONDS] [--check-eager --factory FILE.py:FACTORY]
 
@@ -104,7 +104,7 @@ def read_inputs(items) -> dict:
     return out
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--example", action="append", default=[], help="NAME:SHAPE:DTYPE, seeded random data")
@@ -117,39 +117,31 @@ def main(argv=None):
     p.add_argument("--wait", type=float, default=0, help="seconds to wait for the model to answer")
     p.add_argument("--check-eager", action="store_true")
     p.add_argument("--factory", help="FILE.py:FACTORY for --check-eager")
-    args = p.parse_args(argv)
+    return p
 
-    import torch
 
+def request_body(tensors, fmt):
+    """(body, Content-Type) of the request in format `fmt`."""
     from handlers.dtypes import BY_TORCH
     from handlers.wire import safetensors_io
-    from scripts.compile import example_inputs, load_factory, parse_input
 
-    if not args.example and not args.input:
-        p.error("give the inputs: --input FILE (values from a file) or --example NAME:SHAPE:DTYPE (random)")
-    specs = [parse_input(e) for e in args.example]
-    tensors = dict(zip([s.name for s in specs], example_inputs(specs, "cpu")))
-    from handlers.errors import RequestError
-    try:
-        tensors.update(read_inputs(args.input))
-    except (OSError, ValueError, RequestError) as e:
-        p.error(str(e))
-    if args.format == "safetensors":
-        body, ct = bytes(safetensors_io.dumps(tensors)), safetensors_io.CONTENT_TYPE
-    elif args.format == "v2":
+    if fmt == "safetensors":
+        return bytes(safetensors_io.dumps(tensors)), safetensors_io.CONTENT_TYPE
+    if fmt == "v2":
         body = json.dumps({"inputs": [{"name": n, "shape": list(t.shape), "datatype": BY_TORCH[t.dtype].v2,
                                        "data": t.reshape(-1).tolist()} for n, t in tensors.items()]}).encode()
-        ct = "application/json"
-    elif args.format == "v1":
+        return body, "application/json"
+    if fmt == "v1":
         n = next(iter(tensors.values())).shape[0]
         inst = [{k: v[i].tolist() for k, v in tensors.items()} for i in range(n)]
-        body, ct = json.dumps({"instances": inst}).encode(), "application/json"
-    else:
-        body = json.dumps({"inputs": {n: t.tolist() for n, t in tensors.items()}}).encode()
-        ct = "application/json"
-    url = f"{args.url}/predictions/{args.model}"
-    key_file = find_key_file(args.key_file)
-    deadline = time.time() + args.wait
+        return json.dumps({"instances": inst}).encode(), "application/json"
+    return json.dumps({"inputs": {n: t.tolist() for n, t in tensors.items()}}).encode(), "application/json"
+
+
+def post_until_up(url, body, ct, key_file, wait):
+    """(status, Content-Type, body) of the answer, retried for `wait` seconds while the model is
+    not up yet or its worker still loads."""
+    deadline = time.time() + wait
     while True:
         try:
             key = inference_key(key_file) if key_file else ""
@@ -160,38 +152,79 @@ def main(argv=None):
         if status in (None, 404, 503) and b"ModelLoadFailed" not in data and time.time() < deadline:
             time.sleep(2)
             continue
-        break
-    print(f"POST {url} -> HTTP {status} ({rct})")
-    if status != 200:
-        print(data.decode(errors="replace"))
-        if b"Token Authorization failed" in data:
-            print(f"client: the token from {key_file or '(none)'} was refused; use the key_file.json of the "
-                  "running server (--key-file)", file=sys.stderr)
-        elif status == 404:
-            print(f"client: no model {args.model!r} on {args.url}; list them with the management API "
-                  "(GET :8081/models) or check the name given to torchserve --models", file=sys.stderr)
-        return 1
+        return status, rct, data
+
+
+def explain_failure(args, key_file, status, data) -> None:
+    print(data.decode(errors="replace"))
+    if b"Token Authorization failed" in data:
+        print(f"client: the token from {key_file or '(none)'} was refused; use the key_file.json of the "
+              "running server (--key-file)", file=sys.stderr)
+    elif status == 404:
+        print(f"client: no model {args.model!r} on {args.url}; list them with the management API "
+              "(GET :8081/models) or check the name given to torchserve --models", file=sys.stderr)
+
+
+def show_outputs(rct, data, fmt) -> dict:
+    """Print the answer; its outputs by name."""
+    from handlers.wire import safetensors_io
+
     if rct.startswith(safetensors_io.CONTENT_TYPE):
         outputs = safetensors_io.loads(data)
         for k, v in outputs.items():
             print(f"{k}: shape {list(v.shape)} {v.dtype}\n{v}")
-    else:
-        answer = json.loads(data)
-        print(json.dumps(answer)[:2000])
-        outputs = outputs_of(answer, args.format)
+        return outputs
+    answer = json.loads(data)
+    print(json.dumps(answer)[:2000])
+    return outputs_of(answer, fmt)
+
+
+def check_eager(factory, tensors, outputs) -> int:
+    """Compare the served outputs with the eager model's: 0 when they agree."""
+    import torch
+
+    from compiled_serving.compile import load_factory
+
+    model = load_factory(factory)()
+    with torch.no_grad():
+        ref = model(*tensors.values())
+    ref = ref if isinstance(ref, dict) else {"output": ref}
+    worst = max((outputs[k].float() - ref[k].float()).abs().max().item() for k in ref)
+    top = {k: v.argmax(-1).tolist() for k, v in outputs.items()}
+    print(f"predicted classes {top}; max |served - eager| = {worst:.2e} "
+          f"({'OK' if worst < 1e-4 else 'MISMATCH'})")
+    return 0 if worst < 1e-4 else 1
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+
+    from handlers.errors import RequestError
+    from compiled_serving.compile import example_inputs, parse_input
+
+    if not args.example and not args.input:
+        p.error("give the inputs: --input FILE (values from a file) or --example NAME:SHAPE:DTYPE (random)")
+    specs = [parse_input(e) for e in args.example]
+    tensors = dict(zip([s.name for s in specs], example_inputs(specs, "cpu")))
+    try:
+        tensors.update(read_inputs(args.input))
+    except (OSError, ValueError, RequestError) as e:
+        p.error(str(e))
+    body, ct = request_body(tensors, args.format)
+    url = f"{args.url}/predictions/{args.model}"
+    key_file = find_key_file(args.key_file)
+    status, rct, data = post_until_up(url, body, ct, key_file, args.wait)
+    print(f"POST {url} -> HTTP {status} ({rct})")
+    if status != 200:
+        explain_failure(args, key_file, status, data)
+        return 1
+    outputs = show_outputs(rct, data, args.format)
     if args.check_eager and not outputs:
         print("client: --check-eager: the answer holds no outputs to compare", file=sys.stderr)
         return 1
     if args.check_eager:
-        model = load_factory(args.factory)()
-        with torch.no_grad():
-            ref = model(*tensors.values())
-        ref = ref if isinstance(ref, dict) else {"output": ref}
-        worst = max((outputs[k].float() - ref[k].float()).abs().max().item() for k in ref)
-        top = {k: v.argmax(-1).tolist() for k, v in outputs.items()}
-        print(f"predicted classes {top}; max |served - eager| = {worst:.2e} "
-              f"({'OK' if worst < 1e-4 else 'MISMATCH'})")
-        return 0 if worst < 1e-4 else 1
+        return check_eager(args.factory, tensors, outputs)
     return 0
 
 

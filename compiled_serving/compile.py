@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile a model into a servable artifact plus its artifact.json.
 
-  python -m scripts.compile --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
+  python -m compiled_serving.compile --model FILE.py:FACTORY --input NAME:SHAPE:DTYPE [--input ...]
       [--dynamic-batch MIN:MAX] [--dim NAME=MIN:MAX ...] [--input-range INPUT[COL]=LO:HI ...]
       --backend {aoti,export,tensorrt} --device {cpu,cuda} --out DIR
 
@@ -10,7 +10,7 @@ and the example batch must lie inside MIN:MAX). A dimension may be a name declar
 e.g. `--input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:512`: requests may
 then carry any length in that range (inputs sharing a name must agree). Input names must be the
 forward()'s parameter names, in order. Integer inputs that index a table get their valid values
-from the graph (scripts/contract.py), per column where columns index different tables;
+from the graph (compiled_serving/contract.py), per column where columns index different tables;
 --input-range adds or narrows a bound (a wider one is refused). The artifact is
 checked against eager before metadata is written.
 """
@@ -37,7 +37,7 @@ from handlers.artifact.metadata import (
     sha256_file,
     write_spec,
 )
-from scripts import contract
+from compiled_serving import contract
 
 # Kinds that compile.py produces from an exported program (the bare .so is extracted: --bare-so).
 COMPILABLE = tuple(name for name, kind in KINDS.items() if kind.compile_needs is not None)
@@ -166,7 +166,7 @@ def check_needs(kind) -> None:
                                "here") from None
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="FILE.py:FACTORY returning an nn.Module in eval mode")
     p.add_argument("--input", action="append", required=True, dest="raw_inputs",
@@ -189,38 +189,43 @@ def main(argv=None):
                    help="aoti: also extract the bare wrapper .so (+ cubin dir) as an aoti_so variant")
     p.add_argument("--cxx", help="aoti: C++ compiler for the wrapper (default: g++-12 if present, else $CXX)")
     p.add_argument("--out", required=True, help="output directory (created)")
-    args = p.parse_args(argv)
+    return p
+
+
+def dynamic_batch(text, inputs):
+    """(MIN, MAX) of --dynamic-batch, or None for a fixed batch (absent, or MIN == MAX)."""
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise CompileError(f"--dynamic-batch {text!r}: expected MIN:MAX, e.g. 1:32") from None
+    if not 1 <= lo <= hi:
+        raise CompileError(f"--dynamic-batch {text!r}: need 1 <= MIN <= MAX")
+    for s in inputs:
+        if not lo <= s.shape[0] <= hi:
+            raise CompileError(f"--input {s.name}: example batch {s.shape[0]} lies outside --dynamic-batch {lo}:{hi}")
+    return None if lo == hi else (lo, hi)
+
+
+def parse_args(argv=None):
+    """The arguments, checked: `dims`, `inputs` (TensorSpecs) and `dyn` (the batch range) added."""
+    args = build_parser().parse_args(argv)
     args.dims = parse_dims(args.dim)
     args.inputs = [parse_input(t, args.dims) for t in args.raw_inputs]
     unused = set(args.dims) - {d for s in args.inputs for d in s.shape[1:]}
     if unused:
         raise CompileError(f"--dim {', '.join(sorted(unused))} is not used in any --input shape")
-    dyn = None
-    if args.dynamic_batch:
-        try:
-            lo, hi = (int(x) for x in args.dynamic_batch.split(":"))
-        except ValueError:
-            raise CompileError(f"--dynamic-batch {args.dynamic_batch!r}: expected MIN:MAX, e.g. 1:32") from None
-        if not 1 <= lo <= hi:
-            raise CompileError(f"--dynamic-batch {args.dynamic_batch!r}: need 1 <= MIN <= MAX")
-        for s in args.inputs:
-            if not lo <= s.shape[0] <= hi:
-                raise CompileError(f"--input {s.name}: example batch {s.shape[0]} lies outside --dynamic-batch {lo}:{hi}")
-        if lo == hi:
-            dyn = None
-        else:
-            dyn = (lo, hi)
+    args.dyn = dynamic_batch(args.dynamic_batch, args.inputs)
     batches = {s.shape[0] for s in args.inputs}
     if len(batches) != 1:
         raise CompileError("all --input shapes must share dimension 0 (the batch)")
+    return args
 
-    kind = KINDS[args.backend]
-    check_needs(kind)
-    if args.dims and args.backend == "tensorrt":
-        raise CompileError("--dim: named dynamic dimensions are not supported with --backend tensorrt "
-                           "(its engines take per-input shape ranges this script does not build yet); "
-                           "use --backend aoti or export")
-    compiler = pick_compiler(args.cxx) if "cxx" in kind.compile_needs else ""
+
+def model_and_inputs(args):
+    """(module, example inputs) on the target device, in the target precision; sets
+    args.device_str and, for fp16, the inputs' dtypes."""
     import torch
 
     if args.device == "cuda":
@@ -247,33 +252,45 @@ def main(argv=None):
         inputs = [t.half() if t.is_floating_point() else t for t in inputs]
         args.inputs = [TensorSpec(s.name, "float16" if s.dtype.startswith("float") else s.dtype, s.shape)
                        for s in args.inputs]
+    return module, inputs
+
+
+def export_program(module, inputs, args):
+    """(exported program, eager outputs' structure, named eager outputs, export start time)."""
+    import torch
 
     dynamic_shapes = None
-    if dyn or args.dims:
+    if args.dyn or args.dims:
         named = {n: torch.export.Dim(n, min=lo, max=hi) for n, (lo, hi) in args.dims.items()}
-        batch = torch.export.Dim("batch", min=dyn[0], max=dyn[1]) if dyn else None
+        batch = torch.export.Dim("batch", min=args.dyn[0], max=args.dyn[1]) if args.dyn else None
         dynamic_shapes = {s.name: {a: named[d] for a, d in enumerate(s.shape) if isinstance(d, str)}
                           | ({0: batch} if batch else {}) for s in args.inputs}
-    os.makedirs(args.out, exist_ok=True)
     with torch.no_grad():
         eager = module(*inputs)
         structure, named = output_structure(eager)
         t0 = time.perf_counter()
         ep = torch.export.export(module, tuple(inputs), dynamic_shapes=dynamic_shapes)
+    return ep, structure, named, t0
+
+
+def read_contract(ep, named, args):
+    """(the contract read from the graph, the value ranges after --input-range)."""
     hints = {f"{s.name}.{a}": d for s in args.inputs for a, d in enumerate(s.shape) if isinstance(d, str)}
     try:
         found = contract.read(ep, [n for n, _ in named], hints)
         values = contract.tighten(found.values, contract.parse_ranges(args.input_range), found.inputs)
     except contract.ContractError as e:
         raise CompileError(str(e)) from None
-    path = os.path.join(args.out, ARTIFACT)
-    args.dyn = dyn
-    extra = kind.compile(ep, inputs, path, args)
-    compile_s = time.perf_counter() - t0
+    return found, values
+
+
+def device_facts(args, path):
+    """(compute capability, CUDA archs, CPU ISA) of the new artifact."""
+    import torch
 
     cc = archs = isa = None
     if args.device == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = torch.cuda.get_device_capability(torch.device(args.device_str))
         cc, archs = f"{major}.{minor}", [f"sm_{major}{minor}"]
     if args.backend == "aoti":
         meta = package_metadata(path)
@@ -281,18 +298,29 @@ def main(argv=None):
         if args.device == "cuda" and meta.get("AOTI_COMPUTE_CAPABILITY"):
             c = meta["AOTI_COMPUTE_CAPABILITY"]
             cc, archs = f"{c[:-1]}.{c[-1]}", [f"sm_{c}"]
+    return cc, archs, isa
+
+
+def artifact_spec(args, path, found, values, structure, compiler, extra) -> ArtifactSpec:
+    import torch
+
+    cc, archs, isa = device_facts(args, path)
     lo, hi = found.batch
-    spec = ArtifactSpec(
+    return ArtifactSpec(
         backend=args.backend, artifact=ARTIFACT, sha256=sha256_file(path), device=args.device,
         inputs=tuple(TensorSpec(n, dt, tuple(shape), values.get(n)) for n, dt, shape in found.inputs),
         outputs=tuple(TensorSpec(n, dt, tuple(shape)) for n, dt, shape in found.outputs), dims=found.dims,
         output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
         compute_capability=cc, cuda_archs=tuple(archs or ()), cpu_isa=isa, platform=sys.platform,
         machine=platform.machine(), compiler=compiler, extra=extra, variant_dir=args.out)
-    write_spec(spec, args.out)
 
-    # Check the artifact against eager before anyone serves it: first in a child process, so
-    # a wrapper that crashes at load is reported here rather than killing this process.
+
+def check_against_eager(spec, inputs, named, args, compiler) -> float:
+    """Load the new artifact (first in a child process, so a wrapper that crashes at load is
+    reported here rather than killing this process) and compare it with eager; the worst
+    difference."""
+    import torch
+
     from handlers.artifact.device import Placement
     from handlers.artifact.load import load_artifact
     from handlers.artifact.probe import crash_safe_probe
@@ -319,10 +347,34 @@ def main(argv=None):
         if diff > bound:
             raise CompileError(f"compiled output {n!r} differs from eager by {diff:.3g} (> {bound:.3g}); "
                                "not publishing it")
+    return worst
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kind = KINDS[args.backend]
+    check_needs(kind)
+    if args.dims and args.backend == "tensorrt":
+        raise CompileError("--dim: named dynamic dimensions are not supported with --backend tensorrt "
+                           "(its engines take per-input shape ranges this script does not build yet); "
+                           "use --backend aoti or export")
+    compiler = pick_compiler(args.cxx) if "cxx" in kind.compile_needs else ""
+    module, inputs = model_and_inputs(args)
+    os.makedirs(args.out, exist_ok=True)
+    ep, structure, named, t0 = export_program(module, inputs, args)
+    found, values = read_contract(ep, named, args)
+    path = os.path.join(args.out, ARTIFACT)
+    extra = kind.compile(ep, inputs, path, args)
+    compile_s = time.perf_counter() - t0
+    spec = artifact_spec(args, path, found, values, structure, compiler, extra)
+    write_spec(spec, args.out)
+    # Check the artifact against eager before anyone serves it.
+    worst = check_against_eager(spec, inputs, named, args, compiler)
     if args.bare_so:
-        from scripts.bare_so import extract_bare_so
+        from compiled_serving.bare_so import extract_bare_so
 
         extract_bare_so(spec, os.path.join(args.out, "bare_so"))
+    lo, hi = found.batch
     print(f"wrote {path} ({args.backend}, {args.device}, batch {lo}..{hi}) in {compile_s:.1f}s; "
           f"max |artifact - eager| = {worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}")
     return 0

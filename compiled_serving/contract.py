@@ -2,7 +2,7 @@
 dimension (fixed, the batch, or a named dynamic dimension with its range) and, for integer
 inputs that index something, the values the model can take.
 
-Used by scripts/compile.py (the program it just exported) and scripts/import_artifact.py (a
+Used by compiled_serving/compile.py (the program it just exported) and compiled_serving/import_artifact.py (a
 program the user exported), so both write the same artifact.json.
 
 Value ranges come from a walk of the graph: an integer input that reaches an indexing operation
@@ -450,7 +450,7 @@ def _children(spec) -> list:
 
 def output_layout(ep) -> tuple:
     """("tensor" | "tuple" | "dict", output names) from the program's output pytree: names are
-    the dict keys, output_i for a tuple, output for one tensor (as scripts/compile.py names
+    the dict keys, output_i for a tuple, output for one tensor (as compiled_serving/compile.py names
     them). Nested outputs are refused: the handler answers with flat named tensors."""
     spec = ep.call_spec.out_spec
     kids = _children(spec)

@@ -1,8 +1,8 @@
 """Padding found by itself: whether a model with a dynamic length answers the same when its
 requests are padded, tried on the torch.export program before anything is archived.
 
-scripts/import_artifact.py runs `search` on the program and records the finding in
-artifact.json (`extra.padding`); scripts/archive.py declares what it found as the handler
+compiled_serving/import_artifact.py runs `search` on the program and records the finding in
+artifact.json (`extra.padding`); compiled_serving/archive.py declares what it found as the handler
 option `pad=` (the same option a user passes by hand), unless `--pad none` or an explicit
 `--handler-option pad=...` says otherwise. The worker still checks declared padding at load
 (handlers/run/padding.py).

@@ -1,25 +1,25 @@
 #!/usr/bin/env python3
 """Bring an artifact compiled in the user's own pipeline into the layout the handler serves: a
-directory holding the file and the artifact.json that scripts/compile.py would have written.
+directory holding the file and the artifact.json that compiled_serving/compile.py would have written.
 
-  python -m scripts.import_artifact --artifact PROGRAM.pt2 --out DIR
-  python -m scripts.import_artifact --artifact PACKAGE.pt2 --program PROGRAM.pt2 --out DIR
+  python -m compiled_serving.import_artifact --artifact PROGRAM.pt2 --out DIR
+  python -m compiled_serving.import_artifact --artifact PACKAGE.pt2 --program PROGRAM.pt2 --out DIR
       [--input-range INPUT[COL]=LO:HI ...] [--device-index N] [--pad auto|none]
 
 Accepted:
 - a program saved with `torch.export.save(ep, "PROGRAM.pt2")`: it holds the whole contract
   (input and output names, dtypes, every dimension, each dynamic dimension's range), read from it
-  by scripts/contract.py, and is served as an exported program;
+  by compiled_serving/contract.py, and is served as an exported program;
 - an AOTInductor package from `torch._inductor.aoti_compile_and_package(ep, package_path=...)`:
   it records the device and compile flags it was built for, not its inputs' shapes or ranges, so
   the program it was compiled from comes with it (--program; save `ep` before compiling).
 
 The same checks as compile: the artifact loads in a child process first (a native crash is
 reported, not suffered), then its answers are compared with the program's on example inputs.
-Where an input has a dynamic length, padding is tried on the program (scripts/find_padding.py)
+Where an input has a dynamic length, padding is tried on the program (compiled_serving/find_padding.py)
 and the finding recorded in artifact.json (`extra.padding`: the pad values, or none and why),
-which scripts/archive.py declares as `pad=`; `--pad none` skips it.
-`python -m scripts.archive --artifact FILE.pt2` runs this on its own.
+which compiled_serving/archive.py declares as `pad=`; `--pad none` skips it.
+`python -m compiled_serving.archive --artifact FILE.pt2` runs this on its own.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import sys
 import zipfile
 
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
-from scripts import contract
+from compiled_serving import contract
 
 ARTIFACT = "model.pt2"
 
@@ -79,7 +79,7 @@ def example_inputs(found: contract.Contract, device, low: bool = False) -> list:
     value ranges (the bounds from the graph), seeded."""
     import torch
 
-    from scripts.compile import example_size
+    from compiled_serving.compile import example_size
 
     g = torch.Generator().manual_seed(1234)
     rows = min(found.batch[1], max(found.batch[0], 2))
@@ -167,7 +167,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
           f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
           + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
     if find_pad and found.dims:
-        from scripts import find_padding
+        from compiled_serving import find_padding
 
         finding = find_padding.search(ep.module(), spec, program_device(ep))
         write_spec(type(spec)(**{**spec.__dict__, "extra": {**spec.extra, "padding": finding.record()}}), out)
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--device-index", type=int, default=0, help="CUDA device for the checks")
     p.add_argument("--pad", choices=("auto", "none"), default="auto",
                    help="auto: with a dynamic length, try padding on the program and record what is safe "
-                        "(scripts/find_padding.py); none: do not try")
+                        "(compiled_serving/find_padding.py); none: do not try")
     p.add_argument("--out", required=True, help="output directory (created)")
     args = p.parse_args(argv)
     import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index, args.pad == "auto")

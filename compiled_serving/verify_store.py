@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Verify a model store's .mar archives against a digest list the operator keeps outside them.
 
-  python -m scripts.verify_store record --store model_store --digests /etc/models/digests.sha256
-  python -m scripts.verify_store check  --store model_store --digests /etc/models/digests.sha256
+  python -m compiled_serving.verify_store record --store model_store --digests /etc/models/digests.sha256
+  python -m compiled_serving.verify_store check  --store model_store --digests /etc/models/digests.sha256
 
 Why: the SHA-256 in artifact.json lives inside the same archive, so it catches corruption and
 truncation, not replacement: whoever can rewrite a .mar can rewrite artifact.json with it, and a
 .mar also carries the handler's own Python, which the worker imports. Only a digest of the whole
 archive, kept where archive writers cannot write, tells that the store holds what was built.
 Run `check` before `torchserve --start` (or before copying a store to KServe storage:
-`python -m scripts.kserve --digests FILE`).
+`python -m compiled_serving.kserve --digests FILE`).
 
 The list is `sha256sum` format ("HEX  NAME.mar" per line), so `cd STORE && sha256sum -c FILE`
 checks it too. `check` fails (exit 1) for an archive whose digest differs, an archive the list

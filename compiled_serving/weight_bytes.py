@@ -1,7 +1,7 @@
 """The bytes of weights an artifact puts on its GPU: what every worker holds a copy of, read from the
 artifact's own files without loading (dlopen-ing or unpickling) anything.
 
-  python -m scripts.weight_bytes ARTIFACT_DIR [...]   # prints each artifact's bytes and how they were read
+  python -m compiled_serving.weight_bytes ARTIFACT_DIR [...]   # prints each artifact's bytes and how they were read
 
 Per kind (artifact.json "backend"):
 - aoti (AOTInductor package): the constants table the package's wrapper.cpp compiles in (one

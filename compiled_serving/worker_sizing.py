@@ -3,9 +3,9 @@ plus a CUDA context, CUDA graph pools and activations, so memory, not speed, cap
 
   count = min(speed cap, floor(GPU memory x (1 - headroom) / (weights + per-worker overhead)))
 
-scripts/archive.py prints the arithmetic in one line and writes the per-worker need into
+compiled_serving/archive.py prints the arithmetic in one line and writes the per-worker need into
 model-config.yaml (handler.worker_gpu_mb, checked by each worker before it loads:
-handlers/artifact/room.py) with the GPU memory it was sized for (gpuSizing, read by scripts/kserve.py).
+handlers/artifact/room.py) with the GPU memory it was sized for (gpuSizing, read by compiled_serving/kserve.py).
 """
 from __future__ import annotations
 
@@ -120,6 +120,6 @@ class Sizing:
 
     def record(self) -> dict:
         """What model-config.yaml keeps of the sizing (gpuSizing, beside handler.worker_gpu_mb = need_mib),
-        for scripts/kserve.py. TorchServe's frontend skips top-level keys it does not know
+        for compiled_serving/kserve.py. TorchServe's frontend skips top-level keys it does not know
         (ModelConfig.build's `default: break`) and the handler reads only deviceType and handler."""
         return {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom}

@@ -1,6 +1,6 @@
 """The KServe pod run here as its container runs it: kserve/entrypoint.sh with the image's
-environment, on a copy of a storage layout (`python -m scripts.kserve`), every port a free
-loopback port. Used by the pod's tests and by scripts/bench_pod.py."""
+environment, on a copy of a storage layout (`python -m compiled_serving.kserve`), every port a free
+loopback port. Used by the pod's tests and by bench/bench_pod.py."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from scripts.local_server import ROOT, free_port, next_worker_port, server_env
+from compiled_serving.local_server import ROOT, free_port, next_worker_port, server_env
 
 ENTRYPOINT = ROOT / "kserve" / "entrypoint.sh"
 RUNTIME_MANIFEST = ROOT / "kserve" / "servingruntime.yaml"

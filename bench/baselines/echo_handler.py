@@ -1,4 +1,4 @@
-"""Transport limit of scripts/bench_e2e.py: no model. Each request's body is read and a
+"""Transport limit of bench/bench_e2e.py: no model. Each request's body is read and a
 response of the model's output size (the bytes in `echo.response` of model-config.yaml,
 hex) comes back, so TorchServe's frontend, its worker protocol and the client move exactly
 what they move for the real model, and nothing else runs."""

@@ -1,5 +1,5 @@
 """The handler a user writes to serve an AOTInductor package without this project: the
-"stock AOTI" peer of scripts/bench_e2e.py (the same artifact ours serves). StockHandler's
+"stock AOTI" peer of bench/bench_e2e.py (the same artifact ours serves). StockHandler's
 request handling, with the model loaded by `torch._inductor.aoti_load_package` on the assigned
 GPU instead of built from the factory (it returns the model's own output structure, so
 StockHandler.forward reads it as it reads the eager model's); one CPU thread

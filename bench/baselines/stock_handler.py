@@ -1,4 +1,4 @@
-"""The handler a user writes without this project: the baseline of scripts/bench_e2e.py.
+"""The handler a user writes without this project: the baseline of bench/bench_e2e.py.
 
 A plain BaseHandler subclass running the eager model on TorchServe's assigned device:
 each request's safetensors body is read with the `safetensors` package, the batch's requests are
