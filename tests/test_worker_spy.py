@@ -2,6 +2,8 @@
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +60,12 @@ def test_only_one_servers_workers_are_found():
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "model_service_worker"])
     try:
+        # Popen returns once the child is forked; its command line is the new program's only
+        # after exec, so wait for that (a loaded host can take a while) before looking for it
+        deadline = time.monotonic() + 10
+        while b"model_service_worker" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the child never exec'd"
+            time.sleep(0.01)
         assert proc.pid in worker_spy.worker_pids()
         assert proc.pid in worker_spy.worker_pids(root=os.getpid())  # our child
         assert proc.pid not in worker_spy.worker_pids(root=proc.pid + 10**6)  # nobody's
