@@ -1,10 +1,11 @@
-"""One TorchServe batch through the worker: admit -> run -> encode, exactly one reply per request.
+"""One TorchServe batch through the worker: admit -> run -> encode, exactly one answer per request.
 
-The batch's own state (which requests came over OIP gRPC, which failed) is a local `Batch`, never
-the handler's: nothing of one batch survives into the next. Anything that goes wrong becomes the
-answer of the request it belongs to, or of every request when it belongs to none; the only
-exception raised is a batch of OIP gRPC calls that all failed (TorchServe's gRPC frontend turns
-a raised PredictionException into each call's status).
+The pipeline knows no server: it is handed each request's body and headers and returns one
+answer per request, an encoded reply (wire.base.Encoded) or an error (wire.base.Failed); the
+TorchServe adapter sets them on the context (handlers/torchserve/replies.py). The batch's own
+state is a local `Batch`, never the handler's: nothing of one batch survives into the next.
+Anything that goes wrong becomes the answer of the request it belongs to, or of every request
+when it belongs to none.
 
 Per-stage timings (handlers/torchserve/stage_timings.py): TorchServe gauges HandlerDecodeTime, HandlerRunTime,
 HandlerEncodeTime and HandlerTime (ms, means over at most handler.stage_metrics_s), and torch.profiler labels
@@ -22,86 +23,54 @@ from handlers import faults, wire
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import headers, oip, restart  # noqa: F401  (oip registers its transport format)
+from handlers.torchserve import restart
 from handlers.torchserve.stage_timings import batch_profiler, label  # noqa: F401  (the entry's profiler)
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
-DEFAULT_FORMAT = wire.WireFormat()  # the error answer of a request no transport format owns
 
 
 class Batch:
-    """One TorchServe batch's replies: request idx -> body, statuses set on the context."""
+    """One TorchServe batch's answers: request idx -> wire.base.Encoded or wire.base.Failed."""
 
-    def __init__(self, data: list, context, worker: Optional[Worker], model_name: str, version: str = ""):
-        self.context, self.model_name, self.version = context, model_name, version
-        self.results: list = [None] * len(data)
-        self.failed: list = []
-        self.headers = [headers.read(context, i) for i in range(len(data))]  # once per request
-        # per request: the format bound to the transport it arrived over (TorchServe's OIP gRPC
-        # service, handlers/torchserve/oip.py), else None (its headers and body choose), and
-        # its id for an error answered before its decode
-        self.transports: list = [None] * len(data)
-        self.ids: list = [None] * len(data)
+    __slots__ = ("answers", "model_name", "version")
+
+    def __init__(self, n: int, model_name: str, version: str):
+        self.answers: list = [None] * n
+        self.model_name, self.version = model_name, version
+
+    def fail(self, idx: int, req: wire.Request, err: ServingError) -> None:
+        self.answers[idx] = req.error(err, self.model_name, self.version)
+
+    def answer(self, idx: int, req: wire.Request, out: dict) -> None:
+        self.answers[idx] = req.encode(out, self.model_name, self.version)
+
+    def fail_all(self, data: list, headers: list, err: ServingError, worker: Optional[Worker]) -> list:
+        """Every request answered with `err`, each in its transport's shape (its body unread)."""
         cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
-        for i, (r, h) in enumerate(zip(data, self.headers)):
-            try:
-                fmt = wire.transport_format(r, h, cap)
-                if fmt is not None:
-                    self.transports[i], self.ids[i] = fmt, fmt.request_id(r)
-            except Exception:  # a malformed transport request: answered as REST, with its error
-                logger.exception("could not tell request %d's transport", i)
-                self.transports[i] = self.ids[i] = None
-
-    def fail(self, idx: int, err: ServingError) -> None:
-        self.failed.append(err)
-        fmt = self.transports[idx] or DEFAULT_FORMAT
-        body, content_type, extra = fmt.error(err, self.ids[idx], self.model_name, self.version)
-        self.context.set_response_status(err.status, err.error_type, idx)
-        for key, value in extra.items():  # a transport's own error headers (gRPC through nginx)
-            self.context.set_response_header(idx, key, value)
-        self.context.set_response_content_type(idx, content_type)
-        self.results[idx] = body
-
-    def answer(self, idx: int, req, out: dict) -> None:
-        body, content_type, extra = req.encode(out, self.model_name, self.version)
-        for key, value in extra.items():
-            self.context.set_response_header(idx, key, value)
-        self.context.set_response_content_type(idx, content_type)
-        self.results[idx] = body
-
-    def finish(self) -> list:
-        """A batch whose requests all came over one transport and all failed raises what that
-        transport's format says (OIP gRPC: so each call gets a real status)."""
-        fmt = self.transports[0] if self.transports else None
-        if (fmt is not None and len(self.failed) == len(self.results)
-                and all(f is fmt for f in self.transports)):
-            exc = fmt.batch_failure(self.failed)
-            if exc is not None:
-                raise exc
-        return self.results
+        for idx, (request, h) in enumerate(zip(data, headers)):
+            self.fail(idx, wire.arrival(request, h, cap), err)
+        return self.answers
 
 
-def serve(worker: Optional[Worker], health: Health, data: list, context, model_name: str,
+def serve(worker: Optional[Worker], health: Health, data: list, headers: list, model_name: str,
           model_version: str = "", profile=None) -> list:
-    """The replies to one TorchServe batch (handlers/ts_entry.py's handle); with `profile` (a
-    factory from batch_profiler), the batch runs under torch.profiler."""
+    """The answers to one TorchServe batch (`headers`: each request's handlers.torchserve.headers.
+    RequestHeaders); with `profile` (a factory from batch_profiler), the batch runs under
+    torch.profiler."""
     if profile is not None:
-        return _profiled(profile, worker, health, data, context, model_name, model_version)
-    batch = Batch(data, context, worker, model_name, model_version)
+        return _profiled(profile, worker, health, data, headers, model_name, model_version)
+    batch = Batch(len(data), model_name, model_version)
     refusal = health.refusal()
     if refusal is not None:
-        for idx in range(len(data)):
-            batch.fail(idx, refusal)
-        return batch.finish()
+        return batch.fail_all(data, headers, refusal, worker)
     try:
-        _run(worker, health, data, batch)
+        _run(worker, health, data, headers, batch)
     except Exception as e:
         logger.exception("batch failed outside any one request")
-        err, batch.failed = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}"), []
-        for idx in range(len(data)):
-            batch.fail(idx, err)
-    return batch.finish()
+        err = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}")
+        return batch.fail_all(data, headers, err, worker)
+    return batch.answers
 
 
 def _profiled(profile, *args) -> list:
@@ -118,10 +87,10 @@ def _profiled(profile, *args) -> list:
             logger.warning("the profiler's trace was not written: %s", e)
 
 
-def _run(worker: Worker, health: Health, data: list, batch: Batch) -> None:
+def _run(worker: Worker, health: Health, data: list, headers: list, batch: Batch) -> None:
     t0 = time.perf_counter()
     with label("decode"):
-        valid = admit_all(worker, data, batch)
+        valid = admit_all(worker, data, headers, batch)
     t1 = time.perf_counter()
     if not valid:
         worker.stages.record(decode=(t1 - t0) * 1000.0, total=(t1 - t0) * 1000.0)
@@ -136,20 +105,20 @@ def _run(worker: Worker, health: Health, data: list, batch: Batch) -> None:
                          total=(t3 - t0) * 1000.0)
 
 
-def admit_all(worker: Worker, data: list, batch: Batch) -> list:
-    """[(idx, Admitted)] for the valid requests; the others get their error in the batch."""
+def admit_all(worker: Worker, data: list, headers: list, batch: Batch) -> list:
+    """[(idx, admitted wire.Request)] for the valid requests; the others get their error in the batch."""
     valid = []
+    spec, limits = worker.spec, worker.limits
     for idx, request in enumerate(data):
+        req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
         try:
-            h = batch.headers[idx]
-            valid.append((idx, admit(request, worker.spec, worker.limits, h.content_type, h.accept,
-                                     h.v2_header_length, batch.transports[idx])))
+            valid.append((idx, admit(req, spec, limits)))
         except RequestError as e:
-            batch.fail(idx, e)
+            batch.fail(idx, req, e)
         except Exception as e:  # our bug, or memory: this request's own 500, never the batch's
             logger.exception("admission of request %d failed unexpectedly", idx)
-            batch.fail(idx, ServingError(f"internal error while reading the request: "
-                                         f"{type(e).__name__}: {str(e)[:300]}"))
+            batch.fail(idx, req, ServingError(f"internal error while reading the request: "
+                                              f"{type(e).__name__}: {str(e)[:300]}"))
     if len(valid) < len(data):
         logger.info("batch of %d: %d of %d request(s) rejected before inference", len(data),
                     len(data) - len(valid), len(data))
@@ -159,16 +128,16 @@ def admit_all(worker: Worker, data: list, batch: Batch) -> list:
 def encode_all(valid: list, outputs: list, batch: Batch) -> None:
     for (idx, req), out in zip(valid, outputs):
         if isinstance(out, ServingError):
-            batch.fail(idx, out)
+            batch.fail(idx, req, out)
             continue
         try:
             batch.answer(idx, req, out)
         except ServingError as e:  # the format refused to answer (a request naming another model)
-            batch.fail(idx, e)
+            batch.fail(idx, req, e)
         except Exception as e:  # one response that cannot be written fails alone
             logger.exception("encoding the response of request %d failed", idx)
-            batch.fail(idx, ServingError(f"internal error while writing the response: "
-                                         f"{type(e).__name__}: {str(e)[:300]}"))
+            batch.fail(idx, req, ServingError(f"internal error while writing the response: "
+                                              f"{type(e).__name__}: {str(e)[:300]}"))
 
 
 def infer(worker: Worker, health: Health, batch: list) -> list:

@@ -1,5 +1,6 @@
 """TorchServe entry point: starts the worker once (handlers/startup.py) and hands each batch to
-the request pipeline (handlers/pipeline.py).
+the request pipeline (handlers/pipeline.py), its headers read from the context
+(handlers/torchserve/headers.py) and its answers written back (handlers/torchserve/replies.py).
 
 TorchServe needs only a class with initialize(context) and handle(data, context)
 (ts/model_loader.py takes the one class defined in this file). It does not inherit
@@ -16,6 +17,7 @@ import logging
 from typing import Optional
 
 from handlers import pipeline, startup
+from handlers.torchserve import headers, replies
 from handlers.worker import Health, Worker
 
 logger = logging.getLogger(__name__)
@@ -67,8 +69,9 @@ class CompiledModelHandler:
         self.context = context
         if _is_describe(context):
             return [self.describe_handle()]
-        return pipeline.serve(self.worker, self.health, data, context, self.model_name, self.model_version,
-                              self.profile)
+        each = [headers.read(context, i) for i in range(len(data))]  # once per request
+        return replies.write(context, pipeline.serve(self.worker, self.health, data, each, self.model_name,
+                                                     self.model_version, self.profile))
 
     def describe_handle(self):
         """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""
@@ -80,7 +83,7 @@ class CompiledModelHandler:
         except Exception as e:  # metrics must never fail a load or a request
             logger.debug("metric %s not recorded: %s", name, e)
 
-    # What scripts and tests read of a started worker (scripts/bench.py times its runner).
+    # What scripts and tests read of a started worker (bench/bench.py times its runner).
     runner = property(lambda self: self.worker.runner)
     model = property(lambda self: self.worker.model)
     device = property(lambda self: self.worker.device)

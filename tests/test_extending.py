@@ -46,7 +46,7 @@ class CsvFormat(WireFormat):
 class PigeonFormat(WireFormat):
     """Toy transport-bound format: requests that arrived by "pigeon" (here, a request dict that
     carries a `pigeon` part instead of a body; a real transport is told apart by what TorchServe
-    hands over, as handlers/torchserve/oip.py does) hold a JSON list of rows and are answered,
+    hands over, as handlers/wire/oip_grpc.py does) hold a JSON list of rows and are answered,
     errors included, as {"ring": ..., "rows"/"error": ...}, whatever their headers say."""
 
     name = "pigeon"

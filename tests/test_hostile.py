@@ -19,8 +19,9 @@ import torch
 from hostile import JSON, JSON_CAP_MB, KINDS, ST, good_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from worker_kit import admit
 
-from handlers.admission import Limits, admit
+from handlers.admission import Limits
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
 from handlers.errors import RequestError

@@ -215,7 +215,9 @@ def test_command_refuses_bad_input(layout, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Units: the v2 binary extension, FP32 for half inputs, OIP gRPC replies, the envelope check
 
-from handlers.admission import Limits, admit  # noqa: E402
+from worker_kit import admit  # noqa: E402
+
+from handlers.admission import Limits  # noqa: E402
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec  # noqa: E402
 from handlers.errors import ConfigError, RequestError  # noqa: E402
 from handlers.wire import v2_binary  # noqa: E402
@@ -386,7 +388,9 @@ class FakeContext:
 
 def test_oip_replies_are_complete():
     from handlers.errors import PayloadTooLarge, ServingError
-    from handlers.torchserve import headers, oip
+    from handlers.torchserve import headers
+    from handlers.torchserve.oip import batch_failure
+    from handlers.wire import oip_grpc as oip
 
     def is_grpc(ctx, idx, request):  # as the pipeline asks: the format's own transport test
         return oip.FORMAT.arrived_by(request, headers.read(ctx, idx), None)
@@ -418,10 +422,10 @@ def test_oip_replies_are_complete():
     assert e["id"] == "g1" and e["model_version"] == "1.0"
     assert e["outputs"] == [{"name": "error", "datatype": "BYTES", "shape": [1],
                              "data": [{"code": 400, "type": "InvalidInput", "message": "bad"}]}]
-    assert oip.batch_failure([RequestError("a")]).error_code == 400
-    assert oip.batch_failure([RequestError("a"), PayloadTooLarge("b")]).error_code == 400
-    assert oip.batch_failure([PayloadTooLarge("a"), PayloadTooLarge("b")]).error_code == 413
-    assert oip.batch_failure([RequestError("a"), ServingError("b")]).error_code == 500
+    assert batch_failure([RequestError("a")]).error_code == 400
+    assert batch_failure([RequestError("a"), PayloadTooLarge("b")]).error_code == 400
+    assert batch_failure([PayloadTooLarge("a"), PayloadTooLarge("b")]).error_code == 413
+    assert batch_failure([RequestError("a"), ServingError("b")]).error_code == 500
 
 
 def test_envelope_is_detected_from_the_loader_frame():

@@ -82,3 +82,61 @@ def test_an_index_error_of_the_model_is_the_clients_400_without_native_paths():
                                   "check the values of sparse against the model's tables")
     assert client_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), spec) is None
     assert client_fault(IndexError("index out of range in self"), make_spec()) is None  # no integer input
+
+
+class Doubling:
+    def run(self, requests):
+        return [{"y": r["x"] * 2} for r in requests]
+
+
+def test_the_pipeline_answers_each_request_without_a_server_and_replies_set_them():
+    """pipeline.serve knows no TorchServe context: headers in, one Encoded or Failed per request
+    out; torchserve/replies.write sets them on the context, and raises only for a batch of OIP
+    gRPC calls that all failed."""
+    import json
+
+    import pytest
+    from ts.utils.util import PredictionException
+
+    from handlers import pipeline
+    from handlers.torchserve import replies
+    from handlers.torchserve.headers import RequestHeaders
+    from handlers.wire.base import Encoded, Failed
+
+    worker, health = make_worker(make_spec(), Doubling()), ready_health()
+    rest, grpc = RequestHeaders("application/json"), RequestHeaders(rest=False)
+    oip_ok = {"body": b'{"id": "a", "model_name": "m", "inputs": [{"name": "x", "shape": [1, 4], '
+                      b'"datatype": "FP32", "data": [1, 2, 3, 4]}]}'}
+    oip_bad = {"body": b'{"id": "b", "model_name": "m", "inputs": [{"name": "x", "shape": [1, 3], '
+                       b'"datatype": "FP32", "data": [1, 2, 3]}]}'}
+    answers = pipeline.serve(worker, health, [{"body": b'{"inputs": {"x": [[1, 2, 3, 4]]}}'}, {"body": b"{"},
+                                              dict(oip_ok), dict(oip_bad)], [rest, rest, grpc, grpc], "m", "1")
+    assert [type(a) for a in answers] == [Encoded, Failed, Encoded, Failed]
+    assert json.loads(answers[0].body) == {"outputs": {"y": [[2.0, 4.0, 6.0, 8.0]]}}
+    assert answers[1].error.status == 400 and answers[1].transport is None
+    assert json.loads(answers[2].body)["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0]
+    assert answers[3].transport == "torchserve-oip-grpc"
+    assert json.loads(answers[3].encoded.body)["outputs"][0]["name"] == "error"  # a complete OIP reply
+
+    class Context:
+        def __init__(self):
+            self.status, self.types, self.headers = {}, {}, {}
+
+        def set_response_status(self, code, phrase, idx):
+            self.status[idx] = code
+
+        def set_response_content_type(self, idx, value):
+            self.types[idx] = value
+
+        def set_response_header(self, idx, key, value):
+            self.headers[idx, key] = value
+
+    ctx = Context()
+    bodies = replies.write(ctx, answers)
+    assert bodies == [a.body if type(a) is Encoded else a.encoded.body for a in answers]
+    assert ctx.status == {1: 400, 3: 400} and ctx.types[0] == "application/json"
+    # every request of the batch an OIP gRPC call, every one failed: one exception, its status
+    answers = pipeline.serve(worker, health, [dict(oip_bad), dict(oip_bad)], [grpc, grpc], "m", "1")
+    with pytest.raises(PredictionException) as e:
+        replies.write(Context(), answers)
+    assert e.value.error_code == 400 and "BatchFailed" in e.value.message

@@ -3,13 +3,13 @@ import json
 
 import pytest
 import torch
-from worker_kit import make_spec
+from worker_kit import admit, make_spec
 
-from handlers.admission import Limits, admit
+from handlers.admission import Limits
 from handlers.artifact.metadata import TensorSpec
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
-from handlers.torchserve import oip
 from handlers.wire import WireName, safetensors_io
+from handlers.wire import oip_grpc as oip
 
 
 def test_safetensors_roundtrip_all_dtypes():
@@ -198,3 +198,19 @@ def test_header_reader_agrees_with_the_plain_rule_on_random_header_sets():
         def get_all_request_header(self, idx):
             raise IndexError(idx)
     assert headers.read(Broken(), 3) == headers.RequestHeaders(None, None, None, True)
+
+
+def test_every_format_is_in_the_one_list_and_the_wire_needs_no_torchserve():
+    """handlers.wire.BUILT_IN is the registry: importing handlers.wire alone registers every
+    format, the OIP gRPC one included, and imports nothing of TorchServe (scripts and clients
+    import the package for its codecs)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import json, sys, handlers.wire as w; print(json.dumps([[str(getattr(n, 'value', n)) for n in w.FORMATS], "
+            "list(w.TRANSPORTS), 'ts' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [["safetensors", "v2-grpc", "json", "v2", "v1"],
+                               ["grpc-through-nginx", "torchserve-oip-grpc"], False]

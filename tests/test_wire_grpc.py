@@ -21,9 +21,10 @@ import torch
 from conftest import ROOT, eager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from worker_kit import admit
 
 from handlers import protowire
-from handlers.admission import Limits, admit
+from handlers.admission import Limits
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.dtypes import BY_NAME, BY_V2
 from handlers.errors import RequestError
@@ -604,7 +605,7 @@ def framed(message: bytes, flag: int = 0) -> bytes:
 
 def test_a_grpc_framed_call_decodes_like_the_message_and_answers_framed(pb):
     from handlers.torchserve.headers import RequestHeaders
-    from handlers.wire import grpc_framed, transport_format
+    from handlers.wire import arrival, grpc_framed
 
     spec = make_spec([("x", "float32")])
     msg = pb.ModelInferRequest(model_name="m", id="r7")
@@ -612,9 +613,9 @@ def test_a_grpc_framed_call_decodes_like_the_message_and_answers_framed(pb):
     msg.raw_input_contents.append(np.arange(8, dtype="<f4").tobytes())
     body = framed(msg.SerializeToString())
     headers = RequestHeaders(content_type="application/grpc")
-    fmt = transport_format({"body": body}, headers, 1 << 20)
+    fmt = arrival({"body": body}, headers, 1 << 20).errors_as
     assert fmt is grpc_framed.FORMAT  # chosen by the Content-Type alone, before the body
-    assert transport_format({"body": body}, RequestHeaders(content_type="application/json"), 1 << 20) is None
+    assert arrival({"body": body}, RequestHeaders(content_type="application/json"), 1 << 20).errors_as.transport is None
     one = fmt.for_request(body)
     tensors, rid = one.decode(body, spec)
     assert rid == "r7" and torch.equal(tensors["x"], torch.arange(8, dtype=torch.float32).reshape(2, 4))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from handlers import admission, wire
 from handlers.admission import Limits
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
 from handlers.torchserve.stage_timings import StageTimes
+from handlers.torchserve.headers import RequestHeaders
 from handlers.ts_entry import CompiledModelHandler
 from handlers.worker import Health, Worker
 
@@ -17,6 +19,13 @@ def make_spec(batch_min=1, batch_max=8):
                         inputs=(TensorSpec("x", "float32", (None, 4)),),
                         outputs=(TensorSpec("y", "float32", (None, 4)),), output_structure="dict",
                         batch_min=batch_min, batch_max=batch_max, torch_version=torch.__version__)
+
+
+def admit(request: dict, spec, limits: Limits, content_type=None, accept=None, v2_header_length=None):
+    """Admission of one REST request carrying these headers, read as the pipeline reads it
+    (wire.read, then admission.admit): the admitted wire.Request, or its typed error raised."""
+    headers = RequestHeaders(content_type, accept, v2_header_length)
+    return admission.admit(wire.read(request, headers, limits), spec, limits)
 
 
 def make_worker(spec, runner, limits=None, config=None) -> Worker:

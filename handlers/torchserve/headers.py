@@ -4,7 +4,7 @@ Facts this relies on (ts/context.py, ts/protocol/otf_message_handler.py): `conte
 get_all_request_header(idx)` is the dict of request idx's headers. REST requests carry their HTTP
 headers as str values in the client's spelling (Host at least); a body part's own headers (its
 Content-Type) sit in a dict under the part's name ("body" or "data"); the frontend's Open
-Inference Protocol gRPC service sends no str header at all (handlers/torchserve/oip.py).
+Inference Protocol gRPC service sends no str header at all (handlers/wire/oip_grpc.py).
 
 Header names are matched without regard to case. The per-request cost matters at small models
 (a worker's Python is the limit there, docs/results/profile_mlp_fp16_h100.md): the lower-cased

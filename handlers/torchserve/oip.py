@@ -1,74 +1,16 @@
-"""Replies to TorchServe 0.12's Open Inference Protocol gRPC service (ModelInfer).
+"""The status of a batch of TorchServe 0.12 Open Inference Protocol gRPC calls that all failed
+(the format itself, requests and replies: handlers/wire/oip_grpc.py).
 
 Facts this relies on (TorchServe 0.12, OpenInferenceProtocolImpl / GRPCJob in model-server.jar):
-- The frontend turns a ModelInferRequest into the JSON {"id", "model_name", "inputs": [{name,
-  shape, datatype, data}]} (one parameter "body", application/json) and sends no request
-  headers; REST requests always carry their HTTP headers (Host at least). So: no string header
-  and a `model_name` in the body = the gRPC path. The body arrives as bytes, since ts_entry
-  turns TorchServe's JSON decoding off (TS_DECODE_INPUT_REQUEST=false): it is parsed here,
-  strictly, once, and put back in the request for admission.
-- It reads the reply as JSON and needs `id`, `model_name`, `model_version` (strings) and
-  `outputs[]` with name, datatype, shape and flat data; a missing key throws in
-  GRPCJob.response and the worker is killed. FP16/BF16 data come back empty (no typed field),
-  so they are sent as FP32 (exact). A BYTES element is sent as its JSON text.
-- It ignores per-request status codes; a gRPC status comes only from a failed batch
-  (PredictionException(message, code) -> GRPCUtils.getGRPCStatusCode: 400 INVALID_ARGUMENT,
-  413 RESOURCE_EXHAUSTED, 404 NOT_FOUND, 503 UNAVAILABLE, other codes INTERNAL).
+the frontend ignores per-request status codes; a gRPC status comes only from a failed batch
+(PredictionException(message, code) -> GRPCUtils.getGRPCStatusCode: 400 INVALID_ARGUMENT,
+413 RESOURCE_EXHAUSTED, 404 NOT_FOUND, 503 UNAVAILABLE, other codes INTERNAL).
 """
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 from ts.utils.util import PredictionException
-
-from handlers import wire
-from handlers.errors import RequestError, ServingError
-from handlers.wire import kserve_v2, strict_json
-from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, dump_json
-
-
-def is_grpc_request(request, rest: bool, max_json_bytes: Optional[int] = None) -> bool:
-    """Whether a request came over the OIP gRPC service, given whether its headers say REST
-    (handlers/torchserve/headers.py: any str header). Parses a header-less JSON body once and
-    puts it back for admission."""
-    if rest:
-        return False
-    body = request.get("body") if isinstance(request, dict) else None
-    if isinstance(body, (bytes, bytearray)):
-        # The frontend's OIP body is a JSON object; a binary body (a safetensors payload starts
-        # with its 8-byte header length) is never parsed here: that cost 14 ms on a 19 MB body.
-        if body[:64].lstrip()[:1] != b"{":
-            return False
-        if max_json_bytes is not None and len(body) > max_json_bytes:
-            # Not parsed here: admission refuses it (413, handler.max_json_mb) and the refusal
-            # goes out as an OIP reply. The frontend writes "model_name" right after "id".
-            return b'"model_name"' in body[:4096]
-        try:
-            body = strict_json.loads(body)
-        except RequestError:  # not JSON: admission answers it as the request it is
-            return False
-        if isinstance(body, dict):
-            request["body"] = body
-    return isinstance(body, dict) and isinstance(body.get("model_name"), str)
-
-
-def request_id(request) -> str:
-    body = request.get("body") if isinstance(request, dict) else None
-    rid = body.get("id") if isinstance(body, dict) else None
-    return rid if isinstance(rid, str) else ""
-
-
-def reply(outputs: dict, rid: Optional[str], model_name: str, model_version: str) -> str:
-    return dump_json(kserve_v2.reply(outputs, rid or "", model_name, model_version, widen_half=True))
-
-
-def error_reply(err: ServingError, rid: str, model_name: str, model_version: str) -> str:
-    """A complete reply whose one output, BYTES `error`, holds the JSON error object (the
-    frontend would drop the status code of a request failing alone in a batch)."""
-    return dump_json({"id": rid, "model_name": model_name, "model_version": model_version,
-                      "outputs": [{"name": "error", "datatype": "BYTES", "shape": [1],
-                                   "data": [err.to_dict()]}]})
 
 
 def batch_failure(errors: list) -> PredictionException:
@@ -82,40 +24,3 @@ def batch_failure(errors: list) -> PredictionException:
     return PredictionException(json.dumps({
         "code": code, "type": "BatchFailed", "message": f"all {len(errors)} requests of this batch "
         "failed; yours is one of `errors`", "errors": [e.to_dict() for e in errors]}), code)
-
-
-class OipGrpc(WireFormat):
-    """TorchServe's Open Inference Protocol gRPC service as a wire format, bound to its
-    transport: a request that arrived over it (no str header, a JSON object naming `model_name`)
-    is decoded as the KServe v2 JSON the frontend rebuilt from the call, and answered with the
-    complete replies above, errors included; a batch of such calls that all failed raises."""
-
-    name = "oip-grpc"
-    transport = "torchserve-oip-grpc"
-
-    def __init__(self, body_format: Optional[WireFormat] = None):
-        self.body_format = body_format  # the JSON envelope of this request's body (KServe v2)
-
-    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
-        return is_grpc_request(request, headers.rest, max_json_bytes)
-
-    def request_id(self, request) -> str:
-        return request_id(request)
-
-    def for_request(self, body) -> "OipGrpc":
-        return OipGrpc(wire.json_format(body).for_request(body))
-
-    def decode(self, body, spec) -> tuple:
-        return self.body_format.decode(body, spec)
-
-    def encoded(self, outputs: dict, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
-        return Encoded(reply(outputs, rid, model_name, model_version), JSON_MEDIA, {})
-
-    def error(self, err, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
-        return Encoded(error_reply(err, rid or "", model_name, model_version), JSON_MEDIA, {})
-
-    def batch_failure(self, errors: list):
-        return batch_failure(errors)
-
-
-FORMAT = wire.register(OipGrpc())

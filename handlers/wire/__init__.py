@@ -1,21 +1,50 @@
-"""The wire-format registry: one module per format, one line per format below, and the choice
-of a request's format (once per request) and of its response's format."""
+"""The wire formats, listed once (BUILT_IN), and the one call that reads a request: `read` picks
+its format, reads its body and says who answers it (wire/request.py's `Request`).
+
+A request is read in this order, its first failure being its answer: the transport it arrived
+over (a transport-bound format is asked first and, where it says yes, decodes and answers the
+request whatever its headers say); the payload (400 when there is none); the body size (413);
+for a KServe v2 binary request the declared size of its JSON part (413); a binary format by
+Content-Type, or recognised from the bytes (415 for any other declared media type); for JSON,
+its size (413) and strict parse (400), then the envelope by its shape (400); the format's own
+instance for this request (its framing); the response format from Accept.
+"""
 from __future__ import annotations
 
+import logging
+
 from handlers.errors import RequestError, UnsupportedMediaType
-from handlers.wire import (  # noqa: F401
+from handlers.wire import (
     grpc_framed,
     kserve_v1,
     kserve_v2,
     kserve_v2_grpc,
+    oip_grpc,
     ours_json,
     safetensors,
-    strict_json,
+    strict_json,  # noqa: F401  (the JSON parser and writer, for format modules)
 )
-from handlers.wire.base import JSON_MEDIA, WireFormat, WireName  # noqa: F401  (the interface, for format modules)
+from handlers.wire.base import JSON_MEDIA, Encoded, Failed, WireFormat, WireName  # noqa: F401  (the interface)
+from handlers.wire.request import Request, check_json_part, check_size, parse_json, payload_of
+
+logger = logging.getLogger(__name__)
+
+# Every built-in wire format, one line each. Formats bound to a transport are asked first, in
+# this order; binary ones are chosen by media type before JSON envelopes, which are tried in
+# this order.
+BUILT_IN = (
+    safetensors.FORMAT,
+    kserve_v2_grpc.FORMAT,
+    ours_json.FORMAT,
+    kserve_v2.FORMAT,
+    kserve_v1.FORMAT,
+    grpc_framed.FORMAT,  # bound to its transport: a gRPC call's body, passed on by the pod's nginx
+    oip_grpc.FORMAT,  # bound to its transport: TorchServe's Open Inference Protocol gRPC service
+)
 
 FORMATS = {}  # name -> format, in registration order (JSON envelopes are tried in this order)
 TRANSPORTS = {}  # transport -> the format bound to it, asked first, in registration order
+ERRORS = WireFormat()  # answers the errors of a request no transport format owns: the JSON error object
 
 
 def register(fmt: WireFormat) -> WireFormat:
@@ -26,50 +55,77 @@ def register(fmt: WireFormat) -> WireFormat:
     return fmt
 
 
-def transport_format(request, headers, max_json_bytes: int):
-    """The format bound to the transport this request arrived over, or None (then its media
-    type or JSON shape chooses: binary_format, json_format)."""
-    for f in TRANSPORTS.values():
-        if f.arrived_by(request, headers, max_json_bytes):
-            return f
-    return None
+for _fmt in BUILT_IN:
+    register(_fmt)
 
 
-register(safetensors.FORMAT)
-register(kserve_v2_grpc.FORMAT)
-register(ours_json.FORMAT)
-register(kserve_v2.FORMAT)
-register(kserve_v1.FORMAT)
-register(grpc_framed.FORMAT)  # bound to its transport: a gRPC call's body, passed on by the pod's nginx
+def arrival(request, headers, max_json_bytes: int) -> Request:
+    """The request as it arrived, its body not yet read: its transport's format, which answers
+    its errors, and its id; a plain REST request is answered with the JSON error object. A
+    request whose transport cannot be told (malformed) is answered as REST."""
+    try:
+        for f in TRANSPORTS.values():
+            if f.arrived_by(request, headers, max_json_bytes):
+                return Request(f, f.request_id(request))
+    except Exception:  # a malformed transport request: answered as REST, with its error
+        logger.exception("could not tell a request's transport")
+    return Request(ERRORS, None)
+
+
+def read(request, headers, limits) -> Request:
+    """The one choice of a request's wire format (module docstring: the order). `headers`: its
+    handlers.torchserve.headers.RequestHeaders; `limits`: handlers.admission.Limits. Never
+    raises: what reading raised is kept in `read_error`, raised by admission, and answered by
+    the request's `errors_as`."""
+    req = arrival(request, headers, limits.max_json_bytes)
+    try:
+        payload = payload_of(request)
+        check_size(payload, limits)
+        if req.errors_as.transport:  # its transport's format decodes and answers it, whatever its headers say
+            transport = req.errors_as
+            body = payload if transport.binary else parse_json(payload, limits)
+            req.wire = req.respond_as = transport.for_request(body)
+        else:
+            if headers.v2_header_length is not None:
+                check_json_part(headers.v2_header_length, limits)
+            fmt = _binary_format(payload, headers.content_type, headers.v2_header_length)
+            body = payload if fmt is not None else parse_json(payload, limits)
+            req.wire = (fmt or json_format(body)).for_request(body)
+            req.respond_as = _response_format(req.wire, headers.accept)
+        req.body = body
+    except Exception as e:  # noqa: BLE001  (the request's own answer: admission raises it)
+        req.read_error = e
+    return req
 
 
 def _media(content_type) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
-def binary_format(payload, content_type, v2_header_length=None):
+def _binary_format(payload, content_type, v2_header_length=None):
     """The binary format named by the Content-Type, or recognised from bytes sent without a
     JSON one; None: the body is JSON. Raises 415 for any other declared media type. The v2
     binary extension is announced by its header (v2_binary.HEADER), whatever the media type."""
     if v2_header_length is not None:
         return kserve_v2.binary(v2_header_length)
     ct = _media(content_type)
-    binaries = [f for f in FORMATS.values() if f.binary]
-    for f in binaries:
-        if ct == f.media_type:
+    for f in FORMATS.values():
+        if f.binary and ct == f.media_type:
             return f
     if isinstance(payload, (bytes, bytearray)) and ct != JSON_MEDIA:
-        for f in binaries:
-            if f.matches_bytes(payload):
+        for f in FORMATS.values():
+            if f.binary and f.matches_bytes(payload):
                 return f
     if ct and ct != JSON_MEDIA and not ct.startswith("text/") and ct != "application/octet-stream":
         raise UnsupportedMediaType(f"Content-Type {ct!r} is not supported; send {JSON_MEDIA} "
                                    "(our JSON, KServe v1 or v2) or "
-                                   + " or ".join(f.media_type for f in binaries))
+                                   + " or ".join(f.media_type for f in FORMATS.values() if f.binary))
     return None
 
 
 def json_format(body) -> WireFormat:
+    """The JSON envelope of a parsed body, by its shape (also asked by transport formats whose
+    bodies carry one: oip_grpc)."""
     if not isinstance(body, dict):
         raise RequestError("JSON body must be an object: {\"inputs\": {...}} (ours), "
                            "{\"instances\": [...]} (KServe v1) or {\"inputs\": [...]} (KServe v2)")
@@ -81,7 +137,7 @@ def json_format(body) -> WireFormat:
                        "(KServe v1) or {\"inputs\": [{name, shape, datatype, data}]} (KServe v2)")
 
 
-def response_format(request_format: WireFormat, accept) -> WireFormat:
+def _response_format(request_format: WireFormat, accept) -> WireFormat:
     """The request's own format unless Accept prefers another media type: binary media types
     first (large tensors), then JSON, which answers in our JSON."""
     if not accept:

@@ -3,8 +3,9 @@
 A format is either binary (chosen by its media type, or recognised from the bytes), a JSON
 envelope (chosen by the shape of the parsed JSON object), or bound to a transport (chosen by how
 the request arrived, before its body is looked at: `transport`, `arrived_by`; TorchServe's Open
-Inference Protocol gRPC service is one, handlers/torchserve/oip.py). A format also writes the
-error answers of its requests. The registry is wire/__init__.py."""
+Inference Protocol gRPC service is one, handlers/wire/oip_grpc.py). A transport's format also
+writes the error answers of its requests. What a format answers is an `Encoded`, or a `Failed`
+for an error; the registry and the choice are wire/__init__.py."""
 from __future__ import annotations
 
 from enum import Enum
@@ -28,6 +29,16 @@ class Encoded(NamedTuple):
     body: object  # str or bytes-like
     media_type: str
     headers: dict
+
+
+class Failed(NamedTuple):
+    """The answer to a request that failed: its error (the status and type TorchServe sets), the
+    error's encoded answer, and the transport it arrived over (None: plain REST), for the
+    TorchServe adapter's batch failures (handlers/torchserve/replies.py)."""
+
+    error: object  # handlers.errors.ServingError
+    encoded: Encoded
+    transport: Optional[str]
 
 
 class WireFormat:
@@ -78,15 +89,11 @@ class WireFormat:
 
     def error(self, err, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
         """The answer to a request that failed with `err` (a ServingError): its JSON error
-        object, unless the format's transport needs another shape."""
+        object, unless the format's transport needs another shape (asked of transport formats
+        only: any other request's errors are answered with the JSON error object)."""
         import json  # an error object holds text and integers only: the standard writer
 
         return Encoded(json.dumps(err.to_dict()), JSON_MEDIA, {})
-
-    def batch_failure(self, errors: list):
-        """Transport formats: an exception to raise when every request of a batch came over
-        this transport and failed (its transport then gives each call a real status), or None."""
-        return None
 
 
 def dump_json(body) -> str:

@@ -1,0 +1,39 @@
+"""TorchServe's reply I/O for one batch: the pipeline's answers (handlers/pipeline.py: one
+wire.base.Encoded or wire.base.Failed per request) set on TorchServe 0.12's context, the bodies
+returned in request order.
+
+Facts this relies on (ts/context.py, ts/service.py): the worker sends request idx's status,
+headers and Content-Type as set with `context.set_response_status(code, phrase, idx)`,
+`set_response_header(idx, key, value)` and `set_response_content_type(idx, value)`, with the
+body at index idx of the list `handle` returns; an exception raised from `handle` fails the whole
+batch, with a PredictionException's code as every request's status.
+"""
+from __future__ import annotations
+
+from handlers.torchserve import oip
+from handlers.wire import oip_grpc
+from handlers.wire.base import Failed
+
+# A transport whose frontend drops per-request statuses -> the exception to raise when every
+# request of a batch came over it and failed, so each call still gets a real status.
+BATCH_FAILURES = {oip_grpc.TRANSPORT: oip.batch_failure}
+
+
+def write(context, answers: list) -> list:
+    """Sets each answer's status (errors; TorchServe's default is 200), headers and Content-Type
+    on the context and returns the bodies; raises a transport's batch failure (BATCH_FAILURES)."""
+    bodies = [None] * len(answers)
+    for idx, answer in enumerate(answers):
+        if type(answer) is Failed:
+            context.set_response_status(answer.error.status, answer.error.error_type, idx)
+            answer = answer.encoded
+        body, content_type, extra = answer
+        for key, value in extra.items():  # the format's own headers (v2 binary, gRPC through nginx)
+            context.set_response_header(idx, key, value)
+        context.set_response_content_type(idx, content_type)
+        bodies[idx] = body
+    first = answers[0] if answers else None
+    if type(first) is Failed and first.transport in BATCH_FAILURES and all(
+            type(a) is Failed and a.transport == first.transport for a in answers):
+        raise BATCH_FAILURES[first.transport]([a.error for a in answers])
+    return bodies
