@@ -579,12 +579,17 @@ def main(argv=None):
 
     import torch
 
+    from handlers import wire
     from handlers.admission import Limits, admit
     from handlers.artifact.metadata import read_spec
+    from handlers.torchserve.headers import RequestHeaders
 
     spec = read_spec(args.artifact)
     limits = Limits(1 << 62, 1 << 30, spec.batch_max, True)
-    run = SimpleNamespace(args=args, spec=spec, decode=lambda request, spec, ct: admit(request, spec, limits, ct),
+
+    def decode(request, spec, ct):  # as the pipeline reads and admits one request
+        return admit(wire.read(request, RequestHeaders(ct, None, None), limits), spec, limits)
+    run = SimpleNamespace(args=args, spec=spec, decode=decode,
                           gpu=0 if spec.device == "cuda" or torch.cuda.is_available() else None,
                           sizes=[int(b) for b in args.batch_sizes.split(",")], inputs=input_maker(spec))
     first = load_handlers(run)
