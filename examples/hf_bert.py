@@ -1,7 +1,7 @@
 """A Hugging Face `transformers` BERT classifier as a user has one, handed over the way the README's
 "Serve your own model" says: exported with torch.export (batch and length dynamic), the program
 saved, and compiled with AOTInductor. Random weights from a config (seeded; nothing is
-downloaded). Plain torch and transformers only: scripts/bench_e2e.py copies this file into its
+downloaded). Plain torch and transformers only: bench/bench_e2e.py copies this file into its
 stock handlers' archives as their model factory.
 
 inputs:  input_ids      int64 [B, S]  token ids, 0..vocab-1 (BERT's padding id is 0)

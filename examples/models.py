@@ -160,7 +160,7 @@ def text() -> nn.Module:
 
 class Wide(nn.Module):
     """x (float32, [B, 16 Mi]) -> [B, 16]: 64 MiB per row, so one request is the largest body the
-    KServe pod is measured with (scripts/bench_pod.py's largest batch; the pod's limit is
+    KServe pod is measured with (bench/bench_pod.py's largest batch; the pod's limit is
     max_request_size in kserve/config.properties, 128 MiB). Block means through a linear head."""
 
     def __init__(self):

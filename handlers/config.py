@@ -67,7 +67,7 @@ class HandlerConfig:
     # the batch behind it waits; binary bodies cost a copy.
     max_json_mb: float = 8.0
     # GPU memory one worker needs, MiB: its copy of the weights plus context, graph pools and
-    # activations, as scripts/archive.py sized the worker count (scripts/worker_sizing.py). A CUDA
+    # activations, as cs-archive sized the worker count (compiled_serving/worker_sizing.py). A CUDA
     # worker with less free on its GPU refuses to load with the numbers (handlers/artifact/room.py)
     # instead of failing out of memory on every restart. 0: no check.
     worker_gpu_mb: float = 0.0
@@ -188,7 +188,7 @@ def _validate(values: dict) -> None:
                           "fp32, torch's default), high (TF32) or medium (bf16)")
     if values.get("worker_gpu_mb", 0.0) < 0:
         raise ConfigError("model-config.yaml handler.worker_gpu_mb must be 0 (no check) or the MiB of GPU "
-                          "memory one worker needs (scripts/archive.py writes it)")
+                          "memory one worker needs (cs-archive writes it)")
     for key in ("max_body_mb", "max_json_mb"):
         if values.get(key, 1.0) <= 0:
             raise ConfigError(f"model-config.yaml handler.{key} must be a positive size in MiB")

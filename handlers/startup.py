@@ -169,7 +169,7 @@ def between_batches_hook() -> bool:
     """Whether this worker's loop reads its messages with frontend_frames.retrieve_msg, which
     runs the work deferred between batches (torchserve/restart.py, idle.py) each time the loop
     is back for its next message: TorchServe's own reader, its async worker and a handler
-    driven in-process (tests, scripts.bench) never get there."""
+    driven in-process (tests, bench.bench) never get there."""
     main = sys.modules.get("__main__")
     return getattr(main, "retrieve_msg", None) is frontend_frames.retrieve_msg
 

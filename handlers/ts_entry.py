@@ -83,7 +83,7 @@ class CompiledModelHandler:
         except Exception as e:  # metrics must never fail a load or a request
             logger.debug("metric %s not recorded: %s", name, e)
 
-    # What scripts and tests read of a started worker (scripts/bench.py times its runner).
+    # What scripts and tests read of a started worker (bench/bench.py times its runner).
     runner = property(lambda self: self.worker.runner)
     model = property(lambda self: self.worker.model)
     device = property(lambda self: self.worker.device)

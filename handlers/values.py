@@ -4,7 +4,7 @@ An integer input that indexes a table (an embedding's token ids, say) reaches na
 does not check its indices on every backend: an AOTInductor package on the CPU aborts the whole
 worker process on an id past the table, and on a GPU the kernel's device-side assert poisons the
 CUDA context so the worker must restart. artifact.json records each such input's valid range
-(scripts/contract.py derives it from the graph; the user may narrow it), or a range per column
+(compiled_serving/contract.py derives it from the graph; the user may narrow it), or a range per column
 where the positions along one fixed dimension index different tables (a recommender's sparse
 features), and every request is checked here, in admission, so a bad id is the client's 400 and
 never reaches the model. Optionally, floating-point inputs may be refused when they hold NaN or

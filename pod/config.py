@@ -1,4 +1,4 @@
-"""The pod's settings, read once: the storage's config.properties (what `python -m scripts.kserve`
+"""The pod's settings, read once: the storage's config.properties (what `python -m compiled_serving.kserve`
 wrote, with /mnt/models replaced by MODEL_ROOT) and the container's environment.
 
 Every process of the pod (pod.start, pod.status, pod.grpc_bridge, the probes) reads the same
@@ -25,7 +25,7 @@ def read_properties(path: str) -> dict:
             lines = f.read().splitlines()
     except OSError as e:
         raise PodConfigError(f"{path} cannot be read ({e}); upload the storage/ that "
-                             "`python -m scripts.kserve` wrote to the storageUri") from None
+                             "`python -m compiled_serving.kserve` wrote to the storageUri") from None
     for line in lines:
         if line.strip() and not line.lstrip().startswith("#") and "=" in line:
             k, v = line.split("=", 1)
@@ -97,10 +97,10 @@ def snapshot_models(props: dict, store: str) -> tuple:
         snap = json.loads(props.get("model_snapshot", "{}")).get("models", {})
     except ValueError as e:
         raise PodConfigError(f"model_snapshot is not JSON ({e}); regenerate the storage with "
-                             "`python -m scripts.kserve`") from None
+                             "`python -m compiled_serving.kserve`") from None
     if not snap:
         raise PodConfigError("config.properties lists no model (model_snapshot); regenerate the storage "
-                             "with `python -m scripts.kserve --mar ...`")
+                             "with `python -m compiled_serving.kserve --mar ...`")
     models = []
     for name, versions in snap.items():
         version, entry = next(iter(versions.items()))

@@ -4,7 +4,7 @@ status process; kept running until SIGTERM (kserve/entrypoint.sh runs this):
   python -m pod.start
 
 Environment (the image sets the defaults): MODEL_ROOT (/mnt/models: the storage KServe mounts,
-config/config.properties and model-store/ as `python -m scripts.kserve` wrote them), RUNTIME_DIR
+config/config.properties and model-store/ as `python -m compiled_serving.kserve` wrote them), RUNTIME_DIR
 (/tmp/torchserve: every file the pod writes), HTTP_PORT (8080), GRPC_PORT (8081), METRICS_PORT
 (8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS (pod/config.py says the measured defaults).
 
@@ -40,7 +40,7 @@ def runtime_config(env) -> str:
             text = f.read()
     except OSError as e:
         raise SystemExit(f"pod: error: {src} cannot be read ({e}); upload the storage/ that "
-                         "`python -m scripts.kserve` wrote to the storageUri") from None
+                         "`python -m compiled_serving.kserve` wrote to the storageUri") from None
     os.makedirs(os.path.join(runtime, "tmp"), exist_ok=True)
     dest = os.path.join(runtime, "config.properties")
     with open(dest, "w") as f:

@@ -39,11 +39,11 @@ def archive_io(mar: str) -> dict:
         with zipfile.ZipFile(mar) as z:
             name = next((n for n in z.namelist() if n == "artifact.json" or n.endswith("/artifact.json")), None)
             if name is None:
-                raise ValueError(f"archive {mar} holds no artifact.json: build it with `python -m scripts.archive`")
+                raise ValueError(f"archive {mar} holds no artifact.json: build it with `python -m compiled_serving.archive`")
             art = json.loads(z.read(name))
     except (OSError, zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"archive {mar} is not a readable .mar ({type(e).__name__}: {e}); upload it again "
-                         "(a truncated copy?) or rebuild it with `python -m scripts.archive`") from None
+                         "(a truncated copy?) or rebuild it with `python -m compiled_serving.archive`") from None
     return {k: [{"name": t["name"], "datatype": v2_datatype(t["dtype"]),
                  "shape": [-1 if not isinstance(d, int) else d for d in t["shape"]]} for t in art[k]]
             for k in ("inputs", "outputs")}

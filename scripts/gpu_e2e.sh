@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end figures on the GPU machine (after `source .gpukit/kit_env.sh`), written into
-# $RESULTS by scripts/bench_e2e.py (each file records its own command):
+# $RESULTS by bench/bench_e2e.py (each file records its own command):
 #   e2e_resnet50_fp16_<tag>     ours (CUDA graphs, default) vs ours without graphs, 2 threads,
 #                               the stock handler (same threads; and without a budget) and the
 #                               echo transport limit, clients 1..128, on one GPU (GPUS=1,all: more)
@@ -32,13 +32,13 @@
 #                               longest request, zero mask), echo; 1 and 64 clients
 #   pod_resnet50_fp16_<tag>, pod_text_encoder_fp16_<tag>  the KServe pod's routes (nginx REST, the
 #                               gRPC bridge) beside direct TorchServe, same bodies, 1 and 64 clients
-#                               (scripts/bench_pod.py; needs nginx: NGINX or on PATH); POD_LOAD=native
+#                               (bench/bench_pod.py; needs nginx: NGINX or on PATH); POD_LOAD=native
 #                               loads them with wrk and h2load (LOADGEN or on PATH) instead of Python clients
 #   pod_wide_fp32_<tag>         one 64 MiB FP32 request by the pod's REST binary and gRPC routes, equal eager
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
-#                               restarts (scripts/bench_start.py)
+#                               restarts (bench/bench_start.py)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
-#   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (scripts/profile_handle.py)
+#   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (bench/profile_handle.py)
 #   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps,mps12}_<tag>  small models at 64 clients, ours
 #                               and echo (text: ours_pad too) with 6 workers, 12 workers, batch 16
 #                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
@@ -62,14 +62,14 @@ MLP="--model examples/mlp.py:mlp --input x:8x256:float32"
 pids=()
 need() {  # DIR ARGS...: compile into $W/DIR unless it is there
   local dir=$1; shift
-  [ -f "$W/$dir/artifact.json" ] || { $PY -m scripts.compile "$@" --backend aoti --precision fp16 --device cuda \
+  [ -f "$W/$dir/artifact.json" ] || { $PY -m compiled_serving.compile "$@" --backend aoti --precision fp16 --device cuda \
     --out "$W/$dir" & pids+=($!); }
 }
 case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*) need r50 $R50 ;; esac
 case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*|*" podtext "*) need text $TEXT --dynamic-batch 1:64 ;; esac
 case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
-E2E="$PY -m scripts.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
+E2E="$PY -m bench.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
   case $part in
     main) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_$TAG" --gpus "$GPUS" --clients 1,16,64,128 \
@@ -78,19 +78,19 @@ for part in $PARTS; do
     b1) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_b1_$TAG" --gpus 1 --clients 1 --seconds 8 \
             --batch-size 1 --workers-per-gpu 1 --max-batch-delay 0 --handlers ours,echo \
             --variant nographs:cuda_graphs=off --variant block:cuda_sync=block --first-request ;;
-    cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --device cpu --out "$W/r50cpu"
+    cpu) [ -f "$W/r50cpu/artifact.json" ] || $PY -m compiled_serving.compile $R50 --backend export --device cpu --out "$W/r50cpu"
          $E2E --artifact "$W/r50cpu" --out "$RESULTS/e2e_resnet50_cpu_$TAG" --cpu --cpu-workers 4 --clients 16 \
             --seconds 8 --batch-size 4 --max-batch-delay 5 --thread-sweep 1,2,7 --sweep-clients 16 ;;
     scaling) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_scaling_$TAG" --gpus 1,all \
             --clients 64,128 --multi-gpu-clients 128 --seconds 8 --batch-size "$BATCH" \
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,echo \
             --multi-gpu-handlers ours,echo --variant tsreader:buffered_reader=false ;;
-    frames) $PY -m scripts.bench_frames --batch-sizes 1,8 --out "$RESULTS/frames_$TAG" ;;
-    bench) $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
+    frames) $PY -m bench.bench_frames --batch-sizes 1,8 --out "$RESULTS/frames_$TAG" ;;
+    bench) $PY -m bench.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
             --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_$TAG.json" ;;
-    export) [ -f "$W/r50ep/artifact.json" ] || $PY -m scripts.compile $R50 --backend export --precision fp16 \
+    export) [ -f "$W/r50ep/artifact.json" ] || $PY -m compiled_serving.compile $R50 --backend export --precision fp16 \
               --device cuda --out "$W/r50ep"
-            $PY -m scripts.bench --artifact "$W/r50ep" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
+            $PY -m bench.bench --artifact "$W/r50ep" --batch-sizes 1,8,64 --iters 20 --graphs-contrast \
               --formats safetensors --pieces 0 --out "$RESULTS/bench_resnet50_fp16_export_$TAG.json" ;;
     check) $E2E --artifact "$W/r50" --out "$RESULTS/e2e_resnet50_fp16_check_$TAG" --gpus 1 --clients 1,64 \
             --seconds 8 --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
@@ -107,58 +107,58 @@ for part in $PARTS; do
     text) # the text encoder (examples/text_encoder.py, 6 layers, hidden 384) with a varying length:
           # every request draws its length from 16..128; ours groups by length, ours_pad pads to
           # length buckets (the model masks padding); stock_aoti calls the same package the plain way
-          $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --rounds 1 --artifact "$W/text" \
+          $PY -m bench.bench_e2e --factory examples/text_encoder.py:text_encoder --rounds 1 --artifact "$W/text" \
             --out "$RESULTS/e2e_text_encoder_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
             --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
             --handlers ours,stock,stock_aoti,echo --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
             --variant "padblock:pad={input_ids: 0, attention_mask: 0},cuda_sync=block" ;;
     pod) # the KServe pod (nginx, the gRPC bridge) beside direct TorchServe, ResNet-50 fp16,
          # archive defaults; POD_ENV="K=V ..." sets the pod's environment (e.g. GRPC_BRIDGE_PROCESSES=4)
-         $PY -m scripts.bench_pod --artifact "$W/r50" --factory examples/models.py:resnet50 --clients 1,64 \
+         $PY -m bench.bench_pod --artifact "$W/r50" --factory examples/models.py:resnet50 --clients 1,64 \
            --seconds 6 --rounds "${ROUNDS:-1}" --out "$RESULTS/pod_resnet50_fp16_$TAG" --load-generator "${POD_LOAD:-python}" \
            $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
     podtext) # the same for the text encoder with declared padding, lengths 16..128 per request
-         $PY -m scripts.bench_pod --artifact "$W/text" --factory examples/text_encoder.py:text_encoder \
+         $PY -m bench.bench_pod --artifact "$W/text" --factory examples/text_encoder.py:text_encoder \
            --clients 1,64 --seconds 6 --rounds "${ROUNDS:-1}" --lengths uniform:16:128 \
            --archive-option="--handler-option=pad={input_ids: 0, attention_mask: 0}" \
            --out "$RESULTS/pod_text_encoder_fp16_$TAG" --load-generator "${POD_LOAD:-python}" $(for kv in ${POD_ENV:-}; do echo "--pod-env=$kv"; done) ;;
     podwide) # 64 MiB of FP32 in one request (examples/models.py:wide) by the pod's REST binary and gRPC
          # routes, answers against eager; a short direct/pod point beside it
-         [ -f "$W/wide/artifact.json" ] || $PY -m scripts.compile --model examples/models.py:wide \
+         [ -f "$W/wide/artifact.json" ] || $PY -m compiled_serving.compile --model examples/models.py:wide \
            --input x:2x16777216:float32 --dynamic-batch 1:2 --backend aoti --precision fp32 --device cuda --out "$W/wide"
-         $PY -m scripts.bench_pod --artifact "$W/wide" --factory examples/models.py:wide --clients 1 --seconds 3 \
+         $PY -m bench.bench_pod --artifact "$W/wide" --factory examples/models.py:wide --clients 1 --seconds 3 \
            --routes direct_v2_binary,pod_v2_binary,direct_protobuf,pod_grpc --distinct-inputs 1 --largest-rows 1 \
            --out "$RESULTS/pod_wide_fp32_$TAG" ;;
     hf_bert) # the user's own model: plain torch and transformers build the files, the archive gets no options
          [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 \
            --out "$W/hf_bert"
-         $PY -m scripts.bench_e2e --factory examples/hf_bert.py:bert_bench --rounds "${ROUNDS:-2}" \
+         $PY -m bench.bench_e2e --factory examples/hf_bert.py:bert_bench --rounds "${ROUNDS:-2}" \
            --artifact "$W/hf_bert/package.pt2" --program "$W/hf_bert/program.pt2" \
            --out "$RESULTS/e2e_hf_bert_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
            --handlers ours,stock,stock_aoti,echo --variant "nopad:pad={}" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
          # ours (cuda_sync=auto: hybrid with 6 workers) against the blocking wait
-         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
+         $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant block:cuda_sync=block ;;
     start) for m in r50:resnet50 text:text_encoder; do
-             $PY -m scripts.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
+             $PY -m bench.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
            done ;;
     reader) # the worker's frame reader against TorchServe's, order-balanced rounds (where a small
             # model makes the worker's CPU the limit)
-            $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --rounds 2 --artifact "$W/mlp" \
+            $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --rounds 2 --artifact "$W/mlp" \
               --out "$RESULTS/e2e_mlp_fp16_reader_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
               --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,echo \
               --variant tsreader:buffered_reader=false ;;
     spy) SPY="--gpus 1 --clients 1,64 --seconds 6 --batch-size $BATCH --workers-per-gpu $WORKERS \
            --max-batch-delay $DELAY --handlers ours,echo --spy 250 --rounds 1"
-         $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SPY \
+         $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SPY \
            --out "$RESULTS/spy_mlp_fp16_$TAG"
          $E2E --artifact "$W/r50" $SPY --out "$RESULTS/spy_resnet50_fp16_$TAG"
-         $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SPY \
+         $PY -m bench.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SPY \
            --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
            --out "$RESULTS/spy_text_encoder_fp16_$TAG" ;;
     small) small_failed=0
@@ -177,9 +177,9 @@ for part in $PARTS; do
                trap mps_stop EXIT  # also when the script is stopped or fails inside the setting
                nvidia-cuda-mps-control -d
              fi
-             $PY -m scripts.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SERVE \
+             $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --artifact "$W/mlp" $SERVE \
                --out "$RESULTS/e2e_mlp_fp16_${name}_$TAG" || small_failed=1
-             $PY -m scripts.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SERVE \
+             $PY -m bench.bench_e2e --factory examples/text_encoder.py:text_encoder --artifact "$W/text" $SERVE \
                --lengths uniform:16:128 --variant "pad:pad={input_ids: 0, attention_mask: 0}" \
                --out "$RESULTS/e2e_text_encoder_fp16_${name}_$TAG" || small_failed=1
              if [[ "$name" == mps* ]]; then
@@ -188,8 +188,8 @@ for part in $PARTS; do
              fi
            done
            [ "$small_failed" = 0 ] || { echo "gpu_e2e.sh: a run of the small part failed (output above)" >&2; exit 1; } ;;
-    profile) $PY -m scripts.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
-    percall) $PY -m scripts.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
+    profile) $PY -m bench.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
+    percall) $PY -m bench.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
     *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small)"; exit 2 ;;
   esac

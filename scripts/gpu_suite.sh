@@ -36,11 +36,11 @@ declare -A SOAK=([r50]="examples/models.py:resnet50:3x224x224:4:float16"
                  [big32]="examples/models.py:big_conv:3x2160x3840:1:float32")
 for m in $(echo $MODELS | tr ' ' '\n' | sort -u); do
   [ -n "${COMPILE[$m]:-}" ] || { echo "unknown model $m (r50, big16, big32)"; exit 2; }
-  [ -f "$W/$m/artifact.json" ] || $PY -m scripts.compile ${COMPILE[$m]} --device cuda --out "$W/$m"
+  [ -f "$W/$m/artifact.json" ] || $PY -m compiled_serving.compile ${COMPILE[$m]} --device cuda --out "$W/$m"
 done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  $PY -m scripts.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 30 --load-profile --profile-handle \
+  $PY -m bench.bench --artifact "$W/r50" --batch-sizes 1,8,64 --iters 30 --load-profile --profile-handle \
       --out "$BENCH_OUT"
 fi
 [ "${SKIP_SOAK:-0}" = 1 ] && exit 0
@@ -49,7 +49,7 @@ SERVE=${SOAK_MODELS:-r50 big16 big32}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 models_arg="" soak_args=() n=0
 for m in $SERVE; do
-  $PY -m scripts.archive --artifact "$W/$m" --name "$m" --out "$W/store" --workers $((2 * NGPU)) ${BATCH[$m]}
+  $PY -m compiled_serving.archive --artifact "$W/$m" --name "$m" --out "$W/store" --workers $((2 * NGPU)) ${BATCH[$m]}
   models_arg="${models_arg:+$models_arg,}$m=$m.mar"
   soak_args+=(--model "$m=${SOAK[$m]}")
   n=$((n + 2 * NGPU))
@@ -64,7 +64,7 @@ for i in $(seq 1 300); do
 done
 grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
   || { tail -40 "$W/logs/ts_log.log" "$W/logs/model_log.log"; torchserve --stop; exit 1; }
-$PY -m scripts.soak --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-120} \
+$PY -m bench.soak --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-120} \
     "${soak_args[@]}" --out "$SOAK_OUT" || rc=$?
 torchserve --stop || true
 cp "$W/logs/model_log.log" "$RESULTS/soak_model_log.txt" 2>/dev/null || true

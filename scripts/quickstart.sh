@@ -24,7 +24,7 @@ if [ "${1:-}" = "--stop" ]; then stop_ours; exit 0; fi
 if [ "${1:-}" = "--serve" ]; then
   name=${2:?usage: scripts/quickstart.sh --serve NAME (serves model_store/NAME.mar)}
   if [ ! -f "model_store/$name.mar" ]; then
-    echo "no model_store/$name.mar: build it first with .venv/bin/python -m scripts.archive --name $name ..." >&2
+    echo "no model_store/$name.mar: build it first with .venv/bin/cs-archive --name $name ..." >&2
     exit 1
   fi
   stop_ours
@@ -43,18 +43,18 @@ DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'c
 ART=artifacts/classifier_aoti_$DEVICE
 if [ ! -f "$ART/artifact.json" ]; then
   echo "== compiling the example classifier with AOTInductor for $DEVICE (about a minute on 2 CPU cores)"
-  $PY -m scripts.compile --model examples/models.py:classifier --input image:4x3x32x32:float32 \
+  .venv/bin/cs-compile --model examples/models.py:classifier --input image:4x3x32x32:float32 \
       --dynamic-batch 1:16 --backend aoti --device "$DEVICE" --out "$ART"
 fi
 echo "== archiving model_store/classifier.mar"
 # workers: the archive picks them from the artifact's device and this machine's cores, and says so
-$PY -m scripts.archive --artifact "$ART" --name classifier
+.venv/bin/cs-archive --artifact "$ART" --name classifier
 stop_ours
 mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"
 TMPDIR="$STATE/tmp" torchserve --start --ncs --model-store model_store \
     --models classifier=classifier.mar --ts-config config.properties > logs/torchserve_console.log 2>&1
-$PY -m scripts.client --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
+.venv/bin/cs-client --model classifier --wait 180 --example image:2x3x32x32:float32 --check-eager \
     --factory examples/models.py:classifier
 echo
 echo "TorchServe is running. Keys: $PWD/key_file.json. Stop it with: scripts/quickstart.sh --stop"

@@ -19,8 +19,8 @@ if [ ! -f "$stamp" ]; then
     echo "setup: installing into .venv: torch's CPU build (requirements-cpu.txt)"
     .venv/bin/python -m pip install -q -r requirements-cpu.txt 2>&1 | grep -v "^WARNING: Location" || true
   fi
-  # Only the dependencies declared in pyproject.toml: the handler package itself is not
-  # installed, so a model archive can only ever run the copy it carries.
+  # The dependencies declared in pyproject.toml (the project itself is installed below, the
+  # handler package never: a model archive can only ever run the copy it carries).
   .venv/bin/python - > .venv/requirements.txt <<'PYEOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -32,6 +32,18 @@ PYEOF
     || { echo "setup: package installation failed" >&2; exit 1; }
   rm -f .venv/.installed-*; touch "$stamp"
   echo "setup: .venv is ready"
+fi
+# The build side's console commands (pyproject.toml's [project.scripts]: cs-compile, cs-archive, ...):
+# an editable install of this checkout's build package alone (compiled_serving), without its
+# dependencies (installed above). `handlers` stays out of .venv: outside the repository it does
+# not import, so a TorchServe worker only ever runs the handler copy its archive carries.
+venv_py="$PWD/.venv/bin/python"
+if ! (cd / && "$venv_py" -c "import compiled_serving" 2>/dev/null) || [ ! -x .venv/bin/cs-archive ]; then
+  echo "setup: installing the console commands (cs-compile, cs-archive, ...) into .venv"
+  .venv/bin/python -c "import setuptools" 2>/dev/null || .venv/bin/python -m pip install -q "setuptools>=64"
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . > .venv/editable-install.log 2>&1 \
+    && [ -x .venv/bin/cs-archive ] \
+    || { cat .venv/editable-install.log >&2; echo "setup: installing the console commands failed" >&2; exit 1; }
 fi
 if ! command -v java >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -1,7 +1,7 @@
 """Shared fixtures: artifacts compiled once per test run, and real TorchServe processes.
 
-Every artifact is built through the public CLI (python -m scripts.compile) and cached for the run;
-every archive through python -m scripts.archive (torch-model-archiver). Servers are real
+Every artifact is built through the public CLI (python -m compiled_serving.compile) and cached for the run;
+every archive through python -m compiled_serving.archive (torch-model-archiver). Servers are real
 `torchserve --start` processes on loopback, configured from the repository's config.properties
 with only ports and paths changed, so the security settings under test are the shipped ones.
 """
@@ -22,14 +22,28 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from scripts import local_server  # noqa: E402
-from scripts.local_server import LocalTorchServe, server_env  # noqa: E402
+from compiled_serving import local_server  # noqa: E402
+from compiled_serving.local_server import LocalTorchServe, server_env  # noqa: E402
 
 PY = sys.executable
+# The build side's console commands (pyproject.toml's [project.scripts], installed into .venv by
+# scripts/setup_env.sh) by module: the tests run the tools as a user does. Where they are not
+# installed (the GPU machine's kit runs python3 with the repository on its path) the module runs.
+CS_COMMANDS = {"compile": "cs-compile", "import_artifact": "cs-import", "archive": "cs-archive",
+               "inspect_artifact": "cs-inspect", "verify_store": "cs-verify", "kserve": "cs-kserve",
+               "client": "cs-client"}
+
+
+def cs_command(module: str) -> list:
+    """The command line that runs compiled_serving.MODULE: its console command where installed."""
+    exe = Path(PY).parent / CS_COMMANDS[module]
+    return [str(exe)] if exe.exists() else [PY, "-m", f"compiled_serving.{module}"]
+
+
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2`) each worker is a process of its own. TorchServe
 # names its workers' unix sockets /tmp/.ts.sock.<port> from initial_worker_port whatever TMPDIR
-# says, and scripts.local_server gives each server of a process a block of 100 ports counted from
+# says, and compiled_serving.local_server gives each server of a process a block of 100 ports counted from
 # the process id, so two workers' blocks could meet: each xdist worker counts from a range of its own.
 _XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST.startswith("gw"):
@@ -141,14 +155,14 @@ ARTIFACTS = {
 
 def write_gpu_results(results: dict) -> None:
     """GPU_RESULTS=path: write the device list, date, torch and this run's command
-    (scripts.results_meta.header) followed by `results`, the values a GPU test module measured.
+    (bench.results_meta.header) followed by `results`, the values a GPU test module measured.
     Called from a module's autouse fixture after its tests, so a failing run writes too."""
     path = os.environ.get("GPU_RESULTS")
     if not path:
         return
     import torch
 
-    from scripts.results_meta import header
+    from bench.results_meta import header
 
     head = header([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], env=("GPU_RESULTS",))
     with open(path, "w") as f:
@@ -167,7 +181,7 @@ class Artifacts:
         out = self.root / f"{name}_{tag}{'_'.join([''] + [e.strip('-') for e in extra])}"
         with self._lock, file_lock(self.root / f".{out.name}.lock"):
             if not (out / "artifact.json").exists():
-                cmd = [PY, "-m", "scripts.compile", *ARTIFACTS[name], *extra, "--device", self.device,
+                cmd = [*cs_command("compile"), *ARTIFACTS[name], *extra, "--device", self.device,
                        "--out", str(out)]
                 if self.device == "cuda":
                     cmd += ["--device-index", str(index)]
@@ -209,7 +223,7 @@ def results_file(request):
     if request.node.get_closest_marker("gpu"):
         write_gpu_results(measured)
     elif os.environ.get("FAULT_RESULTS") and measured:
-        from scripts.results_meta import header
+        from bench.results_meta import header
 
         out = {**header(f"CPU ({os.cpu_count()} cores), real TorchServe", env=("FAULT_RESULTS",)), **measured}
         Path(os.environ["FAULT_RESULTS"]).write_text(json.dumps(out, indent=1) + "\n")
@@ -228,7 +242,7 @@ def cluster_mar(artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster_layout(cluster_mar, tmp_path_factory):
-    """(out, completed process) of `python -m scripts.kserve` on cluster_mar."""
+    """(out, completed process) of `python -m compiled_serving.kserve` on cluster_mar."""
     from kserve_kit import lay_out
 
     out = tmp_path_factory.mktemp("cluster_out")
@@ -261,7 +275,7 @@ def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
         artifact_dirs = [artifact_dirs]
     # The tests' archives: one worker, unbatched, unless a test says otherwise (the shipped
     # defaults are sized for a GPU host: README "Serving settings").
-    cmd = [PY, "-m", "scripts.archive", "--name", name, "--out", str(store), "--workers", "1",
+    cmd = [*cs_command("archive"), "--name", name, "--out", str(store), "--workers", "1",
            "--batch-size", "1", "--max-batch-delay", "5", *extra]
     for d in artifact_dirs:
         cmd += ["--artifact", str(d)]
@@ -272,7 +286,7 @@ def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
 
 
 class TorchServe(LocalTorchServe):
-    """scripts.local_server's server (the shipped config, ports and paths changed), started at
+    """compiled_serving.local_server's server (the shipped config, ports and paths changed), started at
     construction and checked to have come up (its key file), with the calls tests make."""
 
     def __init__(self, workdir: Path, store: Path, models: dict):
@@ -356,7 +370,7 @@ def repin(art, **fields):
 def eager(factory: str, *inputs):
     import torch
 
-    from scripts.compile import load_factory
+    from compiled_serving.compile import load_factory
 
     model = load_factory(str(ROOT / "examples" / "models.py") + ":" + factory)()
     with torch.no_grad():

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.local_pod import LocalPod
-from scripts.local_server import server_env
+from pod.local_pod import LocalPod
+from compiled_serving.local_server import server_env
+from conftest import cs_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STORAGE_URI = "gs://example-bucket/models/compiled-serving"
@@ -44,15 +45,15 @@ def unknown_fields(obj, schema, path="") -> list:
 
 
 def lay_out(mars, out, *extra):
-    """`python -m scripts.kserve` on these archives into `out` (the storage layout and manifests)."""
-    cmd = [sys.executable, "-m", "scripts.kserve", "--storage-uri", STORAGE_URI, "--out", str(out), "--name", "compiled", *extra]
+    """`python -m compiled_serving.kserve` on these archives into `out` (the storage layout and manifests)."""
+    cmd = [*cs_command("kserve"), "--storage-uri", STORAGE_URI, "--out", str(out), "--name", "compiled", *extra]
     for m in mars:
         cmd += ["--mar", str(m)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env())
 
 
 class Container(LocalPod):
-    """The pod as its container runs it (scripts/local_pod.py), with the probes' answers in the
+    """The pod as its container runs it (pod/local_pod.py), with the probes' answers in the
     shape of a finished process (returncode 0 when the probe passed, stdout its body)."""
 
     def probe(self, kind):

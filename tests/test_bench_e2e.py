@@ -1,4 +1,4 @@
-"""CPU smoke of the end-to-end benchmark (scripts/bench_e2e.py): real TorchServe, our archive,
+"""CPU smoke of the end-to-end benchmark (bench/bench_e2e.py): real TorchServe, our archive,
 the stock handler and the echo transport limit, a short sweep. Asserts only that it produced
 well-formed results with every answer checked and none wrong; speed is judged on the GPU
 machine (docs/results/e2e_*)."""
@@ -18,7 +18,7 @@ SPIN_2_5_S = "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"
 @pytest.mark.server
 def test_bench_e2e_smoke(artifacts, tmp_path):
     out = tmp_path / "e2e"
-    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
+    cmd = [sys.executable, "-m", "bench.bench_e2e", "--artifact", str(artifacts.get("cls_export")),
            "--factory", "examples/models.py:classifier", "--out", str(out), "--clients", "1,4",
            "--seconds", "1.0", "--warmup-seconds", "0.5", "--rounds", "2", "--cpu-workers", "1", "--batch-size", "4",
            "--thread-sweep", "1", "--sweep-clients", "2", "--processes", "1",
@@ -27,7 +27,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert list(result)[:4] == ["device", "date", "torch", "command"]
-    assert result["command"].startswith("python -m scripts.bench_e2e ")
+    assert result["command"].startswith("python -m bench.bench_e2e ")
     seen = {(p["handler"], p["clients"]) for p in result["points"]}
     assert seen == {("ours", 1), ("ours", 4), ("stock", 1), ("stock", 4), ("echo", 1), ("echo", 4),
                     ("ours", 2), ("stock", 2), ("ours_t1", 2), ("stock_default", 2)}
@@ -63,7 +63,7 @@ def test_bench_e2e_smoke(artifacts, tmp_path):
 
 
 def test_rounds_combine_counts_and_average_rates():
-    from scripts.bench_e2e import combine_rounds
+    from bench.bench_e2e import combine_rounds
 
     a = {"requests": 10, "ok": 9, "errors": 1, "error_samples": ["503: x"], "mismatches": 0, "req_s": 100.0,
          "p50_ms": 2.0, "p99_ms": 4.0, "seconds": 1.0, "handler": "ours", "clients": 4, "round": 0}
@@ -85,7 +85,7 @@ def test_rounds_combine_counts_and_average_rates():
 
 
 def test_ts_config_lines_must_be_key_value():
-    from scripts.bench_e2e import parse_args
+    from bench.bench_e2e import parse_args
 
     base = ["--artifact", "a", "--factory", "f.py:m", "--out", "o"]
     assert parse_args(base + ["--ts-config", "number_of_netty_threads=8"]).ts_config == ["number_of_netty_threads=8"]
@@ -100,7 +100,7 @@ def test_cpu_usage_counts_a_busy_child_as_load_generator():
     core of load generator, inside the host's busy cores."""
     import time
 
-    from scripts import cpu_usage
+    from bench import cpu_usage
 
     children = [subprocess.Popen([sys.executable, "-c", SPIN_2_5_S]) for _ in range(2)]
     try:
@@ -124,7 +124,7 @@ def test_a_process_exiting_inside_the_window_drops_out_of_its_group():
     snapshots neither subtracts its whole life (negative cores) nor counts."""
     import os
 
-    from scripts import cpu_usage
+    from bench import cpu_usage
 
     tick = os.sysconf("SC_CLK_TCK")
     host = {"host_busy": 0, "host_irq": 0, "host_total": 0, "frontend_threads": {}}
@@ -137,7 +137,7 @@ def test_a_process_exiting_inside_the_window_drops_out_of_its_group():
 def test_py_spy_started_by_the_benchmark_is_not_load():
     """bench_e2e --spy's samplers are children of the benchmark like the clients, but their CPU
     is the measurement's, not load: no group (the host's "other")."""
-    from scripts.cpu_usage import _group
+    from bench.cpu_usage import _group
 
     me = 4242
     assert _group("7", b"/v/bin/py-spy\x00record\x00--pid\x0012", me, me) is None
@@ -152,7 +152,7 @@ def test_cores_by_key_of_a_busy_process():
     import os
     import time
 
-    from scripts.cpu_usage import _cores_by_key, _threads
+    from bench.cpu_usage import _cores_by_key, _threads
 
     child = subprocess.Popen([sys.executable, "-c", SPIN_2_5_S])
     try:
@@ -175,7 +175,7 @@ def test_cores_by_key_of_a_busy_process():
 def test_variant_models_name_each_variant_once():
     """--variant NAME:OPTS is served as ours_NAME; the same names order the load points and the
     first requests, so they come from one function."""
-    from scripts.bench_e2e import parse_args, variant_models
+    from bench.bench_e2e import parse_args, variant_models
 
     args = parse_args(["--artifact", "a", "--factory", "f.py:g", "--out", "o",
                        "--variant", "nographs:cuda_graphs=off", "--variant", "spin:cuda_sync=spin,cpu_threads=2"])
@@ -188,7 +188,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     drawn per request; every answer of ours, the stock handlers (eager, and calling the same
     AOTInductor package) and the echo checked."""
     out = tmp_path / "text"
-    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(artifacts.get("text_tiny_aoti")),
+    cmd = [sys.executable, "-m", "bench.bench_e2e", "--artifact", str(artifacts.get("text_tiny_aoti")),
            "--factory", "examples/text_encoder.py:text_encoder_tiny", "--out", str(out), "--clients", "2",
            "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
            "--batch-size", "4", "--processes", "1", "--handlers", "ours,stock,stock_aoti,echo",
@@ -221,7 +221,7 @@ def test_bench_e2e_drives_a_text_model_with_integer_inputs_and_varying_lengths(a
     import torch
 
     from handlers.artifact.metadata import read_spec
-    from scripts.bench_e2e import draw_lengths, one_request
+    from bench.bench_e2e import draw_lengths, one_request
 
     spec = read_spec(str(artifacts.get("text_tiny_aoti")))
 
@@ -244,7 +244,7 @@ def test_gpu_limit_weights_each_length_by_how_often_the_run_sends_it(artifacts):
     import torch
 
     from handlers.artifact.metadata import read_spec
-    from scripts.bench_e2e import gpu_limit
+    from bench.bench_e2e import gpu_limit
 
     spec = read_spec(str(artifacts.get("text_tiny_aoti")))
     got = gpu_limit(spec, torch.device("cpu"), 4, [{"S": 8}, {"S": 60}, {"S": 60}], {}, iters=5)
@@ -258,7 +258,7 @@ def test_gpu_limit_weights_each_length_by_how_often_the_run_sends_it(artifacts):
 def test_declared_pad_reads_the_first_padding_variant_with_its_buckets():
     import argparse
 
-    from scripts.bench_e2e import declared_pad
+    from bench.bench_e2e import declared_pad
 
     def args(*variants):
         return argparse.Namespace(variant=list(variants))
@@ -278,7 +278,7 @@ def test_bench_e2e_with_a_transformers_model_archived_with_no_options(hf_bert, t
     request; every answer, the per-token output included, equal to eager at its own length."""
     d, _ = hf_bert
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "scripts.bench_e2e", "--artifact", str(d / "package.pt2"), "--program",
+    cmd = [sys.executable, "-m", "bench.bench_e2e", "--artifact", str(d / "package.pt2"), "--program",
            str(d / "program.pt2"), "--factory", "examples/hf_bert.py:bert_tiny", "--out", str(out),
            "--clients", "4", "--seconds", "1.0", "--warmup-seconds", "0.3", "--rounds", "1", "--cpu-workers", "1",
            "--batch-size", "4", "--max-batch-delay", "5", "--processes", "1", "--handlers", "ours,stock,stock_aoti",
@@ -307,7 +307,7 @@ def test_stock_handler_pads_a_batch_to_its_longest_request(monkeypatch):
     from examples.text_encoder import text_encoder_tiny
 
     monkeypatch.setitem(sys.modules, "ts.torch_handler.base_handler", types.SimpleNamespace(BaseHandler=object))
-    spec = importlib.util.spec_from_file_location("stock_handler_under_test", ROOT / "scripts/baselines/stock_handler.py")
+    spec = importlib.util.spec_from_file_location("stock_handler_under_test", ROOT / "bench/baselines/stock_handler.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 

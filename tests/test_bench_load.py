@@ -1,4 +1,4 @@
-"""The load generator's own HTTP/1.1 connection (scripts/bench_load.Connection), differentially
+"""The load generator's own HTTP/1.1 connection (bench/bench_load.Connection), differentially
 against the standard library's http.client on a real keep-alive HTTP server (http.server):
 the same status and the same body for every request, across body sizes, error statuses,
 `Connection: close` and a chunked answer it must refuse."""
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from scripts.bench_load import Connection, _parse_head, build_request
+from bench.bench_load import Connection, _parse_head, build_request
 
 HEADERS = {"Content-Type": "application/x-safetensors", "Authorization": "Bearer k"}
 
@@ -112,7 +112,7 @@ def test_an_answer_with_nan_is_a_mismatch():
     import numpy as np
     from safetensors.numpy import save
 
-    from scripts.bench_load import _mismatch
+    from bench.bench_load import _mismatch
 
     want = {"out": np.array([1.0, 2.0], dtype=np.float32)}
     assert not _mismatch(save({"out": np.array([1.0, 2.0], dtype=np.float16)}), want, 1e-3)

@@ -1,4 +1,4 @@
-"""CPU smoke of the worker start benchmark (scripts/bench_start.py): real TorchServe, our archive,
+"""CPU smoke of the worker start benchmark (bench/bench_start.py): real TorchServe, our archive,
 one worker killed with SIGKILL and measured until it serves again. Asserts what must hold whatever
 the machine's speed: a request sent after the kill is answered only once the new worker has started,
 the restarted worker reuses the trial load's verdict, and the files are well formed."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.server
 
 def test_bench_start_smoke(artifacts, tmp_path):
     out = tmp_path / "start.json"
-    cmd = [sys.executable, "-m", "scripts.bench_start", "--artifact", str(artifacts.get("cls_aoti")),
+    cmd = [sys.executable, "-m", "bench.bench_start", "--artifact", str(artifacts.get("cls_aoti")),
            "--workers", "1", "--restarts", "1", "--timeout", "240", "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

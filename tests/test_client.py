@@ -1,5 +1,5 @@
 """What a newcomer runs: the README's serve-and-call commands agree with each other and with the
-quickstart, compile on a CPU-only machine, and scripts.client (the README's and the quickstart's
+quickstart, compile on a CPU-only machine, and compiled_serving.client (the README's and the quickstart's
 client) checks every format against eager and explains a missing token, run from elsewhere."""
 import re
 import shlex
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, ROOT
+from conftest import PY, ROOT, cs_command
 
 # the compile / archive / serve reference moved from the README to docs/usage.md
 README = (ROOT / "docs" / "usage.md").read_text()
@@ -31,8 +31,8 @@ def commands(text, program):
 
 @pytest.mark.server
 def test_serve_and_call_name_the_model_that_compile_and_archive_build():
-    compile_cmd = commands(section("Compile: `python -m scripts.compile`"), "scripts.compile")[0]
-    archive_cmd = commands(section("Archive: `python -m scripts.archive`"), "scripts.archive")[0]
+    compile_cmd = commands(section("Compile: `cs-compile`"), "cs-compile")[0]
+    archive_cmd = commands(section("Archive: `cs-archive`"), "cs-archive")[0]
     serve = commands(section("Serve and call"), "torchserve --start")[0]
     assert compile_cmd[compile_cmd.index("--device") + 1] == "cpu"  # runs on a CPU-only machine
     out = compile_cmd[compile_cmd.index("--out") + 1]
@@ -47,7 +47,7 @@ def test_serve_and_call_name_the_model_that_compile_and_archive_build():
 def test_quickstart_model_is_the_one_the_readme_tells_to_call():
     quick = (ROOT / "scripts" / "quickstart.sh").read_text()
     served = re.search(r"--models (\w+)=", quick).group(1)
-    assert f"scripts.client --model {served}" in section("Serve and call")
+    assert f"cs-client --model {served}" in section("Serve and call")
 
 
 @pytest.mark.server
@@ -57,7 +57,7 @@ def test_client_checks_every_format_against_eager(main_server, tmp_path, fmt):
 
     keys = tmp_path / "key_file.json"
     keys.write_text(json.dumps(main_server.keys))
-    r = subprocess.run([PY, "-m", "scripts.client", "--model", "cls_export", "--url", main_server.base,
+    r = subprocess.run([*cs_command("client"), "--model", "cls_export", "--url", main_server.base,
                         "--key-file", str(keys), "--example", "image:2x3x32x32:float32", "--format", fmt,
                         "--check-eager", "--factory", "examples/models.py:classifier"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -66,7 +66,7 @@ def test_client_checks_every_format_against_eager(main_server, tmp_path, fmt):
 
 @pytest.mark.server
 def test_client_from_another_directory_says_where_the_token_comes_from(main_server, tmp_path):
-    r = subprocess.run([PY, "-m", "scripts.client", "--model", "cls_export", "--url", main_server.base,
+    r = subprocess.run([*cs_command("client"), "--model", "cls_export", "--url", main_server.base,
                         "--key-file", str(tmp_path / "nowhere.json"), "--example", "image:1x3x32x32:float32"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

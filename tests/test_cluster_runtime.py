@@ -1,4 +1,4 @@
-"""Our cluster runtime: the manifests `python -m scripts.kserve` writes by default (our
+"""Our cluster runtime: the manifests `python -m compiled_serving.kserve` writes by default (our
 ClusterServingRuntime and InferenceServices naming it, sized from the archives), validated
 against KServe's CRD schemas, and the image's entrypoint (kserve/entrypoint.sh) run exactly as
 the container runs it -- same command and environment, with MODEL_ROOT, RUNTIME_DIR and
@@ -23,7 +23,7 @@ import yaml
 
 from conftest import CLUSTER_WORKERS, ROOT, build_mar, close, corrupt_inside_mar, eager, two
 from kserve_kit import Container, lay_out, unknown_fields
-from scripts import kserve as kserve_script
+from compiled_serving import kserve as kserve_script
 
 pytestmark = pytest.mark.server
 

@@ -1,5 +1,5 @@
 """Incompatible artifacts are refused before a worker reports ready, with a message naming the
-artifact's target, the machine and the fix: in real TorchServe and in scripts/inspect_artifact.py.
+artifact's target, the machine and the fix: in real TorchServe and in compiled_serving/inspect_artifact.py.
 
 Every case starts from a real compiled artifact and alters what a real mismatch would alter
 (package metadata, artifact.json, the file itself), re-pinning the SHA-256 where a rebuilt
@@ -17,6 +17,7 @@ from conftest import (
     ROOT,
     build_mar,
     corrupt_inside_mar,
+    cs_command,
     repin,
     rewrite_package_metadata,
 )
@@ -178,7 +179,7 @@ def test_refused_with_message_and_answered(broken, broken_server, name):
                                   "trt_missing"])
 def test_inspect_names_the_mismatch(broken, name):
     d, needle = broken[name]
-    cmd = [PY, "-m", "scripts.inspect_artifact", str(d)] + (["--trial-load"] if name == "crashing_library" else [])
+    cmd = [*cs_command("inspect_artifact"), str(d)] + (["--trial-load"] if name == "crashing_library" else [])
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1, r.stdout + r.stderr
     assert needle in r.stdout, r.stdout
@@ -187,7 +188,7 @@ def test_inspect_names_the_mismatch(broken, name):
 @pytest.mark.server
 def test_inspect_accepts_a_good_mar(artifacts, tmp_path):
     mar = build_mar(artifacts.get("two_aoti"), "good", tmp_path)
-    r = subprocess.run([PY, "-m", "scripts.inspect_artifact", str(mar)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([*cs_command("inspect_artifact"), str(mar)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "OK             runs here on cpu" in r.stdout, r.stdout
 
 

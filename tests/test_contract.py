@@ -1,4 +1,4 @@
-"""The contract read from a torch.export program (scripts/contract.py): named dimensions with
+"""The contract read from a torch.export program (compiled_serving/contract.py): named dimensions with
 their ranges, output names, and the value ranges the graph walk derives for integer inputs
 that index something; the per-request value check (handlers/values.py); layout-1 files still
 load; requests of different lengths run in groups (handlers/run/base.py)."""
@@ -13,7 +13,7 @@ from handlers.artifact.metadata import ArtifactSpec, TensorSpec, read_spec, writ
 from handlers.config import parse_config
 from handlers.errors import LoadError, RequestError
 from handlers.values import ValueContract
-from scripts import contract
+from compiled_serving import contract
 
 
 def export(module, *inputs, dynamic=None):

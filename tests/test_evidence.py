@@ -1,7 +1,7 @@
 """Every claim backed: the results files and the README's "Results" section.
 
 Results files (docs/results/*.json) are written whole by the command recorded in them
-(scripts/results_meta.header): their first keys are device, date, torch, command, in that
+(bench/results_meta.header): their first keys are device, date, torch, command, in that
 order, and the Markdown beside each one quotes that same command.
 
 README numbers. Every *measured* number quoted in a "## Results" section of README.md or of a

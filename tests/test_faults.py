@@ -2,7 +2,7 @@
 ones, a corrupt archive, a tampered one, the JSON size cap under a flood of huge bodies, a
 request flood, a slow client, kill -9 of the worker under load, and the files worker restarts
 leave behind. With FAULT_RESULTS=PATH the measured counts are written there (first keys from
-scripts/results_meta.header), e.g. docs/results/faults_cpu.json.
+bench/results_meta.header), e.g. docs/results/faults_cpu.json.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import PY, ROOT, TOL, build_mar, corrupt_inside_mar, eager
+from conftest import PY, ROOT, TOL, build_mar, corrupt_inside_mar, eager, cs_command
 from hostile import JSON, KINDS, good_request
 
 from handlers.wire import safetensors_io
-from scripts.local_server import server_env, tool
+from compiled_serving.local_server import server_env, tool
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("results_file")]
 
@@ -292,10 +292,10 @@ def test_tampered_archive_passes_the_in_archive_check_and_fails_verify_store(art
     store.mkdir()
     build_mar(artifacts.get("two_export"), "two", store)
     digests = tmp_path / "digests.sha256"
-    rec = subprocess.run([PY, "-m", "scripts.verify_store", "record", "--store", str(store), "--digests", str(digests)],
+    rec = subprocess.run([*cs_command("verify_store"), "record", "--store", str(store), "--digests", str(digests)],
                          cwd=ROOT, capture_output=True, text=True)
     assert rec.returncode == 0, rec.stderr
-    ok = subprocess.run([PY, "-m", "scripts.verify_store", "check", "--store", str(store), "--digests", str(digests)],
+    ok = subprocess.run([*cs_command("verify_store"), "check", "--store", str(store), "--digests", str(digests)],
                         cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     # the tamperer: another model's export, re-pinned, archived under the same name
@@ -304,14 +304,14 @@ def test_tampered_archive_passes_the_in_archive_check_and_fails_verify_store(art
     repin(other)
     open_variant(str(other))  # the in-archive check passes: it cannot know
     build_mar(other, "two", store)
-    bad = subprocess.run([PY, "-m", "scripts.verify_store", "check", "--store", str(store), "--digests", str(digests)],
+    bad = subprocess.run([*cs_command("verify_store"), "check", "--store", str(store), "--digests", str(digests)],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and "two.mar: SHA-256 differs from the digest list" in bad.stderr, bad.stderr
     (store / "extra.mar").write_bytes(b"PK")
-    extra = subprocess.run([PY, "-m", "scripts.verify_store", "check", "--store", str(store), "--digests", str(digests)],
+    extra = subprocess.run([*cs_command("verify_store"), "check", "--store", str(store), "--digests", str(digests)],
                            cwd=ROOT, capture_output=True, text=True)
     assert "extra.mar: not in the digest list" in extra.stderr
-    ks = subprocess.run([PY, "-m", "scripts.kserve", "--mar", str(store / "two.mar"), "--storage-uri", "gs://b/p",
+    ks = subprocess.run([*cs_command("kserve"), "--mar", str(store / "two.mar"), "--storage-uri", "gs://b/p",
                          "--out", str(tmp_path / "ks"), "--digests", str(digests)], cwd=ROOT, capture_output=True, text=True)
     assert ks.returncode != 0 and "SHA-256 differs" in ks.stderr, ks.stderr
     RESULTS["tampered"] = {"in_archive_check_passed": True, "verify_store_exit": bad.returncode,

@@ -9,7 +9,7 @@
   BERT-style fp16 AOTI encoder under 16 clients of good traffic, an id past its vocabulary every
   2 s, loses no good request and restarts no worker.
 
-GPU_RESULTS=PATH writes the counts observed (scripts/results_meta.header first), each recorded
+GPU_RESULTS=PATH writes the counts observed (bench/results_meta.header first), each recorded
 before the assertion on it.
 """
 import time

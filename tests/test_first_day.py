@@ -1,6 +1,6 @@
 """A newcomer's first day: the quickstart stops only the server it started, the archive picks its
 worker count from the artifact's device and the machine (and says so), an empty body and a
-non-JSON body get different messages, and scripts.client sends values read from a file."""
+non-JSON body get different messages, and compiled_serving.client sends values read from a file."""
 import json
 import os
 import re
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import PY, ROOT, build_mar
+from conftest import PY, ROOT, build_mar, cs_command
 
 from handlers.errors import RequestError
 from handlers.wire import safetensors_io, strict_json
-from scripts.archive import default_workers
-from scripts.client import read_inputs
-from scripts.local_server import LocalTorchServe
+from compiled_serving.archive import default_workers
+from compiled_serving.client import read_inputs
+from compiled_serving.local_server import LocalTorchServe
 
 # -- the two body messages (the same strings TorchServe's 400 carries, tests/test_serving.py)
 
@@ -58,7 +58,7 @@ def test_default_workers_by_device_and_cores():
 
 @pytest.mark.server
 def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_path):
-    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(artifacts.get("cls_export")),
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(artifacts.get("cls_export")),
                         "--name", "sized", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -71,7 +71,7 @@ def test_archive_of_a_cpu_artifact_sizes_workers_to_the_machine(artifacts, tmp_p
 
 @pytest.mark.server
 def test_archive_says_which_artifact_it_could_not_read(tmp_path):
-    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(tmp_path), "--name", "x",
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(tmp_path), "--name", "x",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no artifact.json in" in r.stderr, r.stderr
 
@@ -110,7 +110,7 @@ def test_client_sends_values_from_a_file_and_matches_eager(cls_server, tmp_path,
     np.save(tmp_path / "image.npy", x)
     keys = tmp_path / "key_file.json"
     keys.write_text(json.dumps(cls_server.keys))
-    r = subprocess.run([PY, "-m", "scripts.client", "--model", "cls_export", "--url", cls_server.base,
+    r = subprocess.run([*cs_command("client"), "--model", "cls_export", "--url", cls_server.base,
                         "--key-file", str(keys), "--input", f"image={tmp_path / 'image.npy'}", "--format", fmt,
                         "--check-eager", "--factory", "examples/models.py:classifier"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

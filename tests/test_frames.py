@@ -16,7 +16,7 @@ import pytest
 from ts.protocol import otf_message_handler
 
 from handlers.torchserve import frontend_frames
-from scripts.bench_frames import (
+from bench.bench_frames import (
     CLIENT_HEADERS,
     batch_message,
     encode_inference,
@@ -178,11 +178,11 @@ def test_install_keeps_torchserves_reader_and_says_why(monkeypatch, case):
 
 @pytest.mark.server
 def test_bench_frames_writes_its_results(tmp_path):
-    """scripts/bench_frames.py: both readers timed on the same messages (it raises if they
+    """bench/bench_frames.py: both readers timed on the same messages (it raises if they
     disagree), results JSON with the common first keys, Markdown and plot beside it."""
     import json
 
-    from scripts import bench_frames
+    from bench import bench_frames
 
     bench_frames.main(["--batch-sizes", "1,3", "--body-bytes", "70000", "--messages", "5", "--rounds", "1",
                        "--out", str(tmp_path / "frames")])

@@ -31,7 +31,7 @@ RESULTS = {"placement": [], "streams": [], "torchserve": {}, "compat": {}}
 
 
 def eager_on(factory, device, inputs, half=False):
-    from scripts.compile import load_factory
+    from compiled_serving.compile import load_factory
 
     m = load_factory(f"examples/models.py:{factory}")().to(device)
     if half:
@@ -79,7 +79,7 @@ def test_side_stream_large_inputs_never_stale(gpu_artifacts, name, half):
     dev = torch.device("cuda:0")
     model = load_artifact(spec, Placement("cuda", 0))
     ex = runner_for(model, spec, dev)
-    from scripts.compile import load_factory
+    from compiled_serving.compile import load_factory
 
     ref_model = load_factory("examples/models.py:big_conv")().to(dev)
     if half:

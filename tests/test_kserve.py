@@ -1,4 +1,4 @@
-"""Deploy on KServe: the storage layout and manifests `python -m scripts.kserve` writes, served
+"""Deploy on KServe: the storage layout and manifests `python -m compiled_serving.kserve` writes, served
 by a real TorchServe started the way KServe's TorchServe runtime starts it
 (`torchserve --start --model-store=<storage>/model-store --ts-config=<storage>/config/config.properties`,
 with TS_SERVICE_ENVELOPE and PROTOCOL_VERSION set per protocol), called with real clients.
@@ -25,10 +25,10 @@ import pytest
 import requests
 import torch
 import yaml
-from conftest import PY, ROOT, build_mar, close, eager, image, two
+from conftest import PY, ROOT, build_mar, close, eager, image, two, cs_command
 from kserve_kit import STORAGE_URI, crd_schema, unknown_fields
 
-from scripts.local_server import free_port, next_worker_port, server_env, tool
+from compiled_serving.local_server import free_port, next_worker_port, server_env, tool
 
 # model name -> (artifact, archive.py arguments); "two" batches up to 4 requests.
 MODELS = {
@@ -66,7 +66,7 @@ def layout(artifacts, tmp_path_factory):
     store = tmp_path_factory.mktemp("kserve_store")
     mars = [build_mar(artifacts.get(art), name, store, *extra) for name, (art, extra) in MODELS.items()]
     out = tmp_path_factory.mktemp("kserve_out")
-    cmd = [PY, "-m", "scripts.kserve", "--storage-uri", STORAGE_URI, "--out", str(out),
+    cmd = [*cs_command("kserve"), "--storage-uri", STORAGE_URI, "--out", str(out),
            "--name", "compiled", "--namespace", "ml",
            # the built-in runtime's layout, GPU manifests included and one CPU (the default runtime
            # and sizing are tests/test_cluster_runtime.py's)
@@ -196,7 +196,7 @@ def test_manifests_are_valid_inference_services_naming_the_layout(layout):
 @pytest.mark.server
 def test_command_refuses_bad_input(layout, tmp_path):
     def run(*args):
-        return subprocess.run([PY, "-m", "scripts.kserve", *args], cwd=ROOT, capture_output=True, text=True)
+        return subprocess.run([*cs_command("kserve"), *args], cwd=ROOT, capture_output=True, text=True)
 
     mar = str(layout["mars"][0])
     r = run("--mar", mar, "--storage-uri", STORAGE_URI, "--out", str(layout["out"]))
@@ -474,7 +474,7 @@ class KServeTorchServe:
             elif key == "vmargs":  # the log configuration, where the runtime mounts the storage
                 line = line.replace("/mnt/models/", f"{mnt}/")
             lines.append(line)
-        # worker ports apart from the other servers of this run (scripts/local_server.next_worker_port)
+        # worker ports apart from the other servers of this run (compiled_serving/local_server.next_worker_port)
         lines.append(f"initial_worker_port={next_worker_port()}")
         text = "\n".join(lines) + "\n"
         changed = {k for k, v in properties(text).items() if properties(original).get(k) != v}

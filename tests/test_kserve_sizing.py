@@ -9,10 +9,10 @@ import zipfile
 import jsonschema
 import pytest
 import yaml
-from conftest import PY, ROOT, build_mar, repin
+from conftest import PY, ROOT, build_mar, repin, cs_command
 from kserve_kit import crd_schema, unknown_fields
 
-from scripts.kserve import GPU_MEMORY_LABEL, SIZING_ANNOTATION
+from compiled_serving.kserve import GPU_MEMORY_LABEL, SIZING_ANNOTATION
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +24,7 @@ def sized_mars(artifacts, tmp_path_factory):
     art = artifacts.copy("cls_export", "kserve_sizing_cuda")
     repin(art, device="cuda")
     store = tmp_path_factory.mktemp("sized_store")
-    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(art), "--name", "sized", "--out", str(store),
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(art), "--name", "sized", "--out", str(store),
                         "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "memory caps it" in r.stdout, r.stdout + r.stderr
@@ -39,7 +39,7 @@ def _config(mar):
 
 
 def _layout(mars, out, *extra):
-    cmd = [PY, "-m", "scripts.kserve", "--storage-uri", "gs://b/p", "--out", str(out), "--name", "sized", *extra]
+    cmd = [*cs_command("kserve"), "--storage-uri", "gs://b/p", "--out", str(out), "--name", "sized", *extra]
     for m in mars:
         cmd += ["--mar", str(m)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

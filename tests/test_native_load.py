@@ -1,8 +1,8 @@
-"""scripts/native_load.py: reading wrk's report and h2load's per-request log (the tools themselves run on
+"""bench/native_load.py: reading wrk's report and h2load's per-request log (the tools themselves run on
 the GPU machine, carried there; their output formats are these)."""
 import pytest
 
-from scripts import native_load
+from bench import native_load
 
 WRK_REPORT = """Running 3s test @ http://127.0.0.1:60887/predictions/m
   1 threads and 2 connections

@@ -57,7 +57,7 @@ def test_call_it_calls_the_model_the_quickstart_serves():
     call = section("Call it")
     urls = set(re.findall(r"/predictions/(\w+)", call))
     assert urls == {served}, urls
-    assert f"scripts.client --model {served}" in call
+    assert f"cs-client --model {served}" in call
 
 
 def test_readme_links_lead_to_files():
@@ -102,8 +102,12 @@ def test_walk_the_readme_in_a_fresh_clone(tmp_path):
             # scripts/test.sh is the command running this test: the walk does not recurse into it
             script.append("\n".join(ln for ln in block.splitlines() if ln.strip() != "scripts/test.sh"))
     try:
+        # The shared .venv's console commands (cs-archive, ...) are an editable install of the
+        # checkout it was built in: the clone's own package goes first on the path, as the clone's
+        # own .venv would have it (setup_env.sh installs a fresh clone's from the clone).
+        env = dict(os.environ, PYTHONPATH=str(clone))
         r = subprocess.run(["bash", "-c", "\n".join(script)], cwd=clone, capture_output=True, text=True,
-                           timeout=1800)
+                           timeout=1800, env=env)
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
         assert "(OK)" in r.stdout, r.stdout[-4000:]
     finally:

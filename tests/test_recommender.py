@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PY, ROOT, build_mar
+from conftest import PY, ROOT, build_mar, cs_command
 from torch import nn
 from torch.export import Dim
 
@@ -45,7 +45,7 @@ def rec_files(tmp_path_factory):
     ep = torch.export.export(model, (torch.randn(2, 13), torch.zeros(2, 3, dtype=torch.long)),
                              dynamic_shapes={"dense": {0: batch}, "sparse": {0: batch}})
     torch.export.save(ep, d / "program.pt2")
-    r = subprocess.run([PY, "-m", "scripts.import_artifact", "--artifact", str(d / "program.pt2"), "--out",
+    r = subprocess.run([*cs_command("import_artifact"), "--artifact", str(d / "program.pt2"), "--out",
                         str(d / "imported")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return d, model, r.stdout
@@ -75,10 +75,10 @@ def test_the_contract_holds_a_range_per_column(rec_files):
     assert raw["format"] == 3
     assert [(c["min"], c["max"], c["source"]) for c in raw["inputs"][1]["values"]["columns"]] == \
         [(0, n - 1, f"embedding table of {n} rows") for n in TABLES]
-    shown = subprocess.run([PY, "-m", "scripts.inspect_artifact", str(d / "imported")], cwd=ROOT,
+    shown = subprocess.run([*cs_command("inspect_artifact"), str(d / "imported")], cwd=ROOT,
                            capture_output=True, text=True)
     assert shown.returncode == 0 and SHOWN in shown.stdout, shown.stdout
-    wide = subprocess.run([PY, "-m", "scripts.import_artifact", "--artifact", str(d / "program.pt2"), "--out",
+    wide = subprocess.run([*cs_command("import_artifact"), "--artifact", str(d / "program.pt2"), "--out",
                            str(d / "wide"), "--input-range", "sparse=0:4999"], cwd=ROOT, capture_output=True, text=True)
     refusal = ("--input-range sparse=0:4999 is wider than what the model accepts: column 0 of input 'sparse' takes "
                "values from 0 to 99 (embedding table of 100 rows)")

@@ -8,8 +8,8 @@ its graphs are done. Checked: the load line says the captures wait until after r
 line comes later and counts client calls answered without a graph meanwhile (the first answers
 came before the capture finished); every answer, before and after, equals eager. Then the worker
 is killed (SIGKILL) and the test waits for a new one READY and answering; the seconds are
-printed and recorded, not asserted (scripts/bench_start.py measures the restart against its
-target). GPU_RESULTS=PATH writes what was observed (scripts/results_meta.header first).
+printed and recorded, not asserted (bench/bench_start.py measures the restart against its
+target). GPU_RESULTS=PATH writes what was observed (bench/results_meta.header first).
 """
 import os
 import re
@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("CUDA is not available on this machine: GPU restart tests run on the GPU machine",
                 allow_module_level=True)
 
-from scripts.bench_start import DEFERRED, GRAPHS_DONE  # noqa: E402
+from bench.bench_start import DEFERRED, GRAPHS_DONE  # noqa: E402
 
 RESULTS = {}
 LOAD_LINE = re.compile(r"loaded aoti artifact .*")

@@ -146,7 +146,7 @@ def test_results_hold_the_current_sets_only():
     assert len(files) <= MAX_FILES, (
         f"docs/results holds {len(files)} files (at most {MAX_FILES}): `git rm` the sets a newer run "
         "superseded (git history keeps them), re-cite the current set in the docs and run "
-        "`python -m scripts.results_index`")
+        "`python -m bench.results_index`")
 
 
 def test_the_checks_catch_a_stale_figure_and_a_missing_file():

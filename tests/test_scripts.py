@@ -7,13 +7,13 @@ from conftest import PY, ROOT, repin
 
 
 def run(script, *args):
-    """`python -m scripts.NAME ARGS` from the repository root (scripts are modules)."""
+    """`python -m PACKAGE.NAME ARGS` from the repository root (every tool runs as a module)."""
     module = script.removesuffix(".py").replace("/", ".")
     return subprocess.run([PY, "-m", module, *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_compile_rejects_bad_arguments(tmp_path):
-    base = ["scripts/compile.py", "--model", "examples/models.py:classifier", "--backend", "export",
+    base = ["compiled_serving/compile.py", "--model", "examples/models.py:classifier", "--backend", "export",
             "--device", "cpu", "--out", str(tmp_path / "x")]
     r = run(*base, "--input", "image:4x3x32:float32x")
     assert r.returncode != 0 and "dtype must be one of" in r.stderr
@@ -28,11 +28,11 @@ def test_compile_rejects_bad_arguments(tmp_path):
 
 @pytest.mark.server
 def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
-    r = run("scripts/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
+    r = run("compiled_serving/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
             "--out", str(tmp_path), "--batch-size", "8")
     assert r.returncode == 0, r.stderr
     assert "batchSize 8 exceeds what model.pt2 accepts per call (2..4)" in r.stderr
-    r = run("scripts/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
+    r = run("compiled_serving/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",
             "--out", str(tmp_path), "--handler-option", "strem_priority=1")
     assert r.returncode != 0 and "unknown handler option(s) strem_priority" in r.stderr
 
@@ -47,10 +47,10 @@ def test_archive_warns_about_batched_large_responses(artifacts, tmp_path):
     shutil.copytree(artifacts.get("cls_export"), art)
     out = read_spec(str(art)).outputs[0]
     repin(art, outputs=(TensorSpec(out.name, "float16", (None, 3, 2160, 3840)),))
-    r = run("scripts/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "2")
+    r = run("compiled_serving/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "2")
     assert r.returncode == 0, r.stderr
     assert "each row of model.pt2's outputs is 47.5 MiB" in r.stderr and "--batch-size 1" in r.stderr
-    r = run("scripts/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "1")
+    r = run("compiled_serving/archive.py", "--artifact", str(art), "--name", "b", "--out", str(tmp_path), "--batch-size", "1")
     assert r.returncode == 0 and "outputs is" not in r.stderr
 
 
@@ -59,14 +59,14 @@ def test_bench_writes_results_with_required_keys(artifacts, tmp_path):
     import json
 
     out = tmp_path / "bench.json"
-    r = run("scripts/bench.py", "--artifact", str(artifacts.get("cls_aoti")), "--batch-sizes", "1,3",
+    r = run("bench/bench.py", "--artifact", str(artifacts.get("cls_aoti")), "--batch-sizes", "1,3",
             "--iters", "3", "--warmup", "1", "--idle-seconds", "0.05", "--idle-repeats", "2", "--first-loads", "2",
             "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert list(report)[:4] == ["device", "date", "torch", "command"]
     # the command that ran, from its argv, not a literal
-    assert report["command"] == ("python -m scripts.bench --artifact " + str(artifacts.get("cls_aoti"))
+    assert report["command"] == ("python -m bench.bench --artifact " + str(artifacts.get("cls_aoti"))
                                  + f" --batch-sizes 1,3 --iters 3 --warmup 1 --idle-seconds 0.05 --idle-repeats 2"
                                  f" --first-loads 2 --out {out}")
     rows = {(x["batch"], x["format"]): x for x in report["results"]}
@@ -99,7 +99,7 @@ def test_bench_pause_sleeps_or_spins_for_the_time_asked():
     takes almost no CPU time."""
     import time
 
-    from scripts.bench import pause
+    from bench.bench import pause
 
     cpu = {}
     for spin in (False, True):
@@ -113,7 +113,7 @@ def test_bench_pause_sleeps_or_spins_for_the_time_asked():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
 def test_xfer_study_says_it_needs_a_gpu():
-    r = run("scripts/xfer_study.py", "--iters", "1")
+    r = run("bench/xfer_study.py", "--iters", "1")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
 
 
@@ -121,13 +121,13 @@ def test_xfer_study_says_it_needs_a_gpu():
 def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path):
     """1 ms delay, batches of 8 capped at what the artifact accepts per call (docs/performance.md
     "Serving settings"; docs/results/e2e_*); workers for a CPU artifact from this machine's cores
-    (6 per GPU for a CUDA one: scripts.archive.default_workers)."""
+    (6 per GPU for a CUDA one: compiled_serving.archive.default_workers)."""
     import zipfile
 
     import yaml
 
     def config(art, name):
-        r = run("scripts/archive.py", "--artifact", str(art), "--name", name, "--out", str(tmp_path))
+        r = run("compiled_serving/archive.py", "--artifact", str(art), "--name", name, "--out", str(tmp_path))
         assert r.returncode == 0, r.stderr
         with zipfile.ZipFile(tmp_path / f"{name}.mar") as z:
             return yaml.safe_load(z.read("model-config.yaml"))

@@ -197,8 +197,8 @@ def test_load_reports_in_log_and_metrics(main_server):
     assert "loaded aoti artifact model.pt2 (aoti_package) on cpu" in log
     assert "loaded aoti_so artifact model.so (aoti_so) on cpu" in log
     assert "loaded export artifact model.pt2 (exported_program) on cpu" in log
-    # each worker's start, step by step, from the process's beginning (scripts.bench_start reads it)
-    from scripts.bench_start import start_steps
+    # each worker's start, step by step, from the process's beginning (bench.bench_start reads it)
+    from bench.bench_start import start_steps
 
     starts = start_steps(log)
     assert starts and all({"process and imports", "variant", "load", "total"} <= set(s) for s in starts), starts[:2]

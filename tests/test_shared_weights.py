@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from scripts.shared_weights_study import summary
+from bench.shared_weights_study import summary
 
 WIDTH = 32
 

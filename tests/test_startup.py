@@ -137,12 +137,12 @@ def test_probe_child_loads_as_the_worker_will(monkeypatch):
 
 
 def test_start_steps_breakdown_reads_back_as_the_benchmark_parses_it(monkeypatch):
-    """The load line's start breakdown (handlers/startup.StartSteps) is what scripts.bench_start
+    """The load line's start breakdown (handlers/startup.StartSteps) is what bench.bench_start
     reads from TorchServe's log: every step and the total come back, the process's age first."""
     import time
 
     from handlers import process, startup
-    from scripts.bench_start import start_steps
+    from bench.bench_start import start_steps
 
     monkeypatch.setattr(process, "age_s", lambda: 2.5)
     steps = startup.StartSteps()
@@ -274,13 +274,13 @@ def test_work_between_batches_runs_only_while_no_message_waits(monkeypatch, capl
 def test_graphs_deferred_after_ready_log_when_done_and_a_device_fault_exits(monkeypatch, caplog):
     """startup.defer_graphs: one capture per step until the runner says what it kept; the line
     then says how long since ready and how many calls ran without a graph meanwhile (what
-    scripts.bench_start reads back). A sticky CUDA error in a capture exits the worker as one
+    bench.bench_start reads back). A sticky CUDA error in a capture exits the worker as one
     in a batch does (restart.exit_soon), and stops the steps."""
     import types
 
     from handlers import startup
     from handlers.torchserve import idle, restart
-    from scripts.bench_start import graphs_done
+    from bench.bench_start import graphs_done
 
     monkeypatch.setattr(idle, "_steps", [])
     notes = iter([None, None, "CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)"])
@@ -336,7 +336,7 @@ def test_graphs_are_deferred_only_with_auto_and_the_between_batches_check(monkey
 
 
 def test_in_process_handlers_never_defer_work_between_batches():
-    """A handler driven in this process (tests, scripts.bench) has no TorchServe loop to run
+    """A handler driven in this process (tests, bench.bench) has no TorchServe loop to run
     deferred work in: graphs are captured before ready there."""
     from handlers import startup
 
@@ -344,11 +344,11 @@ def test_in_process_handlers_never_defer_work_between_batches():
 
 
 def test_bench_start_reads_the_deferred_graphs_lines_of_the_workers_it_started():
-    """scripts.bench_start waits for a done line per worker whose load line deferred its graphs,
+    """bench.bench_start waits for a done line per worker whose load line deferred its graphs,
     and for none where no load line did (a CPU worker, cuda_graphs off or on)."""
     import types
 
-    from scripts.bench_start import wait_graphs
+    from bench.bench_start import wait_graphs
 
     load = "loaded aoti artifact m; started in 1.00s (load 1.00s); CUDA graphs: capturing 7 buckets after ready (between batches); x\n"
     done = "CUDA graphs after ready: done in {}s, {} call(s) ran without a graph meanwhile; CUDA graphs for batch [1]\n"

@@ -16,7 +16,7 @@ except Exception as e:  # ImportError, or TensorRT libraries missing behind the 
     pytest.skip(f"torch_tensorrt does not import here ({type(e).__name__}: {e}); NVIDIA TensorRT is not "
                 "installable on this project's machines", allow_module_level=True)
 
-from conftest import PY, ROOT  # noqa: E402
+from conftest import PY, ROOT, cs_command  # noqa: E402
 
 from handlers.artifact.device import Placement  # noqa: E402
 from handlers.artifact.load import load_artifact  # noqa: E402
@@ -28,7 +28,7 @@ from handlers.run import runner_for  # noqa: E402
 @pytest.fixture(scope="module", params=["fp32", "fp16"])
 def trt_artifact(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"trt_{request.param}")
-    r = subprocess.run([PY, "-m", "scripts.compile", "--model", "examples/models.py:classifier",
+    r = subprocess.run([*cs_command("compile"), "--model", "examples/models.py:classifier",
                         "--input", "image:4x3x32x32:float32", "--dynamic-batch", "1:16", "--backend", "tensorrt",
                         "--device", "cuda", "--precision", request.param, "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True)
@@ -37,7 +37,7 @@ def trt_artifact(request, tmp_path_factory):
 
 
 def _reference(x, half):
-    from scripts.compile import load_factory
+    from compiled_serving.compile import load_factory
 
     m = load_factory("examples/models.py:classifier")().cuda(0)
     if half:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import PY, ROOT, build_mar
+from conftest import PY, ROOT, build_mar, cs_command
 from torch import nn
 from torch.export import Dim
 
@@ -200,7 +200,7 @@ def test_a_stream_of_bad_ids_never_takes_a_worker_down(user_server, user_files, 
 def test_imported_contract_is_shown_truthfully(user_files, tmp_path):
     d, _ = user_files
     out = tmp_path / "imported"
-    r = subprocess.run([PY, "-m", "scripts.import_artifact", "--artifact", str(d / "package.pt2"), "--program",
+    r = subprocess.run([*cs_command("import_artifact"), "--artifact", str(d / "package.pt2"), "--program",
                         str(d / "program.pt2"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     spec = json.loads((out / "artifact.json").read_text())
@@ -208,7 +208,7 @@ def test_imported_contract_is_shown_truthfully(user_files, tmp_path):
     assert spec["dims"] == {"D1": {"min": MIN_LEN, "max": MAX_LEN}} and (spec["batch_min"], spec["batch_max"]) == (1, 16)
     assert [i["shape"] for i in spec["inputs"]] == [[None, "D1"], [None, "D1"]]
     assert spec["inputs"][0]["values"]["max"] == VOCAB - 1 and "values" not in spec["inputs"][1]
-    shown = subprocess.run([PY, "-m", "scripts.inspect_artifact", str(out)], cwd=ROOT, capture_output=True, text=True)
+    shown = subprocess.run([*cs_command("inspect_artifact"), str(out)], cwd=ROOT, capture_output=True, text=True)
     assert f"input_ids: int64[BxD1] in [0, {VOCAB - 1}]" in shown.stdout, shown.stdout
     assert f"D1 {MIN_LEN}..{MAX_LEN}" in shown.stdout and "tokens: float32[BxD1x16]" in shown.stdout, shown.stdout
 
@@ -216,7 +216,7 @@ def test_imported_contract_is_shown_truthfully(user_files, tmp_path):
 @pytest.mark.server
 def test_a_package_without_its_program_says_what_to_pass(user_files, tmp_path):
     d, _ = user_files
-    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(d / "package.pt2"), "--name", "x",
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(d / "package.pt2"), "--name", "x",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "--program PROGRAM.pt2" in r.stderr and "torch.export.save" in r.stderr, r.stderr
 
@@ -253,7 +253,7 @@ def test_bf16_program_and_package_import_with_their_dtypes_tolerance(tmp_path):
     """A half-precision import is compared with the bound of its outputs' own dtype (1e-2 for
     fp16/bf16): the fused package differs from the program by rounding alone, which the float32
     bound (1e-4) refused."""
-    from scripts import import_artifact
+    from compiled_serving import import_artifact
 
     torch.manual_seed(0)
     model = HalfMLP().eval().to(torch.bfloat16)
@@ -284,8 +284,8 @@ HF_PAD = "pad={input_ids: 0, attention_mask: 0}"
 
 
 def archive_no_options(artifact, name: str, store, *program) -> str:
-    """python -m scripts.archive as a user runs it, nothing but the files and a name; its stdout."""
-    cmd = [PY, "-m", "scripts.archive", "--artifact", str(artifact), *program, "--name", name, "--out", str(store)]
+    """python -m compiled_serving.archive as a user runs it, nothing but the files and a name; its stdout."""
+    cmd = [*cs_command("archive"), "--artifact", str(artifact), *program, "--name", name, "--out", str(store)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -362,8 +362,8 @@ def test_padding_search_finds_masked_models_safe_and_unmasked_unsafe(tmp_path, m
     positions, the pad value beyond): a model that masks is padded with 0; one that averages over
     every position is unsafe; so is the masked one if its mask were padded with 1."""
     from handlers.artifact.metadata import read_spec
-    from scripts import find_padding
-    from scripts.import_artifact import import_artifact
+    from compiled_serving import find_padding
+    from compiled_serving.import_artifact import import_artifact
 
     found = {}
     for masked in (True, False):
@@ -385,7 +385,7 @@ def test_pad_candidates_stay_inside_the_contract():
     from types import SimpleNamespace
 
     from handlers.artifact.metadata import TensorSpec
-    from scripts.find_padding import FLOAT_CANDIDATES, candidates
+    from compiled_serving.find_padding import FLOAT_CANDIDATES, candidates
 
     spec = SimpleNamespace(inputs=[TensorSpec("ids", "int64", (None, "S"), {"min": 5, "max": 99}),
                                    TensorSpec("tokens", "int64", (None, "S"), {"min": 0, "max": 9}),
@@ -409,7 +409,7 @@ def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_pa
     import yaml
 
     def archive(artifact, name, *extra):
-        r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(artifact), "--name", name, "--out",
+        r = subprocess.run([*cs_command("archive"), "--artifact", str(artifact), "--name", name, "--out",
                             str(tmp_path), *extra], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr
         with zipfile.ZipFile(tmp_path / f"{name}.mar") as z:
@@ -429,7 +429,7 @@ def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_pa
 def test_fp16_cuda_program_and_package_import(tmp_path):
     """The fp16 twin of the bf16 import above, on the GPU: a CUDA program and its AOTInductor
     package import with the fp16 tolerance."""
-    from scripts import import_artifact
+    from compiled_serving import import_artifact
 
     torch.manual_seed(0)
     model = HalfMLP().eval().to("cuda", torch.float16)

@@ -12,17 +12,17 @@ import zipfile
 import pytest
 import torch
 import yaml
-from conftest import PY, ROOT, repin
+from conftest import PY, ROOT, repin, cs_command
 
 from handlers.artifact import room
 from handlers.artifact.device import Placement
 from handlers.artifact.metadata import read_spec
 from handlers.config import parse_config
 from handlers.errors import ConfigError
-from scripts import worker_sizing
-from scripts.compile import load_factory
-from scripts.weight_bytes import weight_bytes
-from scripts.worker_sizing import GpuMemory, Sizing, SizingError
+from compiled_serving import worker_sizing
+from compiled_serving.compile import load_factory
+from compiled_serving.weight_bytes import weight_bytes
+from compiled_serving.worker_sizing import GpuMemory, Sizing, SizingError
 
 GIB = 1024
 
@@ -142,7 +142,7 @@ def _cuda_copy(artifacts, name):
 
 
 def _archive(art, out, *extra):
-    return subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(art), "--name", "sized", "--out",
+    return subprocess.run([*cs_command("archive"), "--artifact", str(art), "--name", "sized", "--out",
                            str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

@@ -7,7 +7,7 @@
   per-worker need (GPU_RESULTS);
 - a worker whose need is more than its GPU has free refuses to load: 503 with needed and free MiB.
 
-GPU_RESULTS=PATH writes what was measured (scripts/results_meta.header first).
+GPU_RESULTS=PATH writes what was measured (bench/results_meta.header first).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import zipfile
 import pytest
 import torch
 import yaml
-from conftest import ARTIFACTS, PY, ROOT, build_mar
+from conftest import ARTIFACTS, PY, ROOT, build_mar, cs_command
 
-from scripts.local_server import server_env
+from compiled_serving.local_server import server_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -42,7 +42,7 @@ TARGET_GIB = 8
 
 
 def archive(art, name, store, *extra):
-    r = subprocess.run([PY, "-m", "scripts.archive", "--artifact", str(art), "--name", name, "--out", str(store),
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(art), "--name", name, "--out", str(store),
                         "--batch-size", "4", "--max-batch-delay", "5", *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=server_env())
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""scripts/worker_spy.py: py-spy's raw stacks summed into a worker's time per request by stage."""
+"""bench/worker_spy.py: py-spy's raw stacks summed into a worker's time per request by stage."""
 import subprocess
 import sys
 import textwrap
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import worker_spy
+from bench import worker_spy
 
 LOOP = "<module> (ts/model_service_worker.py:301);TorchModelServiceWorker.handle_connection (ts/model_service_worker.py:{})"
 PREDICT = LOOP.format(185) + ";Service.predict (ts/service.py:{})"

@@ -74,7 +74,7 @@ def resolve_placement(
                       % (cuda_available, device_count, gpu_id))
             raise IncompatibleArtifact(
                 f"the {backend} artifact was compiled for CUDA and cannot run on the CPU, but {reason}. "
-                "Fix: serve it on a GPU worker, or recompile with scripts/compile.py --device cpu.")
+                "Fix: serve it on a GPU worker, or recompile with cs-compile --device cpu.")
         idx = _logical_index(gpu_id, device_count, visible_devices)
         return Placement("cuda", idx, f"TorchServe gpu_id {gpu_id} -> cuda:{idx}")
 
@@ -85,7 +85,7 @@ def resolve_placement(
     if device_type == "gpu":
         raise IncompatibleArtifact(
             f"model-config.yaml demands deviceType: gpu, but the {backend} artifact was compiled "
-            "for the CPU and holds only CPU kernels. Fix: recompile with scripts/compile.py "
+            "for the CPU and holds only CPU kernels. Fix: recompile with cs-compile "
             "--device cuda, or set deviceType: cpu.")
     note = "CPU artifact" + (f"; GPU {gpu_id} assigned by TorchServe left unused" if gpu_ok else "")
     return Placement("cpu", None, note)

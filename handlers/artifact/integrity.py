@@ -4,7 +4,7 @@ an artifact is code. Checked once for the variant a worker serves (variants.choo
 
 What it can know: that the artifact and the artifact.json of the same archive agree. It cannot
 detect an archive replaced whole (both rewritten; the .mar also carries this handler's Python):
-that is scripts/verify_store.py's job, against digests kept outside the archives."""
+that is cs-verify's job, against digests kept outside the archives."""
 from __future__ import annotations
 
 import os
@@ -24,18 +24,18 @@ def verify_integrity(spec: ArtifactSpec, zipped: bool) -> None:
                         "refusing to load it")
     if not os.path.isfile(real):
         raise LoadError(f"artifact {spec.artifact!r} named in artifact.json is missing from {home}; "
-                        "rebuild the archive with scripts/archive.py")
+                        "rebuild the archive with cs-archive")
     digest = sha256_file(real)
     if digest != spec.sha256:
         # artifact.json travels in the same archive as the artifact: a mismatch shows the two
         # disagree (corruption, truncation, a partial edit), never who changed what. A replaced
-        # artifact with a rewritten artifact.json passes this check; scripts/verify_store.py
+        # artifact with a rewritten artifact.json passes this check; cs-verify
         # (digests kept outside the archives) is the check for replacement.
         raise LoadError(f"artifact {spec.artifact} has SHA-256 {digest}, but the artifact.json beside "
                         f"it pins {spec.sha256}: the file does not match its own archive's record "
                         "(corrupt or truncated in the archive or on disk). Rebuild it with "
-                        "scripts/compile.py and scripts/archive.py; to detect replaced archives, check "
-                        "the store with python -m scripts.verify_store before starting TorchServe.")
+                        "cs-compile and cs-archive; to detect replaced archives, check "
+                        "the store with cs-verify before starting TorchServe.")
     if zipped and not zipfile.is_zipfile(real):
         raise LoadError(f"artifact {spec.artifact} is not a valid .pt2 archive (zip directory not "
-                        "found; truncated?). Rebuild it with scripts/compile.py.")
+                        "found; truncated?). Rebuild it with cs-compile.")

@@ -1,6 +1,6 @@
 """The artifact's metadata file (`artifact.json`): what was compiled, for what, and its contract.
 
-Written by scripts/compile.py beside the artifact, read by the handler before anything is
+Written by cs-compile beside the artifact, read by the handler before anything is
 loaded. It is the single source of the input contract (names, ranks, dtypes, static dims,
 the batch range) that requests are validated against.
 """
@@ -217,12 +217,12 @@ def _tensor_specs(raw, where: str, dims: dict):
             spec._check_values()
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"{where}[{i}] in {METADATA_FILE} is malformed ({e}); "
-                            "expected {name, dtype, shape[, values]}. Re-run scripts/compile.py.") from e
+                            "expected {name, dtype, shape[, values]}. Re-run cs-compile.") from e
         bad = [d for d in shape[1:] if not (isinstance(d, int) and d >= 0) and not (isinstance(d, str) and d in dims)]
         if bad or (shape and shape[0] is not None and not isinstance(shape[0], int)):
             raise LoadError(f"{where}[{i}] ({spec.name}) in {METADATA_FILE} has shape {list(shape)}: "
                             "dimension 0 must be the batch (null or an integer), the others integers or "
-                            f"names listed under \"dims\" ({sorted(dims) or 'none'}). Re-run scripts/compile.py.")
+                            f"names listed under \"dims\" ({sorted(dims) or 'none'}). Re-run cs-compile.")
         specs.append(spec)
     return tuple(specs)
 
@@ -245,16 +245,16 @@ def read_spec(directory: str) -> ArtifactSpec:
             raw = json.load(f)
     except FileNotFoundError:
         raise LoadError(f"no {METADATA_FILE} in {directory}: the archive must carry the metadata "
-                        "written by scripts/compile.py next to the artifact") from None
+                        "written by cs-compile next to the artifact") from None
     except json.JSONDecodeError as e:
-        raise LoadError(f"{path} is not valid JSON ({e}); rebuild it with scripts/compile.py") from e
+        raise LoadError(f"{path} is not valid JSON ({e}); rebuild it with cs-compile") from e
     if raw.get("format") not in READS:
         raise LoadError(f"{path} has layout version (key `format`) {raw.get('format')!r}; this handler "
-                        f"reads {', '.join(map(str, READS))}. Recompile with this version of scripts/compile.py.")
+                        f"reads {', '.join(map(str, READS))}. Recompile with this version of cs-compile.")
     missing = [k for k in ("backend", "artifact", "sha256", "device", "inputs", "outputs",
                            "output_structure", "batch_min", "batch_max", "torch_version") if k not in raw]
     if missing:
-        raise LoadError(f"{path} lacks {', '.join(missing)}; recompile with scripts/compile.py")
+        raise LoadError(f"{path} lacks {', '.join(missing)}; recompile with cs-compile")
     artifact = raw["artifact"]
     # The artifact must be a plain file name: metadata must not point outside the model dir.
     if os.path.basename(artifact) != artifact or artifact in ("", ".", ".."):

@@ -1,6 +1,6 @@
 """Room on the worker's GPU: before anything is loaded, a CUDA worker checks that its GPU has the
 memory this worker needs free (handler.worker_gpu_mb: its copy of the weights plus context, graph
-pools and activations, as scripts/archive.py sized the worker count), and refuses to load with the
+pools and activations, as cs-archive sized the worker count), and refuses to load with the
 numbers where it has not. Without the check the last workers of a model too large for its GPU run
 out of memory part-way through loading and TorchServe restarts them in a loop.
 
@@ -11,7 +11,7 @@ taken its own share. A sibling's crash-safe trial load holds a second CUDA conte
 
 What it does not do: TorchServe starts a model's workers at once, so their checks run before any
 of them has loaded, and all pass. Keeping their sum within the GPU is the archive's count
-(scripts/worker_sizing.py); the check catches the rest (a GPU shared with other models or
+(compiled_serving/worker_sizing.py); the check catches the rest (a GPU shared with other models or
 processes, a count chosen by hand): a worker that lost that race fails its load out of memory once,
 and on TorchServe's restart sees its siblings' memory and refuses here, instead of every restart
 running out of memory again.
@@ -63,7 +63,7 @@ def shortfall_message(need_mb, free_mb, total_mb, placement, workers, wait_s) ->
     many = (f"the model is configured for {workers} worker(s), {workers} x {need_mb:.0f} = {workers * need_mb:.0f} MiB "
             "if they share this GPU" if workers else "the worker count is not in model-config.yaml")
     return (f"not enough GPU memory to load: this worker needs {need_mb:.0f} MiB (handler.worker_gpu_mb: its copy "
-            f"of the weights plus CUDA context, graph pools and activations, as scripts/archive.py sized it) but "
+            f"of the weights plus CUDA context, graph pools and activations, as cs-archive sized it) but "
             f"{placement} has {free_mb:.0f} MiB free of {total_mb:.0f} MiB (after waiting {wait_s:g}s for other "
             f"workers' loads); {many}. Fix: fewer workers (at most {fit} fit in {total_mb:.0f} MiB with nothing else "
             "on the GPU: re-archive with --workers N, or the management API's PUT /models/NAME?min_worker=N), a GPU "

@@ -63,7 +63,7 @@ def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
             raise LoadError(f"handler.variant {config.variant!r} names no variant in the archive")
     if not dirs:
         raise LoadError(f"no artifact.json in {model_dir} or its variants/ directory: build the archive "
-                        "with scripts/archive.py")
+                        "with cs-archive")
     return dirs
 
 

@@ -18,7 +18,7 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
     try:
         runner.pad = PadPlan.of(spec, getattr(config, "pad", None), getattr(config, "pad_buckets", ()))
     except ValueError as e:
-        raise ConfigError(f"{e}. Fix the archive's model-config.yaml (scripts.archive --handler-option).") from None
+        raise ConfigError(f"{e}. Fix the archive's model-config.yaml (cs-archive --handler-option).") from None
     return runner
 
 

@@ -5,7 +5,7 @@ TorchServe 0.12's Python worker reads every message from the frontend one field 
 recv(2)): a request with eight HTTP headers costs about 40 system calls, and each body is
 received into a bytes object and then copied into a bytearray. That reading is on every
 batch's critical path: the frontend sends a worker its next batch only after the answer to
-the last one. Measured with `python -m scripts.bench_frames` (batches of 8 requests of 301,160
+the last one. Measured with `python -m bench.bench_frames` (batches of 8 requests of 301,160
 bytes with 8 headers each): TorchServe's reader 0.7103 ms of CPU per batch on the 2x H200 host,
 this one 0.4609 ms (docs/results/frames_h200x2.md); on the CI CPU 0.93-1.45 against 0.40-0.51.
 

@@ -1,6 +1,6 @@
 """Bare AOTInductor shared library: the format before `.pt2` packages (a wrapper `.so` plus a
 directory of cubins on CUDA), run by the container runner of the device kind it was compiled
-for. scripts/compile.py --bare-so extracts one from a package."""
+for. cs-compile --bare-so extracts one from a package."""
 from __future__ import annotations
 
 import glob
@@ -16,7 +16,7 @@ from handlers.errors import LoadError
 class AotiSharedLibrary(ArtifactKind):
     name = "aoti_so"
     zipped = False
-    compile_needs = None  # produced by extracting a package (scripts/bare_so.py)
+    compile_needs = None  # produced by extracting a package (compiled_serving/bare_so.py)
 
     def rules(self, spec, placement, m, fatal, warn):
         cpu_isa_rule(spec, placement, m, fatal, warn)

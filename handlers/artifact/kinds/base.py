@@ -40,7 +40,7 @@ class ArtifactKind:
     # Its loaded callable launches plain CUDA kernels that a CUDA graph can record (run/graphs.py).
     graph_capturable = False
     zipped = True  # the artifact is a .pt2 zip archive (integrity check looks for its directory)
-    # What scripts/compile.py needs to produce it: "cxx" (a C++ compiler for a wrapper),
+    # What cs-compile needs to produce it: "cxx" (a C++ compiler for a wrapper),
     # "torch_tensorrt"; None when compile.py does not produce it directly.
     compile_needs: tuple = None
 
@@ -73,4 +73,4 @@ class ArtifactKind:
 
     def compile(self, ep, inputs, path: str, options) -> dict:
         """Write the artifact for exported program `ep` to `path`; returns artifact.json `extra`."""
-        raise NotImplementedError(f"scripts/compile.py does not produce {self.name} artifacts")
+        raise NotImplementedError(f"cs-compile does not produce {self.name} artifacts")

@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""Build a self-contained .mar with torch-model-archiver: the handler package, the artifact(s)
+with their artifact.json, and a model-config.yaml. A stock TorchServe with torch serves it;
+nothing is pip-installed per model.
+
+  python -m compiled_serving.archive --artifact DIR --name NAME [--out model_store]
+      [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
+  python -m compiled_serving.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
+  python -m compiled_serving.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
+      [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (compiled_serving/import_artifact.py)
+      [--pad auto|none]                # auto: declare the padding the import found safe
+      [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
+      [--gpu-memory-gib G] [--worker-overhead-mib M] [--gpu-memory-headroom F]  # CUDA worker count
+      [--handler-option KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from handlers.artifact.metadata import METADATA_FILE, read_spec, sha256_file
+from handlers.config import parse_config
+from handlers.errors import LoadError
+from compiled_serving import worker_sizing
+from compiled_serving.weight_bytes import weight_bytes
+
+
+def default_workers(devices, cpus: int):
+    """(workers, why) for speed, for artifacts built for `devices` ("cpu"/"cuda") on a machine with
+    `cpus` cores. A CUDA worker spends its time waiting on the GPU, so several share one GPU (6
+    measured end to end, docs/results/e2e_*; GPU memory may allow fewer: worker_sizing); a CPU
+    worker's operators already run on several threads each, so more workers than cores/4 only make
+    them contend for the same cores."""
+    if any(d != "cpu" for d in devices):
+        return 6, "a CUDA artifact: 6 workers, the measured setting for one GPU"
+    n = max(1, cpus // 4)
+    return n, f"a CPU artifact on {cpus} cores: one worker per 4 cores, at least 1"
+
+
+def gpu_sizing(args, cuda_specs, speed_cap: int) -> worker_sizing.Sizing:
+    """The memory arithmetic for the largest of the CUDA variants (a worker loads one)."""
+    if args.worker_overhead_mib is not None and args.worker_overhead_mib < 0:
+        fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB a worker holds beside its weights")
+    if not 0 <= args.gpu_memory_headroom < 1:
+        fail(f"--gpu-memory-headroom {args.gpu_memory_headroom}: expected a fraction from 0 up to 1, e.g. 0.1")
+    weights = max((weight_bytes(s) for s in cuda_specs), key=lambda w: w.bytes)
+    graphs_off = args.handler_opts.get("cuda_graphs") in ("off", False)
+    if args.worker_overhead_mib is not None:
+        overhead, how = args.worker_overhead_mib, "--worker-overhead-mib"
+    elif graphs_off:
+        overhead, how = worker_sizing.OVERHEAD_NO_GRAPHS_MIB, "measured without CUDA graphs, H100 BERT-style encoder"
+    else:
+        overhead, how = worker_sizing.OVERHEAD_MIB, "measured with CUDA graphs, H100 BERT-style encoder"
+    try:
+        gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
+    except worker_sizing.SizingError as e:
+        fail(str(e))
+    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap)
+
+
+def choose_workers(args, cfg) -> None:
+    """args.workers where not given (printed with why) and, for a CUDA artifact, what a worker needs
+    of GPU memory (handler.worker_gpu_mb, checked at load unless given as a handler option) with the
+    GPU memory it was sized for (gpuSizing); a hand-chosen count that does not fit is warned about."""
+    try:
+        specs = [read_spec(a) for a in args.artifact]
+    except LoadError as e:
+        fail(str(e))
+    speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
+    cuda = [s for s in specs if s.device != "cpu"]
+    if not cuda:
+        if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
+            print("archive.py: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; these "
+                  "artifacts are CPU-only, so they are not used", file=sys.stderr)
+        if args.workers is None:
+            args.workers = speed
+            print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
+        cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
+        return
+    sizing = gpu_sizing(args, cuda, speed)
+    if args.workers is None:
+        try:
+            args.workers = sizing.workers
+        except worker_sizing.SizingError as e:
+            fail(str(e))
+        print(f"archive.py: {sizing.line()}")
+    elif sizing.misfit(args.workers):
+        print(f"archive.py: warning: {sizing.misfit(args.workers)}", file=sys.stderr)
+    cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
+    args.handler_opts.setdefault("worker_gpu_mb", sizing.need_mib)
+    cfg["handler"] = args.handler_opts
+    cfg["gpuSizing"] = sizing.record()
+
+
+def fail(msg):
+    raise SystemExit(f"archive.py: error: {msg}")
+
+
+def _yaml_value(text: str):
+    return yaml.safe_load(text)
+
+
+def copy_variant(src: str, dest: str):
+    try:
+        spec = read_spec(src)
+    except LoadError as e:
+        fail(str(e))
+    if sha256_file(spec.artifact_path) != spec.sha256:
+        fail(f"{spec.artifact_path} does not match the SHA-256 in {METADATA_FILE}; recompile it")
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy2(os.path.join(src, METADATA_FILE), dest)
+    shutil.copy2(spec.artifact_path, dest)
+    cubins = spec.extra.get("cubin_dir")
+    if cubins:
+        shutil.copytree(os.path.join(src, cubins), os.path.join(dest, cubins))
+    return spec
+
+
+LARGE_RESPONSE_ROW = 4 << 20
+
+
+def response_row_bytes(spec) -> int:
+    """Bytes one row of the outputs takes in a response (0 where a dimension is unknown)."""
+    import torch
+
+    total = 0
+    for o in spec.outputs:
+        if any(not isinstance(d, int) for d in o.shape[1:]):
+            return 0
+        n = torch.empty((), dtype=getattr(torch, o.dtype)).element_size()
+        for d in o.shape[1:]:
+            n *= d
+        total += n
+    return total
+
+
+def default_batch_size(specs) -> int:
+    """8 (measured for ResNet-50 class models, docs/performance.md "Serving settings"), at most what every
+    variant accepts per call, and 1 where a row of the outputs is several MiB (see the warning)."""
+    if any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
+        return 1
+    return max(1, min([8] + [s.batch_max for s in specs]))
+
+
+def imported(path: str, i: int, args, tmp: str) -> str:
+    """A directory as it is; a .pt2 file imported into a directory of its own first."""
+    if os.path.isdir(path):
+        return path
+    if not os.path.exists(path):
+        fail(f"--artifact {path}: no such file or directory")
+    from compiled_serving.import_artifact import import_artifact
+
+    return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
+                           find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
+
+
+# What serving without padding costs, measured (docs/performance.md "The final revision"):
+# requests of different lengths cannot share a call unless padded.
+NO_PAD_COST = ("requests of different lengths run as groups of equal length, every distinct length its own "
+               "call: a text encoder with lengths 16..128 at 64 clients served 2387.0 req/s without padding against "
+               "14427.5 with it on one H100 (docs/performance.md)")
+
+
+def choose_pad(args, specs) -> dict | None:
+    """The pad values to declare (None: none), printing what was chosen and why: an explicit
+    pad= option as given, --pad none nothing, else what the import found safe for every variant
+    (artifact.json extra.padding, compiled_serving/find_padding.py)."""
+    if not any(s.dims for s in specs):
+        return None
+    if "pad" in args.handler_opts:
+        print("archive.py: pad= as given with --handler-option (the worker checks at load that it leaves "
+              "answers unchanged)")
+        return None
+    if args.pad == "none":
+        print(f"archive.py: no padding (--pad none): {NO_PAD_COST}")
+        return None
+    found = [s.extra.get("padding") for s in specs]
+    if any(f is None for f in found):
+        print("archive.py: no padding: padding was not tried (a directory not imported from a .pt2 with its "
+              f"program; python -m compiled_serving.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
+              "declare it: --handler-option \"pad={input_ids: 0, attention_mask: 0}\"")
+        return None
+    pads = [f.get("pad") for f in found]
+    if all(p and p == pads[0] for p in pads):
+        from compiled_serving.find_padding import show
+
+        pads[0] = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
+        print(f"archive.py: pad={show(pads[0])}: {found[0]['why']} (compiled_serving/find_padding.py; the worker checks it "
+              "again at load; --pad none turns it off)")
+        return pads[0]
+    why = next((f["why"] for f in found if not f.get("pad")), "the variants disagree")
+    unsafe = why.startswith("padding changes")  # find_padding's words for answers that changed
+    print(f"archive.py: {'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}")
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", action="append", required=True,
+                   help="directory written by cs-compile (repeat for variants), or a .pt2 file "
+                        "from torch.export.save or aoti_compile_and_package")
+    p.add_argument("--program", help="with an AOTInductor package: the torch.export program it was "
+                                     "compiled from (the package does not record its input shapes)")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
+                   help="with a .pt2 file: valid values of an integer input (INPUT[COL]: of one column)")
+    p.add_argument("--name", required=True)
+    p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
+    p.add_argument("--version", default="1.0")
+    # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
+    # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes for the model (default: for a CUDA artifact 6, the measured "
+                        "setting per GPU, or fewer where the GPU's memory holds fewer copies of the weights "
+                        "(printed with the arithmetic); for a CPU artifact one per 4 cores of this machine, "
+                        "at least 1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory of the GPU that will serve a CUDA artifact (default: GPU 0 of this machine; "
+                        f"without one {worker_sizing.DEFAULT_GPU_GIB:g}, the L4/A10G class, printed as assumed)")
+    p.add_argument("--worker-overhead-mib", type=float, default=None,
+                   help="GPU memory a worker holds beside its weights: CUDA context, graph pools, activations "
+                        f"at the largest batch (default {worker_sizing.OVERHEAD_MIB}, measured on an H100 with "
+                        f"CUDA graphs; {worker_sizing.OVERHEAD_NO_GRAPHS_MIB} with cuda_graphs=off)")
+    p.add_argument("--gpu-memory-headroom", type=float, default=worker_sizing.DEFAULT_HEADROOM,
+                   help=f"fraction of the GPU's memory left out of the sizing (default {worker_sizing.DEFAULT_HEADROOM:g})")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="TorchServe batchSize (default: 8, at most the artifact's max batch; 1 for "
+                        "outputs of several MiB per row)")
+    p.add_argument("--max-batch-delay", type=int, default=1, help="milliseconds (default 1)")
+    p.add_argument("--response-timeout", type=int, default=120, help="seconds")
+    p.add_argument("--device-type", choices=("cpu", "gpu"))
+    p.add_argument("--device-ids", help="comma-separated GPU ids for this model's workers")
+    p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--pad", choices=("auto", "none"), default="auto",
+                   help="auto (default): for inputs with a dynamic length, declare pad= where the import found "
+                        "padding leaves the program's answers unchanged (printed with the reason); none: never "
+                        "pad. An explicit --handler-option pad=... is used as given")
+    return p
+
+
+def model_config(args) -> dict:
+    """model-config.yaml's settings from the arguments, validated as the worker validates them;
+    sets args.handler_opts."""
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
+    handler_opts = {}
+    for item in args.handler_option:
+        if "=" not in item:
+            fail(f"--handler-option {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        handler_opts[k] = _yaml_value(v)
+    args.handler_opts = handler_opts
+    cfg = {"minWorkers": args.workers, "maxWorkers": args.workers, "batchSize": args.batch_size or 1,
+           "maxBatchDelay": args.max_batch_delay, "responseTimeout": args.response_timeout}
+    if args.device_type:
+        cfg["deviceType"] = args.device_type
+    if args.device_ids:
+        cfg["deviceIds"] = [int(x) for x in args.device_ids.split(",")]
+    if handler_opts:
+        cfg["handler"] = handler_opts
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg) -> None:
+    try:
+        parse_config(cfg)  # the same validation the worker runs: fail here, not at load
+    except LoadError as e:
+        fail(str(e))
+
+
+def stage_variants(args, stage) -> list:
+    """Copy each artifact into the staging directory (several: one variant directory each); their specs."""
+    if len(args.artifact) == 1:
+        return [copy_variant(args.artifact[0], stage)]
+    specs = []
+    for i, src in enumerate(args.artifact):
+        spec = read_spec(src)
+        tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
+                             else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
+        specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
+    return specs
+
+
+def warn_batch_size(args, specs, handler_opts) -> None:
+    """Warnings where the batch size exceeds what an artifact takes, or its responses are large."""
+    for spec in specs:
+        if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
+            print(f"archive.py: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
+                  f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
+                  "into several calls", file=sys.stderr)
+        elif args.batch_size > spec.batch_max:
+            print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
+                  f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
+                  file=sys.stderr)
+        big = response_row_bytes(spec)
+        if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
+            print(f"archive.py: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
+                  "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
+                  "every network read until the last request's bytes arrive, which is quadratic in "
+                  "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "
+                  "inference, docs/results/soak.md). Use --batch-size 1 for this model",
+                  file=sys.stderr)
+
+
+def run_archiver(args, cfg, stage, tmp) -> None:
+    """torch-model-archiver over the staging directory, with model-config.yaml from `cfg`."""
+    config_path = os.path.join(tmp, "model-config.yaml")
+    with open(config_path, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+    cmd = ["torch-model-archiver", "--model-name", args.name, "--version", args.version,
+           "--handler", os.path.join(stage, "handlers", "ts_entry.py"),
+           "--extra-files", stage, "--config-file", config_path,
+           "--export-path", args.out, "--force"]
+    exe = shutil.which("torch-model-archiver") or os.path.join(os.path.dirname(sys.executable),
+                                                                "torch-model-archiver")
+    cmd[0] = exe
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"torch-model-archiver failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cfg = model_config(args)
+    handler_opts = args.handler_opts
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = os.path.join(tmp, "stage")
+        shutil.copytree(os.path.join(ROOT, "handlers"), os.path.join(stage, "handlers"),
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
+        choose_workers(args, cfg)  # after the import: a .pt2 file has no artifact.json until then
+        specs = stage_variants(args, stage)
+        pad = choose_pad(args, specs)
+        if pad:
+            cfg["handler"] = handler_opts = {**handler_opts, "pad": pad}
+            validate(cfg)  # as validated above, with the found values
+        if args.batch_size is None:
+            args.batch_size = default_batch_size(specs)
+            cfg["batchSize"] = args.batch_size
+        warn_batch_size(args, specs, handler_opts)
+        run_archiver(args, cfg, stage, tmp)
+    mar = os.path.join(args.out, f"{args.name}.mar")
+    print(f"wrote {mar} ({len(specs)} variant(s); batchSize {args.batch_size}, workers {args.workers})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

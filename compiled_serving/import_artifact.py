@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Bring an artifact compiled in the user's own pipeline into the layout the handler serves: a
+directory holding the file and the artifact.json that compiled_serving/compile.py would have written.
+
+  python -m compiled_serving.import_artifact --artifact PROGRAM.pt2 --out DIR
+  python -m compiled_serving.import_artifact --artifact PACKAGE.pt2 --program PROGRAM.pt2 --out DIR
+      [--input-range INPUT[COL]=LO:HI ...] [--device-index N] [--pad auto|none]
+
+Accepted:
+- a program saved with `torch.export.save(ep, "PROGRAM.pt2")`: it holds the whole contract
+  (input and output names, dtypes, every dimension, each dynamic dimension's range), read from it
+  by compiled_serving/contract.py, and is served as an exported program;
+- an AOTInductor package from `torch._inductor.aoti_compile_and_package(ep, package_path=...)`:
+  it records the device and compile flags it was built for, not its inputs' shapes or ranges, so
+  the program it was compiled from comes with it (--program; save `ep` before compiling).
+
+The same checks as compile: the artifact loads in a child process first (a native crash is
+reported, not suffered), then its answers are compared with the program's on example inputs.
+Where an input has a dynamic length, padding is tried on the program (compiled_serving/find_padding.py)
+and the finding recorded in artifact.json (`extra.padding`: the pad values, or none and why),
+which compiled_serving/archive.py declares as `pad=`; `--pad none` skips it.
+`python -m compiled_serving.archive --artifact FILE.pt2` runs this on its own.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import zipfile
+
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
+from compiled_serving import contract
+
+ARTIFACT = "model.pt2"
+
+
+class ImportError_(SystemExit):
+    def __init__(self, msg):
+        super().__init__(f"import_artifact: error: {msg}")
+
+
+def is_aoti_package(path: str) -> bool:
+    """AOTInductor packages are PT2 archives whose entries include the compiled model under
+    data/aotinductor/ (torch._inductor.package)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any("/aotinductor/" in n or n.startswith("data/aotinductor/") for n in z.namelist())
+    except zipfile.BadZipFile:
+        raise ImportError_(f"{path} is not a PT2 archive (not a zip file); expected a file written by "
+                           "torch.export.save or torch._inductor.aoti_compile_and_package") from None
+
+
+def load_program(path: str):
+    import torch
+
+    try:
+        return torch.export.load(path)
+    except Exception as e:  # torch raises several types for a file of another kind or version
+        raise ImportError_(f"{path} could not be read as a torch.export program ({type(e).__name__}: "
+                           f"{str(e)[:300]}); expected a file written by torch.export.save(ep, path) "
+                           f"with this torch ({torch.__version__})") from None
+
+
+def program_device(ep) -> str:
+    for t in list(ep.state_dict.values()) + list(ep.constants.values()):
+        if hasattr(t, "device"):
+            return t.device.type
+    for node in ep.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if val is not None and hasattr(val, "device"):
+            return val.device.type
+    return "cpu"
+
+
+def example_inputs(found: contract.Contract, device, low: bool = False) -> list:
+    """One example per input at a batch and lengths inside their ranges; integers inside their
+    value ranges (the bounds from the graph), seeded."""
+    import torch
+
+    from compiled_serving.compile import example_size
+
+    g = torch.Generator().manual_seed(1234)
+    rows = min(found.batch[1], max(found.batch[0], 2))
+    sizes = {n: (lo if low else example_size(lo, hi)) for n, (lo, hi) in found.dims.items()}
+    out = []
+    for name, dtype, shape in found.inputs:
+        dims = (rows,) + tuple(sizes[d] if isinstance(d, str) else d for d in shape[1:])
+        dt = getattr(torch, dtype)
+        if dt == torch.bool:
+            t = torch.rand(dims, generator=g) > 0.3
+        elif dt.is_floating_point:
+            t = torch.randn(dims, generator=g).to(dt)
+        else:
+            v = found.values.get(name) or {}
+            lo, hi = v.get("min", 0), v.get("max", 7)
+            t = torch.randint(max(lo, 0), min(hi, max(lo, 0) + 7) + 1, dims, generator=g).to(dt)
+        out.append(t.to(device))
+    return out
+
+
+def _compat_facts(kind: str, path: str, device: str) -> dict:
+    """compute capability, CUDA archs and CPU ISA as compile.py records them."""
+    import torch
+
+    facts = {"compute_capability": None, "cuda_archs": (), "cpu_isa": None}
+    if kind == "aoti":
+        from handlers.artifact.kinds.aoti_package import package_metadata
+
+        meta = package_metadata(path)
+        facts["cpu_isa"] = meta.get("AOTI_CPU_ISA") or None
+        c = meta.get("AOTI_COMPUTE_CAPABILITY")
+        if device == "cuda" and c:
+            facts["compute_capability"], facts["cuda_archs"] = f"{c[:-1]}.{c[-1]}", (f"sm_{c}",)
+            return facts
+    if device == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        facts["compute_capability"], facts["cuda_archs"] = f"{major}.{minor}", (f"sm_{major}{minor}",)
+    return facts
+
+
+def import_artifact(path: str, out: str, program: str | None = None, input_ranges=(), device_index: int = 0,
+                    find_pad: bool = True) -> str:
+    """Writes DIR/model.pt2 and DIR/artifact.json (with the padding finding where `find_pad` and
+    an input has a dynamic length); returns DIR."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise ImportError_(f"{path} is not a file")
+    aoti = is_aoti_package(path)
+    if aoti and not program:
+        raise ImportError_(f"{path} is an AOTInductor package: it records the device and compile flags "
+                           "it was built for but not its inputs' names, shapes and ranges. Pass the program "
+                           "it was compiled from: --program PROGRAM.pt2 (torch.export.save(ep, "
+                           "'PROGRAM.pt2') before torch._inductor.aoti_compile_and_package(ep, ...))")
+    ep = load_program(program or path)
+    try:
+        structure, names = contract.output_layout(ep)
+        found = contract.read(ep, names)
+        values = contract.tighten(found.values, contract.parse_ranges(input_ranges), found.inputs)
+    except contract.ContractError as e:
+        raise ImportError_(str(e)) from None
+    device = program_device(ep)
+    kind = "aoti" if aoti else "export"
+    if aoti:
+        from handlers.artifact.kinds.aoti_package import package_metadata
+
+        device = package_metadata(path).get("AOTI_DEVICE_KEY", device) or device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ImportError_(f"{path} runs on CUDA; import it on a machine with a GPU (the import runs it "
+                           "once to compare it with the program)")
+    os.makedirs(out, exist_ok=True)
+    dest = os.path.join(out, ARTIFACT)
+    shutil.copy2(path, dest)
+    lo, hi = found.batch
+    spec = ArtifactSpec(
+        backend=kind, artifact=ARTIFACT, sha256=sha256_file(dest), device=device,
+        inputs=tuple(TensorSpec(n, dt, tuple(s), values.get(n)) for n, dt, s in found.inputs),
+        outputs=tuple(TensorSpec(n, dt, tuple(s)) for n, dt, s in found.outputs), dims=found.dims,
+        output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
+        platform=sys.platform, machine=platform.machine(), variant_dir=out,
+        extra={"imported_from": os.path.basename(path)}, **_compat_facts(kind, dest, device))
+    write_spec(spec, out)
+    worst = check(spec, ep, found, device_index)
+    print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "
+          f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
+          + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
+    if find_pad and found.dims:
+        from compiled_serving import find_padding
+
+        finding = find_padding.search(ep.module(), spec, program_device(ep))
+        write_spec(type(spec)(**{**spec.__dict__, "extra": {**spec.extra, "padding": finding.record()}}), out)
+        print(f"padding: {'pad=' + find_padding.show(finding.pad) if finding.pad else 'none'} ({finding.why})")
+    return out
+
+
+def check(spec, ep, found, device_index: int) -> float:
+    """Trial load in a child process, then the artifact against the program on example inputs
+    (at the dimensions' minimum and at their example sizes)."""
+    import torch
+
+    from handlers.artifact.device import Placement
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.probe import crash_safe_probe
+    from handlers.config import HandlerConfig
+    from handlers.errors import LoadError
+    from handlers.run.padding import first_difference
+
+    placement = Placement(spec.device, device_index if spec.device == "cuda" else None)
+    try:
+        crash_safe_probe(spec, placement, HandlerConfig())
+    except LoadError as e:
+        raise ImportError_(f"the artifact fails to load here ({e})") from None
+    loaded = load_artifact(spec, placement)
+    module = ep.module()
+    worst = 0.0
+    for low in (True, False):
+        inputs = example_inputs(found, placement.torch_device, low)
+        with torch.no_grad():
+            want = module(*inputs)
+            got = loaded(*inputs)
+        want = want if isinstance(want, dict) else dict(zip(spec.output_names, want if isinstance(want, (tuple, list)) else [want]))
+        want = {o.name: want[o.name] for o in spec.outputs}
+        # the tolerance follows each output's own dtype (first_difference: 1e-2 for fp16/bf16)
+        differs = first_difference(want, got)
+        if differs:
+            name, diff, bound = differs
+            raise ImportError_(f"output {name!r} of the artifact differs from the program: {diff} (> {bound}); "
+                               "is --program the program this package was compiled from?")
+        worst = max([worst] + [(got[n].float() - r.float()).abs().max().item()
+                               for n, r in want.items() if r.is_floating_point() and r.numel()])
+    return worst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True, help="a torch.export program or an AOTInductor package (.pt2)")
+    p.add_argument("--program", help="the torch.export program an AOTInductor package was compiled from")
+    p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
+                   help="valid values of an integer input, or of one position along its column dimension "
+                        "(INPUT[COL]); adds a bound or narrows the graph's, never widens it (refused)")
+    p.add_argument("--device-index", type=int, default=0, help="CUDA device for the checks")
+    p.add_argument("--pad", choices=("auto", "none"), default="auto",
+                   help="auto: with a dynamic length, try padding on the program and record what is safe "
+                        "(compiled_serving/find_padding.py); none: do not try")
+    p.add_argument("--out", required=True, help="output directory (created)")
+    args = p.parse_args(argv)
+    import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index, args.pad == "auto")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""How many CUDA workers of one model fit on its GPU: every worker holds its own copy of the weights
+plus a CUDA context, CUDA graph pools and activations, so memory, not speed, caps the count.
+
+  count = min(speed cap, floor(GPU memory x (1 - headroom) / (weights + per-worker overhead)))
+
+compiled_serving/archive.py prints the arithmetic in one line and writes the per-worker need into
+model-config.yaml (handler.worker_gpu_mb, checked by each worker before it loads:
+handlers/artifact/room.py) with the GPU memory it was sized for (gpuSizing, read by compiled_serving/kserve.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Measured on an H100 (issue 39): a BERT-style classifier (6 layers, hidden 768, fp16, 133 MB of
+# weights) with 6 workers used 1,528 MiB of GPU memory per worker process (nvidia-smi) with declared
+# padding and CUDA graphs, 952 MiB without graphs. The overhead is that minus the weights: the CUDA
+# context, the caching allocator's blocks and activations at the largest batch, and the graph pools
+# (their cap is handler.cuda_graph_memory_mb, 2048 by default, so a larger model's pools may grow
+# past this figure: measure yours and pass --worker-overhead-mib).
+MEASURED_WEIGHTS_MIB = 133e6 / 2**20
+MEASURED_WORKER_MIB = 1528
+MEASURED_WORKER_NO_GRAPHS_MIB = 952
+OVERHEAD_MIB = round(MEASURED_WORKER_MIB - MEASURED_WEIGHTS_MIB)  # 1401
+OVERHEAD_NO_GRAPHS_MIB = round(MEASURED_WORKER_NO_GRAPHS_MIB - MEASURED_WEIGHTS_MIB)  # 825
+# Where no GPU can be read: the 24 GB class clusters use for inference (NVIDIA L4, A10G). Such
+# cards give CUDA somewhat less than 24 GiB; the headroom below covers the difference.
+DEFAULT_GPU_GIB = 24.0
+# Memory kept free of the arithmetic: the allocator's fragmentation, a trial load's second
+# context while workers start (handlers/artifact/probe.py), whatever else shares the GPU.
+DEFAULT_HEADROOM = 0.10
+
+
+class SizingError(ValueError):
+    """Not even one worker fits; the message gives the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    mib: int
+    how: str  # where the figure comes from, printed with the arithmetic
+    assumed: bool = False
+
+
+def target_gpu(gib_flag: float | None) -> GpuMemory:
+    """--gpu-memory-gib as given; else the total memory of GPU 0 of this machine; else the default,
+    marked assumed."""
+    if gib_flag is not None:
+        if gib_flag <= 0:
+            raise SizingError(f"--gpu-memory-gib {gib_flag}: expected the target GPU's memory in GiB, e.g. 24 or 80")
+        return GpuMemory(round(gib_flag * 1024), f"--gpu-memory-gib {gib_flag:g}")
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return GpuMemory(props.total_memory // 2**20, f"GPU 0 of this machine, {props.name}")
+    return GpuMemory(round(DEFAULT_GPU_GIB * 1024),
+                     f"assumed: no GPU here, the {DEFAULT_GPU_GIB:g} GiB L4/A10G class; pass --gpu-memory-gib "
+                     "for the GPU that will serve it", assumed=True)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    weights_mib: float
+    weights_how: str
+    overhead_mib: float
+    overhead_how: str
+    gpu: GpuMemory
+    headroom: float = DEFAULT_HEADROOM
+    speed_cap: int = 6
+
+    @property
+    def need_mib(self) -> int:
+        """One worker's GPU memory: its copy of the weights plus the overhead."""
+        return math.ceil(self.weights_mib + self.overhead_mib)
+
+    @property
+    def usable_mib(self) -> int:
+        return math.floor(self.gpu.mib * (1.0 - self.headroom))
+
+    @property
+    def fitting(self) -> int:
+        return self.usable_mib // self.need_mib
+
+    @property
+    def workers(self) -> int:
+        """The count: the speed cap, fewer where memory allows fewer; SizingError where none fits."""
+        if self.fitting < 1:
+            raise SizingError(self.refusal())
+        return min(self.speed_cap, self.fitting)
+
+    def arithmetic(self) -> str:
+        g = self.gpu
+        return (f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
+                f"per worker {self.weights_mib:.1f} MiB weights ({self.weights_how}) + {self.overhead_mib:.0f} MiB "
+                f"overhead ({self.overhead_how}) = {self.need_mib} MiB; {self.usable_mib} // {self.need_mib} = "
+                f"{self.fitting} fit")
+
+    def line(self) -> str:
+        """The archive's printed line for the chosen count."""
+        n = self.workers
+        cap = (f"the speed cap {self.speed_cap} (docs/performance.md)" if n == self.speed_cap
+               else f"memory caps it below the speed cap {self.speed_cap}")
+        return f"--workers {n} ({self.arithmetic()}; {cap}; pass --workers N to choose)"
+
+    def misfit(self, workers: int) -> str | None:
+        """A warning where `workers` (chosen by hand) do not fit; None where they do."""
+        if workers * self.need_mib <= self.usable_mib:
+            return None
+        return (f"--workers {workers} need {workers} x {self.need_mib} = {workers * self.need_mib} MiB of GPU "
+                f"memory, more than the {self.usable_mib} MiB usable ({self.arithmetic()}): the last workers will "
+                f"refuse to load (503 with the reason). Pass --workers {max(1, self.fitting)} or less, or size for "
+                "the GPU that will serve it with --gpu-memory-gib")
+
+    def refusal(self) -> str:
+        return (f"not even one worker fits: {self.arithmetic()}. Fix: a GPU with at least "
+                f"{math.ceil(self.need_mib / (1.0 - self.headroom) / 1024)} GiB (--gpu-memory-gib if it is not this "
+                "machine's), a smaller model (fp16/bf16 weights, fewer layers), or a measured smaller "
+                "--worker-overhead-mib (e.g. with --handler-option cuda_graphs=off)")
+
+    def record(self) -> dict:
+        """What model-config.yaml keeps of the sizing (gpuSizing, beside handler.worker_gpu_mb = need_mib),
+        for compiled_serving/kserve.py. TorchServe's frontend skips top-level keys it does not know
+        (ModelConfig.build's `default: break`) and the handler reads only deviceType and handler."""
+        return {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom}
