@@ -5,13 +5,5 @@ the console commands of pyproject.toml's [project.scripts]): reading a model's c
 and manifests), `client`, and `local_server` (a real TorchServe from the shipped configuration).
 
 The tools work on the checkout they live in: `archive` puts the handler package beside this one
-(`handlers/`) into each .mar, `kserve` reads `kserve/`. The environment itself does not hold
-`handlers` (a TorchServe worker must only run the copy its archive carries), so importing this
-package appends the checkout to the tools' own sys.path, and only theirs.
+(`handlers/`, installed with it) into each .mar, `kserve` reads `kserve/`.
 """
-import os
-import sys
-
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if CHECKOUT not in sys.path and os.path.isdir(os.path.join(CHECKOUT, "handlers")):
-    sys.path.append(CHECKOUT)

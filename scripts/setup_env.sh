@@ -34,11 +34,11 @@ PYEOF
   echo "setup: .venv is ready"
 fi
 # The build side's console commands (pyproject.toml's [project.scripts]: cs-compile, cs-archive, ...):
-# an editable install of this checkout's build package alone (compiled_serving), without its
-# dependencies (installed above). `handlers` stays out of .venv: outside the repository it does
-# not import, so a TorchServe worker only ever runs the handler copy its archive carries.
+# an editable install of this checkout's build package (compiled_serving) and the handler package
+# it reads, without their dependencies (installed above). A TorchServe worker still imports the
+# handler copy its archive carries: the model's directory is on its PYTHONPATH, which comes first.
 venv_py="$PWD/.venv/bin/python"
-if ! (cd / && "$venv_py" -c "import compiled_serving" 2>/dev/null) || [ ! -x .venv/bin/cs-archive ]; then
+if ! (cd / && "$venv_py" -c "import compiled_serving, handlers" 2>/dev/null) || [ ! -x .venv/bin/cs-archive ]; then
   echo "setup: installing the console commands (cs-compile, cs-archive, ...) into .venv"
   .venv/bin/python -c "import setuptools" 2>/dev/null || .venv/bin/python -m pip install -q "setuptools>=64"
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . > .venv/editable-install.log 2>&1 \
