@@ -16,7 +16,7 @@ from handlers.admission import Limits
 from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
 from handlers.artifact.probe import probe_once
-from handlers.artifact.room import check as check_gpu_room
+from handlers.artifact.room import reserved as gpu_room
 from handlers.artifact.variants import choose_variant
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
@@ -112,7 +112,16 @@ def start(context, metric, serving, handle) -> Worker:
     for note in notes:
         logger.warning("%s", note)
     workers = threads.workers_from_yaml(yaml_config)
-    check_gpu_room(config.worker_gpu_mb, placement, workers)  # before the trial load takes GPU memory
+    # before the trial load takes GPU memory; reserved until this start is over (siblings count it)
+    with gpu_room(config.worker_gpu_mb, placement, workers, ledger_dir=scratch.shared_root()):
+        return _load_and_warm(context, metric, serving, handle, steps, config, (spec, placement, workers))
+
+
+def _load_and_warm(context, metric, serving, handle, steps, config, chosen) -> Worker:
+    """start()'s load, checks and warm-up; `chosen`: the variant's spec, its placement and the
+    model's worker count."""
+    spec, placement, workers = chosen
+    yaml_config = getattr(context, "model_yaml_config", None) or {}
     budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, workers, threads.usable_cores()))
     sync_why = ""
     if placement.kind == "cuda":

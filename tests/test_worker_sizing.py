@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 import re
 import subprocess
 import zipfile
@@ -223,3 +225,82 @@ def test_no_check_on_a_cpu_worker_or_without_a_need(monkeypatch):
     assert calls == []
     with pytest.raises(ConfigError, match="worker_gpu_mb"):
         parse_config({"handler": {"worker_gpu_mb": -1}})
+
+
+# -- siblings starting together: the GPU's ledger of reservations
+
+def _ledger(monkeypatch, tmp_path):
+    monkeypatch.setattr(room, "_device_key", lambda index: f"test{index}")
+    return tmp_path / "gpu-room-test0.json"
+
+
+def test_a_sibling_still_starting_is_counted_and_waited_for(monkeypatch, tmp_path):
+    """8000 MiB free, a live sibling has reserved 5000 and not yet allocated it: this worker's 5500
+    do not fit beside it, so it waits (past wait_s: a sibling is loading) until the sibling's start
+    is over, then reserves its own."""
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    ledger = _ledger(monkeypatch, tmp_path)
+    _free(monkeypatch, 8000)
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ledger.write_text(json.dumps({str(sibling.pid): 5000}))
+        done = threading.Timer(0.3, lambda: ledger.write_text("{}"))  # the sibling's start is over
+        done.start()
+        t0 = time.monotonic()
+        release = room.check(5500, Placement("cuda", 0), workers=2, wait_s=0.05, ledger_dir=tmp_path)
+        assert time.monotonic() - t0 >= 0.25
+        assert json.loads(ledger.read_text()) == {str(os.getpid()): 5500}
+        release()
+        assert json.loads(ledger.read_text()) == {}
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
+def test_a_reservation_of_a_process_that_is_gone_is_dropped(monkeypatch, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    ledger = _ledger(monkeypatch, tmp_path)
+    _free(monkeypatch, 8000)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    ledger.write_text(json.dumps({gone: 5000}))
+    with room.reserved(5500, Placement("cuda", 0), workers=2, ledger_dir=tmp_path):
+        assert json.loads(ledger.read_text()) == {str(os.getpid()): 5500}
+    assert json.loads(ledger.read_text()) == {}
+
+
+def test_with_no_sibling_loading_a_shortfall_is_refused_and_nothing_stays_reserved(monkeypatch, tmp_path):
+    import json
+
+    ledger = _ledger(monkeypatch, tmp_path)
+    _free(monkeypatch, 3000)
+    with pytest.raises(room.InsufficientGpuMemory, match="needs 5500 MiB"):
+        with room.reserved(5500, Placement("cuda", 0), workers=6, ledger_dir=tmp_path):
+            pass
+    assert not ledger.exists() or json.loads(ledger.read_text()) == {}
+    # a start that fails after its check releases the reservation too
+    _free(monkeypatch, 8000)
+    with pytest.raises(RuntimeError):
+        with room.reserved(5500, Placement("cuda", 0), workers=6, ledger_dir=tmp_path):
+            assert json.loads(ledger.read_text()) == {str(os.getpid()): 5500}
+            raise RuntimeError("load failed")
+    assert json.loads(ledger.read_text()) == {}
+
+
+def test_a_sibling_that_never_finishes_does_not_hold_a_worker_forever(monkeypatch, tmp_path):
+    import json
+
+    ledger = _ledger(monkeypatch, tmp_path)
+    _free(monkeypatch, 8000)
+    monkeypatch.setattr(room, "MAX_WAIT_S", 0.1)
+    ledger.write_text(json.dumps({str(os.getppid()): 5000}))  # a live process that never releases
+    with pytest.raises(room.InsufficientGpuMemory):
+        room.check(5500, Placement("cuda", 0), workers=2, wait_s=0.0, ledger_dir=tmp_path)
+    assert json.loads(ledger.read_text()) == {str(os.getppid()): 5000}

@@ -9,23 +9,32 @@ workers load at the same time, so free memory shrinks while they do, and each of
 taken its own share. A sibling's crash-safe trial load holds a second CUDA context for a few seconds
 (handlers/artifact/probe.py), so a shortfall is read again for up to WAIT_S before it is final.
 
-What it does not do: TorchServe starts a model's workers at once, so their checks run before any
-of them has loaded, and all pass. Keeping their sum within the GPU is the archive's count
-(compiled_serving/worker_sizing.py); the check catches the rest (a GPU shared with other models or
-processes, a count chosen by hand): a worker that lost that race fails its load out of memory once,
-and on TorchServe's restart sees its siblings' memory and refuses here, instead of every restart
-running out of memory again.
+Workers that start together: TorchServe starts a model's workers at once, so each would read
+free memory before any sibling has loaded. Each worker therefore reserves its need in a ledger of
+its GPU (a small JSON file, under a lock, in the workers' private shared directory,
+handlers/torchserve/scratch.py) from its check until its start is over, and counts its live
+siblings' reservations as taken. Where this worker does not fit beside them it waits for them
+to finish (their memory is then real and their reservations gone); it refuses only when no
+sibling is loading and the GPU still lacks its need after WAIT_S, or after MAX_WAIT_S in all.
+A sibling mid-load is counted at its whole need although part of it is already allocated, so on
+a tight GPU workers load one after another rather than run out of memory.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
 
 WAIT_S = 20.0
+MAX_WAIT_S = 600.0  # a sibling that never finishes its start does not hold this worker forever
 POLL_S = 0.5
 
 
@@ -38,24 +47,90 @@ class InsufficientGpuMemory(LoadError):
     recurs = True
 
 
-def check(need_mb: float, placement, workers: int | None, wait_s: float = WAIT_S) -> None:
-    """Raises InsufficientGpuMemory where `placement` (a CUDA Placement) has less than `need_mb` MiB
-    free after up to `wait_s` seconds; nothing on a CPU worker or where `need_mb` is 0 (no check)."""
+def check(need_mb: float, placement, workers: int | None, wait_s: float = WAIT_S, ledger_dir=None):
+    """Reserves `need_mb` MiB on `placement`'s GPU (a CUDA Placement) and returns the function that
+    releases it (call it when the worker's start is over, loaded or not). Raises
+    InsufficientGpuMemory where the GPU lacks it (module docstring: when). Nothing on a CPU worker
+    or where `need_mb` is 0; without `ledger_dir`, siblings' reservations are not counted."""
     if need_mb <= 0 or placement.kind != "cuda":
-        return
+        return _nothing
     import torch
 
-    deadline = time.monotonic() + wait_s
+    ledger = Path(ledger_dir) / f"gpu-room-{_device_key(placement.index)}.json" if ledger_dir else None
+    started = time.monotonic()
     while True:
         # cudaMemGetInfo: free and total bytes of the device, all processes counted
         free, total = (n / 2**20 for n in torch.cuda.mem_get_info(placement.index))
-        if free >= need_mb or time.monotonic() >= deadline:
-            break
+        with _entries(ledger) as entries:
+            siblings = sum(mib for pid, mib in entries.items() if pid != str(os.getpid()))
+            if free - siblings >= need_mb:
+                entries[str(os.getpid())] = need_mb
+                break
+        waited = time.monotonic() - started
+        if waited >= MAX_WAIT_S or (waited >= wait_s and not siblings):
+            raise InsufficientGpuMemory(shortfall_message(need_mb, free, total, placement, workers, waited))
         time.sleep(POLL_S)
-    if free < need_mb:
-        raise InsufficientGpuMemory(shortfall_message(need_mb, free, total, placement, workers, wait_s))
-    logger.info("GPU memory: this worker needs %.0f MiB (handler.worker_gpu_mb); %s has %.0f MiB free of %.0f MiB",
-                need_mb, placement, free, total)
+    logger.info("GPU memory: this worker needs %.0f MiB (handler.worker_gpu_mb); %s has %.0f MiB free of %.0f MiB, "
+                "%.0f MiB of it reserved by sibling workers still starting", need_mb, placement, free, total, siblings)
+    return lambda: _release(ledger)
+
+
+@contextmanager
+def reserved(need_mb: float, placement, workers: int | None, ledger_dir=None):
+    """check()'s reservation held for the block (a worker's start), released however it ends."""
+    release = check(need_mb, placement, workers, ledger_dir=ledger_dir)
+    try:
+        yield
+    finally:
+        release()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _release(ledger) -> None:
+    with _entries(ledger) as entries:
+        entries.pop(str(os.getpid()), None)
+
+
+@contextmanager
+def _entries(ledger):
+    """The ledger's live reservations {pid: MiB} under its lock, written back after the block;
+    reservations of processes that are gone (killed mid-start) are dropped. No ledger: {}."""
+    if ledger is None:
+        yield {}
+        return
+    with open(ledger.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        try:
+            entries = json.loads(ledger.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        entries = {pid: mib for pid, mib in entries.items() if _alive(int(pid))}
+        yield entries
+        tmp = ledger.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, ledger)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _device_key(index: int) -> str:
+    """The GPU's identity across processes (each worker may see its own device numbering): its
+    UUID where torch reports one, else its index."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid else f"index{index}"
 
 
 def shortfall_message(need_mb, free_mb, total_mb, placement, workers, wait_s) -> str:
@@ -64,7 +139,7 @@ def shortfall_message(need_mb, free_mb, total_mb, placement, workers, wait_s) ->
             "if they share this GPU" if workers else "the worker count is not in model-config.yaml")
     return (f"not enough GPU memory to load: this worker needs {need_mb:.0f} MiB (handler.worker_gpu_mb: its copy "
             f"of the weights plus CUDA context, graph pools and activations, as cs-archive sized it) but "
-            f"{placement} has {free_mb:.0f} MiB free of {total_mb:.0f} MiB (after waiting {wait_s:g}s for other "
+            f"{placement} has {free_mb:.0f} MiB free of {total_mb:.0f} MiB (after waiting {wait_s:.0f}s for other "
             f"workers' loads); {many}. Fix: fewer workers (at most {fit} fit in {total_mb:.0f} MiB with nothing else "
             "on the GPU: re-archive with --workers N, or the management API's PUT /models/NAME?min_worker=N), a GPU "
             "with more memory (re-archive with its --gpu-memory-gib), or stop the other processes on the GPU "
