@@ -16,9 +16,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
-from bench.results_meta import header, page_head
+from bench.results_meta import header, page_head, write_pages
 
 
 def parse_args(argv):
@@ -112,10 +111,7 @@ def main(argv=None) -> int:
               "artifact_kind": spec.backend,
               "inputs": ", ".join(f"{i.name}: {i.dtype}[1x{'x'.join(map(str, i.shape[1:]))}]" for i in spec.inputs),
               "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    write_pages(args.out, report, markdown(report))
     return 0
 
 

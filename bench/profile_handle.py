@@ -21,9 +21,8 @@ import os
 import pstats
 import statistics
 import time
-from pathlib import Path
 
-from bench.results_meta import header, page_head
+from bench.results_meta import header, page_head, write_pages
 
 
 def parse_args(argv):
@@ -170,10 +169,7 @@ def main(argv=None) -> int:
     report = {**header(torch.cuda.get_device_name(0) if gpu is not None else "cpu"), "lengths": args.lengths,
               "artifact_kind": spec.backend, "handler_options": opts,
               "inputs": ", ".join(s.describe() for s in spec.inputs), "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    write_pages(args.out, report, markdown(report))
     return 0
 
 

@@ -48,3 +48,15 @@ def page_head(report: dict, title: str, note: str = "") -> list:
     "Device: .. Date: .. torch .." (then `note`), and the command that wrote it."""
     line = f"Device: {report['device']}. Date: {report['date']}. torch {report['torch']}."
     return [f"# {title}", "", f"{line} {note}" if note else line, "", f"Command: `{report['command']}`", ""]
+
+
+def write_pages(out, report: dict, page: str) -> None:
+    """`report` (first keys from header()) as JSON into OUT as named (OUT.json by convention) and
+    `page` into OUT with the suffix .md, the folder made where it is missing."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(page)
