@@ -304,3 +304,14 @@ def test_a_sibling_that_never_finishes_does_not_hold_a_worker_forever(monkeypatc
     with pytest.raises(room.InsufficientGpuMemory):
         room.check(5500, Placement("cuda", 0), workers=2, wait_s=0.0, ledger_dir=tmp_path)
     assert json.loads(ledger.read_text()) == {str(os.getppid()): 5000}
+
+
+def test_a_ledger_that_cannot_be_used_leaves_the_free_memory_check(monkeypatch, tmp_path):
+    """An unreadable or unwritable ledger never fails a load: the check falls back to free memory."""
+    ledger = _ledger(monkeypatch, tmp_path)
+    _free(monkeypatch, 8000)
+    ledger.write_text("not json")
+    with room.reserved(5500, Placement("cuda", 0), workers=2, ledger_dir=tmp_path):
+        pass
+    with room.reserved(5500, Placement("cuda", 0), workers=2, ledger_dir=tmp_path / "missing"):
+        pass

@@ -98,20 +98,28 @@ def _release(ledger) -> None:
 def _entries(ledger):
     """The ledger's live reservations {pid: MiB} under its lock, written back after the block;
     reservations of processes that are gone (killed mid-start) are dropped. No ledger: {}."""
-    if ledger is None:
+    try:
+        lock = open(ledger.with_suffix(".lock"), "a") if ledger is not None else None
+    except OSError as e:  # the ledger is a refinement: without it the check counts free memory only
+        logger.warning("GPU memory ledger %s not usable (%s): siblings' reservations not counted", ledger, e)
+        lock = None
+    if lock is None:
         yield {}
         return
-    with open(ledger.with_suffix(".lock"), "a") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         try:
             entries = json.loads(ledger.read_text())
-        except (OSError, ValueError):
+            entries = {pid: mib for pid, mib in entries.items() if _alive(int(pid))}
+        except (OSError, ValueError, TypeError, AttributeError):  # none yet, or not ours: start afresh
             entries = {}
-        entries = {pid: mib for pid, mib in entries.items() if _alive(int(pid))}
         yield entries
         tmp = ledger.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, ledger)
+        try:
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, ledger)
+        except OSError as e:
+            logger.warning("GPU memory ledger %s not written (%s)", ledger, e)
 
 
 def _alive(pid: int) -> bool:
