@@ -364,7 +364,7 @@ def main(argv=None):
     ep, structure, named, t0 = export_program(module, inputs, args)
     found, values = read_contract(ep, named, args)
     path = os.path.join(args.out, ARTIFACT)
-    extra = kind.compile(ep, inputs, path, args)
+    extra = {**kind.compile(ep, inputs, path, args), "state": found.state}
     compile_s = time.perf_counter() - t0
     spec = artifact_spec(args, path, found, values, structure, compiler, extra)
     write_spec(spec, args.out)

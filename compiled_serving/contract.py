@@ -40,6 +40,7 @@ class Contract:
     batch: tuple  # (min, max)
     dims: dict  # name -> (min, max)
     values: dict  # input name -> {"min", "max", "source"} or {"checked": False, "why"}
+    state: dict  # artifact.json's extra.state: what the program writes between calls (none)
 
 
 class ContractError(ValueError):
@@ -470,7 +471,12 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     """The contract of `ep`. `output_names` name the flattened outputs; `hints` maps
     "input.axis" to a dimension name the user chose (compile's --dim)."""
     from handlers.artifact.metadata import dtype_name
+    from handlers.artifact.state import program_state, refusal
 
+    # first: a program that writes its own state is refused whatever its inputs look like
+    state = program_state(ep)
+    if not state.stateless:
+        raise ContractError(refusal("the program", state))
     hints = hints or {}
     user = list(ep.graph_signature.user_inputs)
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
@@ -508,4 +514,4 @@ def read(ep, output_names: list, hints: dict | None = None) -> Contract:
         return (name, dtype_name(val.dtype), [None if batch_sym is not None else brange[0]] + shape[1:])
 
     return Contract(inputs=[entry("in", n, v) for n, v in ins], outputs=[entry("out", n, v) for n, v in outs],
-                    batch=brange, dims=dims, values=value_ranges(ep))
+                    batch=brange, dims=dims, values=value_ranges(ep), state=state.record())

@@ -160,7 +160,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
         outputs=tuple(TensorSpec(n, dt, tuple(s)) for n, dt, s in found.outputs), dims=found.dims,
         output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
         platform=sys.platform, machine=platform.machine(), variant_dir=out,
-        extra={"imported_from": os.path.basename(path)}, **_compat_facts(kind, dest, device))
+        extra={"imported_from": os.path.basename(path), "state": found.state}, **_compat_facts(kind, dest, device))
     write_spec(spec, out)
     worst = check(spec, ep, found, device_index)
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "

@@ -64,5 +64,12 @@ class IncompatibleArtifact(LoadError):
     error_type = "IncompatibleArtifact"
 
 
+class StatefulArtifact(LoadError):
+    """The artifact's program writes state (buffers) between calls: served as stateless, one
+    client would be answered from another's state (handlers/artifact/state.py)."""
+
+    error_type = "StatefulArtifact"
+
+
 class ConfigError(LoadError):
     error_type = "ConfigError"

@@ -17,6 +17,7 @@ from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
 from handlers.artifact.probe import probe_once
 from handlers.artifact.room import reserved as gpu_room
+from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.batch import warmup_sizes
 from handlers.config import parse_config
@@ -109,6 +110,7 @@ def start(context, metric, serving, handle) -> Worker:
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     process.record("torch fp32 matmul precision", config.float32_matmul_precision)
     spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config)
+    require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
     workers = threads.workers_from_yaml(yaml_config)

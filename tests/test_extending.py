@@ -92,7 +92,8 @@ def toy_artifact(d):
     write_spec(ArtifactSpec(
         backend="toy_scale", artifact="scale.json", sha256=sha256_file(str(d / "scale.json")), device="cpu",
         inputs=(TensorSpec("x", "float32", (None, 2)),), outputs=(TensorSpec("y", "float32", (None, 2)),),
-        output_structure="tensor", batch_min=1, batch_max=4, torch_version=torch.__version__), str(d))
+        output_structure="tensor", batch_min=1, batch_max=4, torch_version=torch.__version__,
+        extra={"state": {"mutated": [], "checked": "a scale has no state"}}), str(d))
     return d
 
 

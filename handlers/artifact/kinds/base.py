@@ -40,6 +40,10 @@ class ArtifactKind:
     # Its loaded callable launches plain CUDA kernels that a CUDA graph can record (run/graphs.py).
     graph_capturable = False
     zipped = True  # the artifact is a .pt2 zip archive (integrity check looks for its directory)
+    # Its load reads the program's graph for state written between calls (artifact/state.py).
+    # Otherwise artifact.json must record that check (extra.state, written by cs-import and
+    # cs-compile from the program), or the worker refuses to load it.
+    checks_state_at_load = False
     # What cs-compile needs to produce it: "cxx" (a C++ compiler for a wrapper),
     # "torch_tensorrt"; None when compile.py does not produce it directly.
     compile_needs: tuple = None

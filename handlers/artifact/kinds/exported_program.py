@@ -6,6 +6,7 @@ import torch
 
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.relocate import relocate
+from handlers.artifact.state import check_program
 from handlers.errors import LoadError
 
 
@@ -13,6 +14,7 @@ class ExportedProgram(ArtifactKind):
     name = "export"
     native = False
     graph_capturable = True  # .module() runs eager aten kernels
+    checks_state_at_load = True  # load() reads the graph (artifact/state.py)
     compile_needs = ()
 
     def load(self, spec, placement, config=None):
@@ -22,6 +24,8 @@ class ExportedProgram(ArtifactKind):
             raise LoadError(f"torch.export.load failed for {spec.artifact}: {e}. The file may be "
                             f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
                             f"this is {torch.__version__}).") from e
+        # the graph itself says whether it writes state between calls (artifact/state.py)
+        check_program(ep, spec.artifact)
         ep = relocate(ep, placement.torch_device)
         return LoadedModel(ep.module(), spec, placement.torch_device, "exported_program")
 
