@@ -297,7 +297,7 @@ def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=(
     if r.returncode != 0:
         raise SystemExit(f"archive {name} failed: {r.stderr or r.stdout}")
     for line in r.stdout.splitlines():  # the padding the archive chose for ours, and why
-        if line.startswith(("archive.py: pad=", "archive.py: no padding")) and name == "ours":
+        if line.startswith(("cs-archive: pad=", "cs-archive: no padding")) and name == "ours":
             print(line, flush=True)
     return store / f"{name}.mar"
 

@@ -78,11 +78,11 @@ def choose_workers(args, cfg) -> None:
     cuda = [s for s in specs if s.device != "cpu"]
     if not cuda:
         if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
-            print("archive.py: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; these "
+            print("cs-archive: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; these "
                   "artifacts are CPU-only, so they are not used", file=sys.stderr)
         if args.workers is None:
             args.workers = speed
-            print(f"archive.py: --workers {args.workers} ({why}; pass --workers N to choose)")
+            print(f"cs-archive: --workers {args.workers} ({why}; pass --workers N to choose)")
         cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
         return
     sizing = gpu_sizing(args, cuda, speed)
@@ -91,9 +91,9 @@ def choose_workers(args, cfg) -> None:
             args.workers = sizing.workers
         except worker_sizing.SizingError as e:
             fail(str(e))
-        print(f"archive.py: {sizing.line()}")
+        print(f"cs-archive: {sizing.line()}")
     elif sizing.misfit(args.workers):
-        print(f"archive.py: warning: {sizing.misfit(args.workers)}", file=sys.stderr)
+        print(f"cs-archive: warning: {sizing.misfit(args.workers)}", file=sys.stderr)
     cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
     args.handler_opts.setdefault("worker_gpu_mb", sizing.need_mib)
     cfg["handler"] = args.handler_opts
@@ -101,7 +101,7 @@ def choose_workers(args, cfg) -> None:
 
 
 def fail(msg):
-    raise SystemExit(f"archive.py: error: {msg}")
+    raise SystemExit(f"cs-archive: error: {msg}")  # the command's name: python -m compiled_serving.archive runs it too
 
 
 def _yaml_value(text: str):
@@ -163,10 +163,13 @@ def imported(path: str, i: int, args, tmp: str) -> str:
         return path
     if not os.path.exists(path):
         fail(f"--artifact {path}: no such file or directory")
-    from compiled_serving.import_artifact import import_artifact
+    from compiled_serving.import_artifact import ImportError_, import_artifact
 
-    return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
-                           find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
+    try:
+        return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
+                               find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
+    except ImportError_ as e:
+        fail(e.reason)
 
 
 # What serving without padding costs, measured (docs/performance.md "The final revision"):
@@ -183,15 +186,15 @@ def choose_pad(args, specs) -> dict | None:
     if not any(s.dims for s in specs):
         return None
     if "pad" in args.handler_opts:
-        print("archive.py: pad= as given with --handler-option (the worker checks at load that it leaves "
+        print("cs-archive: pad= as given with --handler-option (the worker checks at load that it leaves "
               "answers unchanged)")
         return None
     if args.pad == "none":
-        print(f"archive.py: no padding (--pad none): {NO_PAD_COST}")
+        print(f"cs-archive: no padding (--pad none): {NO_PAD_COST}")
         return None
     found = [s.extra.get("padding") for s in specs]
     if any(f is None for f in found):
-        print("archive.py: no padding: padding was not tried (a directory not imported from a .pt2 with its "
+        print("cs-archive: no padding: padding was not tried (a directory not imported from a .pt2 with its "
               f"program; python -m compiled_serving.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
               "declare it: --handler-option \"pad={input_ids: 0, attention_mask: 0}\"")
         return None
@@ -200,12 +203,12 @@ def choose_pad(args, specs) -> dict | None:
         from compiled_serving.find_padding import show
 
         pads[0] = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
-        print(f"archive.py: pad={show(pads[0])}: {found[0]['why']} (compiled_serving/find_padding.py; the worker checks it "
+        print(f"cs-archive: pad={show(pads[0])}: {found[0]['why']} (compiled_serving/find_padding.py; the worker checks it "
               "again at load; --pad none turns it off)")
         return pads[0]
     why = next((f["why"] for f in found if not f.get("pad")), "the variants disagree")
     unsafe = why.startswith("padding changes")  # find_padding's words for answers that changed
-    print(f"archive.py: {'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}")
+    print(f"cs-archive: {'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}")
     return None
 
 
@@ -300,16 +303,16 @@ def warn_batch_size(args, specs, handler_opts) -> None:
     """Warnings where the batch size exceeds what an artifact takes, or its responses are large."""
     for spec in specs:
         if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
-            print(f"archive.py: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
+            print(f"cs-archive: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
                   f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
                   "into several calls", file=sys.stderr)
         elif args.batch_size > spec.batch_max:
-            print(f"archive.py: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
+            print(f"cs-archive: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
                   f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
                   file=sys.stderr)
         big = response_row_bytes(spec)
         if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
-            print(f"archive.py: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
+            print(f"cs-archive: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
                   "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
                   "every network read until the last request's bytes arrive, which is quadratic in "
                   "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "

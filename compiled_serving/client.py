@@ -179,6 +179,19 @@ def show_outputs(rct, data, fmt) -> dict:
     return outputs_of(answer, fmt)
 
 
+def summary(outputs: dict) -> str:
+    """What the answer says: the predicted class per row for an output of scores (a float
+    [rows, classes] with several classes), else each output's shape and first values."""
+    parts = []
+    for k, v in outputs.items():
+        if v.dim() == 2 and v.shape[-1] > 1 and v.is_floating_point():
+            parts.append(f"{k}: predicted classes {v.argmax(-1).tolist()}")
+        else:
+            first = [round(x, 4) if isinstance(x, float) else x for x in v.flatten()[:4].tolist()]
+            parts.append(f"{k}: shape {list(v.shape)}, values {first}{' ...' if v.numel() > 4 else ''}")
+    return "; ".join(parts)
+
+
 def check_eager(factory, tensors, outputs) -> int:
     """Compare the served outputs with the eager model's: 0 when they agree."""
     import torch
@@ -190,8 +203,7 @@ def check_eager(factory, tensors, outputs) -> int:
         ref = model(*tensors.values())
     ref = ref if isinstance(ref, dict) else {"output": ref}
     worst = max((outputs[k].float() - ref[k].float()).abs().max().item() for k in ref)
-    top = {k: v.argmax(-1).tolist() for k, v in outputs.items()}
-    print(f"predicted classes {top}; max |served - eager| = {worst:.2e} "
+    print(f"{summary(outputs)}; max |served - eager| = {worst:.2e} "
           f"({'OK' if worst < 1e-4 else 'MISMATCH'})")
     return 0 if worst < 1e-4 else 1
 

@@ -30,15 +30,18 @@ import shutil
 import sys
 import zipfile
 
-from handlers.artifact.metadata import ArtifactSpec, TensorSpec, sha256_file, write_spec
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec, read_spec, sha256_file, write_spec
 from compiled_serving import contract
 
 ARTIFACT = "model.pt2"
 
 
 class ImportError_(SystemExit):
+    """An import that cannot go on; `reason` alone (cs-archive prefixes it with its own name)."""
+
     def __init__(self, msg):
-        super().__init__(f"import_artifact: error: {msg}")
+        super().__init__(f"cs-import: error: {msg}")
+        self.reason = msg
 
 
 def is_aoti_package(path: str) -> bool:
@@ -171,7 +174,6 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
 
         finding = find_padding.search(ep.module(), spec, program_device(ep))
         write_spec(type(spec)(**{**spec.__dict__, "extra": {**spec.extra, "padding": finding.record()}}), out)
-        print(f"padding: {'pad=' + find_padding.show(finding.pad) if finding.pad else 'none'} ({finding.why})")
     return out
 
 
@@ -226,7 +228,14 @@ def main(argv=None) -> int:
                         "(compiled_serving/find_padding.py); none: do not try")
     p.add_argument("--out", required=True, help="output directory (created)")
     args = p.parse_args(argv)
-    import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index, args.pad == "auto")
+    out = import_artifact(args.artifact, args.out, args.program, args.input_range, args.device_index,
+                          args.pad == "auto")
+    finding = read_spec(out).extra.get("padding")
+    if finding is not None:  # cs-archive prints its own verdict from the same record
+        from compiled_serving import find_padding
+
+        pad = finding.get("pad")
+        print(f"padding: {'pad=' + find_padding.show(pad) if pad else 'none'} ({finding.get('why')})")
     return 0
 
 

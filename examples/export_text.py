@@ -2,8 +2,9 @@
 sequence length dynamic, and save the program. Plain torch only; the serving side reads
 everything it needs (names, dtypes, the length range, valid token ids) from the saved file.
 
-    python -m examples.export_text mine.pt2
+    python -m examples.export_text artifacts/mine.pt2
 """
+import os
 import sys
 
 import torch
@@ -19,6 +20,7 @@ def main(path: str) -> None:
     batch, length = Dim("batch", min=1, max=16), Dim("length", min=4, max=64)
     ep = torch.export.export(model, (ids, mask), dynamic_shapes={
         "input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}})
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.export.save(ep, path)
     print(f"saved {path}")
 

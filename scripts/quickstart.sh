@@ -5,7 +5,8 @@
 #
 #   scripts/quickstart.sh          set up, serve the example model, call it
 #   scripts/quickstart.sh --stop   stop the TorchServe this script started (no other)
-#   scripts/quickstart.sh --serve NAME   restart it serving model_store/NAME.mar too (README,
+#   scripts/quickstart.sh --serve NAME [NAME ...]   restart it serving model_store/NAME.mar too, for
+#                                  each NAME (also NAME,NAME) (README,
 #                                  "Serve your own model")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,14 +23,25 @@ stop_ours() {
 }
 if [ "${1:-}" = "--stop" ]; then stop_ours; exit 0; fi
 if [ "${1:-}" = "--serve" ]; then
-  name=${2:?usage: scripts/quickstart.sh --serve NAME (serves model_store/NAME.mar)}
-  if [ ! -f "model_store/$name.mar" ]; then
-    echo "no model_store/$name.mar: build it first with .venv/bin/cs-archive --name $name ..." >&2
-    exit 1
+  shift
+  # names as separate words or comma-separated: --serve a b, --serve a,b
+  names=$(printf '%s\n' "$@" | tr ',' '\n' | grep -v '^$' || true)
+  if [ -z "$names" ]; then
+    echo "usage: scripts/quickstart.sh --serve NAME [NAME ...] (serves model_store/NAME.mar for each)" >&2
+    exit 2
+  fi
+  models=""
+  for name in $names; do
+    if [ ! -f "model_store/$name.mar" ]; then
+      echo "no model_store/$name.mar: build it first with .venv/bin/cs-archive --name $name ..." >&2
+      exit 1
+    fi
+    models="${models:+$models,}$name=$name.mar"
+  done
+  if [ -f model_store/classifier.mar ] && ! printf '%s\n' $names | grep -qx classifier; then
+    models="classifier=classifier.mar,$models"
   fi
   stop_ours
-  models="$name=$name.mar"
-  if [ -f model_store/classifier.mar ] && [ "$name" != classifier ]; then models="classifier=classifier.mar,$models"; fi
   mkdir -p logs
   TMPDIR="$STATE/tmp" .venv/bin/torchserve --start --ncs --model-store model_store --models "$models" \
       --ts-config config.properties > logs/torchserve_console.log 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment setup from the project's own files: a virtual environment in .venv
-# with pinned packages, a Java 17 runtime for TorchServe's frontend if `java` is missing, and
-# nginx for the KServe pod's tests if it is missing.
+# with pinned packages, a Java 17 runtime for TorchServe's frontend if `java` is missing, and, with
+# --pod-tests (scripts/test.sh), nginx for the KServe pod's tests if it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,21 +45,33 @@ if ! (cd / && "$venv_py" -c "import compiled_serving, handlers" 2>/dev/null) || 
     && [ -x .venv/bin/cs-archive ] \
     || { cat .venv/editable-install.log >&2; echo "setup: installing the console commands failed" >&2; exit 1; }
 fi
+# apt-get waits up to 5 minutes for another apt (unattended upgrades, another install) to let go
+# of its lock, and a failure says what to do rather than apt's message alone.
+apt_install() {
+  local what=$1; shift
+  echo "setup: installing $what through apt-get (waits for another apt holding its lock, up to 5 minutes)"
+  if ! { apt-get -o DPkg::Lock::Timeout=300 update -qq \
+         && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq "$@" >/dev/null; }; then
+    echo "setup: installing $what ($*) with apt-get failed (above). If another apt or dpkg is running," \
+         "wait for it and run this again; or install $* yourself." >&2
+    exit 1
+  fi
+}
 if ! command -v java >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing a Java 17 runtime for TorchServe's frontend"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+    apt_install "a Java 17 runtime for TorchServe's frontend" openjdk-17-jre-headless
   else
     echo "setup: TorchServe needs Java 17 on PATH: install openjdk-17-jre-headless (or set JAVA_HOME)" >&2
     exit 1
   fi
 fi
-# The KServe pod's tests (tests/test_pod.py, tests/test_cluster_runtime.py) run the pod as its image
-# does, with the distribution's nginx in front of TorchServe (pod/nginx.py, kserve/nginx.conf).
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+# nginx only for the KServe pod's tests (tests/test_pod.py, tests/test_cluster_runtime.py run the pod
+# as its image does, with the distribution's nginx in front of TorchServe: pod/nginx.py): the test
+# command asks for it (scripts/test.sh: --pod-tests); serving needs none. NGINX names another binary.
+if [ "${1:-}" = "--pod-tests" ] && ! command -v "${NGINX:-nginx}" >/dev/null 2>&1 \
+    && { [ -n "${NGINX:-}" ] || [ ! -x /usr/sbin/nginx ]; }; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing nginx for the KServe pod's tests"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null
+    apt_install "nginx for the KServe pod's tests" nginx
   else
     echo "setup: the KServe pod's tests need nginx: install it (apt-get install nginx) or set NGINX=/path/to/nginx" >&2
     exit 1

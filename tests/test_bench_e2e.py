@@ -285,7 +285,7 @@ def test_bench_e2e_with_a_transformers_model_archived_with_no_options(hf_bert, t
            "--lengths", "uniform:4:40", "--distinct-inputs", "6"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "archive.py: pad={input_ids: 0, attention_mask: 0}: answers unchanged" in r.stdout, r.stdout[-3000:]
+    assert "cs-archive: pad={input_ids: 0, attention_mask: 0}: answers unchanged" in r.stdout, r.stdout[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert {p["handler"] for p in result["points"]} == {"ours", "stock", "stock_aoti"}
     for p in result["points"]:

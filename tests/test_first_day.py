@@ -116,7 +116,17 @@ def test_client_sends_values_from_a_file_and_matches_eager(cls_server, tmp_path,
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "(OK)" in r.stdout, r.stdout + r.stderr
     # the file's two rows were sent (the random --example path is not taken without --example)
-    assert re.search(r"predicted classes \{'output': \[\d+, \d+\]\}", r.stdout), r.stdout
+    assert re.search(r"output: predicted classes \[\d+, \d+\]", r.stdout), r.stdout
+
+
+def test_client_summary_names_classes_only_for_scores():
+    from compiled_serving.client import summary
+
+    scores = torch.tensor([[0.1, 0.9, 0.0], [0.7, 0.2, 0.1]])
+    assert summary({"logits": scores}) == "logits: predicted classes [1, 0]"
+    one_column = torch.tensor([[0.25], [-1.5]])  # a regression or a single logit: no classes
+    assert summary({"score": one_column}) == "score: shape [2, 1], values [0.25, -1.5]"
+    assert "predicted classes" not in summary({"ids": torch.arange(6).view(2, 3)})
 
 
 # -- quickstart stops only its own server
@@ -168,3 +178,51 @@ def test_stopping_a_server_whose_launcher_died_stops_its_frontend(tmp_path):
     while any(os.path.exists(f"/proc/{p}") for p in frontend) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{p}") for p in frontend), "the frontend outlived stop()"
+
+
+# -- the quickstart's --serve takes several names; the setup installs nginx only for the tests
+
+@pytest.mark.parametrize("args", [["qs_probe_a", "qs_probe_b"], ["qs_probe_a,qs_probe_b"]])
+def test_quickstart_serve_looks_for_every_name(args):
+    """`--serve a b` once served a alone, silently, and `--serve a,b` looked for a,b.mar: with a's
+    archive present and b's missing, both spellings must stop at b, naming it."""
+    present = ROOT / "model_store" / "qs_probe_a.mar"
+    present.parent.mkdir(exist_ok=True)
+    present.write_bytes(b"")
+    try:
+        r = subprocess.run(["bash", "scripts/quickstart.sh", "--serve", *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, QUICKSTART_STATE=str(ROOT / "logs" / "qs_probe")))
+    finally:
+        present.unlink()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no model_store/qs_probe_b.mar" in r.stderr and "a,b" not in r.stderr, r.stderr
+
+
+def fake_apt(tmp_path, says: str):
+    """A PATH whose apt-get records its arguments and fails saying `says`."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "apt-get").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/apt.calls\necho '{says}' >&2\nexit 100\n")
+    (bin_ / "apt-get").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", NGINX=str(tmp_path / "no" / "nginx"))
+
+
+def test_setup_without_nginx_never_asks_apt_for_it(tmp_path):
+    """The quickstart's setup needs no nginx: on a machine without one it does not call apt."""
+    env = fake_apt(tmp_path, "E: Could not get lock /var/lib/dpkg/lock-frontend")
+    r = subprocess.run(["bash", "scripts/setup_env.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (tmp_path / "apt.calls").exists(), (tmp_path / "apt.calls").read_text()
+
+
+def test_setup_for_the_pod_tests_says_what_to_do_when_apt_is_locked(tmp_path):
+    env = fake_apt(tmp_path, "E: Could not get lock /var/lib/dpkg/lock-frontend")
+    r = subprocess.run(["bash", "scripts/setup_env.sh", "--pod-tests"], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=600)
+    if os.geteuid() != 0:  # not root: it says what to install instead of calling apt
+        assert r.returncode == 1 and "install it (apt-get install nginx) or set NGINX" in r.stderr, r.stderr
+        return
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "DPkg::Lock::Timeout=300" in (tmp_path / "apt.calls").read_text()  # it waited for the lock
+    assert "installing nginx for the KServe pod's tests (nginx) with apt-get failed" in r.stderr, r.stderr
+    assert "If another apt or dpkg is running, wait for it and run this again" in r.stderr, r.stderr

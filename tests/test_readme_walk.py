@@ -110,6 +110,11 @@ def test_walk_the_readme_in_a_fresh_clone(tmp_path):
                            timeout=1800, env=env)
         assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
         assert "(OK)" in r.stdout, r.stdout[-4000:]
+        # nothing the walk wrote lands in the checkout as an untracked file (the shared .venv link aside)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
+                                capture_output=True, text=True, check=True).stdout.splitlines()
+        left = [ln for ln in status if ln[3:].rstrip("/") != ".venv"]
+        assert not left, f"the README walk left files in the checkout: {left}"
     finally:
         subprocess.run(["bash", "scripts/quickstart.sh", "--stop"], cwd=clone, capture_output=True, timeout=120)
     assert _port_free(8080), "the quickstart's server still answers after scripts/quickstart.sh --stop"

@@ -64,7 +64,13 @@ def test_bad_requests_get_4xx_and_worker_survives(main_server, model):
         ({"inputs": {"features": torch.randn(2, 15).tolist(), "mask": m.tolist()}}, "dimension 1"),
         ({"inputs": {"features": f.tolist(), "mask": torch.randn(2, 16).tolist()}}, "expected bool"),
         ({"inputs": {"features": f.tolist()}}, "missing input"),
-        ({"inputs": {"features": [[1.0] * 16, [2.0] * 15], "mask": m.tolist()}}, "rectangular"),
+        ({"inputs": {"features": [[1.0] * 16, [2.0] * 15], "mask": m.tolist()}},
+         "input 'features': not a rectangular array: [1] has 15 entries where [0] has 16; every row must have "
+         "the same length"),
+        # KServe v1 instances of different lengths: which one, in words (not numpy's internals)
+        ({"instances": [{"features": f[0].tolist(), "mask": m[0].tolist()},
+                        {"features": f[1, :12].tolist(), "mask": m[1].tolist()}]},
+         "input 'features': not a rectangular array: [1] has 12 entries where [0] has 16"),
         ({"inputs": {"features": [["a"] * 16] * 2, "mask": m.tolist()}}, "features"),
         ({"inputs": {"features": torch.randn(3, 16).tolist(), "mask": m.tolist()}}, "disagree"),
         ({"something": 1}, "neither `inputs` nor `instances`"),

@@ -305,7 +305,8 @@ def test_hf_bert_archived_with_no_options_is_padded(hf_server):
     """The archive prints the padding it chose and why; each worker's load line shows it checked."""
     ts, printed = hf_server
     for name, out in printed.items():
-        assert f"archive.py: {HF_PAD}: answers unchanged on 16 trials" in out, out
+        assert f"cs-archive: {HF_PAD}: answers unchanged on 16 trials" in out, out
+        assert out.count("answers unchanged on 16 trials") == 1, out  # the verdict once, by cs-archive
         assert "the worker checks it again at load" in out, out
         loaded = [ln for ln in ts.log().splitlines() if f"-{name}_" in ln and " artifact model.pt2 " in ln]
         assert loaded and all("padding D1 to [4, 8, 16, 32, 64], padding checked (2 trials: answers unchanged)"
@@ -416,7 +417,7 @@ def test_archive_says_why_it_does_not_pad_and_what_that_costs(user_files, tmp_pa
             return r.stdout, (yaml.safe_load(z.read("model-config.yaml")) or {}).get("handler", {})
 
     out, handler = archive(_export_pooled(tmp_path, masked=False), "unmasked")
-    assert "archive.py: no padding is safe: padding changes the answers" in out and "2387.0" in out, out
+    assert "cs-archive: no padding is safe: padding changes the answers" in out and "2387.0" in out, out
     assert "every distinct length its own call" in out and "pad" not in handler, (out, handler)
     d, _ = user_files
     out, handler = archive(d / "program.pt2", "given", "--handler-option", "pad={input_ids: 0, attention_mask: 0}")

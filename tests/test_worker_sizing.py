@@ -159,8 +159,8 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     need = math.ceil(weights + 1000)
     want = math.floor(4 * GIB * 0.9) // need
     assert want < 6
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("archive.py: --workers"))
-    assert line.startswith(f"archive.py: --workers {want} (GPU memory 4096 MiB (--gpu-memory-gib 4)"), line
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cs-archive: --workers"))
+    assert line.startswith(f"cs-archive: --workers {want} (GPU memory 4096 MiB (--gpu-memory-gib 4)"), line
     assert f"= {need} MiB;" in line and "memory caps it" in line, line
     with zipfile.ZipFile(tmp_path / "sized.mar") as z:
         cfg = yaml.safe_load(z.read("model-config.yaml"))

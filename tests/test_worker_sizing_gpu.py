@@ -48,7 +48,7 @@ def archive(art, name, store, *extra):
     assert r.returncode == 0, r.stdout + r.stderr
     with zipfile.ZipFile(store / f"{name}.mar") as z:
         cfg = yaml.safe_load(z.read("model-config.yaml"))
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("archive.py: --workers")), "")
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("cs-archive: --workers")), "")
     return cfg, line
 
 

@@ -32,7 +32,7 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
     try:
         t = _np.array(value) if _np is not None else torch.tensor(value)
     except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # RecursionError is a RuntimeError
-        raise RequestError(f"{where}: not a rectangular numeric array ({e}); expected "
+        raise RequestError(f"{where}: {_not_rectangular(value) or f'not a numeric array ({e})'}; expected "
                            f"{spec.describe()}") from None
     got = _kind(t.dtype)
     size = t.size if _np is not None else t.numel()
@@ -59,6 +59,31 @@ def from_nested(spec: TensorSpec, value, where: str) -> torch.Tensor:
                            f"{spec.dtype}'s range such as 1e400); JSON numbers must be finite. Send "
                            "non-finite values in the binary encoding (application/x-safetensors)")
     return t
+
+
+def _not_rectangular(value, limit: int = 100_000) -> str:
+    """Where nested lists stop being rectangular, in words ("" where they are, or the walk ends
+    at `limit` values): the first element whose length or depth differs from what element 0 at
+    each depth sets. Only on a failure path (numpy's own message names its internals)."""
+    shape, v = [], value
+    while isinstance(v, list):
+        shape.append(len(v))
+        v = v[0] if v else None
+    stack, seen = [(value, ())], 0
+    while stack and seen < limit:
+        v, path = stack.pop()
+        seen, d = seen + 1, len(path)
+        at = "".join(f"[{i}]" for i in path)
+        if isinstance(v, list) and d < len(shape) and len(v) != shape[d]:
+            first = "[0]" * d  # what set the length at this depth
+            return (f"not a rectangular array: {at} has {len(v)} entries where {first} has {shape[d]}; every "
+                    "row must have the same length (pad them, or send rows of other lengths as separate requests)")
+        if isinstance(v, list) and d >= len(shape) or not isinstance(v, list) and d < len(shape):
+            return (f"not a rectangular array: {at} is {'a list' if isinstance(v, list) else 'a single value'} "
+                    f"where the first element at that depth is {'a value' if d >= len(shape) else 'a list'}")
+        if isinstance(v, list):
+            stack.extend((x, path + (i,)) for i, x in reversed(list(enumerate(v))))
+    return ""
 
 
 def _np_dtype(want: torch.dtype):
