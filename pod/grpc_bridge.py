@@ -99,6 +99,18 @@ def error_message(status: int, body: bytes) -> str:
     return body.decode("utf-8", "replace")[:2000] or f"TorchServe answered {status}"
 
 
+READY_REASON = "ready-reason"  # trailing metadata of a not-ready answer
+
+
+def not_ready_because(context, why):
+    """`why` (None: ready) as the call's trailing metadata: ServerReadyResponse and
+    ModelReadyResponse hold one bool and no other field, so the reason the REST ready route gives
+    in its body travels beside it (ASCII, as gRPC metadata values must be). Returns `why`."""
+    if why:
+        context.set_trailing_metadata(((READY_REASON, why.encode("ascii", "backslashreplace").decode()[:4000]),))
+    return why
+
+
 async def names(request: bytes, context) -> tuple:
     """(model name, version) of a request: its fields 1 and 2 (ModelInferRequest,
     ModelReadyRequest and ModelMetadataRequest alike); a malformed message is the client's."""
@@ -143,10 +155,13 @@ class Bridge:
         return protowire.encode_bool(1, bool(snap and snap.get("torchserve_live")))
 
     async def server_ready(self, request, context) -> bytes:
-        return protowire.encode_bool(1, server_problem(self.state.read()) is None)
+        why = server_problem(self.state.read())
+        return protowire.encode_bool(1, not_ready_because(context, why) is None)
 
     async def model_ready(self, request, context) -> bytes:
-        return protowire.encode_bool(1, (await self.model(request, context))["state"] == READY)
+        m = await self.model(request, context)
+        why = None if m["state"] == READY else f"{m['name']}: {m['state']}: {m['reason']}"
+        return protowire.encode_bool(1, not_ready_because(context, why) is None)
 
     async def server_metadata(self, request, context) -> bytes:
         w = protowire.Writer()

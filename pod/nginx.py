@@ -23,7 +23,24 @@ def values(cfg: PodConfig) -> dict:
             # as root (a developer's machine, not the image: it runs as uid 1000) nginx would hand
             # its workers to `nobody`, who cannot write the temporary directories made here
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
-            "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg)}
+            "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
+            "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in cfg.models if SAFE_KEY.fullmatch(f"{m.name}|")) or "none"}
+
+
+def model_map(cfg: PodConfig) -> str:
+    """The map's entries: each model by name alone and by name and version. A name nginx could
+    not hold as a plain map key (anything beyond letters, digits and . _ -) is left out: TorchServe's
+    own names are of those characters, and a route naming anything else is answered 404."""
+    lines = []
+    for m in cfg.models:
+        if SAFE_KEY.fullmatch(f"{m.name}|{m.version}"):
+            # a regular expression (~): matched case-sensitively, as TorchServe matches names
+            name, version = (re.escape(x) for x in (m.name, m.version))
+            lines.append(f"        \"~^{name}\\|({version})?$\" 1;")
+    return "\n".join(lines)
+
+
+SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+\|[A-Za-z0-9._-]*")
 
 
 def model_infer(cfg: PodConfig) -> str:

@@ -81,7 +81,8 @@ def fake_trt_artifact(dest):
         outputs=(TensorSpec("output", "float32", (2, 4)),), output_structure="tensor", batch_min=2,
         batch_max=2, torch_version=torch.__version__, compute_capability="9.0", cuda_archs=("sm_90",),
         platform="linux", machine="x86_64",
-        extra={"tensorrt_version": "10.13.0", "torch_tensorrt_version": "2.13.0", "format": "exported_program"}),
+        extra={"tensorrt_version": "10.13.0", "torch_tensorrt_version": "2.13.0", "format": "exported_program",
+               "state": {"mutated": [], "checked": "torch.export program graph"}}),  # as cs-compile records
         dest)
     return dest
 

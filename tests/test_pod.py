@@ -282,6 +282,7 @@ def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(a
         assert ready.status_code == 503 and ready.json()["ready"] is False and needle in ready.json()["reason"]
         meta = requests.get(f"{c.base}/v2/models/cut", timeout=5)
         assert meta.status_code == 503 and "BadZipFile" in meta.json()["error"], meta.text
+        assert str(out) not in meta.text and "model-store/" not in meta.text, meta.text  # no host path
         deadline = time.time() + 180
         while requests.get(f"{c.base}/v2/models/two/ready", timeout=5).status_code != 200 and time.time() < deadline:
             time.sleep(1)
@@ -291,10 +292,23 @@ def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(a
             with pytest.raises(grpc.RpcError) as e:
                 ch.unary_unary(OIP + "ModelMetadata")(protowire.encode_string(1, "bad"), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and needle in e.value.details()
-            assert ch.unary_unary(OIP + "ServerReady")(b"", timeout=10) == protowire.encode_bool(1, False)
+            answer, call = ch.unary_unary(OIP + "ServerReady").with_call(b"", timeout=10)
+            assert answer == protowire.encode_bool(1, False)
+            assert needle in dict(call.trailing_metadata())["ready-reason"], call.trailing_metadata()
+            answer, call = ch.unary_unary(OIP + "ModelReady").with_call(protowire.encode_string(1, "bad"), timeout=10)
+            assert answer == protowire.encode_bool(1, False)
+            assert needle in dict(call.trailing_metadata())["ready-reason"], call.trailing_metadata()
         f, m = two(2, seed=3)
         good = requests.post(f"{c.base}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
         assert good.status_code == 200, good.text
+        # inference on a broken model says it is not ready, and why where the handler knows:
+        # its failed load's own words pass through nginx; TorchServe's "Model not found" for the
+        # archive it could not register becomes "not ready" (the reason is on the ready route)
+        failed = requests.post(f"{c.base}/v2/models/bad/infer", json=v2_body(f, m), timeout=60)
+        assert failed.status_code == 503 and needle in failed.json()["message"], failed.text
+        cut_answer = requests.post(f"{c.base}/v2/models/cut/infer", json=v2_body(f, m), timeout=60)
+        assert cut_answer.status_code == 503, cut_answer.text
+        assert "not ready" in cut_answer.json()["error"] and "not found" not in cut_answer.text.lower(), cut_answer.text
         time.sleep(3)
         c.wait("live")
         assert c.proc.poll() is None and "exited" not in c.log("stdout.log"), c.log("stdout.log")[-2000:]
@@ -401,6 +415,52 @@ def test_client_errors_over_rest_are_4xx_and_the_connection_stays_usable(door, c
     conn.close()
 
 
+def test_the_handlers_413_reaches_the_client_with_its_own_reason(door):
+    """A request of 1,025 rows (the model takes 1,024 per request) is far under nginx's body limit:
+    the 413 is the handler's, and the client must read the handler's words (which limit), over
+    REST and gRPC, not nginx's body-size text."""
+    rows = 1025
+    f, m = two(rows, seed=21)
+    r = requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
+    assert r.status_code == 413, r.text
+    assert "request carries 1025 rows; this model accepts at most 1024" in r.json()["message"], r.text
+    assert "larger than" not in r.text
+    req = grpc_infer_request("two", [("features", "FP32", [rows, 16], None), ("mask", "BOOL", [rows, 16], None)],
+                             [f.numpy().tobytes(), m.numpy().astype("uint8").tobytes()])
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary(OIP + "ModelInfer")(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+    assert "request carries 1025 rows" in e.value.details(), e.value.details()
+
+
+# names a client might send to reach something else through TorchServe's request line
+FORGED_NAMES = ["nope", "two%3Fx=1", "two%20x", "two%0d%0aX-Evil:%201", "..%2Ftwo", "two%2F..", "TWO"]
+
+
+@pytest.mark.parametrize("name", FORGED_NAMES)
+def test_inference_names_are_checked_against_the_pods_models_before_forwarding(door, name):
+    f, m = two(1, seed=22)
+    conn = http.client.HTTPConnection("127.0.0.1", door["container"].http, timeout=30)
+    for path in (f"/v2/models/{name}/infer", f"/v1/models/{name}:predict", f"/v2/models/{name}/versions/1.0/infer"):
+        conn.request("POST", path, body=json.dumps(v2_body(f, m)), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        text = r.read().decode()
+        assert r.status == 404, (path, r.status, text)
+        error = json.loads(text)["error"]  # no such model (named), or no such route (a path of dots)
+        assert error.startswith("no such model") and "it serves two" in error or error.startswith("no such route"), text
+    conn.close()
+
+
+def test_a_version_the_pod_does_not_serve_is_404_and_its_own_is_answered(door):
+    f, m = two(1, seed=23)
+    wrong = requests.post(f"{door['base']}/v2/models/two/versions/7/infer", json=v2_body(f, m), timeout=30)
+    assert wrong.status_code == 404 and "no such model and version" in wrong.json()["error"], wrong.text
+    right = requests.post(f"{door['base']}/v2/models/two/versions/1.0/infer", json=v2_body(f, m), timeout=60)
+    assert right.status_code == 200, right.text
+    check(right.json()["outputs"], f, m)
+
+
 def test_client_errors_over_grpc_are_invalid_argument(door):
     f, m = two(1, seed=13)
     fp32 = protowire.Writer()
@@ -428,6 +488,16 @@ def test_client_errors_over_grpc_are_invalid_argument(door):
         with pytest.raises(grpc.RpcError) as e:
             call(other, timeout=60)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details(), e.value
+        raw = [f2.numpy().tobytes(), m2.numpy().astype("uint8").tobytes()]
+        ins = [("features", "FP32", [1, 16], None), ("mask", "BOOL", [1, 16], None)]
+        with pytest.raises(grpc.RpcError) as e:  # no name: as the bridge answers it
+            call(grpc_infer_request("", ins, raw), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_name is empty" in e.value.details()
+        versioned = protowire.Writer()
+        versioned.string(2, "7")  # model_version 7: the pod serves 1.0
+        with pytest.raises(grpc.RpcError) as e:
+            call(grpc_infer_request("two", ins, raw) + versioned.bytes(), timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "version '7'" in e.value.details(), e.value
         out = call(raw_two(f, m), timeout=60)  # the channel still serves
         assert protowire.first_string(out, 1) == "two"
 

@@ -14,6 +14,14 @@ from handlers.torchserve import oip
 from handlers.wire import oip_grpc
 from handlers.wire.base import Failed
 
+# A JSON error answer is also sent in this header: the KServe pod's nginx rewrites the errors
+# TorchServe's frontend makes (its 503 says "use scale workers API", unreachable from the pod) and
+# must pass the handler's own verbatim (a 413 that says which limit, a 503 with the load failure);
+# it tells them apart by this header and answers with its value (kserve/nginx.conf). json.dumps
+# writes ASCII with newlines escaped, so the body is a valid header value.
+ERROR_HEADER = "X-Handler-Error"
+ERROR_HEADER_MAX = 8192  # within nginx's proxy_buffer_size for the answer's headers (64k)
+
 # A transport whose frontend drops per-request statuses -> the exception to raise when every
 # request of a batch came over it and failed, so each call still gets a real status.
 BATCH_FAILURES = {oip_grpc.TRANSPORT: oip.batch_failure}
@@ -27,6 +35,8 @@ def write(context, answers: list) -> list:
         if type(answer) is Failed:
             context.set_response_status(answer.error.status, answer.error.error_type, idx)
             answer = answer.encoded
+            if answer.media_type == "application/json" and len(answer.body) <= ERROR_HEADER_MAX:
+                context.set_response_header(idx, ERROR_HEADER, answer.body)
         body, content_type, extra = answer
         for key, value in extra.items():  # the format's own headers (v2 binary, gRPC through nginx)
             context.set_response_header(idx, key, value)

@@ -8,7 +8,8 @@ turns both into the call's trailers (kserve/nginx.conf maps the status to the gR
 
 Bound to its transport: chosen by the Content-Type alone, before the body is read, so its errors
 are always answered in this shape. nginx routes a call here only where the pod serves one model;
-a request naming another model is refused (404, NOT_FOUND), never answered by this one.
+a request naming another model or version is refused (404, NOT_FOUND), one naming none
+(empty model_name) is INVALID_ARGUMENT, as the bridge of a several-model pod answers them.
 """
 from __future__ import annotations
 
@@ -55,11 +56,23 @@ class GrpcFramed(KServeV2Grpc):
         return super().decode(unframe(body) if self.parsed is None else body, spec)
 
     def encoded(self, outputs, request_id, model_name, model_version=""):
-        if self.parsed is not None and self.parsed.model_name and self.parsed.model_name != model_name:
-            raise ModelNotFound(f"model {self.parsed.model_name!r} is not served on this route; it serves "
-                                f"{model_name!r}")
+        self.check_names(model_name, model_version)
         message = super().encoded(outputs, request_id, model_name, model_version).body
         return Encoded(b"\0" + len(message).to_bytes(4, "big") + message, MEDIA, {})
+
+    def check_names(self, model_name: str, model_version: str) -> None:
+        """The call names this worker's model, and its version if it names one (as the pod's
+        gRPC bridge checks them for a pod of several models): never answered by another."""
+        p = self.parsed
+        if p is None:
+            return
+        if not p.model_name:
+            raise RequestError(f"the ModelInferRequest's model_name is empty; name the model: {model_name!r}")
+        if p.model_name != model_name:
+            raise ModelNotFound(f"model {p.model_name!r} is not served on this route; it serves {model_name!r}")
+        if p.model_version and model_version and p.model_version != model_version:
+            raise ModelNotFound(f"model {model_name!r} version {p.model_version!r} is not served here; it serves "
+                                f"version {model_version!r} (or leave model_version empty)")
 
     def error(self, err, request_id, model_name, model_version=""):
         return Encoded(b"", MEDIA, {MESSAGE_HEADER: quote(err.message[:4000], safe=" !\"#$&'()*+,/:;=?@[]{}")})
