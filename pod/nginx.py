@@ -24,23 +24,27 @@ def values(cfg: PodConfig) -> dict:
             # its workers to `nobody`, who cannot write the temporary directories made here
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
             "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
-            "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in cfg.models if SAFE_KEY.fullmatch(f"{m.name}|")) or "none"}
+            "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none"}
+
+
+# TorchServe's model names and versions are of these characters; a model named otherwise gets no
+# inference route (its requests are answered 404) rather than a name spliced into nginx's config.
+ROUTABLE = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def routable(cfg: PodConfig) -> list:
+    """The models the inference routes forward to: the one rule for the map and the 404's list."""
+    return [m for m in cfg.models if ROUTABLE.fullmatch(m.name) and ROUTABLE.fullmatch(m.version or "0")]
 
 
 def model_map(cfg: PodConfig) -> str:
-    """The map's entries: each model by name alone and by name and version. A name nginx could
-    not hold as a plain map key (anything beyond letters, digits and . _ -) is left out: TorchServe's
-    own names are of those characters, and a route naming anything else is answered 404."""
+    """The map's entries: each routable model by name alone and by name and version, as a regular
+    expression (~), which nginx matches case-sensitively, as TorchServe matches names."""
     lines = []
-    for m in cfg.models:
-        if SAFE_KEY.fullmatch(f"{m.name}|{m.version}"):
-            # a regular expression (~): matched case-sensitively, as TorchServe matches names
-            name, version = (re.escape(x) for x in (m.name, m.version))
-            lines.append(f"        \"~^{name}\\|({version})?$\" 1;")
+    for m in routable(cfg):
+        name, version = (re.escape(x) for x in (m.name, m.version))
+        lines.append(f"        \"~^{name}\\|({version})?$\" 1;")
     return "\n".join(lines)
-
-
-SAFE_KEY = re.compile(r"[A-Za-z0-9._-]+\|[A-Za-z0-9._-]*")
 
 
 def model_infer(cfg: PodConfig) -> str:
