@@ -88,7 +88,7 @@ def first_requests(handler, ctx, sizes, inputs, args, idle_repeats=0) -> dict:
     Stage times come from the handler's own metrics."""
     from handlers.wire import safetensors_io
 
-    device = handler.device
+    device = handler.worker.loaded.device
     ctx.metrics = rec = StageRecorder()
     out, calls = {}, {}
     for b in sorted({sizes[0], sizes[-1]}):
@@ -359,7 +359,7 @@ class Case:
     def floor(self):
         import torch
 
-        model, device, stream = self.run.handler.model, self.run.device, self.stream
+        model, device, stream = self.run.handler.worker.loaded.model, self.run.device, self.stream
         if stream is None:
             with torch.inference_mode():
                 model(*self.pinned)
@@ -403,7 +403,7 @@ def handler_stages(run, case, cur, body, ct):
 
     def run_only():
         with torch.inference_mode():
-            outs["o"] = handler.runner.run([cur["req"].tensors])[0]
+            outs["o"] = handler.worker.loaded.runner.run([cur["req"].tensors])[0]
 
     stages = {"floor": case.floor, "handle": handle, "decode": decode_only, "run": run_only,
               "encode": lambda: cur["req"].encode(outs["o"], "bench")}
@@ -439,11 +439,12 @@ def cuda_stages(run, case, cur, body, handle) -> dict:
 
     def with_pieces(mib):
         def fn():  # the same request, uploaded in pieces of `mib` MiB (0: one piece)
-            keep, handler.runner.piece_bytes = handler.runner.piece_bytes, int(mib * (1 << 20))
+            runner = handler.worker.loaded.runner
+            keep, runner.piece_bytes = runner.piece_bytes, int(mib * (1 << 20))
             try:
                 handle()
             finally:
-                handler.runner.piece_bytes = keep
+                runner.piece_bytes = keep
         return fn
 
     def xfer(mib):
@@ -558,7 +559,7 @@ def load_handlers(run) -> dict:
     del cold
     run.handler, run.ctx, run.load_warm_s, first["warmup"] = load_and_time_first(
         args, run.gpu, {"crash_safe_load": False}, sizes, inputs)
-    run.device = run.handler.device
+    run.device = run.handler.worker.loaded.device
     run.off = None
     if args.graphs_contrast:
         h_off, c_off, _, first["warmup_no_graphs"] = load_and_time_first(
@@ -594,7 +595,8 @@ def main(argv=None):
                           sizes=[int(b) for b in args.batch_sizes.split(",")], inputs=input_maker(spec))
     first = load_handlers(run)
     handler, device = run.handler, run.device
-    print(f"graphs: {getattr(handler.runner, 'graphs', None) and handler.runner.graphs.describe()}", flush=True)
+    runner = handler.worker.loaded.runner
+    print(f"graphs: {getattr(runner, 'graphs', None) and runner.graphs.describe()}", flush=True)
     results = []
     for b in run.sizes:
         case = Case(run, b)

@@ -17,6 +17,8 @@ from handlers.errors import ConfigError
 class HandlerConfig:
     # TorchServe's own keys (top level of model-config.yaml)
     device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
+    workers: Optional[int] = None  # maxWorkers, else minWorkers: the model's worker count; None: not stated
+    device_ids: tuple = ()  # deviceIds: the GPUs TorchServe spreads the workers over; empty: every visible one
     # Ours (under `handler:`)
     # CPU threads for this worker's torch (intra-op); 0 = decided at load (handlers/torchserve/threads.py):
     # 1 on a CUDA worker, an equal share of the usable cores on a CPU worker.
@@ -101,9 +103,10 @@ class HandlerConfig:
     pad_buckets: tuple = ()
 
 
-_HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name != "device_type"}
+_TOP_LEVEL = ("device_type", "workers", "device_ids")
+_HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name not in _TOP_LEVEL}
 # Each option's type, from the dataclass annotations (one place): int, float, str, bool, tuple.
-_TYPES = {k: t for k, t in get_type_hints(HandlerConfig).items() if k != "device_type"}
+_TYPES = {k: t for k, t in get_type_hints(HandlerConfig).items() if k not in _TOP_LEVEL}
 
 
 def _coerce(key, value, kind):
@@ -172,7 +175,10 @@ def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
         raw = {**raw, "cuda_graphs": "on" if raw["cuda_graphs"] else "off"}
     values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
     _validate(values)
-    return HandlerConfig(device_type=device_type, **values)
+    workers = next((v for v in (model_yaml.get("maxWorkers"), model_yaml.get("minWorkers"))
+                    if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    return HandlerConfig(device_type=device_type, workers=workers,
+                         device_ids=tuple(model_yaml.get("deviceIds") or ()), **values)
 
 
 def _validate(values: dict) -> None:

@@ -23,9 +23,8 @@ from handlers import faults, wire
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
-from handlers.torchserve import restart
-from handlers.torchserve.stage_timings import batch_profiler, label  # noqa: F401  (the entry's profiler)
-from handlers.worker import Health, Worker
+from handlers.loaded import Loaded
+from handlers.torchserve.stage_timings import label
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +44,21 @@ class Batch:
     def answer(self, idx: int, req: wire.Request, out: dict) -> None:
         self.answers[idx] = req.encode(out, self.model_name, self.version)
 
-    def fail_all(self, data: list, headers: list, err: ServingError, worker: Optional[Worker]) -> list:
+    def fail_all(self, data: list, headers: list, err: ServingError, loaded: Optional[Loaded]) -> list:
         """Every request answered with `err`, each in its transport's shape (its body unread)."""
-        cap = worker.limits.max_json_bytes if worker else int(HandlerConfig.max_json_mb * (1 << 20))
+        cap = loaded.limits.max_json_bytes if loaded else int(HandlerConfig.max_json_mb * (1 << 20))
         for idx, (request, h) in enumerate(zip(data, headers)):
             self.fail(idx, wire.arrival(request, h, cap), err)
         return self.answers
 
 
-def serve(worker: Optional[Worker], health: Health, data: list, headers: list, model_name: str,
-          model_version: str = "", profile=None) -> list:
-    """The answers to one TorchServe batch (`headers`: each request's handlers.torchserve.headers.
-    RequestHeaders); with `profile` (a factory from batch_profiler), the batch runs under
-    torch.profiler."""
-    if profile is not None:
-        return _profiled(profile, worker, health, data, headers, model_name, model_version)
-    batch = Batch(len(data), model_name, model_version)
-    refusal = health.refusal()
-    if refusal is not None:
-        return batch.fail_all(data, headers, refusal, worker)
-    try:
-        _run(worker, health, data, headers, batch)
-    except Exception as e:
-        logger.exception("batch failed outside any one request")
-        err = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}")
-        return batch.fail_all(data, headers, err, worker)
-    return batch.answers
+def serve(worker, data: list, headers: list) -> list:
+    """The answers to one TorchServe batch (`worker`: handlers/worker.Worker; `headers`: each
+    request's handlers.torchserve.headers.RequestHeaders); with the worker's `profile` (a
+    factory from stage_timings.batch_profiler), the batch runs under torch.profiler."""
+    if worker.profile is not None:
+        return _profiled(worker.profile, worker, data, headers)
+    return _serve(worker, data, headers)
 
 
 def _profiled(profile, *args) -> list:
@@ -79,7 +67,7 @@ def _profiled(profile, *args) -> list:
     prof = profile()
     prof.__enter__()
     try:
-        return serve(*args)
+        return _serve(*args)
     finally:
         try:
             prof.__exit__(None, None, None)
@@ -87,28 +75,43 @@ def _profiled(profile, *args) -> list:
             logger.warning("the profiler's trace was not written: %s", e)
 
 
-def _run(worker: Worker, health: Health, data: list, headers: list, batch: Batch) -> None:
+def _serve(worker, data: list, headers: list) -> list:
+    batch = Batch(len(data), worker.name, worker.version)
+    refusal = worker.health.refusal()
+    if refusal is not None:
+        return batch.fail_all(data, headers, refusal, worker.loaded)
+    try:
+        _run(worker, data, headers, batch)
+    except Exception as e:
+        logger.exception("batch failed outside any one request")
+        err = ServingError(f"internal error: {type(e).__name__}: {str(e)[:300]}")
+        return batch.fail_all(data, headers, err, worker.loaded)
+    return batch.answers
+
+
+def _run(worker, data: list, headers: list, batch: Batch) -> None:
+    loaded = worker.loaded
     t0 = time.perf_counter()
     with label("decode"):
-        valid = admit_all(worker, data, headers, batch)
+        valid = admit_all(loaded, data, headers, batch)
     t1 = time.perf_counter()
     if not valid:
-        worker.stages.record(decode=(t1 - t0) * 1000.0, total=(t1 - t0) * 1000.0)
+        loaded.stages.record(decode=(t1 - t0) * 1000.0, total=(t1 - t0) * 1000.0)
         return
     with label("run"):
-        outputs = infer(worker, health, [req.tensors for _, req in valid])
+        outputs = infer(worker, [req.tensors for _, req in valid])
     t2 = time.perf_counter()
     with label("encode"):
         encode_all(valid, outputs, batch)
     t3 = time.perf_counter()
-    worker.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0, encode=(t3 - t2) * 1000.0,
+    loaded.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0, encode=(t3 - t2) * 1000.0,
                          total=(t3 - t0) * 1000.0)
 
 
-def admit_all(worker: Worker, data: list, headers: list, batch: Batch) -> list:
+def admit_all(loaded: Loaded, data: list, headers: list, batch: Batch) -> list:
     """[(idx, admitted wire.Request)] for the valid requests; the others get their error in the batch."""
     valid = []
-    spec, limits = worker.spec, worker.limits
+    spec, limits = loaded.spec, loaded.limits
     for idx, request in enumerate(data):
         req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
         try:
@@ -140,39 +143,39 @@ def encode_all(valid: list, outputs: list, batch: Batch) -> None:
                                               f"{type(e).__name__}: {str(e)[:300]}"))
 
 
-def infer(worker: Worker, health: Health, batch: list) -> list:
+def infer(worker, batch: list) -> list:
     """Runs the batch; if it fails, runs each request alone so one bad request fails alone.
     Device faults: handlers/faults.py."""
     try:
         with torch.inference_mode():
-            return worker.runner.run(batch)
+            return worker.loaded.runner.run(batch)
     except Exception as e:
         if faults.is_sticky(e):
-            health.broken(f"{type(e).__name__}: {e}")
-            restart.exit_soon(health.reason)
+            reason = f"{type(e).__name__}: {e}"
+            worker.broken(reason)
             return [ServingError(f"model execution failed with a device fault; this worker is "
-                                 f"restarting: {health.reason}")] * len(batch)
+                                 f"restarting: {reason}")] * len(batch)
         if faults.is_oom(e):
             faults.release_cache()
         if len(batch) == 1:
-            return [_one_failed(worker, e)]
+            return [_one_failed(worker.loaded, e)]
         logger.warning("batch of %d failed (%s); retrying requests one by one", len(batch), e)
     results = []
     for one in batch:
-        refusal = health.refusal()
+        refusal = worker.health.refusal()
         if refusal is not None:  # a device fault on an earlier one: the context is unusable
             results.append(refusal)
             continue
-        out = infer(worker, health, [one])[0]
+        out = infer(worker, [one])[0]
         # The runner's outputs live in reused buffers until its next call: keep a copy.
         results.append(out if isinstance(out, ServingError) else {k: v.clone() for k, v in out.items()})
     return results
 
 
-def _one_failed(worker: Worker, e: Exception) -> ServingError:
+def _one_failed(loaded: Loaded, e: Exception) -> ServingError:
     """The answer of a single request the model failed on: the client's fault where the model
     itself said so (handlers/faults.client_fault), out of memory, or a 500 naming the error."""
-    client = faults.client_fault(e, worker.spec)
+    client = faults.client_fault(e, loaded.spec)
     if client is not None:
         logger.warning("request refused by the model itself: %s", client.message)
         return client

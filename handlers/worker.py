@@ -1,61 +1,118 @@
-"""What one TorchServe worker holds once it has started: the loaded artifact and everything the
-request pipeline reads (handlers/startup.py builds it once; handlers/pipeline.py uses it per
-batch), and the worker's health, the one state every request consults first."""
+"""The one owner of a started TorchServe worker. Like a Triton python_backend model it has
+three verbs: `start(context)` once (handlers/startup.py's steps, then handlers/warmup.py's),
+`serve(data, headers)` per batch (handlers/pipeline.py), and `between_batches(waiting)` while
+the frontend sends nothing (work deferred until after ready: CUDA graph captures). It holds the
+model's name and version, its health, what the start loaded (handlers/loaded.py) and the
+deferred work; the TorchServe entry (handlers/ts_entry.py) is a thin adapter over it."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Callable, Optional
 
-from handlers.admission import Limits
-from handlers.artifact.metadata import ArtifactSpec
-from handlers.config import HandlerConfig
-from handlers.errors import ModelLoadFailed, ServingError
-from handlers.faults import WorkerRestarting
-from handlers.torchserve.stage_timings import StageTimes
+from handlers import faults, pipeline, startup, warmup
+from handlers.health import Health
+from handlers.loaded import Loaded
+from handlers.torchserve import frontend_frames, restart
+from handlers.torchserve.stage_timings import batch_profiler, metric_sink
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
 class Worker:
-    config: HandlerConfig
-    spec: ArtifactSpec
-    limits: Limits
-    model: Any  # the loaded artifact (handlers/artifact/kinds: .loader names how it was loaded)
-    runner: Any  # handlers/run: runs a list of requests' tensors, returns their outputs
-    device: Any  # torch.device
-    stages: StageTimes  # emits through TorchServe's metrics
+    def __init__(self, name: str = "model", version: str = ""):
+        self.name, self.version = name, version
+        self.health = Health()
+        self.loaded: Optional[Loaded] = None
+        self.profile = None  # ENABLE_TORCH_PROFILER: a torch.profiler per batch (stage_timings.py)
+        self._deferred: list = []  # callables run between batches, each True while more is left
 
+    @classmethod
+    def of(cls, context) -> "Worker":
+        """A worker for the model TorchServe's context names (its manifest)."""
+        model = context.manifest.get("model", {})
+        return cls(model.get("modelName", "model"), str(model.get("modelVersion") or ""))
 
-class Health:
-    """loading -> ready | load_failed; ready -> broken (a sticky device fault: the worker is
-    exiting, handlers/faults.py). Every state but ready answers each request with its refusal."""
+    def start(self, context) -> None:
+        """Loads and warms up; a load failure that would recur on every restart (an incompatible,
+        corrupt or misconfigured artifact) is kept as the answer to every request (503 with the
+        reason; TorchServe lists the worker READY, the description says ready: false), since
+        raising makes TorchServe restart the worker with back-off while requests wait unanswered
+        (measured: none answered in 420 s). Raises the others, and where the archive says
+        handler.answer_load_failure: false."""
+        startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
+        emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer
+        try:
+            plan = startup.plan(context)
+            answer_failure = plan.config.answer_load_failure
+            self._load(plan, context, emit)
+        except Exception as e:  # noqa: BLE001  (every cause, named: startup.load_failure)
+            err = startup.load_failure(e)
+            if not err.recurs or not answer_failure:
+                logger.error("load failed (%s); TorchServe restarts the worker: %s", type(e).__name__, err)
+                if err is e:
+                    raise
+                raise err from e
+            logger.error("load failed (%s); every request will be answered 503 with the reason: %s",
+                         type(e).__name__, err)
+            self.loaded = None
+            self.health.load_failed(self.name, err.message)
+            emit("ModelLoadFailed", 1.0)
+        self.profile = batch_profiler(self.name)  # after the warm-up: clients' batches only
 
-    def __init__(self):
-        self.state, self.reason = "loading", None
+    def _load(self, plan: startup.StartPlan, context, emit) -> None:
+        steps = startup.StartSteps()
+        with startup.gpu_room(plan):
+            self.loaded = startup.load(plan, emit, steps)
+            self.health.ready()  # from here the request-path warm-up's requests are served
+            reader = frontend_frames.install(plan.config.buffered_reader, self.between_batches)
+            deferred = warmup.model_and_graphs(self.loaded, steps, frontend_frames.runs_between_batches())
+            if plan.config.warmup:
+                warmup.request_path(self, context, smallest_only=deferred)
+                steps.done("request-path warm-up")
+            startup.log_loaded(self.loaded, plan.placement, steps, reader)
+            step = self.loaded.runner.capture_step() if deferred else None  # after the warm-up: clients' calls
+            if step is not None:
+                self.defer(step)
+            startup.emit_times(emit, steps)
 
-    def ready(self) -> None:
-        self.state, self.reason = "ready", None
-
-    def load_failed(self, model_name: str, message: str) -> None:
-        self.state, self.reason = "load_failed", f"model {model_name!r} failed to load: {message}"
+    def serve(self, data: list, headers: list) -> list:
+        """One answer per request of a TorchServe batch (`headers`: each request's
+        handlers.torchserve.headers.RequestHeaders), an Encoded or a Failed."""
+        return pipeline.serve(self, data, headers)
 
     def broken(self, reason: str) -> None:
-        self.state, self.reason = "broken", reason
+        """A sticky device fault: every later request is refused and the process exits once its
+        answers are sent, so TorchServe starts a fresh worker (handlers/faults.py)."""
+        self.health.broken(reason)
+        restart.exit_soon(reason)
 
-    def refusal(self) -> Optional[ServingError]:
-        """The error every request gets in this state, or None when the worker serves."""
-        if self.state == "load_failed":
-            return ModelLoadFailed(self.reason)
-        if self.state == "broken":
-            return WorkerRestarting(f"this worker hit a device fault and is restarting: {self.reason}")
-        if self.state == "loading":  # TorchServe sends requests only after initialize returns
-            return ServingError("this worker has not finished loading its model")
-        return None
+    def defer(self, step: Callable[[], bool]) -> None:
+        """Run `step()` between batches, again and again until it returns False."""
+        self._deferred.append(step)
+
+    def between_batches(self, waiting: Callable[[], bool]) -> None:
+        """Deferred steps, one at a time, while `waiting()` says no message has begun to arrive
+        (the frame reader calls this when the worker's loop is back for its next message). A
+        step that raises is dropped: a sticky device fault breaks the worker, anything else is
+        logged; the loop must go on reading messages."""
+        while self._deferred and not waiting():
+            step = self._deferred[0]
+            try:
+                more = step()
+            except Exception as e:  # noqa: BLE001
+                more = False
+                if faults.is_sticky(e):
+                    logger.critical("deferred work hit a device fault: %s: %s", type(e).__name__, e)
+                    self.broken(f"deferred work: {type(e).__name__}: {e}")
+                else:
+                    logger.exception("deferred work failed and was dropped")
+            if not more:
+                self._deferred.remove(step)
+
+    def pending(self) -> bool:
+        """Whether work waits for the gaps between batches."""
+        return bool(self._deferred)
 
     def describe(self) -> dict:
-        """`GET /models/NAME?customized=true` shows this (handlers/ts_entry.py)."""
-        return {"ready": self.state == "ready", "state": self.state,
-                "load_error": self.reason if self.state == "load_failed" else None,
-                "device_fault": self.reason if self.state == "broken" else None}
+        """`GET /models/NAME?customized=true` shows this (the management API's describe)."""
+        return self.health.describe()

@@ -108,7 +108,7 @@ def test_toy_kind_and_format_are_served(registered, tmp_path):
     ctx.metrics = Metrics()
     handler = CompiledModelHandler()
     handler.initialize(ctx)
-    assert handler.model.loader == "toy_scale"
+    assert handler.worker.loaded.model.loader == "toy_scale"
     ctx.request_processor = [RequestProcessor({"Content-Type": "text/csv"}),
                              RequestProcessor({"Content-Type": "application/json"})]
     ctx.metrics = Metrics()

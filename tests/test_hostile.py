@@ -61,7 +61,7 @@ def strict_loads(text):
 def handler():
     from worker_kit import make_worker, serving_handler
 
-    return serving_handler(make_worker(SPEC, CpuRunner(model, SPEC), LIMITS, parse_config({})), "hostile")
+    return serving_handler(make_worker(SPEC, CpuRunner(model, SPEC), LIMITS, parse_config({}), name="hostile"))
 
 
 def context(content_types):
@@ -268,7 +268,7 @@ def test_load_failure_answers_every_request_with_the_reason(tmp_path):
     ctx = Context("broken", str(tmp_path), {"model": {"modelName": "broken"}}, 1, None, "0.12.0",
                   model_yaml_config={"handler": {"crash_safe_load": False}})
     h.initialize(ctx)  # tmp_path holds no artifact.json: a LoadError
-    assert h.initialized and h.load_error is not None
+    assert h.initialized and h.worker.health.state == "load_failed" and h.worker.health.reason
     ctx = context([JSON, JSON])
     outs = h.handle([{"body": bytearray(good_request(0)[1])}] * 2, ctx)
     for i, o in enumerate(outs):
@@ -321,7 +321,7 @@ def test_out_of_memory_fails_only_its_request(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 GiB")
         return model(features, mask)
 
-    h.worker.runner = CpuRunner(picky, SPEC)
+    h.worker.loaded.runner = CpuRunner(picky, SPEC)
     goods = [good_request(0), good_request(3), good_request(2)]  # 1, 1 and 3 rows
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
@@ -340,7 +340,7 @@ def test_sticky_device_error_answers_then_exits(monkeypatch):
     def broken(features, mask):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    h.worker.runner = CpuRunner(broken, SPEC)
+    h.worker.loaded.runner = CpuRunner(broken, SPEC)
     goods = [good_request(0), good_request(2)]
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)
@@ -361,7 +361,7 @@ def test_torchserve_profiler_switch_writes_a_trace_per_batch(monkeypatch, tmp_pa
     monkeypatch.setenv("ENABLE_TORCH_PROFILER", "true")
     monkeypatch.setattr(stage_timings, "PROFILE_ROOT", str(tmp_path))
     h = handler()
-    h.profile = stage_timings.batch_profiler(h.model_name)
+    h.worker.profile = stage_timings.batch_profiler(h.worker.name)
     goods = [good_request(i) for i in range(2)]
     ctx = context([g[0] for g in goods])
     outs = h.handle([{"body": bytearray(g[1])} for g in goods], ctx)

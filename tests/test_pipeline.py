@@ -3,7 +3,7 @@ import torch
 
 from handlers.errors import ServingError
 from handlers.pipeline import infer
-from worker_kit import make_spec, make_worker, ready_health
+from worker_kit import make_spec, make_worker
 
 
 class ReusingRunner:
@@ -23,7 +23,7 @@ class ReusingRunner:
 def test_one_by_one_retry_keeps_each_requests_own_answer():
     worker = make_worker(make_spec(), ReusingRunner())
     batch = [{"x": torch.full((1, 4), float(i))} for i in range(3)]
-    outs = infer(worker, ready_health(), batch)
+    outs = infer(worker, batch)
     assert [o["y"][0, 0].item() for o in outs] == [0.0, 10.0, 20.0]  # not [20, 20, 20]
 
 
@@ -36,17 +36,17 @@ def test_retry_stops_running_after_a_device_fault():
             raise RuntimeError("CUDA error: device-side assert triggered" if len(requests) == 1
                                else "simulated batch failure")
 
-    worker, health = make_worker(make_spec(), Sticky()), ready_health()
+    worker = make_worker(make_spec(), Sticky())
     from handlers.torchserve import restart
 
     real = restart.exit_soon
     restart.exit_soon = lambda reason, delay_s=0: None
     try:
-        outs = infer(worker, health, [{"x": torch.zeros(1, 4)}] * 3)
+        outs = infer(worker, [{"x": torch.zeros(1, 4)}] * 3)
     finally:
         restart.exit_soon = real
     assert calls == [3, 1] and all(isinstance(o, ServingError) for o in outs)
-    assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2 and health.state == "broken"
+    assert [o.error_type for o in outs[1:]] == ["WorkerRestarting"] * 2 and worker.health.state == "broken"
 
 
 def test_an_index_error_of_the_model_is_the_clients_400_without_native_paths():
@@ -103,14 +103,14 @@ def test_the_pipeline_answers_each_request_without_a_server_and_replies_set_them
     from handlers.torchserve.headers import RequestHeaders
     from handlers.wire.base import Encoded, Failed
 
-    worker, health = make_worker(make_spec(), Doubling()), ready_health()
+    worker = make_worker(make_spec(), Doubling(), name="m", version="1")
     rest, grpc = RequestHeaders("application/json"), RequestHeaders(rest=False)
     oip_ok = {"body": b'{"id": "a", "model_name": "m", "inputs": [{"name": "x", "shape": [1, 4], '
                       b'"datatype": "FP32", "data": [1, 2, 3, 4]}]}'}
     oip_bad = {"body": b'{"id": "b", "model_name": "m", "inputs": [{"name": "x", "shape": [1, 3], '
                        b'"datatype": "FP32", "data": [1, 2, 3]}]}'}
-    answers = pipeline.serve(worker, health, [{"body": b'{"inputs": {"x": [[1, 2, 3, 4]]}}'}, {"body": b"{"},
-                                              dict(oip_ok), dict(oip_bad)], [rest, rest, grpc, grpc], "m", "1")
+    answers = pipeline.serve(worker, [{"body": b'{"inputs": {"x": [[1, 2, 3, 4]]}}'}, {"body": b"{"},
+                                      dict(oip_ok), dict(oip_bad)], [rest, rest, grpc, grpc])
     assert [type(a) for a in answers] == [Encoded, Failed, Encoded, Failed]
     assert json.loads(answers[0].body) == {"outputs": {"y": [[2.0, 4.0, 6.0, 8.0]]}}
     assert answers[1].error.status == 400 and answers[1].transport is None
@@ -136,7 +136,7 @@ def test_the_pipeline_answers_each_request_without_a_server_and_replies_set_them
     assert bodies == [a.body if type(a) is Encoded else a.encoded.body for a in answers]
     assert ctx.status == {1: 400, 3: 400} and ctx.types[0] == "application/json"
     # every request of the batch an OIP gRPC call, every one failed: one exception, its status
-    answers = pipeline.serve(worker, health, [dict(oip_bad), dict(oip_bad)], [grpc, grpc], "m", "1")
+    answers = pipeline.serve(worker, [dict(oip_bad), dict(oip_bad)], [grpc, grpc])
     with pytest.raises(PredictionException) as e:
         replies.write(Context(), answers)
     assert e.value.error_code == 400 and "BatchFailed" in e.value.message

@@ -45,28 +45,28 @@ def test_warm_up_request_path_covers_graph_buckets_and_ends_on_the_binary_path(a
     from ts.context import Context
 
     from handlers.run.cpu import CpuRunner
-    from handlers.torchserve import headers
+    from handlers.torchserve import exchange, headers
     from handlers.ts_entry import CompiledModelHandler
     from handlers.wire import safetensors_io
 
     monkeypatch.setattr(CpuRunner, "bucket_sizes", lambda self: buckets)
     if cap:
-        monkeypatch.setattr("handlers.startup.WARMUP_BATCH_BYTES", cap)
+        monkeypatch.setattr("handlers.warmup.WARMUP_BATCH_BYTES", cap)
     seen = []
-    real_handle = CompiledModelHandler.handle
+    real_handle = exchange.handle
 
-    def handle(self, data, context):
+    def handle(worker, data, context):
         cts = {headers.read(context, i).content_type for i in range(len(data))}
-        out = real_handle(self, data, context)
+        out = real_handle(worker, data, context)
         seen.append((len(data), cts.pop(), [context.get_response_status(i)[0] for i in range(len(data))]))
         return out
 
-    monkeypatch.setattr(CompiledModelHandler, "handle", handle)
+    monkeypatch.setattr(exchange, "handle", handle)
     ctx = Context("p", str(artifacts.get("cls_export")), {"model": {"modelName": "p"}}, 1, None, "0.12.0",
                   model_yaml_config={"handler": {"crash_safe_load": False, "max_json_mb": json_mb}})
     h = CompiledModelHandler()
     h.initialize(ctx)
-    assert h.load_error is None and (h.spec.batch_min, h.spec.batch_max) == (1, 16)
+    assert h.worker.health.state == "ready" and (h.worker.loaded.spec.batch_min, h.worker.loaded.spec.batch_max) == (1, 16)
     st = safetensors_io.CONTENT_TYPE
     json_case = [(1, "application/json")] if json_mb >= 1 else []
     assert [(n, ct) for n, ct, _ in seen] == json_case + [(n, st) for n in batches] + [(1, st)] * 8
@@ -214,8 +214,8 @@ def test_a_failed_start_reaches_torchserve_with_its_real_cause(monkeypatch, tmp_
         raise cause
 
     assert load(raw)[1:] == ("System out of memory", 507)  # what TorchServe makes of the raw error
-    monkeypatch.setattr(startup, "start", failing_start)
-    with caplog.at_level(logging.ERROR, logger="handlers.ts_entry"), pytest.raises(LoadError) as e:
+    monkeypatch.setattr(startup, "plan", failing_start)
+    with caplog.at_level(logging.ERROR, logger="handlers.worker"), pytest.raises(LoadError) as e:
         load(lambda ctx: CompiledModelHandler().initialize(ctx))
     assert e.value.message == ("the worker's start failed with RuntimeError: CUDA error: device-side assert "
                                "triggered\nCUDA kernel errors might be asynchronously reported at some other API call")
@@ -227,82 +227,91 @@ def test_a_failed_start_reaches_torchserve_with_its_real_cause(monkeypatch, tmp_
         raise LoadError("no variant fits")
 
     h = CompiledModelHandler()
-    monkeypatch.setattr(startup, "start", no_variant)
+    monkeypatch.setattr(startup, "plan", no_variant)
     load(h.initialize)
-    assert h.load_error == "model 'p' failed to load: no variant fits"
+    assert h.worker.health.reason == "model 'p' failed to load: no variant fits"
 
 
 def test_work_between_batches_runs_only_while_no_message_waits(monkeypatch, caplog):
-    """The frame reader's check between messages (restart.exit_if_idle) runs the deferred steps
-    one at a time while nothing of a next message has arrived on the frontend's socket, and
-    none once a byte waits (the message is read first; the rest waits for the next gap). A step
-    that raises is logged and dropped; the loop goes on."""
+    """The frame reader, back for its next message with nothing buffered, runs the worker's
+    deferred steps (Worker.between_batches) one at a time while nothing of a next message has
+    arrived on the frontend's socket, and none once a byte waits (the message is read first;
+    the rest waits for the next gap). A step that raises is logged and dropped; the loop goes on."""
     import socket
+    import threading
 
-    from handlers.torchserve import idle, restart
+    from handlers.torchserve import frontend_frames
+    from handlers.worker import Worker
 
-    monkeypatch.setattr(idle, "_steps", [])
-    front, worker = socket.socketpair()
+    owner = Worker()
+    monkeypatch.setattr(frontend_frames, "_between_batches", owner.between_batches)
+    front, back = socket.socketpair()
     try:
         done = []
 
         def step():
             done.append(len(done))
             if len(done) == 2:
-                front.sendall(b"I")  # the frontend's next message begins during the second step
+                front.sendall(b"I\xff\xff\xff\xff")  # the frontend's next message begins during the second step
             return len(done) < 5
 
-        idle.defer(step)
-        restart.exit_if_idle(worker)
-        assert done == [0, 1] and idle.pending()  # stopped: a byte waits
-        assert worker.recv(1) == b"I"  # the loop reads its message...
-        restart.exit_if_idle(worker)  # ...answers it, and is back: the rest runs
-        assert done == [0, 1, 2, 3, 4] and not idle.pending()
+        owner.defer(step)
+        assert frontend_frames.retrieve_msg(back) == (b"I", [])
+        assert done == [0, 1] and owner.pending()  # stopped: a byte waited, and the message was read
+        later = threading.Timer(0.5, front.sendall, [b"I\xff\xff\xff\xff"])
+        later.start()  # the loop answered it and is back: the rest runs before the next message
+        assert frontend_frames.retrieve_msg(back) == (b"I", [])
+        assert done == [0, 1, 2, 3, 4] and not owner.pending()
 
         def broken():
             raise ValueError("a bug in deferred work")
 
-        idle.defer(broken)
+        owner.defer(broken)
         with caplog.at_level("ERROR"):
-            restart.exit_if_idle(worker)
-        assert not idle.pending() and "deferred work failed and was dropped" in caplog.text
+            owner.between_batches(lambda: False)
+        assert not owner.pending() and "deferred work failed and was dropped" in caplog.text
     finally:
         front.close()
-        worker.close()
+        back.close()
 
 
 def test_graphs_deferred_after_ready_log_when_done_and_a_device_fault_exits(monkeypatch, caplog):
-    """startup.defer_graphs: one capture per step until the runner says what it kept; the line
-    then says how long since ready and how many calls ran without a graph meanwhile (what
-    bench.bench_start reads back). A sticky CUDA error in a capture exits the worker as one
-    in a batch does (restart.exit_soon), and stops the steps."""
-    import types
-
-    from handlers import startup
-    from handlers.torchserve import idle, restart
+    """CudaRunner.capture_step: one capture per step until the runner says what it kept; the
+    line then says how long since ready and how many calls ran without a graph meanwhile (what
+    bench.bench_start reads back). A sticky CUDA error in a capture breaks the worker as one in
+    a batch does (its requests refused, restart.exit_soon), and stops the steps."""
+    from handlers.run.cuda import CudaRunner
+    from handlers.torchserve import restart
+    from handlers.worker import Worker
     from bench.bench_start import graphs_done
 
-    monkeypatch.setattr(idle, "_steps", [])
     notes = iter([None, None, "CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)"])
-    runner = types.SimpleNamespace(capture_next=lambda: next(notes), plain_calls=9)  # 9: the warm-up's
-    startup.defer_graphs(types.SimpleNamespace(runner=runner))
+    runner = CudaRunner.__new__(CudaRunner)
+    runner.deferred, runner.plain_calls = object(), 9  # 9: the warm-up's
+    monkeypatch.setattr(CudaRunner, "capture_next", lambda self: next(notes))
+    owner = Worker()
+    owner.health.ready()
+    owner.defer(runner.capture_step())
     assert runner.plain_calls == 0
     runner.plain_calls = 3  # three client calls before the captures were done
-    with caplog.at_level("INFO", logger="handlers.startup"):
-        idle.run(lambda: False)
+    with caplog.at_level("INFO", logger="handlers.run.cuda"):
+        owner.between_batches(lambda: False)
     (done,) = graphs_done(caplog.text)
     assert done["calls_without_graph"] == 3 and 0 <= done["graphs_after_ready_s"] < 5
-    assert "; CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)" in caplog.text and not idle.pending()
+    assert "; CUDA graphs for batch [1, 2, 4] (3 graphs, 12 MiB)" in caplog.text and not owner.pending()
+    assert runner.capture_step() is not None  # (deferred still set by hand here)
 
     exits = []
     monkeypatch.setattr(restart, "exit_soon", exits.append)
 
-    def sticky():
+    def sticky(self):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    startup.defer_graphs(types.SimpleNamespace(runner=types.SimpleNamespace(capture_next=sticky, plain_calls=0)))
-    idle.run(lambda: False)
-    assert len(exits) == 1 and "illegal memory access" in exits[0] and not idle.pending()
+    monkeypatch.setattr(CudaRunner, "capture_next", sticky)
+    owner.defer(runner.capture_step())
+    owner.between_batches(lambda: False)
+    assert len(exits) == 1 and "illegal memory access" in exits[0] and not owner.pending()
+    assert owner.health.state == "broken" and owner.health.refusal().status == 503
 
 
 @pytest.mark.parametrize("mode,hook,deferred", [("auto", True, True), ("auto", False, False), ("on", True, False)])
@@ -313,8 +322,7 @@ def test_graphs_are_deferred_only_with_auto_and_the_between_batches_check(monkey
     and every capture come before ready, as before."""
     import types
 
-    from handlers import startup
-    from handlers.artifact.kinds import kind_of
+    from handlers import startup, warmup
     from handlers.config import parse_config
     from handlers.run import cuda as cuda_runner
     from handlers.run import graphs
@@ -326,37 +334,18 @@ def test_graphs_are_deferred_only_with_auto_and_the_between_batches_check(monkey
     monkeypatch.setattr(graphs, "GraphBuilder", lambda *a, **k: types.SimpleNamespace(pending=[1, 2, 4, 8]))
     monkeypatch.setattr(graphs, "build", lambda *a, **k: graphs.GraphSet({}, 0))
     warmed = []
-    monkeypatch.setattr(startup, "warm_up", lambda worker, smallest_only=False: warmed.append(smallest_only))
-    monkeypatch.setattr(startup, "between_batches_hook", lambda: hook)
-    worker = types.SimpleNamespace(config=parse_config({"handler": {"cuda_graphs": mode}}), runner=r)
-    note, was_deferred = startup.prepare_graphs(worker, kind_of("aoti"), startup.StartSteps())
+    monkeypatch.setattr(warmup, "model", lambda loaded, smallest_only=False: warmed.append(smallest_only))
+    loaded = types.SimpleNamespace(config=parse_config({"handler": {"cuda_graphs": mode}}), runner=r, spec=spec)
+    steps = startup.StartSteps()
+    was_deferred = warmup.model_and_graphs(loaded, steps, between_batches=hook)
     assert was_deferred is deferred and warmed == [deferred]
-    assert (note == "CUDA graphs: capturing 4 buckets after ready (between batches)") is deferred
-    assert (r.deferred is not None) is deferred
+    assert (steps.notes["graphs"] == "CUDA graphs: capturing 4 buckets after ready (between batches)") is deferred
+    assert (r.deferred is not None) is deferred and (r.capture_step() is not None) is deferred
 
 
 def test_in_process_handlers_never_defer_work_between_batches():
     """A handler driven in this process (tests, bench.bench) has no TorchServe loop to run
     deferred work in: graphs are captured before ready there."""
-    from handlers import startup
+    from handlers.torchserve import frontend_frames
 
-    assert startup.between_batches_hook() is False
-
-
-def test_bench_start_reads_the_deferred_graphs_lines_of_the_workers_it_started():
-    """bench.bench_start waits for a done line per worker whose load line deferred its graphs,
-    and for none where no load line did (a CPU worker, cuda_graphs off or on)."""
-    import types
-
-    from bench.bench_start import wait_graphs
-
-    load = "loaded aoti artifact m; started in 1.00s (load 1.00s); CUDA graphs: capturing 7 buckets after ready (between batches); x\n"
-    done = "CUDA graphs after ready: done in {}s, {} call(s) ran without a graph meanwhile; CUDA graphs for batch [1]\n"
-    earlier = load + done.format("9.00", 9)
-    log = earlier + load + load + done.format("0.50", 2) + done.format("0.75", 0)
-    server = types.SimpleNamespace(log=lambda: log)
-    assert wait_graphs(server, len(earlier), 2) == [{"graphs_after_ready_s": 0.5, "calls_without_graph": 2},
-                                                    {"graphs_after_ready_s": 0.75, "calls_without_graph": 0}]
-    plain = types.SimpleNamespace(log=lambda: load.replace("capturing 7 buckets after ready (between batches)",
-                                                           "CUDA graphs for batch [1]"))
-    assert wait_graphs(plain, 0, 1) == []
+    assert frontend_frames.runs_between_batches() is False

@@ -39,11 +39,13 @@ def test_decision_table(kind, configured, workers, cores, expected):
 
 
 def test_workers_from_model_config():
-    assert threads.workers_from_yaml({"minWorkers": 2, "maxWorkers": 6}) == 6
-    assert threads.workers_from_yaml({"minWorkers": 3}) == 3
-    assert threads.workers_from_yaml({}) is None
-    assert threads.workers_from_yaml(None) is None
-    assert threads.workers_from_yaml({"maxWorkers": True}) is None
+    """The model's worker count is read once, with the settings (handlers/config.py)."""
+    assert parse_config({"minWorkers": 2, "maxWorkers": 6}).workers == 6
+    assert parse_config({"minWorkers": 3}).workers == 3
+    assert parse_config({}).workers is None
+    assert parse_config(None).workers is None
+    assert parse_config({"maxWorkers": True}).workers is None
+    assert parse_config({"deviceIds": [1, 3]}).device_ids == (1, 3)
 
 
 def test_cpu_threads_option_validated():

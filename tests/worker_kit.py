@@ -10,8 +10,9 @@ from handlers.artifact.metadata import ArtifactSpec, TensorSpec
 from handlers.config import parse_config
 from handlers.torchserve.stage_timings import StageTimes
 from handlers.torchserve.headers import RequestHeaders
+from handlers.loaded import Loaded
 from handlers.ts_entry import CompiledModelHandler
-from handlers.worker import Health, Worker
+from handlers.worker import Worker
 
 
 def make_spec(batch_min=1, batch_max=8):
@@ -28,26 +29,23 @@ def admit(request: dict, spec, limits: Limits, content_type=None, accept=None, v
     return admission.admit(wire.read(request, headers, limits), spec, limits)
 
 
-def make_worker(spec, runner, limits=None, config=None) -> Worker:
+def make_worker(spec, runner, limits=None, config=None, name: str = "model", version: str = "") -> Worker:
+    """A worker that has started: `runner` loaded, its health ready."""
     config = config or parse_config({})
 
     def metric(name, ms):
         pass
 
-    return Worker(config=config, spec=spec, limits=limits or Limits.of(config, spec), model=None, runner=runner,
-                  device=torch.device("cpu"), stages=StageTimes(metric, config.stage_metrics_s))
+    worker = Worker(name, version)
+    worker.loaded = Loaded(config=config, spec=spec, limits=limits or Limits.of(config, spec), model=None,
+                           runner=runner, device=torch.device("cpu"), stages=StageTimes(metric, config.stage_metrics_s))
+    worker.health.ready()
+    return worker
 
 
-def ready_health() -> Health:
-    health = Health()
-    health.ready()
-    return health
-
-
-def serving_handler(worker: Worker, model_name: str = "model") -> CompiledModelHandler:
+def serving_handler(worker: Worker) -> CompiledModelHandler:
     """The TorchServe entry class as it stands after a successful initialize."""
     h = CompiledModelHandler()
-    h.model_name = model_name
-    h._serving(worker)
+    h.worker = worker
     h.initialized = True
     return h

@@ -148,6 +148,26 @@ class CudaRunner(Runner):
         return (config is not None and config.cuda_graphs == "auto"
                 and graphs.why_not_capturable(kind, self.spec, self.pad) is None)
 
+    def capture_step(self):
+        """The deferred captures as one step per gap between batches (capture_next), or None
+        when none wait. Counts the calls that ran plainly from now on (the clients' calls: the
+        request-path warm-up ran before) and logs when done: how long since ready, how many calls
+        ran plainly meanwhile, what was kept and what fell back. A sticky CUDA error is raised
+        from the step (the worker breaks and exits; TorchServe starts a fresh one)."""
+        if self.deferred is None:
+            return None
+        self.plain_calls, t0 = 0, time.perf_counter()
+
+        def step() -> bool:
+            note = self.capture_next()
+            if note is None:
+                return True
+            logger.info("CUDA graphs after ready: done in %.2fs, %d call(s) ran without a graph meanwhile; %s",
+                        time.perf_counter() - t0, self.plain_calls, note)
+            return False
+
+        return step
+
     def capture_next(self):
         """One step of the deferred capture (prepare(defer=True)): the next shape captured,
         checked against the plain call and, where it matches, replayed by the calls of its shape

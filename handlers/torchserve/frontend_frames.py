@@ -152,6 +152,9 @@ def _load_message(reader: FrameReader) -> dict:
 
 
 _reader = None  # the FrameReader of the connection read last (a worker has one)
+# The started worker's between_batches(waiting) (handlers/worker.py), set by install: a worker
+# process has one owner, and TorchServe's loop calls retrieve_msg with the socket alone.
+_between_batches = None
 
 
 def retrieve_msg(conn):
@@ -161,8 +164,11 @@ def retrieve_msg(conn):
         _reader = FrameReader(conn)
     reader = _reader
     if reader.pos == reader.end:
-        # the loop sent its last answers and is back for the next message: the clean moment
-        # to exit after a sticky device fault, if no next message has begun to arrive
+        # the loop sent its last answers and is back for the next message: the moment for the
+        # worker's deferred work while none has begun to arrive, and the clean moment to exit
+        # after a sticky device fault
+        if _between_batches is not None and not restart.exiting():
+            _between_batches(lambda: restart.waiting(conn))
         restart.exit_if_idle(conn)
     cmd = reader.bytes(1)
     if cmd == b"I":
@@ -176,9 +182,11 @@ def retrieve_msg(conn):
     raise ValueError("Invalid command: {}".format(cmd))
 
 
-def install(enabled: bool) -> str:
-    """Puts `retrieve_msg` into this TorchServe worker's loop; returns what was done, for the
-    load line."""
+def install(enabled: bool, between_batches=None) -> str:
+    """Puts `retrieve_msg` into this TorchServe worker's loop, calling `between_batches(waiting)`
+    each time the loop is back for its next message; returns what was done, for the load line."""
+    global _between_batches
+    _between_batches = between_batches
     if not enabled:
         return "TorchServe's frame reader (handler.buffered_reader: false)"
     main = sys.modules.get("__main__")
@@ -206,3 +214,12 @@ def install(enabled: bool) -> str:
 
     process.record("TorchServe's worker loop", "__main__.retrieve_msg is handlers.torchserve.frontend_frames.retrieve_msg")
     return "buffered frame reader"
+
+
+def runs_between_batches() -> bool:
+    """Whether this worker's loop reads its messages with retrieve_msg, which runs the work
+    deferred between batches each time the loop is back for its next message: TorchServe's own
+    reader, its async worker and a handler driven in-process (tests, bench.bench) never get
+    there."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "retrieve_msg", None) is retrieve_msg

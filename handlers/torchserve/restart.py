@@ -1,7 +1,7 @@
 """The worker's exit after a sticky device fault, so TorchServe starts a fresh one (it restarts
 workers that die; handlers/faults.py says which faults are sticky). The exit waits until this
-batch's answers are sent and no next message has begun to arrive. The same moment, with no exit
-pending, runs the worker's work between batches (handlers/torchserve/idle.py)."""
+batch's answers are sent and no next message has begun to arrive (frontend_frames.retrieve_msg
+asks at that moment, after the worker's work between batches)."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,6 @@ import socket
 import threading
 
 from handlers import process
-from handlers.torchserve import idle
 
 logger = logging.getLogger(__name__)
 EXIT_DELAY_S = 1.0  # the latest exit after a sticky fault (see exit_soon)
@@ -34,24 +33,24 @@ def exit_soon(reason: str, delay_s: float = EXIT_DELAY_S) -> None:
     t.start()
 
 
+def exiting() -> bool:
+    """Whether an exit is pending (nothing more should start in this process)."""
+    return _exit_reason is not None
+
+
 def exit_if_idle(conn) -> None:
     """Called by the frame reader when the worker's loop is back for its next message with nothing
-    buffered. Runs the work deferred between batches (idle.py) while nothing of a next message
-    waits on `conn` (a socket the frontend writes to; checked without blocking before each
-    step), then exits now if an exit is pending (after a sticky fault, also one a deferred step
-    met) and nothing waits."""
-    if idle.pending() and _exit_reason is None:
-        idle.run(lambda: _waiting(conn))
+    buffered: exits now if an exit is pending and nothing of a next message waits on `conn`."""
     if _exit_reason is None:
         return
-    if not _waiting(conn):
+    if not waiting(conn):
         # at once: anything slower here (removing the scratch directory, which holds the
         # extracted artifact) would widen the window for a next batch to arrive; the reaper
         # process scratch.enter started removes that directory when this process is gone
         os._exit(70)
 
 
-def _waiting(conn) -> bool:
+def waiting(conn) -> bool:
     """Whether any byte of a next message has arrived on `conn` (peeked without blocking); a
     frontend that is gone has nothing left to answer."""
     try:

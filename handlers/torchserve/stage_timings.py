@@ -18,12 +18,15 @@ records (CI CPU, torch 2.13), three per batch, so the stages are labelled only w
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import Callable, Optional
 
 import torch
 from torch.profiler import record_function
+
+logger = logging.getLogger(__name__)
 
 # stage -> (TorchServe metric name, torch.profiler label)
 STAGES = {"decode": ("HandlerDecodeTime", "handler.decode"),
@@ -82,3 +85,16 @@ class StageTimes:
             if self._counts[stage]:
                 self._emit(metric, self._sums[stage] / self._counts[stage])
         self.reset()
+
+
+def metric_sink(context) -> Callable[[str, float], None]:
+    """`emit(name, ms)` adding a time metric through TorchServe's context (its metrics object is
+    the worker's for its whole life); a metric that cannot be recorded never fails a load or a
+    request."""
+    def emit(name: str, ms: float) -> None:
+        try:
+            context.metrics.add_time(name, ms, None, "ms")
+        except Exception as e:  # noqa: BLE001
+            logger.debug("metric %s not recorded: %s", name, e)
+
+    return emit

@@ -67,16 +67,6 @@ def decide(device_kind: str, configured: int, workers: Optional[int], cores: int
     return ThreadBudget(share, 1, f"CPU worker: ({cores} usable core(s) - 1 for the frontend) / {who}")
 
 
-def workers_from_yaml(model_yaml: Optional[dict]) -> Optional[int]:
-    """This model's worker count as model-config.yaml states it (maxWorkers, else minWorkers)."""
-    model_yaml = model_yaml or {}
-    for key in ("maxWorkers", "minWorkers"):
-        value = model_yaml.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def cuda_wait(configured: str, workers: Optional[int], gpus: int) -> tuple:
     """How a CUDA worker waits for its GPU, and why: (spin|block|hybrid, reason). `configured`
     spin, block or hybrid wins (handler.cuda_sync). `auto` spins while this worker is alone on

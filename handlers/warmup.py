@@ -1,0 +1,127 @@
+"""A loaded worker's warm-up before it reports ready: the model across a few batch sizes and
+every length bucket, its CUDA graphs (now, or left to capture between batches after ready), and
+requests through the whole TorchServe request path (handlers/torchserve/exchange.py), so the
+first client request pays no first-execution cost. handlers/worker.py runs these in order."""
+from __future__ import annotations
+
+import torch
+
+from handlers.artifact.kinds import kind_of
+from handlers.batch import warmup_sizes
+from handlers.errors import LoadError
+from handlers.loaded import Loaded
+from handlers.torchserve import exchange
+from handlers.wire import safetensors_io
+
+# The request bytes of one warm-up batch through the request path at most (see request_path).
+WARMUP_BATCH_BYTES = 64 << 20
+
+
+def model_and_graphs(loaded: Loaded, steps, between_batches: bool) -> bool:
+    """Warm-up and CUDA graphs before the worker is ready; returns whether the captures wait
+    until after ready (the load line's graphs note goes to `steps`). With `cuda_graphs: auto`, a
+    model whose graphs can be captured and a worker whose loop runs work between batches
+    (`between_batches`), the graphs are captured after ready (Runner.capture_step) and the
+    warm-up runs the smallest batch only (each graph's capture first runs its own shape on the
+    worker's stream, as the warm-up would); otherwise the warm-up's batch sizes, then every
+    capture."""
+    config, runner, kind = loaded.config, loaded.runner, kind_of(loaded.spec)
+    defer = between_batches and runner.defers(config, kind)
+    if config.warmup:
+        model(loaded, smallest_only=defer)
+        steps.done("warm-up")
+    steps.note("graphs", runner.prepare(config, kind, defer=defer))
+    steps.done("CUDA graphs")
+    return defer
+
+
+def model(loaded: Loaded, smallest_only: bool = False) -> None:
+    """The model across a few batch sizes (`smallest_only`: the smallest accepted batch):
+    kernels, allocator, staging buffers; then every length bucket at that batch. Its inputs are
+    valid requests (ArtifactSpec.example: ids inside their ranges, per column; masks all ones),
+    never all zeros: a fully masked row or an id outside its table is what kernels fail on."""
+    spec, runner = loaded.spec, loaded.runner
+    sizes = warmup_sizes(spec.batch_min, spec.batch_max, loaded.config.warmup_batch_sizes)
+    for size in sizes[:1] if smallest_only else sizes:
+        with torch.inference_mode():
+            runner.run([spec.example(size)])
+    # every length bucket (padding), or the longest request: the allocator sees its blocks now
+    pad = runner.pad
+    lengths = ([{d: b for d in pad.buckets} for b in sorted({b for v in pad.buckets.values() for b in v})]
+               if pad else [{k: hi for k, (_lo, hi) in spec.dims.items()}] if spec.dims else [])
+    for sizes in lengths:
+        sizes = {d: min(n, spec.dims[d][1]) for d, n in sizes.items()}
+        with torch.inference_mode():
+            runner.run([spec.example(spec.batch_min, sizes=sizes)])
+
+
+def request_path(worker, context, smallest_only: bool = False) -> None:
+    """Requests through the worker's TorchServe exchange, set up as TorchServe's Service.predict
+    sets up a batch (request ids, per-request headers, metrics ids), so the first client request
+    pays no first-execution cost: metric objects, profiler labels, header parsing, admission,
+    runner and encoders (measured without this: 1.2-1.3x a steady request).
+
+    One JSON request (where one could pass max_json_mb), then binary batches at every CUDA
+    graph bucket (each bucket's upload and replay through the request path; without graphs,
+    the warm-up sizes) up to WARMUP_BATCH_BYTES, largest first, ending with the smallest,
+    repeated: the fast path is the last one in the CPU caches (the JSON request's 150k-float
+    list evicts them) and the interpreter has specialized it (measured on the CI CPU, first
+    call over steady at batch 1, median of 12 loads, two runs: 1.21-1.24x with one binary
+    call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
+    context's batch state is restored afterwards. `smallest_only` (CUDA graphs captured after
+    ready): the JSON request and the smallest binary batch only."""
+    cases = _cases(worker.loaded, smallest_only)
+    metrics = getattr(context, "metrics", None)
+    saved = (context.request_ids, context.request_processor, getattr(metrics, "request_ids", None))
+    try:
+        for n, body, content_type in cases:
+            _batch(worker, context, n, body, content_type)
+    finally:
+        context.request_ids, context.request_processor = saved[0], saved[1]
+        if metrics is not None:
+            metrics.request_ids = saved[2]
+    worker.loaded.stages.reset()  # the gauges' first means are the clients' batches
+
+
+def _cases(loaded: Loaded, smallest_only: bool) -> list:
+    """(copies, body, content type) of each warm-up batch, in order."""
+    spec, config = loaded.spec, loaded.config
+    rows = spec.batch_min
+    example = spec.example(rows)  # a valid request (ids in range, masks of ones)
+    binary = safetensors_io.dumps(example)
+    cases = []
+    # JSON spells each element in at least as many bytes as the binary body holds it: where
+    # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
+    if len(binary) <= config.max_json_mb * 2**20:
+        cases.append((1, {"inputs": {k: v.tolist() for k, v in example.items()}}, "application/json"))
+    sizes = set() if smallest_only else set(loaded.runner.bucket_sizes() or warmup_sizes(
+        spec.batch_min, spec.batch_max, config.warmup_batch_sizes))
+    for size in sorted(sizes | {rows}, reverse=True):
+        n = max(1, size // rows)
+        # Every answer of a batch is encoded into a buffer of its own: a batch of large
+        # frames (a 4K fp32 frame is 99.5 MB) would hold GBs at load, so those stay small.
+        if n == 1 or n * len(binary) <= WARMUP_BATCH_BYTES:
+            cases.append((n, binary, safetensors_io.CONTENT_TYPE))
+    # The interpreter specializes code only after it has run a few times (CPython 3.11
+    # quickens a code object after 8 calls; 3.12 specializes an instruction on its second
+    # run): the smallest binary batch, the latency-bound case, runs 8 times in all.
+    return cases + cases[-1:] * 7
+
+
+def _batch(worker, context, n: int, body, content_type: str) -> None:
+    """`n` copies of one request through the exchange; a failed answer fails the load."""
+    from ts.context import RequestProcessor
+
+    context.request_ids = {i: "warmup" for i in range(n)}
+    context.request_processor = [RequestProcessor({"body": {"content-type": content_type}}) for _ in range(n)]
+    if getattr(context, "metrics", None) is not None:
+        context.metrics.request_ids = context.request_ids
+    out = exchange.handle(worker, [{"body": body} for _ in range(n)], context)
+    for i in range(n):
+        status = context.get_response_status(i)[0]
+        if status not in (None, 200):
+            err = LoadError(f"the warm-up request ({content_type}, batch of {n}) failed: {out[i]}")
+            # a 5xx (device memory while several workers start, say) may pass on a
+            # restart: let TorchServe restart the worker instead of answering 503 forever
+            err.recurs = status < 500
+            raise err
