@@ -1,221 +1,260 @@
-"""Handler configuration, parsed once at load from model-config.yaml into a typed object.
+"""Handler configuration: each option declared once (`OPTIONS`: key, type, default, allowed
+values, one line of doc), and from those declarations the typed `HandlerConfig`, the parser and
+its fix-it messages, and the options table of docs/configuration.md (`python -m handlers.config`
+prints it; tests/test_config.py keeps the page equal to it).
 
-TorchServe hands the whole YAML to the worker as `context.model_yaml_config`; our options
-live under its `handler:` key, next to TorchServe's own `deviceType`/`deviceIds`. Every
-unknown key or wrong type fails the load with a message naming the key and what it takes,
-so a typo never silently falls back to a default.
+TorchServe hands the whole YAML to the worker as `context.model_yaml_config`; our options live
+under its `handler:` key, next to TorchServe's own keys, of which the handler reads `deviceType`,
+`deviceIds` and `maxWorkers`/`minWorkers` (declared here too, `torchserve=True`). Every unknown
+key or wrong value fails the load with a message naming the key, what it takes and where to set
+it, so a typo never silently falls back to a default. Nothing else in the package reads
+model-config keys or supplies defaults of its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Optional, get_type_hints
+import dataclasses
+import sys
+from typing import Any, Optional
 
 from handlers.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class HandlerConfig:
-    # TorchServe's own keys (top level of model-config.yaml)
-    device_type: Optional[str] = None  # "cpu" / "gpu" / None (follow what TorchServe assigns)
-    workers: Optional[int] = None  # maxWorkers, else minWorkers: the model's worker count; None: not stated
-    device_ids: tuple = ()  # deviceIds: the GPUs TorchServe spreads the workers over; empty: every visible one
-    # Ours (under `handler:`)
-    # CPU threads for this worker's torch (intra-op); 0 = decided at load (handlers/torchserve/threads.py):
-    # 1 on a CUDA worker, an equal share of the usable cores on a CPU worker.
-    cpu_threads: int = 0
-    stream_priority: int = 0  # CUDA stream priority; lower is higher priority (-1 high on most GPUs)
-    # >0: inputs go to the GPU in pieces of this many MiB, each upload overlapping the host copy
-    # of the next piece. Measured on H100 it gained nothing (docs/results), hence off.
-    staging_piece_mb: float = 0.0
-    # TorchServe's base_handler, on import, switches every fp32 matmul to TF32 on Ampere and
-    # newer ("Enabled tensor cores"): ~1e-4 relative error that nobody asked for. Our entry does
-    # not import it, and the load sets this precision whatever else in the worker did: torch's
-    # default unless the archive asks for "high" (TF32) or "medium" (bf16).
-    float32_matmul_precision: str = "highest"
-    # CUDA graphs per batch bucket (run/graphs.py): auto | on | off, which batch sizes (empty:
-    # powers of two up to cuda_graph_max_batch), and a cap on the memory the graphs hold.
-    cuda_graphs: str = "auto"
-    cuda_graph_batch_sizes: tuple = ()
-    cuda_graph_max_batch: int = 64
-    cuda_graph_memory_mb: float = 2048.0
-    # How a worker waits for its GPU work (run/cuda.py): spin (a core busy-polls, CUDA's own
-    # choice), block (the thread sleeps until the GPU is done; its core is free meanwhile),
-    # hybrid (polls for up to cuda_spin_us, then sleeps) or auto (spin when alone on its GPU,
-    # else what threads.cuda_wait says, with the measurements behind it).
-    cuda_sync: str = "auto"
-    cuda_spin_us: float = 200.0
-    # Stage timings (handlers/torchserve/stage_timings.py) are gauges: each is emitted as the mean over the batches
-    # since its last emission, at most once per this many seconds (0: after every batch). Every
-    # emission is a stdout line TorchServe's frontend parses; three per batch took about 0.3 ms of
-    # worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against 2.28 at
-    # the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
-    stage_metrics_s: float = 1.0
-    # Read the frontend's messages with handlers/torchserve/frontend_frames.py (a buffered reader of
-    # TorchServe's frame format) instead of TorchServe's field-by-field reader. A batch of eight
-    # 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
-    # (docs/results/frames_h200x2.md); end to end on two GPUs, 14224.25 req/s against 13373.1
-    # and 14703.65 against 14596.75 in two runs, the workers using 0.5 cores less each time
-    # (docs/results/e2e_resnet50_fp16_scaling_h200x2_s9.md, e2e_resnet50_fp16_reader_h200x2.md).
-    buffered_reader: bool = True
-    warmup: bool = True
-    warmup_batch_sizes: tuple = ()  # empty: a few buckets across the artifact's batch range
-    split_oversized: bool = True  # requests beyond the artifact's max batch: split (True) or refuse
-    max_rows_per_request: int = 1024  # a single request may not carry more rows than this (413)
-    # A request body handed over as bytes may not be larger (413); config.properties lets
-    # TorchServe accept 128 MiB (max_request_size).
-    max_body_mb: float = 128.0
-    # A JSON body may not be larger (413, checked before parsing). JSON costs a Python object
-    # per number: ~0.3 s of worker time per MiB end to end (measured: a 124 MiB body took 36 s), and
-    # the batch behind it waits; binary bodies cost a copy.
-    max_json_mb: float = 8.0
-    # GPU memory one worker needs, MiB: its copy of the weights plus context, graph pools and
-    # activations, as cs-archive sized the worker count (compiled_serving/worker_sizing.py). A CUDA
-    # worker with less free on its GPU refuses to load with the numbers (handlers/artifact/room.py)
-    # instead of failing out of memory on every restart. 0: no check.
-    worker_gpu_mb: float = 0.0
-    crash_safe_load: bool = True  # try loading in a child process first (catches native crashes)
-    crash_safe_timeout_s: float = 600.0
-    strict_versions: bool = False  # torch major.minor mismatch: fail (True) or warn (False)
-    trt_multi_device_safe_mode: bool = False
-    variant: str = ""  # force one variant directory name (multi-variant archives)
-    # A load failure that recurs (LoadError.recurs): true = the worker comes up and answers every
-    # request 503 ModelLoadFailed with the reason (TorchServe then lists it READY; README);
-    # false = raise, so TorchServe restarts the worker with back-off and requests wait.
-    answer_load_failure: bool = True
-    # Value contracts (handlers/values.py): check each request's integer inputs against the valid
-    # ranges in artifact.json (an id past an embedding table would abort an AOTI worker on the CPU
-    # or poison the CUDA context on a GPU); value_ranges adds or narrows bounds, {input: [lo, hi]}
-    # or {input[col]: [lo, hi]} for one position along its column dimension (a range wider than
-    # the model's own bound fails the load naming it); refuse_nonfinite refuses NaN and infinity
-    # in floating-point inputs.
-    check_values: bool = True
-    value_ranges: dict = field(default_factory=dict)
-    refuse_nonfinite: bool = False
-    # Padding along named dynamic dimensions (handlers/batch.py PadPlan), declared by whoever
-    # archives a model that masks padding: {input: pad value} for every input with such a
-    # dimension. Requests are padded up to a length bucket (pad_buckets; empty: the powers of two
-    # in the dimension's range and its maximum) so texts of different lengths share one call
-    # (several buckets share the largest one's call where the runner knows that is cheaper:
-    # CUDA graphs timed at capture); outputs with the dimension are cut back to each request's
-    # own length. The worker checks at load that padding leaves answers unchanged
-    # (handlers/run/padding.py) and refuses to load where it does not. Empty: never pad.
-    pad: dict = field(default_factory=dict)
-    pad_buckets: tuple = ()
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str  # the HandlerConfig attribute; under `handler:` in model-config.yaml
+    kind: type  # bool, int, float, str, tuple (of positive integers), dict
+    default: Any
+    doc: str  # one line
+    choices: tuple = ()  # (value, meaning) pairs: the only values allowed
+    low: Optional[float] = None  # the lowest value allowed (inclusive)
+    positive: bool = False  # above zero
+    key: str = ""  # TorchServe's own top-level key(s), comma-separated, for torchserve options
+    parse: Any = None  # a dict option's value check: (name, value) -> the typed value, or ConfigError
+
+    @property
+    def torchserve(self) -> bool:
+        return bool(self.key)
+
+    def where(self) -> str:
+        return self.key.split(",")[0] if self.key else f"handler.{self.name}"
+
+    def fix(self) -> str:
+        if self.torchserve:
+            return f"set {self.where()} at the top level of the archive's model-config.yaml, or leave it out"
+        return f"cs-archive --handler-option {self.name}=VALUE, or leave it out for {self.describe_default()}"
+
+    def describe_default(self) -> str:
+        """The default as the options table shows it."""
+        d = self.default
+        if d is None:
+            return "unset"
+        if d in ((), {}, ""):
+            return "empty"
+        return str(d).lower() if isinstance(d, bool) else f"{d:g}" if isinstance(d, float) else str(d)
+
+    def expected(self) -> str:
+        """What a value must be, in words."""
+        if self.choices:
+            words = [f"{v} ({m})" if m else str(v) for v, m in self.choices]
+            return ", ".join(words[:-1]) + " or " + words[-1]
+        if self.kind is tuple:
+            return "a list of integers of at least 0" if self.low == 0 else "a list of positive integers"
+        base = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                dict: "a mapping"}[self.kind]
+        if self.positive:
+            return f"{base} above 0"
+        return f"{base} of at least {self.low:g}" if self.low is not None else base
 
 
-_TOP_LEVEL = ("device_type", "workers", "device_ids")
-_HANDLER_KEYS = {f.name: f for f in fields(HandlerConfig) if f.name not in _TOP_LEVEL}
-# Each option's type, from the dataclass annotations (one place): int, float, str, bool, tuple.
-_TYPES = {k: t for k, t in get_type_hints(HandlerConfig).items() if k not in _TOP_LEVEL}
-
-
-def _coerce(key, value, kind):
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lstrip("-").isdigit():
-            return int(value)
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-    elif kind is dict:
-        return _pad_values(key, value) if key == "pad" else _ranges(key, value)
-    elif kind is tuple:
-        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and v > 0 for v in value):
-            return tuple(value)
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-                tuple: "a list of positive integers"}[kind]
-    raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected {expected}")
-
-
-def _ranges(key, value) -> dict:
+def _ranges(name, value) -> dict:
     """{input: [lo, hi]} with integer bounds, lo <= hi, as {input: (lo, hi)}."""
     ok = isinstance(value, dict) and all(
         isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) == 2
         and all(isinstance(b, int) and not isinstance(b, bool) for b in v) and v[0] <= v[1]
         for k, v in value.items())
     if not ok:
-        raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping "
+        raise ConfigError(f"model-config.yaml handler.{name} = {value!r} is invalid: expected a mapping "
                           "of input names (or NAME[COL] for one column) to [lowest, highest] integers, e.g. "
                           "{input_ids: [0, 30521]}")
     return {k: (v[0], v[1]) for k, v in value.items()}
 
 
-def _pad_values(key, value) -> dict:
+def _pad_values(name, value) -> dict:
     ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, (int, float))
                                          and not isinstance(v, bool) for k, v in value.items())
     if not ok:
-        raise ConfigError(f"model-config.yaml handler.{key} = {value!r} is invalid: expected a mapping of "
+        raise ConfigError(f"model-config.yaml handler.{name} = {value!r} is invalid: expected a mapping of "
                           "input names to the value padding holds, e.g. {input_ids: 0, attention_mask: 0}")
     return dict(value)
 
 
-def parse_config(model_yaml: Optional[dict]) -> HandlerConfig:
+OPTIONS = (
+    # TorchServe's own keys (top level of model-config.yaml), read by the handler
+    Option("device_type", str, None, "gpu: refuse to load without a GPU; cpu: run on the CPU; unset: "
+           "follow TorchServe's gpu_id", choices=(("cpu", ""), ("gpu", "")), key="deviceType"),
+    Option("workers", int, None, "the model's worker count (the thread budget, the GPU wait and the "
+           "memory check count it); unset: assumed alone", low=1, key="maxWorkers,minWorkers"),
+    Option("device_ids", tuple, (), "the GPUs TorchServe spreads the workers over; empty: every visible "
+           "one", low=0, key="deviceIds"),
+    # 0 = decided at load (handlers/torchserve/threads.py): 1 on a CUDA worker, an equal share of the
+    # usable cores on a CPU worker; the crash-safe probe child follows it.
+    Option("cpu_threads", int, 0, "torch intra-op threads of the worker; 0: decided at load "
+           "(1 on a CUDA worker, a share of the cores on a CPU worker)", low=0),
+    Option("stream_priority", int, 0, "priority of the worker's CUDA stream (lower is higher)"),
+    # Measured on H100 it gained nothing (docs/results), hence off.
+    Option("staging_piece_mb", float, 0.0, "above 0: inputs go to the GPU in pieces of this many MiB, each "
+           "upload overlapping the host copy of the next; 0: one piece", low=0),
+    # TorchServe's base_handler, on import, switches every fp32 matmul to TF32 on Ampere and
+    # newer ("Enabled tensor cores"): ~1e-4 relative error that nobody asked for. Our entry does
+    # not import it, and the load sets this precision whatever else in the worker did.
+    Option("float32_matmul_precision", str, "highest", "the fp32 matmul precision the worker sets",
+           choices=(("highest", "IEEE fp32, torch's default"), ("high", "TF32"), ("medium", "bf16"))),
+    Option("cuda_graphs", str, "auto", "CUDA graphs per batch bucket (handlers/run/graphs.py), each kept "
+           "only if it replays bit-identical to the plain call",
+           choices=(("auto", "capture and keep graphs only if they match the plain call"),
+                    ("on", "a capture failure fails the load"), ("off", ""))),
+    Option("cuda_graph_batch_sizes", tuple, (), "the batch buckets given graphs; empty: powers of two "
+           "and the range's ends up to cuda_graph_max_batch"),
+    Option("cuda_graph_max_batch", int, 64, "the largest batch bucket given a graph", low=1),
+    Option("cuda_graph_memory_mb", float, 2048.0, "a cap on the graphs' memory pool, MiB", positive=True),
+    # With CUDA's default schedule the runtime busy-polls a core while a process waits for the GPU;
+    # measurements behind auto: docs/configuration.md, cuda_sync.
+    Option("cuda_sync", str, "auto", "how the worker waits for its GPU work",
+           choices=(("auto", "spin when a worker is alone on its GPU, else hybrid"),
+                    ("spin", "the waiting worker busy-polls a core"),
+                    ("block", "it sleeps until the GPU is done"),
+                    ("hybrid", "it polls for up to handler.cuda_spin_us, then sleeps"))),
+    Option("cuda_spin_us", float, 200.0, "with cuda_sync hybrid: how long the worker polls before it "
+           "sleeps, in microseconds", low=0),
+    # Every emission is a stdout line TorchServe's frontend parses; three per batch took about
+    # 0.3 ms of worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against
+    # 2.28 at the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
+    Option("stage_metrics_s", float, 1.0, "seconds between emissions of the stage timings (means); 0 "
+           "emits after every batch", low=0),
+    # A batch of eight 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
+    # (docs/results/frames_h200x2.md).
+    Option("buffered_reader", bool, True, "read the frontend's messages with "
+           "handlers/torchserve/frontend_frames.py instead of TorchServe's field-by-field reader"),
+    Option("warmup", bool, True, "warm up at load: batch sizes, length buckets, then requests through "
+           "the request path"),
+    Option("warmup_batch_sizes", tuple, (), "the warm-up's batch sizes; empty: a few across the "
+           "artifact's batch range"),
+    Option("split_oversized", bool, True, "rows beyond the artifact's max batch: split into several "
+           "calls (true) or refuse with 413"),
+    Option("max_rows_per_request", int, 1024, "one request may not carry more rows (413)", low=1),
+    # config.properties lets TorchServe accept 128 MiB (max_request_size).
+    Option("max_body_mb", float, 128.0, "a request body may not be larger, MiB (413)", positive=True),
+    # JSON costs a Python object per number: ~0.3 s of worker time per MiB end to end (a 124 MiB
+    # body took 36 s), and the batch behind it waits; binary bodies cost a copy.
+    Option("max_json_mb", float, 8.0, "a JSON body may not be larger, MiB (413, before parsing)",
+           positive=True),
+    # As cs-archive sized the worker count (compiled_serving/worker_sizing.py); checked by
+    # handlers/artifact/room.py instead of failing out of memory on every restart.
+    Option("worker_gpu_mb", float, 0.0, "GPU memory one worker needs, MiB (cs-archive writes it); a CUDA "
+           "worker with less free refuses to load; 0: no check", low=0),
+    Option("crash_safe_load", bool, True, "try the load and one call in a child process first (catches "
+           "native crashes)"),
+    Option("crash_safe_timeout_s", float, 600.0, "the trial load's time limit, seconds", positive=True),
+    Option("strict_versions", bool, False, "any torch version difference fails the load (not only "
+           "major.minor for native artifacts)"),
+    Option("trt_multi_device_safe_mode", bool, False, "Torch-TensorRT's multi-device safe mode"),
+    Option("variant", str, "", "force one variant directory of a multi-variant archive; empty: chosen "
+           "for the machine"),
+    # LoadError.recurs; TorchServe lists a worker that answers the failure READY (README).
+    Option("answer_load_failure", bool, True, "a load failure that recurs: answer every request 503 "
+           "with the reason (true) or raise, so TorchServe restarts the worker with back-off"),
+    # An id past an embedding table would abort an AOTI worker on the CPU or poison the CUDA
+    # context on a GPU (handlers/values.py).
+    Option("check_values", bool, True, "check each request's integer inputs against the valid ranges "
+           "in artifact.json (400)"),
+    Option("value_ranges", dict, {}, "add or narrow value bounds: {input: [lo, hi]}, or {input[col]: "
+           "[lo, hi]} for one column; wider than the model's own fails the load", parse=_ranges),
+    Option("refuse_nonfinite", bool, False, "refuse NaN and infinity in floating-point inputs (400)"),
+    # handlers/batch.py PadPlan; the worker checks at load that padding leaves answers unchanged
+    # (handlers/run/padding.py) and refuses to load where it does not.
+    Option("pad", dict, {}, "padding along named dynamic dimensions, declared for a model that masks "
+           "it: {input: pad value} for every input with such a dimension; empty: never pad",
+           parse=_pad_values),
+    Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
+           "two in the dimension's range and its maximum"),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+_HANDLER = {o.name: o for o in OPTIONS if not o.torchserve}
+
+
+def _field(o: Option):
+    if isinstance(o.default, dict):
+        return dataclasses.field(default_factory=dict)
+    return dataclasses.field(default=o.default)
+
+
+# The typed settings of one worker, one attribute per declared option, each its default unless
+# model-config.yaml says otherwise (frozen: dataclasses.replace makes a changed copy).
+HandlerConfig = dataclasses.make_dataclass(
+    "HandlerConfig", [(o.name, Optional[o.kind] if o.default is None else o.kind, _field(o)) for o in OPTIONS],
+    frozen=True, namespace={"__module__": __name__})
+
+
+def _coerce(o: Option, value):
+    """The option's typed value, or ConfigError naming what it takes."""
+    kind, v = o.kind, value
+    if kind is bool and isinstance(v, str) and v.lower() in ("true", "false"):
+        v = v.lower() == "true"
+    elif kind is int and isinstance(v, str) and v.lstrip("-").isdigit():
+        v = int(v)
+    elif kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    elif kind is str and o.name == "cuda_graphs" and isinstance(v, bool):
+        v = "on" if v else "off"  # YAML 1.1 reads a bare on/off as a boolean
+    elif kind is dict and o.parse is not None:
+        return o.parse(o.name, v)
+    typed = isinstance(v, kind) and not (kind is not bool and isinstance(v, bool))
+    if kind is tuple and isinstance(v, list):
+        v, typed = tuple(v), True
+    if kind is tuple:  # low bounds each element (deviceIds may name GPU 0), else they are positive
+        least = 1 if o.low is None else o.low
+        typed = typed and all(isinstance(x, int) and not isinstance(x, bool) and x >= least for x in v)
+    ok = typed and (not o.choices or v in dict(o.choices)) and (kind is tuple or o.low is None or v >= o.low) \
+        and (not o.positive or v > 0)
+    if not ok:
+        raise ConfigError(f"model-config.yaml {o.where()} = {value!r} is invalid: expected {o.expected()} "
+                          f"({o.doc}). Fix: {o.fix()}")
+    return v
+
+
+def parse_config(model_yaml: Optional[dict]) -> "HandlerConfig":
+    """The worker's settings from model-config.yaml (None: every default); raises ConfigError
+    naming the key, what it takes and where to set it."""
     model_yaml = model_yaml or {}
-    device_type = model_yaml.get("deviceType")
-    if device_type is not None and device_type not in ("cpu", "gpu"):
-        raise ConfigError(f"model-config.yaml deviceType = {device_type!r} is not supported by this "
-                          "handler: use 'cpu' or 'gpu', or leave it out to follow TorchServe's assignment")
     raw = model_yaml.get("handler") or {}
     if not isinstance(raw, dict):
-        raise ConfigError("model-config.yaml `handler:` must be a mapping of options")
-    unknown = sorted(set(raw) - set(_HANDLER_KEYS))
+        raise ConfigError("model-config.yaml `handler:` must be a mapping of options, e.g. "
+                          "handler: {max_json_mb: 8}")
+    unknown = sorted(set(raw) - set(_HANDLER))
     if unknown:
         raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "
-                          f"valid options: {', '.join(sorted(_HANDLER_KEYS))}")
-    if isinstance(raw.get("cuda_graphs"), bool):  # YAML 1.1 reads a bare on/off as a boolean
-        raw = {**raw, "cuda_graphs": "on" if raw["cuda_graphs"] else "off"}
-    values = {k: _coerce(k, v, _TYPES[k]) for k, v in raw.items()}
-    _validate(values)
-    workers = next((v for v in (model_yaml.get("maxWorkers"), model_yaml.get("minWorkers"))
-                    if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
-    return HandlerConfig(device_type=device_type, workers=workers,
-                         device_ids=tuple(model_yaml.get("deviceIds") or ()), **values)
+                          f"valid options: {', '.join(sorted(_HANDLER))}")
+    values = {k: _coerce(_HANDLER[k], v) for k, v in raw.items()}
+    for o in OPTIONS:
+        if o.torchserve:
+            given = [model_yaml[k] for k in o.key.split(",") if model_yaml.get(k) is not None]
+            if given:
+                values[o.name] = _coerce(o, given[0])
+    return HandlerConfig(**values)
 
 
-def _validate(values: dict) -> None:
-    """Range and choice checks of already typed option values; each names the fix."""
-    if values.get("cpu_threads", 0) < 0:
-        raise ConfigError("model-config.yaml handler.cpu_threads must be 0 (decide at load) or a "
-                          "positive number of threads")
-    if values.get("max_rows_per_request", 1) < 1:
-        raise ConfigError("model-config.yaml handler.max_rows_per_request must be at least 1")
-    if values.get("float32_matmul_precision", "highest") not in ("highest", "high", "medium"):
-        raise ConfigError(f"model-config.yaml handler.float32_matmul_precision = "
-                          f"{values['float32_matmul_precision']!r} is invalid: expected highest (IEEE "
-                          "fp32, torch's default), high (TF32) or medium (bf16)")
-    if values.get("worker_gpu_mb", 0.0) < 0:
-        raise ConfigError("model-config.yaml handler.worker_gpu_mb must be 0 (no check) or the MiB of GPU "
-                          "memory one worker needs (cs-archive writes it)")
-    for key in ("max_body_mb", "max_json_mb"):
-        if values.get(key, 1.0) <= 0:
-            raise ConfigError(f"model-config.yaml handler.{key} must be a positive size in MiB")
-    if values.get("stage_metrics_s", 1.0) < 0:
-        raise ConfigError("model-config.yaml handler.stage_metrics_s must be 0 (emit the stage timings "
-                          "after every batch) or a positive number of seconds between emissions")
-    if values.get("staging_piece_mb", 0.0) < 0:
-        raise ConfigError("model-config.yaml handler.staging_piece_mb must be 0 (no pieces) or a "
-                          "positive size in MiB")
-    if values.get("cuda_graphs", "auto") not in ("auto", "on", "off"):
-        raise ConfigError(f"model-config.yaml handler.cuda_graphs = {values['cuda_graphs']!r} is invalid: "
-                          "expected auto (capture and keep graphs only if they match the plain call), "
-                          "on (a capture failure fails the load) or off")
-    if values.get("cuda_sync", "auto") not in ("auto", "spin", "block", "hybrid"):
-        raise ConfigError(f"model-config.yaml handler.cuda_sync = {values['cuda_sync']!r} is invalid: "
-                          "expected auto (spin when a worker is alone on its GPU, else hybrid), spin "
-                          "(the waiting worker busy-polls a core), block (it sleeps until the GPU is "
-                          "done) or hybrid (it polls for up to handler.cuda_spin_us, then sleeps)")
-    if values.get("cuda_spin_us", 0.0) < 0:
-        raise ConfigError("model-config.yaml handler.cuda_spin_us must be 0 or a positive number of "
-                          "microseconds")
-    if values.get("cuda_graph_max_batch", 1) < 1 or values.get("cuda_graph_memory_mb", 1.0) <= 0:
-        raise ConfigError("model-config.yaml handler.cuda_graph_max_batch must be at least 1 and "
-                          "handler.cuda_graph_memory_mb positive")
+def options_table() -> str:
+    """The Markdown table of every option, as docs/configuration.md shows it."""
+    rows = ["| option | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for o in OPTIONS:
+        name = f"`{o.key.replace(',', '` (else `')}`{')' if ',' in o.key else ''} (TorchServe's)" if o.key \
+            else f"`{o.name}`"
+        default = o.describe_default()
+        allowed = ", ".join(f"`{v}`" for v, _ in o.choices) if o.choices else o.expected()
+        kind = {tuple: "list", dict: "mapping"}.get(o.kind, o.kind.__name__)
+        rows.append(f"| {name} | {kind} | {default} | {allowed} | {o.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(options_table() + "\n")

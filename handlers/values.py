@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from handlers.artifact.metadata import describe_columns
+from handlers.config import HandlerConfig
 from handlers.errors import ConfigError, RequestError
 
 _KEY = re.compile(r"^\s*([^\[\]\s]+)\s*(?:\[\s*(\d+)\s*\])?\s*$")
@@ -72,13 +73,14 @@ class ValueContract:
     @classmethod
     def of(cls, spec, config) -> "ValueContract":
         """From the artifact's inputs and the handler options (handler.check_values,
-        handler.value_ranges, handler.refuse_nonfinite)."""
-        if not getattr(config, "check_values", True):
+        handler.value_ranges, handler.refuse_nonfinite; None: their defaults)."""
+        config = config or HandlerConfig()
+        if not config.check_values:
             return cls()
         shapes = {s.name: s.shape for s in spec.inputs}
         try:
             values = with_ranges({s.name: s.values for s in spec.inputs if s.values},
-                                 dict(getattr(config, "value_ranges", {}) or {}), shapes, "handler.value_ranges")
+                                 dict(config.value_ranges), shapes, "handler.value_ranges")
         except ValueError as e:
             raise ConfigError(str(e)) from None
         ranges, unchecked = [], []
@@ -89,7 +91,7 @@ class ValueContract:
             elif v.get("checked") is False:
                 unchecked.append((s.name, v.get("why", "no bound derived")))
         finite = tuple(s.name for s in spec.inputs if s.dtype.startswith(("float", "bfloat"))) \
-            if getattr(config, "refuse_nonfinite", False) else ()
+            if config.refuse_nonfinite else ()
         return cls(tuple(ranges), finite, tuple(unchecked))
 
     def describe(self) -> str:

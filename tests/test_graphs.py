@@ -100,7 +100,7 @@ def test_config_options():
     assert parse_config({"handler": {"cuda_graphs": True}}).cuda_graphs == "on"
     with pytest.raises(ConfigError, match="cuda_graphs = 'yes' is invalid: expected auto"):
         parse_config({"handler": {"cuda_graphs": "yes"}})
-    with pytest.raises(ConfigError, match="cuda_graph_max_batch must be at least 1"):
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch = 0 is invalid: expected an integer of at least 1"):
         parse_config({"handler": {"cuda_graph_max_batch": 0}})
 
 

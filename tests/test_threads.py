@@ -44,14 +44,15 @@ def test_workers_from_model_config():
     assert parse_config({"minWorkers": 3}).workers == 3
     assert parse_config({}).workers is None
     assert parse_config(None).workers is None
-    assert parse_config({"maxWorkers": True}).workers is None
+    with pytest.raises(ConfigError, match="maxWorkers = True is invalid: expected an integer of at least 1"):
+        parse_config({"maxWorkers": True})
     assert parse_config({"deviceIds": [1, 3]}).device_ids == (1, 3)
 
 
 def test_cpu_threads_option_validated():
     assert parse_config({"handler": {"cpu_threads": 3}}).cpu_threads == 3
     assert parse_config({}).cpu_threads == 0
-    with pytest.raises(ConfigError, match="cpu_threads must be 0"):
+    with pytest.raises(ConfigError, match="cpu_threads = -1 is invalid: expected an integer of at least 0"):
         parse_config({"handler": {"cpu_threads": -1}})
     with pytest.raises(ConfigError, match="cpu_threads.*expected an integer"):
         parse_config({"handler": {"cpu_threads": 1.5}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from handlers.batch import PadPlan
+from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
 from handlers.run.base import Runner
 from handlers.run.cpu import CpuRunner
@@ -12,23 +13,24 @@ from handlers.torchserve.threads import cuda_wait
 
 
 def runner_for(model, spec, device: torch.device, config=None) -> Runner:
-    """The runner for `device`'s kind; `config` (HandlerConfig) tunes the CUDA one and says
-    whether requests are padded along named dimensions (handler.pad)."""
+    """The runner for `device`'s kind; `config` (HandlerConfig; None: the defaults) tunes the
+    CUDA one and says whether requests are padded along named dimensions (handler.pad)."""
+    config = config or HandlerConfig()
     runner = _runner(model, spec, device, config)
     try:
-        runner.pad = PadPlan.of(spec, getattr(config, "pad", None), getattr(config, "pad_buckets", ()))
+        runner.pad = PadPlan.of(spec, config.pad or None, config.pad_buckets)
     except ValueError as e:
         raise ConfigError(f"{e}. Fix the archive's model-config.yaml (cs-archive --handler-option).") from None
     return runner
 
 
-def _runner(model, spec, device: torch.device, config=None) -> Runner:
+def _runner(model, spec, device: torch.device, config: HandlerConfig) -> Runner:
     if device.type == "cuda":
         return CudaRunner(model, spec, device,
-                          stream_priority=config.stream_priority if config else 0,
-                          piece_bytes=int(config.staging_piece_mb * (1 << 20)) if config else 0,
+                          stream_priority=config.stream_priority,
+                          piece_bytes=int(config.staging_piece_mb * (1 << 20)),
                           # auto with no worker count is the lone-worker choice; the handler
                           # resolves auto with its worker count before it gets here
-                          sync=cuda_wait(getattr(config, "cuda_sync", "auto"), None, 1)[0],
-                          spin_us=getattr(config, "cuda_spin_us", 0.0))
+                          sync=cuda_wait(config.cuda_sync, None, 1)[0],
+                          spin_us=config.cuda_spin_us)
     return CpuRunner(model, spec)
