@@ -161,10 +161,11 @@ def one_request(spec, args, g) -> dict:
     """One row of every input: floats random normal, integers inside their valid values (the
     value contract's range, else 0..99), mask inputs all ones (a request carries exactly its own
     length), named dimensions drawn from --lengths."""
+    from handlers.artifact.metadata import is_mask
     from handlers.run.padding import random_request
 
     sizes = draw_lengths(args.lengths, spec.dims, g)
-    masks = set(args.mask_inputs.split(",")) if args.mask_inputs else {s.name for s in spec.inputs if "mask" in s.name}
+    masks = set(args.mask_inputs.split(",")) if args.mask_inputs else {s.name for s in spec.inputs if is_mask(s.name)}
     return random_request(spec, sizes, g, masks, span=1_000_000)
 
 

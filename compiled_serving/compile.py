@@ -91,16 +91,11 @@ def parse_input(text: str, named=()) -> TensorSpec:
 
 def parse_dims(items) -> dict:
     """--dim NAME=MIN:MAX values as {name: (min, max)}."""
-    out = {}
-    for text in items or ():
-        name, _, rng = text.partition("=")
-        try:
-            lo, hi = (int(x) for x in rng.split(":"))
-        except ValueError:
-            raise CompileError(f"--dim {text!r}: expected NAME=MIN:MAX, e.g. S=8:512") from None
-        if not (name.isidentifier() and 1 <= lo <= hi):
-            raise CompileError(f"--dim {text!r}: need an identifier NAME and 1 <= MIN <= MAX")
-        out[name] = (lo, hi)
+    expected = "NAME=MIN:MAX with an identifier NAME and 1 <= MIN <= MAX, e.g. S=8:512"
+    out = contract.parse_named_ranges(items, "--dim", expected, CompileError)
+    for name, (lo, _hi) in out.items():
+        if not (name.isidentifier() and lo >= 1):
+            raise CompileError(f"--dim {name}={lo}:{_hi}: expected {expected}")
     return out
 
 

@@ -378,20 +378,28 @@ def tighten(values: dict, user_ranges: dict, inputs) -> dict:
         raise ContractError(str(e)) from None
 
 
-def parse_ranges(items) -> dict:
-    """--input-range NAME=LO:HI or NAME[COL]=LO:HI values as {"NAME" or "NAME[COL]": (lo, hi)}."""
+def parse_named_ranges(items, flag: str, expected: str, error=None) -> dict:
+    """NAME=LO:HI command-line values as {NAME: (lo, hi)} with integers lo <= hi, the one parser
+    of that spelling (cs-import's and cs-compile's --input-range, cs-compile's --dim); raises
+    `error` (ContractError unless given) naming the flag, the item and `expected`."""
+    error = error or ContractError
     out = {}
     for text in items or ():
         name, _, rng = text.partition("=")
         try:
             lo, hi = (int(x) for x in rng.split(":"))
         except ValueError:
-            raise ContractError(f"--input-range {text!r}: expected NAME=LO:HI or NAME[COL]=LO:HI with integers, "
-                                "e.g. input_ids=0:30521 or sparse[1]=0:4999") from None
+            raise error(f"{flag} {text!r}: expected {expected}") from None
         if lo > hi:
-            raise ContractError(f"--input-range {text!r}: LO must not exceed HI")
+            raise error(f"{flag} {text!r}: the low end must not exceed the high end; expected {expected}")
         out[name.strip()] = (lo, hi)
     return out
+
+
+def parse_ranges(items) -> dict:
+    """--input-range NAME=LO:HI or NAME[COL]=LO:HI values as {"NAME" or "NAME[COL]": (lo, hi)}."""
+    return parse_named_ranges(items, "--input-range", "NAME=LO:HI or NAME[COL]=LO:HI with integers, "
+                              "e.g. input_ids=0:30521 or sparse[1]=0:4999")
 
 
 def _dim_of(d, symbols: dict, where: str, hints: dict, first: dict, kind: str = "input"):

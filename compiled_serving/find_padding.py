@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from handlers.artifact.metadata import is_mask
+
 TRIALS = 16
 FLOAT_CANDIDATES = (0.0, 1.0, -1.0)
 MAX_COMBINATIONS = 8
@@ -44,11 +46,6 @@ class Finding:
 def show(pad: dict) -> str:
     """The values as the handler option is written: {input_ids: 0, attention_mask: 0}."""
     return "{" + ", ".join(f"{k}: {v}" for k, v in pad.items()) + "}"
-
-
-def is_mask(name: str) -> bool:
-    # the same rule random_request uses for the inputs it fills with ones
-    return "mask" in name.lower()
 
 
 def candidates(spec) -> dict:

@@ -588,3 +588,28 @@ def test_examples_for_warm_up_and_capture_are_valid_requests():
     assert ex["sparse"][:, 1].max() > 19  # drawn across its own column's range, not the smallest table's
     ValueContract.of(spec, parse_config({})).check(ex)
     assert all(torch.equal(a, b) for a, b in zip(ex.values(), spec.example(8).values()))
+
+
+def test_one_rule_for_masks_and_one_parser_for_name_ranges():
+    """The mask rule lives in handlers/artifact/metadata.is_mask alone (padding's random requests,
+    find_padding's candidates, the CUDA graphs' check and the benchmark's requests follow it), and
+    NAME=LO:HI is parsed by contract.parse_named_ranges alone (--input-range and --dim)."""
+    import torch
+
+    from compiled_serving import compile as cs_compile
+    from compiled_serving import find_padding
+    from handlers.artifact.metadata import ArtifactSpec, TensorSpec
+    from handlers.run.padding import random_request
+
+    spec = ArtifactSpec(backend="export", artifact="m.pt2", sha256="", device="cpu",
+                        inputs=(TensorSpec("ids", "int64", (None, "S")), TensorSpec("Padding_MASK", "int64", (None, "S"))),
+                        outputs=(TensorSpec("y", "float32", (None, 2)),), output_structure="dict",
+                        batch_min=1, batch_max=4, torch_version=torch.__version__, dims={"S": (1, 8)})
+    req = random_request(spec, {"S": 5}, torch.Generator().manual_seed(0))
+    assert torch.equal(req["Padding_MASK"], torch.ones(1, 5, dtype=torch.int64))  # upper case: still a mask
+    assert find_padding.candidates(spec)["Padding_MASK"] == [0]
+    assert cs_compile.parse_dims(["S=8:512"]) == contract.parse_named_ranges(["S=8:512"], "--dim", "")
+    for bad, flag in (("S=9:8", "--dim"), ("ids=9:8", "--input-range")):
+        parse = cs_compile.parse_dims if flag == "--dim" else contract.parse_ranges
+        with pytest.raises((SystemExit, contract.ContractError), match=f"{flag} '{bad}': the low end must not exceed"):
+            parse([bad])

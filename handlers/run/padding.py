@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from handlers.artifact.metadata import is_mask
 from handlers.errors import LoadError
 
 
@@ -33,7 +34,7 @@ def random_request(spec, sizes: dict, g: torch.Generator, masks=None, span: int 
     low end), the inputs in `masks` (default: those named like a mask) all ones, so a request
     carries exactly its own length."""
     if masks is None:
-        masks = {s.name for s in spec.inputs if "mask" in s.name.lower()}
+        masks = {s.name for s in spec.inputs if is_mask(s.name)}
     out = {}
     for s in spec.inputs:
         shape, dtype = s.concrete(1, sizes), getattr(torch, s.dtype)
