@@ -257,7 +257,7 @@ def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30,
                 at = {d: plan.bucket(d, n) for d, n in dims.items()} if plan else dims
                 key = tuple(sorted(at.items()))
                 if key not in replays:
-                    bucket = graphs.capture(model, spec, b, device, stream, pool, at or None)
+                    bucket = graphs.capture(graphs.Target(model, spec, device, stream), b, pool, at or None)
                     replays[key] = _median_ms(bucket.graph.replay, device, iters)
                 replay = replays[key]
             per_size.append({**dims, "forward_ms": round(plain, 4),

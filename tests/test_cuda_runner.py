@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 from handlers.artifact.kinds import LoadedModel  # noqa: E402
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec  # noqa: E402
 from handlers.run import runner_for  # noqa: E402
+from handlers.config import parse_config  # noqa: E402
 from handlers.run.cuda import CudaRunner  # noqa: E402
 
 
@@ -24,13 +25,8 @@ def make(batch_min=1, batch_max=4, fn=None, piece_mb=0.0, sync="spin", spin_us=2
     fn = fn or (lambda x, m: torch.where(m, x * 2.0, x - 1.0))
     model = LoadedModel(fn, spec, dev, "test")
 
-    class Cfg:
-        stream_priority = 0
-        staging_piece_mb = piece_mb
-        cuda_sync = sync
-        cuda_spin_us = spin_us
-
-    return runner_for(model, spec, dev, Cfg), spec
+    cfg = parse_config({"handler": {"staging_piece_mb": piece_mb, "cuda_sync": sync, "cuda_spin_us": spin_us}})
+    return runner_for(model, spec, dev, cfg), spec
 
 
 def ref(r):

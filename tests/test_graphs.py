@@ -138,7 +138,7 @@ def bare_runner(monkeypatch, build):
 def test_auto_keeps_verified_graphs(monkeypatch):
     seen = {}
 
-    def build(model, spec, device, stream, sizes, cap, verify, lengths):
+    def build(target, sizes, cap, verify, lengths):
         seen.update(sizes=sizes, cap=cap, verify=verify, lengths=lengths)
         return graphs.GraphSet({(s, ((3,),)): graphs.GraphBucket(s, None, [], {}) for s in sizes}, 5 << 20)
 
@@ -189,7 +189,8 @@ def fake_cuda(monkeypatch, fail: dict):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     seen = []
 
-    def capture(model, spec, rows, device, stream, pool, sizes=None):
+    def capture(target, rows, pool, sizes=None):
+        model, spec, device, _stream = target
         seen.append((rows, sizes))
         if (rows, tuple(sorted((sizes or {}).items()))) in fail:
             raise fail[(rows, tuple(sorted((sizes or {}).items())))]
@@ -217,7 +218,7 @@ def test_a_shape_whose_capture_fails_runs_plain_calls_and_the_others_keep_their_
                         (TensorSpec("y", "float32", (None, 3)),), "dict", 1, 8, torch.__version__)
     model = lambda x: {"y": x * 2}  # noqa: E731
     fake_cuda(monkeypatch, {(4, ()): RuntimeError("cuDNN Frontend error: mha_graph.execute(...).is_good()")})
-    gs = graphs.build(model, spec, None, None, [1, 2, 4, 8], 1 << 30, verify=True)
+    gs = graphs.build(graphs.Target(model, spec, None, None), [1, 2, 4, 8], 1 << 30, verify=True)
     assert gs.sizes == [1, 2, 8]
     assert gs.describe() == ("CUDA graphs for batch [1, 2, 8] (3 graphs, 0 MiB); capture failed, plain calls for "
                              "batch 4 (RuntimeError: cuDNN Frontend error: mha_graph.execute(...).is_good())")
@@ -232,13 +233,13 @@ def test_a_shape_whose_capture_fails_runs_plain_calls_and_the_others_keep_their_
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture" + dsa)
     except RuntimeError as chained:
         fake_cuda(monkeypatch, {(1, ()): chained})
-    gs = graphs.build(model, spec, None, None, [1, 2], 1 << 30, verify=True)
+    gs = graphs.build(graphs.Target(model, spec, None, None), [1, 2], 1 << 30, verify=True)
     assert gs.sizes == [2] and gs.describe().endswith(
         "batch 1 (RuntimeError: CUDA error: operation failed due to a previous error during capture (after "
         "RuntimeError: CUDA error: operation not permitted when stream is capturing))")
     fake_cuda(monkeypatch, {(2, ()): RuntimeError("CUDA error: device-side assert triggered")})
     with pytest.raises(RuntimeError, match="device-side assert"):
-        graphs.build(model, spec, None, None, [1, 2, 4], 1 << 30, verify=True)
+        graphs.build(graphs.Target(model, spec, None, None), [1, 2, 4], 1 << 30, verify=True)
     r = bare_runner(monkeypatch, graphs.build)
     r.model, r.spec = model, spec
     fake_cuda(monkeypatch, {(2, ()): RuntimeError("no capture at 2")})

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from handlers.artifact.device import resolve_placement
+from handlers.artifact.device import Seen, Wanted, resolve_placement
 from handlers.artifact.kinds import KINDS
 from handlers.artifact.relocate import leftovers, relocate
 from handlers.errors import IncompatibleArtifact, LoadError
@@ -13,7 +13,8 @@ def place(**kw):
     base = dict(gpu_id=None, device_type=None, artifact_device="cpu", backend="aoti",
                 cuda_available=False, device_count=0, visible_devices=None)
     base.update(kw)
-    return resolve_placement(relocatable=KINDS[base["backend"]].relocatable, **base)
+    base["relocatable"] = KINDS[base["backend"]].relocatable
+    return resolve_placement(Seen(**{k: base[k] for k in Seen._fields}), Wanted(**{k: base[k] for k in Wanted._fields}))
 
 
 GPU = dict(cuda_available=True, device_count=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from handlers.errors import IncompatibleArtifact
 
@@ -45,19 +45,27 @@ def _logical_index(gpu_id: int, device_count: int, visible: Optional[str]) -> in
         "visible count.")
 
 
-def resolve_placement(
-    *,
-    gpu_id: Optional[int],
-    device_type: Optional[str],
-    artifact_device: str,
-    backend: str,
-    relocatable: bool,
-    cuda_available: bool,
-    device_count: int,
-    visible_devices: Optional[str] = None,
-) -> Placement:
-    """`backend` names the artifact kind (for messages); `relocatable` is that kind's declaration
-    that its artifacts can move to another device kind after compilation (kinds/)."""
+class Seen(NamedTuple):
+    """What this worker is given and sees: TorchServe's gpu_id and the process's CUDA devices."""
+    gpu_id: Optional[int]
+    cuda_available: bool
+    device_count: int
+    visible_devices: Optional[str] = None  # CUDA_VISIBLE_DEVICES
+
+
+class Wanted(NamedTuple):
+    """What the archive and the artifact ask for: model-config's deviceType, the artifact's
+    device, its kind's name (`backend`, for messages) and whether that kind's artifacts can
+    move to another device kind after compilation (`relocatable`, kinds/)."""
+    device_type: Optional[str]
+    artifact_device: str
+    backend: str
+    relocatable: bool
+
+
+def resolve_placement(seen: Seen, wanted: Wanted) -> Placement:
+    gpu_id, cuda_available, device_count, visible_devices = seen
+    device_type, artifact_device, backend, relocatable = wanted
     gpu_ok = cuda_available and device_count > 0 and gpu_id is not None
     if device_type == "gpu" and not gpu_ok:
         why = ("CUDA is not available to this worker" if not cuda_available or device_count == 0
@@ -91,14 +99,13 @@ def resolve_placement(
     return Placement("cpu", None, note)
 
 
-def placement_for_worker(gpu_id, device_type, artifact_device, backend, relocatable) -> Placement:
+def placement_for_worker(gpu_id: Optional[int], wanted: Wanted) -> Placement:
+    """resolve_placement with what this process sees."""
     import torch
 
     cuda = torch.cuda.is_available()
-    return resolve_placement(
-        gpu_id=gpu_id, device_type=device_type, artifact_device=artifact_device, backend=backend,
-        relocatable=relocatable, cuda_available=cuda, device_count=torch.cuda.device_count() if cuda else 0,
-        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return resolve_placement(Seen(gpu_id, cuda, torch.cuda.device_count() if cuda else 0,
+                                  os.environ.get("CUDA_VISIBLE_DEVICES")), wanted)
 
 
 def use_device(placement: Placement) -> None:

@@ -68,7 +68,7 @@ def check(need_mb: float, placement, workers: int | None, wait_s: float = WAIT_S
                 break
         waited = time.monotonic() - started
         if waited >= MAX_WAIT_S or (waited >= wait_s and not siblings):
-            raise InsufficientGpuMemory(shortfall_message(need_mb, free, total, placement, workers, waited))
+            raise InsufficientGpuMemory(shortfall_message(need_mb, (free, total), placement, workers, waited))
         time.sleep(POLL_S)
     logger.info("GPU memory: this worker needs %.0f MiB (handler.worker_gpu_mb); %s has %.0f MiB free of %.0f MiB, "
                 "%.0f MiB of it reserved by sibling workers still starting", need_mb, placement, free, total, siblings)
@@ -141,7 +141,9 @@ def _device_key(index: int) -> str:
     return str(uuid) if uuid else f"index{index}"
 
 
-def shortfall_message(need_mb, free_mb, total_mb, placement, workers, wait_s) -> str:
+def shortfall_message(need_mb, free_total_mb: tuple, placement, workers, wait_s) -> str:
+    """The refusal: what the worker needs, what the GPU has free of its total, and the fixes."""
+    free_mb, total_mb = free_total_mb
     fit = int(total_mb // need_mb)
     many = (f"the model is configured for {workers} worker(s), {workers} x {need_mb:.0f} = {workers * need_mb:.0f} MiB "
             "if they share this GPU" if workers else "the worker count is not in model-config.yaml")

@@ -18,7 +18,9 @@ def check(spec: ArtifactSpec, kind, placement: Placement, m: Machine, strict_ver
     if kind.native:
         platform_rule(spec, m, fatal)
     kind.rules(spec, placement, m, fatal, warn)
-    torch_version_rule(spec, m, kind.native, strict_versions, fatal, warn)
+    problem, fatal_too = torch_version_rule(spec, m, kind.native or strict_versions, strict_versions)
+    if problem:
+        (fatal if fatal_too else warn).append(problem)
     return fatal, warn
 
 
@@ -28,17 +30,19 @@ def platform_rule(spec: ArtifactSpec, m: Machine, fatal: list) -> None:
                      "recompile on the target platform")
 
 
-def torch_version_rule(spec, m: Machine, native: bool, strict: bool, fatal: list, warn: list) -> None:
-    """Native code links libtorch's C++ ABI, which changes between minor releases."""
+def torch_version_rule(spec, m: Machine, abi_bound: bool, strict: bool) -> tuple:
+    """(the problem or "", whether it is fatal). Native code links libtorch's C++ ABI, which
+    changes between minor releases: a different major.minor is fatal where `abi_bound` (a native
+    artifact, or strict_versions); any other difference only where `strict`."""
     msg = f"built with torch {spec.torch_version}, this worker has torch {m.torch_version}"
     if version_mm(spec.torch_version) != version_mm(m.torch_version):
-        if native or strict:
-            fatal.append(msg + ": native artifacts link torch's C++ ABI; recompile with the serving torch "
-                         "or install the torch it was built with")
-        else:
-            warn.append(msg)
-    elif spec.torch_version != m.torch_version:
-        (fatal if strict else warn).append(msg)
+        if abi_bound:
+            return (msg + ": native artifacts link torch's C++ ABI; recompile with the serving torch "
+                    "or install the torch it was built with"), True
+        return msg, False
+    if spec.torch_version != m.torch_version:
+        return msg, strict
+    return "", False
 
 
 def cpu_isa_rule(spec: ArtifactSpec, placement: Placement, m: Machine, fatal: list, warn: list) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from handlers.artifact.device import placement_for_worker
+from handlers.artifact.device import Wanted, placement_for_worker
 from handlers.artifact.integrity import verify_integrity
 from handlers.artifact.kinds import kind_of, recognise
 from handlers.artifact.machine import describe_machine, this_machine
@@ -38,7 +38,7 @@ def assess(spec: ArtifactSpec, gpu_id, device_type, strict_versions=False):
     if missing:
         return None, missing, []
     try:
-        placement = placement_for_worker(gpu_id, device_type, spec.device, spec.backend, kind.relocatable)
+        placement = placement_for_worker(gpu_id, Wanted(device_type, spec.device, spec.backend, kind.relocatable))
     except IncompatibleArtifact as e:
         return None, [str(e)], []
     fatal, warn = check(spec, kind, placement, this_machine(placement), strict_versions)

@@ -1,6 +1,8 @@
 """Runners by device kind: the one place that decides how a batch reaches the model."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from handlers.batch import PadPlan
@@ -26,11 +28,7 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
 
 def _runner(model, spec, device: torch.device, config: HandlerConfig) -> Runner:
     if device.type == "cuda":
-        return CudaRunner(model, spec, device,
-                          stream_priority=config.stream_priority,
-                          piece_bytes=int(config.staging_piece_mb * (1 << 20)),
-                          # auto with no worker count is the lone-worker choice; the handler
-                          # resolves auto with its worker count before it gets here
-                          sync=cuda_wait(config.cuda_sync, None, 1)[0],
-                          spin_us=config.cuda_spin_us)
+        # auto with no worker count is the lone-worker choice; the handler resolves auto with
+        # its worker count before it gets here
+        return CudaRunner(model, spec, device, dataclasses.replace(config, cuda_sync=cuda_wait(config.cuda_sync, None, 1)[0]))
     return CpuRunner(model, spec)

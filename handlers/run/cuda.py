@@ -77,22 +77,23 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
 
 
 class CudaRunner(Runner):
-    def __init__(self, model, spec, device: torch.device, stream_priority: int = 0, piece_bytes: int = 0,
-                 sync: str = "spin", spin_us: float = 0.0):
+    def __init__(self, model, spec, device: torch.device, config):
+        """`config`: the worker's HandlerConfig (stream_priority, staging_piece_mb, cuda_sync
+        resolved to spin, block or hybrid, cuda_spin_us)."""
         super().__init__(model, spec)
         self.device = device
-        self.piece_bytes = piece_bytes
+        self.piece_bytes = int(config.staging_piece_mb * (1 << 20))
         self.host_inputs = StagingBuffers(pinned=True)
         self.host_outputs = StagingBuffers(pinned=True)
         self.device_buffers = StagingBuffers(device=device)
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
-        self.stream = torch.cuda.Stream(device=device, priority=stream_priority)
+        self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority)
         # The stream the weights were uploaded on: the worker thread's current stream, which
         # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
         self.producer = torch.cuda.current_stream(device)
-        self.sync = sync
-        self.spin_s = spin_us / 1e6
+        self.sync = sync = config.cuda_sync
+        self.spin_s = config.cuda_spin_us / 1e6
         # How the host waits (handler.cuda_sync). With the default schedule the CUDA runtime
         # busy-polls a core while a process waits for the GPU (it spins while the process has
         # fewer contexts than the host has cores). blocking=True creates the event with
@@ -117,7 +118,7 @@ class CudaRunner(Runner):
             return "CUDA graphs off"
         reason = graphs.why_not_capturable(kind, self.spec, self.pad)
         if reason is None:
-            args = (self.model, self.spec, self.device, self.stream,
+            args = (graphs.Target(self.model, self.spec, self.device, self.stream),
                     graphs.graph_buckets(self.spec.batch_min, self.spec.batch_max,
                                          config.cuda_graph_batch_sizes, config.cuda_graph_max_batch),
                     int(config.cuda_graph_memory_mb * 2**20))

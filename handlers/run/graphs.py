@@ -26,7 +26,7 @@ import bisect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -91,8 +91,18 @@ def length_buckets(spec, pad) -> list:
     return combos
 
 
-def run_shape(model, spec, rows: int, device, stream, sizes: Optional[dict] = None) -> None:
-    """One plain call at `rows` rows (named dimensions at `sizes`) on `stream`, waited for."""
+class Target(NamedTuple):
+    """What a graph is captured of and where: the loaded model, its spec, the device and the
+    worker's stream."""
+    model: Any
+    spec: Any
+    device: Any
+    stream: Any
+
+
+def run_shape(target: Target, rows: int, sizes: Optional[dict] = None) -> None:
+    """One plain call at `rows` rows (named dimensions at `sizes`) on the target's stream, waited for."""
+    model, spec, device, stream = target
     inputs = _static_inputs(spec, rows, device, sizes)
     with torch.cuda.stream(stream):
         model(*inputs)
@@ -100,10 +110,11 @@ def run_shape(model, spec, rows: int, device, stream, sizes: Optional[dict] = No
         stream.synchronize()
 
 
-def capture(model, spec, rows: int, device, stream, pool, sizes: Optional[dict] = None) -> GraphBucket:
-    """Capture one call of `model` at `rows` rows (named dimensions at `sizes`) on `stream`
-    (warmed up on it first: lazy initialisation such as cuBLAS workspaces must not happen
+def capture(target: Target, rows: int, pool, sizes: Optional[dict] = None) -> GraphBucket:
+    """Capture one call of the target's model at `rows` rows (named dimensions at `sizes`) on its
+    stream (warmed up on it first: lazy initialisation such as cuBLAS workspaces must not happen
     during capture)."""
+    model, spec, device, stream = target
     inputs = _static_inputs(spec, rows, device, sizes)
     with torch.cuda.stream(stream):
         model(*inputs)
@@ -244,11 +255,12 @@ class GraphBuilder:
     smallest calls first, sharing one pool until the graphs would hold more than `cap_bytes`;
     with `verify`, every kept bucket is checked against the plain call. A shape whose capture
     raises runs plain calls (GraphSet.failed, in the load line). Steps run either all before the
-    worker is ready (`build`) or one at a time between batches (handlers/startup.py), always on
+    worker is ready (`build`) or one at a time between batches (run/cuda.py capture_step), always on
     the thread that serves requests, so a capture never overlaps a batch on the device."""
 
-    def __init__(self, model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)):
-        self.model, self.spec, self.device, self.stream = model, spec, device, stream
+    def __init__(self, target: Target, sizes: list, cap_bytes: int, verify: bool, lengths=({},)):
+        self.target = target
+        self.model, self.spec, self.device, self.stream = target
         self.cap_bytes, self.verify = cap_bytes, verify
         pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
                        key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
@@ -272,9 +284,9 @@ class GraphBuilder:
         try:
             # the shape's own activations, cached for plain calls on this stream from now on,
             # are allocated by this call, before the graph's memory is counted
-            run_shape(self.model, spec, rows, self.device, self.stream, dims or None)
+            run_shape(self.target, rows, dims or None)
             before = torch.cuda.memory_reserved(self.device)
-            bucket = capture(self.model, spec, rows, self.device, self.stream, self.pool, dims or None)
+            bucket = capture(self.target, rows, self.pool, dims or None)
         except Exception as e:  # this shape only: its calls run the artifact's own call
             key = (rows, tuple(tuple(s.concrete(rows, dims or spec.min_sizes())[1:]) for s in spec.inputs))
             self.failed[key] = (dims, _capture_failure(e, rows, dims, self.stream))
@@ -320,11 +332,11 @@ class GraphBuilder:
         return self.graphs()
 
 
-def build(model, spec, device, stream, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
+def build(target: Target, sizes: list, cap_bytes: int, verify: bool, lengths=({},)) -> GraphSet:
     """Every shape captured now (GraphBuilder's steps, one after another); raises where none was
     captured, on a difference or on a sticky CUDA error (the caller decides whether that fails
     the load)."""
-    builder = GraphBuilder(model, spec, device, stream, sizes, cap_bytes, verify, lengths)
+    builder = GraphBuilder(target, sizes, cap_bytes, verify, lengths)
     while builder.pending:
         builder.step()
     return builder.finish()

@@ -125,25 +125,22 @@ def check_tensor(spec: TensorSpec, t: torch.Tensor, where: str, dims: dict = {},
     if t.dim() != spec.rank:
         raise RequestError(f"{where}: shape {list(t.shape)} has rank {t.dim()}, expected rank "
                            f"{spec.rank} ({spec.describe()}, batch first)")
+    seen = seen if seen is not None else {}
     for axis, (got, exp) in enumerate(zip(t.shape, spec.shape)):
-        if axis > 0 and isinstance(exp, str):
-            _check_named(exp, got, axis, dims, seen if seen is not None else {}, where, spec)
+        if axis > 0 and isinstance(exp, str):  # a named dimension: in its range, equal across inputs
+            lo, hi = dims[exp]
+            if not lo <= got <= hi:
+                raise RequestError(f"{where}: dimension {axis} ({exp}) is {got}; this artifact accepts {exp} "
+                                   f"from {lo} to {hi} ({spec.describe()})")
+            if exp in seen and seen[exp][0] != got:
+                raise RequestError(f"{where}: dimension {axis} ({exp}) is {got} but {seen[exp][1]} has {exp} = "
+                                   f"{seen[exp][0]}; inputs sharing {exp} must agree")
+            seen.setdefault(exp, (got, where))
         elif axis > 0 and exp is not None and got != exp:
             raise RequestError(f"{where}: shape {list(t.shape)} has {got} at dimension {axis}, the "
                                f"artifact needs {exp} ({spec.describe()})")
     if t.shape[0] == 0:
         raise RequestError(f"{where}: batch dimension is 0; send at least one row")
-
-
-def _check_named(name: str, got: int, axis: int, dims: dict, seen: dict, where: str, spec: TensorSpec) -> None:
-    lo, hi = dims[name]
-    if not lo <= got <= hi:
-        raise RequestError(f"{where}: dimension {axis} ({name}) is {got}; this artifact accepts {name} "
-                           f"from {lo} to {hi} ({spec.describe()})")
-    if name in seen and seen[name][0] != got:
-        raise RequestError(f"{where}: dimension {axis} ({name}) is {got} but {seen[name][1]} has {name} = "
-                           f"{seen[name][0]}; inputs sharing {name} must agree")
-    seen.setdefault(name, (got, where))
 
 
 def check_inputs(tensors: dict, spec: ArtifactSpec) -> tuple:
