@@ -178,7 +178,6 @@ OPTIONS = (
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),
 )
-_BY_NAME = {o.name: o for o in OPTIONS}
 _HANDLER = {o.name: o for o in OPTIONS if not o.torchserve}
 
 
@@ -204,7 +203,7 @@ def _coerce(o: Option, value):
         v = int(v)
     elif kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
-    elif kind is str and o.name == "cuda_graphs" and isinstance(v, bool):
+    elif kind is str and isinstance(v, bool) and {"on", "off"} <= set(dict(o.choices)):
         v = "on" if v else "off"  # YAML 1.1 reads a bare on/off as a boolean
     elif kind is dict and o.parse is not None:
         return o.parse(o.name, v)

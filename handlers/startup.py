@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Optional
 
 import torch
 
@@ -95,12 +94,10 @@ def load_failure(e: Exception) -> LoadError:
 @dataclasses.dataclass
 class StartPlan:
     """What a worker's start decided before loading anything: its settings, the variant it
-    serves and where, and the model's worker count (TorchServe's maxWorkers)."""
+    serves and where."""
     config: HandlerConfig
     spec: ArtifactSpec
     placement: Placement
-    workers: Optional[int]
-    model_dir: str
 
 
 def plan(context) -> StartPlan:
@@ -112,29 +109,29 @@ def plan(context) -> StartPlan:
     # it was compiled from; see HandlerConfig.
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     process.record("torch fp32 matmul precision", config.float32_matmul_precision)
-    model_dir = context.system_properties["model_dir"]
-    spec, placement, notes = choose_variant(model_dir, context.system_properties.get("gpu_id"), config)
+    props = context.system_properties
+    spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config)
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
-    return StartPlan(config, spec, placement, config.workers, model_dir)
+    return StartPlan(config, spec, placement)
 
 
 def gpu_room(plan: StartPlan):
     """The GPU memory the worker needs, reserved before the trial load takes any and until the
     start is over (siblings starting at once count it; handlers/artifact/room.py)."""
-    return reserved(plan.config.worker_gpu_mb, plan.placement, plan.workers, ledger_dir=scratch.shared_root())
+    return reserved(plan.config.worker_gpu_mb, plan.placement, plan.config.workers, ledger_dir=scratch.shared_root())
 
 
 def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     """The thread budget and GPU wait, the trial load, the load and its runner, and the check
     that declared padding leaves answers unchanged (before any client's request is padded)."""
     config, spec, placement = plan.config, plan.spec, plan.placement
-    budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, plan.workers, threads.usable_cores()))
+    budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, config.workers, threads.usable_cores()))
     steps.note("threads", budget.describe())
     if placement.kind == "cuda":
         gpus = len(config.device_ids) or torch.cuda.device_count()
-        sync, why = threads.cuda_wait(config.cuda_sync, plan.workers, gpus)
+        sync, why = threads.cuda_wait(config.cuda_sync, config.workers, gpus)
         config = dataclasses.replace(config, cuda_sync=sync)
         steps.note("sync", why)
     steps.done("variant")

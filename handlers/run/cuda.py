@@ -92,7 +92,7 @@ class CudaRunner(Runner):
         # The stream the weights were uploaded on: the worker thread's current stream, which
         # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
         self.producer = torch.cuda.current_stream(device)
-        self.sync = sync = config.cuda_sync
+        self.sync = config.cuda_sync
         self.spin_s = config.cuda_spin_us / 1e6
         # How the host waits (handler.cuda_sync). With the default schedule the CUDA runtime
         # busy-polls a core while a process waits for the GPU (it spins while the process has
@@ -102,7 +102,7 @@ class CudaRunner(Runner):
         # polls the event (cudaEventQuery, which never blocks) for up to spin_us, then sleeps:
         # a short GPU call is caught while spinning, a long one does not hold a core. The only
         # host wait of a call is this event.
-        self.done = torch.cuda.Event(blocking=sync in ("block", "hybrid"))
+        self.done = torch.cuda.Event(blocking=self.sync in ("block", "hybrid"))
         self.graphs = None  # graphs.GraphSet once prepare() or capture_next() captured some
         self.deferred = None  # graphs.GraphBuilder whose shapes capture_next() captures after ready
         self.plain_calls = 0  # calls without a graph while the capture is deferred (the log says)
