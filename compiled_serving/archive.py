@@ -183,7 +183,9 @@ def choose_pad(args, specs) -> dict | None:
     """The pad values to declare (None: none), printing what was chosen and why: an explicit
     pad= option as given, --pad none nothing, else what the import found safe for every variant
     (artifact.json extra.padding, compiled_serving/find_padding.py)."""
-    if not any(s.dims for s in specs):
+    from handlers.artifact.decoder import of as decoder_of
+
+    if not any(s.dims for s in specs) or any(decoder_of(s) for s in specs):  # a decoder is never padded
         return None
     if "pad" in args.handler_opts:
         print("cs-archive: pad= as given with --handler-option (the worker checks at load that it leaves "
@@ -248,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-type", choices=("cpu", "gpu"))
     p.add_argument("--device-ids", help="comma-separated GPU ids for this model's workers")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--tokenizer", help="a decoder's tokenizer.json (the `tokenizers` library's file, as a "
+                                       "transformers model ships it): text in and out, end-of-sequence ids")
     p.add_argument("--pad", choices=("auto", "none"), default="auto",
                    help="auto (default): for inputs with a dynamic length, declare pad= where the import found "
                         "padding leaves the program's answers unchanged (printed with the reason); none: never "
@@ -320,6 +324,33 @@ def warn_batch_size(args, specs, handler_opts) -> None:
                   file=sys.stderr)
 
 
+def stage_tokenizer(args, specs, stage) -> None:
+    """--tokenizer into the archive's top level (handlers/generation/text.py reads it there),
+    checked to load and to fit the decoder's vocabulary."""
+    from handlers.artifact.decoder import of as decoder_of
+
+    if not args.tokenizer:
+        return
+    decoders = [decoder_of(s) for s in specs]
+    if not all(decoders):
+        fail("--tokenizer is for a decoder (a language model with its KV cache in the program); "
+             f"{specs[0].artifact} is served in batches and takes tensors")
+    try:
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(args.tokenizer).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001  (the library's own error, named)
+        fail(f"--tokenizer {args.tokenizer}: not a tokenizers file ({type(e).__name__}: {e}); pass the "
+             "tokenizer.json a transformers model ships (tokenizer.save_pretrained writes it)")
+    vocab = min(d.vocab for d in decoders)
+    if size > vocab:
+        fail(f"--tokenizer {args.tokenizer} has {size} tokens but the decoder's logits cover {vocab}: "
+             "is it the model's own tokenizer?")
+    from handlers.generation.text import TOKENIZER_FILE
+
+    shutil.copy2(args.tokenizer, os.path.join(stage, TOKENIZER_FILE))
+
+
 def run_archiver(args, cfg, stage, tmp) -> None:
     """torch-model-archiver over the staging directory, with model-config.yaml from `cfg`."""
     config_path = os.path.join(tmp, "model-config.yaml")
@@ -349,6 +380,7 @@ def main(argv=None):
         args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
         choose_workers(args, cfg)  # after the import: a .pt2 file has no artifact.json until then
         specs = stage_variants(args, stage)
+        stage_tokenizer(args, specs, stage)
         pad = choose_pad(args, specs)
         if pad:
             cfg["handler"] = handler_opts = {**handler_opts, "pad": pad}

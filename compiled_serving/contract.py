@@ -475,16 +475,38 @@ def output_layout(ep) -> tuple:
     raise ContractError(f"the program returns {spec.type.__name__}; return a tensor, a tuple or a dict of tensors")
 
 
+def decoder_contract(ep, state) -> Contract:
+    """The contract of a program that writes its own state: a decoder's (handlers/artifact/
+    decoder.py), with the token ids bounded by the vocabulary and the positions by the cache;
+    anything else is refused naming the state it writes and why it is not a decoder."""
+    from handlers.artifact.decoder import NotADecoder, recognise
+    from handlers.artifact.state import refusal
+
+    try:
+        dec = recognise(ep, state.mutated)
+    except NotADecoder as e:
+        raise ContractError(f"{refusal('the program', state)}. It is not served as a decoder either: {e}") from None
+    seq = "seq" if dec.chunk_max > 1 else 1
+    pos_shape = [seq] if dec.positions_rank == 1 else [1, seq]
+    values = {dec.tokens: {"min": 0, "max": dec.vocab - 1, "source": "the decoder's vocabulary"},
+              dec.positions: {"min": 0, "max": dec.cache_length - 1, "source": "the decoder's KV cache length"}}
+    return Contract(inputs=[(dec.tokens, "int64", [1, seq]), (dec.positions, "int64", pos_shape)],
+                    outputs=[(dec.logits, dec.logits_dtype, [1, seq if dec.all_positions else 1, dec.vocab])],
+                    batch=(1, 1), dims={"seq": (1, dec.chunk_max)} if seq == "seq" else {}, values=values,
+                    state={**state.record(), "decoder": dec.record()})
+
+
 def read(ep, output_names: list, hints: dict | None = None) -> Contract:
     """The contract of `ep`. `output_names` name the flattened outputs; `hints` maps
     "input.axis" to a dimension name the user chose (compile's --dim)."""
     from handlers.artifact.metadata import dtype_name
     from handlers.artifact.state import program_state, refusal
 
-    # first: a program that writes its own state is refused whatever its inputs look like
+    # first: a program that writes its own state is served only as a decoder (its KV cache),
+    # refused whatever its inputs look like otherwise
     state = program_state(ep)
     if not state.stateless:
-        raise ContractError(refusal("the program", state))
+        return decoder_contract(ep, state)
     hints = hints or {}
     user = list(ep.graph_signature.user_inputs)
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}

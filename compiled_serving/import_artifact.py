@@ -131,6 +131,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
 
     if not os.path.isfile(path):
         raise ImportError_(f"{path} is not a file")
+    out = os.path.abspath(out)  # the trial load runs in another directory (artifact/probe.py)
     aoti = is_aoti_package(path)
     if aoti and not program:
         raise ImportError_(f"{path} is an AOTInductor package: it records the device and compile flags "
@@ -169,7 +170,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "
           f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
           + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
-    if find_pad and found.dims:
+    if find_pad and found.dims and "decoder" not in found.state:
         from compiled_serving import find_padding
 
         finding = find_padding.search(ep.module(), spec, program_device(ep))
@@ -195,6 +196,8 @@ def check(spec, ep, found, device_index: int) -> float:
     except LoadError as e:
         raise ImportError_(f"the artifact fails to load here ({e})") from None
     loaded = load_artifact(spec, placement)
+    if "decoder" in found.state:
+        return check_decoder(found.state["decoder"], ep, loaded, placement.torch_device)
     module = ep.module()
     worst = 0.0
     for low in (True, False):
@@ -212,6 +215,41 @@ def check(spec, ep, found, device_index: int) -> float:
                                "is --program the program this package was compiled from?")
         worst = max([worst] + [(got[n].float() - r.float()).abs().max().item()
                                for n, r in want.items() if r.is_floating_point() and r.numel()])
+    return worst
+
+
+def check_decoder(record: dict, ep, loaded, device) -> float:
+    """A decoder's artifact against its program: a prompt (in one call, or one token per call
+    where the program takes one) and one decode step after it, each from its own cache."""
+    import torch
+
+    from handlers.artifact.decoder import Decoder
+    from handlers.run.padding import first_difference
+
+    dec = Decoder.from_record(record)
+    module = ep.module()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, dec.vocab, (1, min(6, dec.cache_length - 1)), generator=g).to(device)
+
+    def run(fn, ids, start):
+        pos = torch.arange(start, start + ids.shape[1], device=device)
+        pos = pos.view(1, -1) if dec.positions_rank == 2 else pos
+        args = {dec.tokens: ids, dec.positions: pos}
+        out = fn(**args) if fn is module and dec.keywords else fn(*args.values())
+        out = out[dec.logits] if isinstance(out, dict) else out
+        return out[0, -1]
+
+    worst = 0.0
+    with torch.no_grad():
+        for ids, start in ([(prompt, 0)] if dec.chunk_max > 1 else
+                           [(prompt[:, i:i + 1], i) for i in range(prompt.shape[1])]) + [(prompt[:, :1], prompt.shape[1])]:
+            want, got = run(module, ids, start), run(loaded, ids, start)
+            differs = first_difference({"logits": want}, {"logits": got})
+            if differs:
+                raise ImportError_(f"the decoder's logits differ from the program's at positions {start}..: "
+                                   f"{differs[1]} (> {differs[2]}); is --program the program this package was "
+                                   "compiled from?")
+            worst = max(worst, (got.float() - want.float()).abs().max().item())
     return worst
 
 

@@ -175,6 +175,11 @@ OPTIONS = (
     Option("pad", dict, {}, "padding along named dynamic dimensions, declared for a model that masks "
            "it: {input: pad value} for every input with such a dimension; empty: never pad",
            parse=_pad_values),
+    # Generation (a decoder: handlers/artifact/decoder.py, handlers/generating.py)
+    Option("max_new_tokens", int, 256, "a decoder's tokens per request when the request names no "
+           "max_tokens (fewer where the KV cache ends)", low=1),
+    Option("eos_token_ids", tuple, (), "a decoder's end-of-sequence token ids; empty: the archive's "
+           "tokenizer's end-of-sequence tokens (handlers/generation/text.py)", low=0),
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),
 )

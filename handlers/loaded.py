@@ -20,3 +20,5 @@ class Loaded:
     runner: Any  # handlers/run: runs a list of requests' tensors, returns their outputs
     device: Any  # torch.device
     stages: StageTimes  # emits through TorchServe's metrics
+    # a decoder's generation (handlers/generating.py); None: a model served in batches (pipeline.py)
+    generation: Any = None

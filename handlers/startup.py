@@ -13,6 +13,7 @@ import torch
 
 from handlers import process
 from handlers.admission import Limits
+from handlers.artifact.decoder import of as decoder_of
 from handlers.artifact.device import Placement
 from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
@@ -23,8 +24,11 @@ from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.config import HandlerConfig, parse_config
 from handlers.errors import LoadError
+from handlers.generating import Generation
+from handlers.generation.text import Text
 from handlers.loaded import Loaded
 from handlers.run import runner_for
+from handlers.run.decoder import DecoderRunner
 from handlers.run.padding import verify_padding
 from handlers.torchserve import scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
@@ -98,6 +102,7 @@ class StartPlan:
     config: HandlerConfig
     spec: ArtifactSpec
     placement: Placement
+    model_dir: str  # the archive's files (a decoder's tokenizer.json)
 
 
 def plan(context) -> StartPlan:
@@ -114,7 +119,7 @@ def plan(context) -> StartPlan:
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
-    return StartPlan(config, spec, placement)
+    return StartPlan(config, spec, placement, props["model_dir"])
 
 
 def gpu_room(plan: StartPlan):
@@ -140,6 +145,14 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     steps.note("trial load", probe_note)
     steps.done("trial load")
     model = load_artifact(spec, placement, config)
+    decoder = decoder_of(spec)
+    if decoder is not None:  # a decoder: generation on its one KV cache (handlers/generating.py)
+        runner = DecoderRunner(model, decoder, placement.torch_device, config)
+        generation = Generation(runner, Text.in_dir(plan.model_dir), config, Limits.of(config, spec).max_json_bytes)
+        steps.done("load")
+        return Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=model, runner=runner,
+                      device=placement.torch_device, stages=StageTimes(emit, config.stage_metrics_s),
+                      generation=generation)
     loaded = Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=model,
                     runner=runner_for(model, spec, placement.torch_device, config),
                     device=placement.torch_device, stages=StageTimes(emit, config.stage_metrics_s))
@@ -154,6 +167,16 @@ def emit_times(emit, steps: StartSteps) -> None:
     emit("ArtifactLoadTime", steps.sum("variant", "trial load", "load") * 1000.0)
     emit("ArtifactWarmupTime", steps.sum("warm-up", "CUDA graphs", "request-path warm-up") * 1000.0)
     emit("WorkerStartTime", steps.total() * 1000.0)
+
+
+def log_decoder(loaded: Loaded, placement: Placement, steps: StartSteps, reader: str) -> None:
+    """A decoder's load line: what serves it and how, and how long each step took."""
+    spec = loaded.spec
+    logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; CPU threads: %s; %s",
+                spec.backend, spec.artifact, loaded.model.loader, placement, placement.note, steps.describe(),
+                steps.notes.get("trial load", ""), loaded.generation.describe(), steps.notes.get("threads", ""),
+                reader)
+    logger.info("process-wide changes: %s", process.describe())
 
 
 def log_loaded(loaded: Loaded, placement: Placement, steps: StartSteps, reader: str) -> None:

@@ -35,6 +35,23 @@ def model_and_graphs(loaded: Loaded, steps, between_batches: bool) -> bool:
     return defer
 
 
+def decoder(loaded: Loaded, steps) -> None:
+    """A decoder's warm-up: a generation of a few tokens from a prompt of the longest chunk one
+    call takes (kernels and allocator for both shapes), then the decode step's CUDA graph."""
+    from handlers.generation import loop
+    from handlers.generation.request import GenerateRequest, Params
+
+    runner = loaded.runner
+    if loaded.config.warmup:
+        n = max(1, min(runner.dec.chunk_max, runner.dec.cache_length - 4))
+        req = GenerateRequest(None, [i % runner.dec.vocab for i in range(n)], Params(max_tokens=3, ignore_eos=True))
+        for _ in loop.generate(runner, req, loop.Plan(req.ids, 3, frozenset()), None):
+            pass
+        steps.done("warm-up")
+    steps.note("graphs", runner.capture(loaded.config.cuda_graphs))
+    steps.done("CUDA graphs")
+
+
 def model(loaded: Loaded, smallest_only: bool = False) -> None:
     """The model across a few batch sizes (`smallest_only`: the smallest accepted batch):
     kernels, allocator, staging buffers; then every length bucket at that batch. Its inputs are

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from handlers import faults, pipeline, startup, warmup
+from handlers import faults, generating, pipeline, startup, warmup
 from handlers.health import Health
 from handlers.loaded import Loaded
 from handlers.torchserve import frontend_frames, restart
@@ -63,6 +63,13 @@ class Worker:
         steps = startup.StartSteps()
         with startup.gpu_room(plan):
             self.loaded = startup.load(plan, emit, steps)
+            if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
+                warmup.decoder(self.loaded, steps)
+                self.health.ready()
+                startup.log_decoder(self.loaded, plan.placement, steps,
+                                    frontend_frames.install(plan.config.buffered_reader, self.between_batches))
+                startup.emit_times(emit, steps)
+                return
             self.health.ready()  # from here the request-path warm-up's requests are served
             reader = frontend_frames.install(plan.config.buffered_reader, self.between_batches)
             deferred = warmup.model_and_graphs(self.loaded, steps, frontend_frames.runs_between_batches())
@@ -75,9 +82,12 @@ class Worker:
                 self.defer(step)
             startup.emit_times(emit, steps)
 
-    def serve(self, data: list, headers: list) -> list:
+    def serve(self, data: list, headers: list, send: Optional[Callable] = None) -> list:
         """One answer per request of a TorchServe batch (`headers`: each request's
-        handlers.torchserve.headers.RequestHeaders), an Encoded or a Failed."""
+        handlers.torchserve.headers.RequestHeaders), an Encoded or a Failed; a decoder streams
+        its tokens through `send(idx, Encoded)` (handlers/generating.py) before its last answer."""
+        if self.loaded is not None and self.loaded.generation is not None:
+            return generating.serve(self, data, headers, send)
         return pipeline.serve(self, data, headers)
 
     def broken(self, reason: str) -> None:

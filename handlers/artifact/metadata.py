@@ -207,7 +207,9 @@ def describe_columns(ranges) -> str:
                       for a, b, r in runs)
 
 
-def _tensor_specs(raw, where: str, dims: dict):
+def _tensor_specs(raw, where: str, dims: dict, batch_first: bool = True):
+    """`batch_first`: dimension 0 is the batch (a decoder's positions [S] are not batched:
+    handlers/artifact/decoder.py)."""
     specs = []
     for i, item in enumerate(raw):
         try:
@@ -218,8 +220,9 @@ def _tensor_specs(raw, where: str, dims: dict):
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise LoadError(f"{where}[{i}] in {METADATA_FILE} is malformed ({e}); "
                             "expected {name, dtype, shape[, values]}. Re-run cs-compile.") from e
-        bad = [d for d in shape[1:] if not (isinstance(d, int) and d >= 0) and not (isinstance(d, str) and d in dims)]
-        if bad or (shape and shape[0] is not None and not isinstance(shape[0], int)):
+        rest = shape[1:] if batch_first else shape
+        bad = [d for d in rest if not (isinstance(d, int) and d >= 0) and not (isinstance(d, str) and d in dims)]
+        if bad or (batch_first and shape and shape[0] is not None and not isinstance(shape[0], int)):
             raise LoadError(f"{where}[{i}] ({spec.name}) in {METADATA_FILE} has shape {list(shape)}: "
                             "dimension 0 must be the batch (null or an integer), the others integers or "
                             f"names listed under \"dims\" ({sorted(dims) or 'none'}). Re-run cs-compile.")
@@ -261,7 +264,10 @@ def read_spec(directory: str) -> ArtifactSpec:
         raise LoadError(f"{path}: artifact {artifact!r} must be a file name inside the model "
                         "directory, not a path")
     dims = _dims(raw.get("dims"), path)
-    inputs, outputs = _tensor_specs(raw["inputs"], "inputs", dims), _tensor_specs(raw["outputs"], "outputs", dims)
+    state = (raw.get("extra") or {}).get("state")
+    batch_first = not (isinstance(state, dict) and state.get("decoder"))
+    inputs = _tensor_specs(raw["inputs"], "inputs", dims, batch_first)
+    outputs = _tensor_specs(raw["outputs"], "outputs", dims, batch_first)
     for s in inputs + outputs:
         if s.dtype not in DTYPES:
             raise LoadError(f"{path}: {s.name} has dtype {s.dtype!r}; expected one of {', '.join(DTYPES)}")

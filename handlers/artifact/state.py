@@ -134,18 +134,20 @@ def refusal(what: str, state: ProgramState) -> str:
             "stateless model, one client's request would be answered from the state another client's "
             "request left behind, so it is refused. If the state is left over from training (BatchNorm "
             "running statistics, counters), call model.eval() before torch.export. If it is a language "
-            "model's KV cache (TorchChat, gpt-fast, transformers' static-cache export), this version of the "
-            "handler does not serve generative decoders yet: export a stateless step that takes the cache "
-            "as an input and returns the new cache, or serve the model with a server that owns the cache "
-            "per sequence")
+            "model's KV cache (TorchChat, gpt-fast, transformers' static-cache export), export it in the "
+            "decoder form the handler generates with: forward(tokens int[1, S], positions int[S] or [1, S]) -> "
+            "logits [1, S, vocab], the cache in buffers of (1, heads, length, head_dim) (docs/generation.md)")
 
 
-def check_program(ep, what: str) -> ProgramState:
-    """`ep`'s state record; raises StatefulArtifact (refusal) where it writes state."""
+def check_program(ep, what: str, record=None) -> ProgramState:
+    """`ep`'s state record; raises StatefulArtifact (refusal) where it writes state, unless
+    artifact.json's `record` (extra.state) names it a decoder writing exactly that state
+    (handlers/artifact/decoder.py: served by generation, one sequence at a time)."""
     from handlers.errors import StatefulArtifact
 
     state = program_state(ep)
-    if not state.stateless:
+    decoder = record.get("decoder") if isinstance(record, dict) else None
+    if not state.stateless and not (decoder and set(decoder.get("mutated", ())) == set(state.mutated)):
         raise StatefulArtifact(refusal(what, state))
     return state
 
@@ -154,11 +156,15 @@ def require_checked(spec, kind) -> None:
     """Before a worker loads `spec`: a native artifact (an AOTInductor package, a .so, a TensorRT
     module) cannot be read for the state its program writes, so artifact.json must record that
     its program was checked (extra.state, written by cs-import and cs-compile) and found to write
-    none. An exported program is checked from its own graph when it is loaded."""
+    none, or found to be a decoder (served by generation). An exported program is checked from its
+    own graph when it is loaded."""
     from handlers.errors import StatefulArtifact
 
     record = spec.extra.get("state")
-    if isinstance(record, dict) and record.get("mutated"):
+    if record is not None and not isinstance(record, dict):
+        raise StatefulArtifact(f"{spec.artifact}: artifact.json's extra.state is {type(record).__name__}, not the "
+                               "record cs-import writes; rebuild the archive with cs-archive")
+    if record and record.get("mutated") and not record.get("decoder"):
         mutated = tuple(str(m) for m in record["mutated"])
         raise StatefulArtifact(refusal(spec.artifact, ProgramState(mutated, "recorded in artifact.json")))
     if record is None and not kind.checks_state_at_load:

@@ -10,4 +10,4 @@ from handlers.torchserve import headers, replies
 def handle(worker, data: list, context) -> list:
     """The bodies of one batch's answers, their statuses and headers set on `context`."""
     each = [headers.read(context, i) for i in range(len(data))]  # once per request
-    return replies.write(context, worker.serve(data, each))
+    return replies.write(context, worker.serve(data, each, lambda idx, answer: replies.send_chunk(context, idx, answer)))

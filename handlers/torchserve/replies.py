@@ -27,6 +27,21 @@ ERROR_HEADER_MAX = 8192  # within nginx's proxy_buffer_size for the answer's hea
 BATCH_FAILURES = {oip_grpc.TRANSPORT: oip.batch_failure}
 
 
+def send_chunk(context, idx: int, answer) -> None:
+    """One chunk of request idx's streamed answer (an Encoded), sent now: TorchServe 0.12's
+    `send_intermediate_predict_response` (ts/handler_utils/utils.py) writes it to the frontend
+    marked ts_stream_next, which the frontend passes on as an HTTP/1.1 chunk (/predictions) or a
+    gRPC StreamPredictions message; the body `handle` returns for idx ends the stream."""
+    from ts.handler_utils.utils import send_intermediate_predict_response
+
+    body, content_type, extra = answer
+    for key, value in extra.items():
+        context.set_response_header(idx, key, value)
+    context.set_response_content_type(idx, content_type)
+    send_intermediate_predict_response({idx: body}, {idx: context.request_ids[idx]},
+                                       "Intermediate Prediction success", 200, context)
+
+
 def write(context, answers: list) -> list:
     """Sets each answer's status (errors; TorchServe's default is 200), headers and Content-Type
     on the context and returns the bodies; raises a transport's batch failure (BATCH_FAILURES)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from handlers.artifact.decoder import by_keyword
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.relocate import relocate
 from handlers.artifact.state import check_program
@@ -25,9 +26,15 @@ class ExportedProgram(ArtifactKind):
                             f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
                             f"this is {torch.__version__}).") from e
         # the graph itself says whether it writes state between calls (artifact/state.py)
-        check_program(ep, spec.artifact)
+        check_program(ep, spec.artifact, spec.extra.get("state"))
         ep = relocate(ep, placement.torch_device)
-        return LoadedModel(ep.module(), spec, placement.torch_device, "exported_program")
+        module, names = ep.module(), list(ep.graph_signature.user_inputs)
+        if by_keyword(ep):
+            # exported with keyword inputs only (transformers' exports): the module checks
+            # that they come by name
+            return LoadedModel(lambda *t: module(**dict(zip(names, t))), spec, placement.torch_device,
+                               "exported_program")
+        return LoadedModel(module, spec, placement.torch_device, "exported_program")
 
     def compile(self, ep, inputs, path, options) -> dict:
         torch.export.save(ep, path)

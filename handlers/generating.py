@@ -1,0 +1,83 @@
+"""The second way a worker serves (beside handlers/pipeline.py's batches): generation, for a
+decoder (handlers/artifact/decoder.py). Each request of a TorchServe batch in turn: parsed and
+checked (a 4xx before any native call), then generated on the one KV cache the worker's loaded
+artifact holds, one sequence at a time, its tokens sent as they come (`send`: TorchServe's
+intermediate responses, handlers/torchserve/replies.py) and its last answer returned.
+
+A fault after the first token ends that stream with an error object (its status line has gone
+out); a sticky device fault also breaks the worker (handlers/faults.py), anything else leaves it
+serving the next request.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from handlers import faults, wire
+from handlers.errors import ServingError
+from handlers.generation import loop
+from handlers.generation.formats import Route
+from handlers.generation.request import parse
+from handlers.wire.base import Encoded, Failed
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    """What a decoder worker keeps: its runner, the archive's tokenizer (or None) and settings."""
+
+    def __init__(self, runner, text, config, max_body_bytes: int):
+        self.runner, self.text, self.config = runner, text, config
+        self.max_body_bytes = max_body_bytes
+
+    def describe(self) -> str:
+        return (f"{self.runner.dec.describe()}; {self.runner.graph_note}; "
+                + (f"tokenizer.json (end-of-sequence ids {list(self.config.eos_token_ids or self.text.eos_ids)})"
+                   if self.text else "token ids only (no tokenizer.json in the archive)"))
+
+
+def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
+    """One answer per request (an Encoded or a Failed); `send(idx, Encoded)` streams a chunk."""
+    refusal = worker.health.refusal()
+    gen: Generation = worker.loaded.generation if worker.loaded else None
+    answers = []
+    for idx, (request, h) in enumerate(zip(data, headers)):
+        route = Route(h.generate_route or "predictions", worker.name, worker.version)
+        if refusal is not None:
+            answers.append(_failed(refusal))
+            continue
+        answers.append(_one(worker, gen, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
+        refusal = worker.health.refusal()  # a sticky fault refuses the rest of the batch
+    return answers
+
+
+def _failed(err: ServingError) -> Failed:
+    return Failed(err, wire.ERRORS.error(err, None, ""), None)
+
+
+def _one(worker, gen: Generation, request, h, route: Route, send) -> object:
+    try:
+        req = parse(request, h.content_type, gen.max_body_bytes)
+        plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)
+    except ServingError as e:
+        return _failed(e)
+    streaming = route.streams(req.params.stream) and send is not None
+    sent, t0 = 0, time.perf_counter()
+    try:
+        for event in loop.generate(gen.runner, req, plan, gen.text):
+            if isinstance(event, loop.Finished):
+                logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
+                return Encoded(route.final(event, streaming), route.media_type, {})
+            if streaming:
+                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type, {}))
+                sent += 1
+    except Exception as e:  # noqa: BLE001  (the worker lives; the client is told)
+        err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
+        if faults.is_sticky(e):
+            worker.broken(f"generation: {type(e).__name__}: {e}")
+        logger.exception("generation failed after %d streamed tokens", sent)
+        if sent == 0:
+            return _failed(err)
+        return Encoded(route.error_event(err), route.media_type, {})
+    raise AssertionError("generation ended without its Finished event")

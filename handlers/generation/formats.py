@@ -1,0 +1,66 @@
+"""A generation's answers on each route, one place per route's shape:
+
+- `predictions` (TorchServe's /predictions/NAME over HTTP, chunked, and its gRPC
+  StreamPredictions): one JSON object per line per token, `{"token_ids": [...], "text": "..."}`,
+  then a last line `{"finish_reason", "prompt_tokens", "completion_tokens", "token_ids",
+  "text_output"}`; with parameters.stream false, only that last object.
+- `generate` (the Open Inference Protocol's POST /v2/models/NAME/generate, through the pod):
+  one answer, `{"model_name", "model_version", "text_output", "output_ids", "details":
+  {"finish_reason", "prompt_tokens", "completion_tokens"}}`.
+- `generate_stream` (its /generate_stream): server-sent events, `data: {...}\n\n` per token
+  (`text_output` holds the token's text) and a last event with `details`.
+An error after the first token ends the stream with an object holding `error` (and
+finish_reason "error"): the status line has gone out already.
+
+The pod's nginx names the route in the request header ROUTE_HEADER; without it a request is
+a /predictions one.
+"""
+from __future__ import annotations
+
+import json
+
+ROUTE_HEADER = "X-Generate-Route"
+ROUTES = ("predictions", "generate", "generate_stream")
+NDJSON, SSE, JSON = "application/x-ndjson", "text/event-stream", "application/json"
+
+
+class Route:
+    def __init__(self, name: str, model: str, version: str):
+        self.name = name if name in ROUTES else "predictions"
+        self.model, self.version = model, version
+
+    def streams(self, stream_param: bool) -> bool:
+        return self.name == "generate_stream" or (self.name == "predictions" and stream_param)
+
+    @property
+    def media_type(self) -> str:
+        return {"predictions": NDJSON, "generate": JSON, "generate_stream": SSE}[self.name]
+
+    def _head(self) -> dict:
+        return {"model_name": self.model, "model_version": self.version}
+
+    def token(self, ids: list, text: str) -> str:
+        if self.name == "generate_stream":
+            return _sse({**self._head(), "text_output": text, "token_ids": ids})
+        return json.dumps({"token_ids": ids, "text": text}) + "\n"
+
+    def final(self, done, streamed: bool) -> str:
+        counts = {"finish_reason": done.reason, "prompt_tokens": done.prompt_tokens,
+                  "completion_tokens": len(done.ids)}
+        if self.name == "predictions":
+            body = {**counts, "token_ids": done.ids, "text_output": done.text}
+            return json.dumps(body) + ("\n" if streamed else "")
+        if self.name == "generate_stream":
+            return _sse({**self._head(), "text_output": "", "details": counts})
+        return json.dumps({**self._head(), "text_output": done.text, "output_ids": done.ids, "details": counts})
+
+    def error_event(self, err) -> str:
+        """The last chunk of a stream that failed after its first token."""
+        body = {**err.to_dict(), "finish_reason": "error"}
+        if self.name == "generate_stream":
+            return _sse({**self._head(), "error": err.message, **body})
+        return json.dumps({"error": err.message, **body}) + "\n"
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"

@@ -1,0 +1,133 @@
+"""One sequence's generation: the prompt checked against the model (ids inside the vocabulary,
+prompt and max_tokens inside the KV cache: 400 before any native call), then prefill, then one
+step per token until max_tokens, an end-of-sequence id or a stop sequence, yielding each token as
+it comes and ending with why it stopped.
+
+On a GPU the host never waits for a step before the next one is queued: the sampled token stays on
+the device as the next step's input, and only its copy to pinned host memory is waited for (an
+event), while the GPU already runs the following step. At a stop, one step past it has run; it
+wrote the cache only at a position the next sequence overwrites before reading (run/decoder.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from handlers.errors import RequestError
+from handlers.generation import sampling
+from handlers.generation.request import GenerateRequest
+from handlers.generation.text import Detokenizer, StopText, Text
+
+
+@dataclass
+class Token:
+    id: Optional[int]  # None: text held back for a stop sequence, released at the end
+    text: str  # the text this token completes ("" without a tokenizer or inside a character)
+
+
+@dataclass
+class Finished:
+    reason: str  # length, eos_token, stop_sequence
+    prompt_tokens: int
+    ids: list = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request checked against the model: its prompt ids and how many tokens it may make."""
+    prompt: list
+    max_tokens: int
+    stop_ids: frozenset
+
+
+def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: int, config) -> Plan:
+    """`req` checked against the model and the worker's settings; RequestError (400) naming what
+    is wrong."""
+    if req.text is not None and text is None:
+        raise RequestError("this model's archive carries no tokenizer (tokenizer.json), so it takes token ids: "
+                           "send {\"input_ids\": [...]} instead of text_input")
+    if req.params.stop and text is None:
+        raise RequestError("parameters.stop needs the archive's tokenizer (tokenizer.json); use "
+                           "parameters.stop_token_ids with token ids")
+    ids = req.ids if req.ids is not None else text.encode(req.text)
+    if not ids:
+        raise RequestError("the prompt encodes to no tokens")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise RequestError(f"input_ids hold {len(bad)} id(s) outside the vocabulary (first: {bad[0]}); "
+                           f"token ids are 0..{vocab - 1}")
+    room = cache_length - len(ids)
+    if room < 1:
+        raise RequestError(f"the prompt is {len(ids)} tokens; this model's KV cache holds {cache_length} "
+                           "positions, prompt and generated tokens together: shorten the prompt")
+    asked = req.params.max_tokens
+    if asked is not None and asked > room:
+        raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({asked}) is {len(ids) + asked} "
+                           f"positions; this model's KV cache holds {cache_length}: ask for at most {room}")
+    eos = () if req.params.ignore_eos else (config.eos_token_ids or (text.eos_ids if text else ()))
+    return Plan(list(ids), asked if asked is not None else min(room, config.max_new_tokens),
+                frozenset(eos) | frozenset(req.params.stop_token_ids))
+
+
+class _HostToken:
+    """The sampled token's copy to (pinned) host memory and the event the host waits on."""
+
+    def __init__(self, device):
+        cuda = device.type == "cuda"
+        self.buf = torch.empty(1, 1, dtype=torch.int64, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def send(self, token: torch.Tensor) -> None:
+        self.buf.copy_(token, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.buf[0, 0])
+
+
+def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text]) -> Iterator:
+    """Yields a Token per generated token, then one Finished."""
+    params, device = req.params, runner.device
+    gen = sampling.generator(params, device)
+    detok = Detokenizer(text, p.prompt) if text else None
+    stops = StopText(params.stop) if params.stop else None
+    host = [_HostToken(device), _HostToken(device)]  # two in flight: one read while the next is sampled
+    out_ids, out_text, reason = [], [], "length"
+    with torch.inference_mode(), runner.stream_context():
+        ids = torch.tensor([p.prompt], dtype=torch.int64).to(device, non_blocking=True)
+        token = sampling.pick(runner.prefill(ids), params, gen)
+        host[0].send(token)
+        for i in range(p.max_tokens):
+            if i + 1 < p.max_tokens:  # queue the next step before reading this token
+                nxt = sampling.pick(runner.step(token, len(p.prompt) + i), params, gen)
+                host[(i + 1) % 2].send(nxt)
+            tid = host[i % 2].read()
+            out_ids.append(tid)
+            if tid in p.stop_ids:
+                yield Token(tid, "")
+                reason = "eos_token"
+                break
+            piece = detok.add(tid) if detok else ""
+            if stops is not None:
+                piece, hit = stops.add(piece)
+                if hit:
+                    out_text.append(piece)
+                    yield Token(tid, piece)
+                    reason = "stop_sequence"
+                    break
+            out_text.append(piece)
+            yield Token(tid, piece)
+            if i + 1 < p.max_tokens:
+                token = nxt
+    if stops is not None and reason == "length":
+        tail = stops.flush()
+        out_text.append(tail)
+        if tail:
+            yield Token(None, tail)
+    yield Finished(reason, len(p.prompt), out_ids, "".join(out_text))

@@ -1,0 +1,138 @@
+"""A generation request, parsed and checked before any native call: the prompt (text through the
+archive's tokenizer, or token ids) and its parameters. Every fault is a RequestError (400) that
+names the field, what it holds and what it takes; a body over the JSON limit is 413.
+
+The body is a JSON object, the Open Inference Protocol's generate request
+(kserve/open-inference-protocol, generate_rest.yaml) with token ids as an alternative prompt:
+
+    {"text_input": "...", "parameters": {"max_tokens": 32, "temperature": 0.7, ...}}
+    {"input_ids": [1, 15, 27], "parameters": {...}}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
+
+# name -> (type, meaning); the only parameters taken (an unknown one is a 400, never ignored)
+PARAMETERS = {
+    "max_tokens": (int, "the most tokens to generate"),
+    "temperature": (float, "0 picks the most likely token (greedy); above 0 samples"),
+    "top_k": (int, "sample among the k most likely tokens; 0: all"),
+    "top_p": (float, "sample among the most likely tokens whose probabilities add up to p; 1: all"),
+    "seed": (int, "the sampling's random seed: the same seed, prompt and parameters give the same tokens"),
+    "stop": (list, "strings that end the generation (not included in the text)"),
+    "stop_token_ids": (list, "token ids that end the generation, besides the end-of-sequence ids"),
+    "ignore_eos": (bool, "go on past end-of-sequence tokens"),
+    "details": (bool, "add the finish reason and counts to a generate answer"),
+    "stream": (bool, "/predictions: one JSON line per token (true) or one answer (false)"),
+}
+TOP_LEVEL = ("text_input", "input_ids", "parameters", "id")
+
+
+@dataclass(frozen=True)
+class Params:
+    max_tokens: Optional[int] = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    details: bool = False
+    stream: bool = True
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    text: Optional[str]
+    ids: Optional[list]
+    params: Params = field(default_factory=Params)
+    id: Optional[str] = None
+
+
+def _typed(name: str, value, kind):
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise RequestError(f"parameters.{name} is {json.dumps(value)}: expected "
+                           f"{ {int: 'an integer', float: 'a number', bool: 'true or false', list: 'a list'}[kind]} "
+                           f"({PARAMETERS[name][1]})")
+    return value
+
+
+def _params(raw) -> Params:
+    if raw is None:
+        return Params()
+    if not isinstance(raw, dict):
+        raise RequestError("parameters must be a JSON object, e.g. {\"max_tokens\": 32}")
+    unknown = sorted(set(raw) - set(PARAMETERS))
+    if unknown:
+        raise RequestError(f"unknown parameter(s) {', '.join(unknown)}; this model takes "
+                           f"{', '.join(PARAMETERS)}")
+    v = {k: _typed(k, x, PARAMETERS[k][0]) for k, x in raw.items() if x is not None}
+    if "stop" in v:
+        v["stop"] = v["stop"] if isinstance(v["stop"], list) else [v["stop"]]
+        if not all(isinstance(s, str) and s for s in v["stop"]):
+            raise RequestError("parameters.stop must be a list of non-empty strings")
+        v["stop"] = tuple(v["stop"])
+    if "stop_token_ids" in v:
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in v["stop_token_ids"]):
+            raise RequestError("parameters.stop_token_ids must be a list of integers")
+        v["stop_token_ids"] = tuple(v["stop_token_ids"])
+    _ranges(v)
+    return Params(**v)
+
+
+def _ranges(v: dict) -> None:
+    checks = (("max_tokens", lambda x: x >= 1, "at least 1"), ("temperature", lambda x: 0 <= x <= 100, "in [0, 100]"),
+              ("top_k", lambda x: x >= 0, "at least 0"), ("top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
+              ("seed", lambda x: 0 <= x < 2**63, "in [0, 2**63)"))
+    for name, ok, words in checks:
+        if name in v and not ok(v[name]):
+            raise RequestError(f"parameters.{name} is {v[name]}: expected a value {words} ({PARAMETERS[name][1]})")
+
+
+def _body(data) -> dict:
+    body = data.get("body") if isinstance(data, dict) else data
+    if body is None and isinstance(data, dict):
+        body = data.get("data")
+    return body
+
+
+def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
+    """The request TorchServe handed over (a dict with the body under "body" or "data")."""
+    body = _body(data)
+    if isinstance(body, (bytes, bytearray)):
+        if len(body) > max_bytes:
+            raise PayloadTooLarge(f"the request body is {len(body)} bytes; a generation request may be at most "
+                                  f"{max_bytes} bytes (handler.max_json_mb)")
+        if content_type and "json" not in content_type.lower() and not content_type.startswith("text/plain"):
+            raise UnsupportedMediaType(f"Content-Type {content_type} is not taken by a language model: send "
+                                       "application/json, {\"text_input\": ...} or {\"input_ids\": [...]}")
+        try:
+            body = json.loads(body)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise RequestError(f"the body is not JSON ({e}); send {{\"text_input\": \"...\"}} or "
+                               "{\"input_ids\": [1, 2, 3]}") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object: {\"text_input\": \"...\"} or {\"input_ids\": [1, 2, 3]}, "
+                           "with optional \"parameters\"")
+    unknown = sorted(set(body) - set(TOP_LEVEL))
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(unknown)}; a generation request takes "
+                           f"{', '.join(TOP_LEVEL)}")
+    text, ids = body.get("text_input"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("send exactly one prompt: \"text_input\" (a string) or \"input_ids\" (a list of token ids)")
+    if text is not None and (not isinstance(text, str) or not text):
+        raise RequestError("text_input must be a non-empty string")
+    if ids is not None and (not isinstance(ids, list) or not ids
+                            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise RequestError("input_ids must be a non-empty list of integer token ids")
+    rid = body.get("id")
+    return GenerateRequest(text, ids, _params(body.get("parameters")), str(rid) if rid is not None else None)
