@@ -1,9 +1,6 @@
 """TorchServe's gRPC inference API with a real grpcio client; stubs generated from the .proto
 files shipped inside the TorchServe frontend jar."""
 import json
-import os
-import sys
-import zipfile
 
 import grpc
 import pytest
@@ -13,30 +10,6 @@ from conftest import close, eager, two
 from handlers.wire import safetensors_io
 
 pytestmark = pytest.mark.server
-
-
-@pytest.fixture(scope="session")
-def stubs(tmp_path_factory):
-    import ts
-    from grpc_tools import protoc
-
-    out = tmp_path_factory.mktemp("grpc")
-    jar = os.path.join(os.path.dirname(ts.__file__), "frontend", "model-server.jar")
-    with zipfile.ZipFile(jar) as z:
-        for name in ("inference.proto", "google/rpc/status.proto"):
-            z.extract(name, out)
-    import grpc_tools
-
-    includes = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{out}", f"-I{includes}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", str(out / "inference.proto"),
-                      str(out / "google/rpc/status.proto")])
-    assert rc == 0
-    sys.path.insert(0, str(out))
-    import inference_pb2
-    import inference_pb2_grpc
-
-    return inference_pb2, inference_pb2_grpc
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,267 @@
+"""Generation for decoders (handlers/generating.py): the export forms recognised, sampling, stop
+conditions and text pieces against the libraries, and through real TorchServe (archives built by
+cs-archive with no options): greedy tokens equal the eager model's, interleaved clients each get
+what they get alone, tokens stream over HTTP chunked and gRPC StreamPredictions, and every bad
+request is a 400 with its reason before any token."""
+import json
+import subprocess
+import threading
+
+import grpc
+import pytest
+import requests
+import torch
+from conftest import ROOT, build_mar, cs_command, server_env
+from torch import nn
+
+from compiled_serving import contract
+from examples import tiny_decoder, transformers_decoder
+from handlers.artifact.decoder import recognise
+from handlers.artifact.state import program_state
+from handlers.errors import RequestError
+from handlers.generation import sampling
+from handlers.generation.request import Params, parse
+from handlers.generation.text import Detokenizer, StopText, Text
+
+
+@pytest.fixture(scope="module")
+def exported():
+    model = tiny_decoder.build()
+    return {"torchchat": tiny_decoder.export(model, "torchchat"), "batch1": tiny_decoder.export(model, "batch1"),
+            "transformers": transformers_decoder.export(transformers_decoder.tiny_llama())}
+
+
+def test_the_three_export_forms_are_recognised_as_decoders(exported):
+    for form, ep in exported.items():
+        dec = recognise(ep, program_state(ep).mutated)
+        assert dec.cache_length == 64 and dec.all_positions, form
+        assert dec.positions_rank == (2 if form == "batch1" else 1), form
+        assert dec.keywords == (form == "transformers"), form
+        assert dec.vocab == (300 if form == "transformers" else 256), form
+        assert dec.chunk_max == (63 if form == "transformers" else 64), form
+
+
+class Counter(nn.Module):
+    """State written between calls that is no KV cache: refused, naming it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x * self.calls
+
+
+def test_stateful_program_that_is_no_decoder_is_refused_naming_its_state():
+    ep = torch.export.export(Counter(), (torch.randn(2, 3),))
+    with pytest.raises(contract.ContractError) as e:
+        contract.read(ep, ["output"])
+    assert "calls" in str(e.value) and "not served as a decoder either" in str(e.value)
+
+
+def test_sampling_greedy_seeded_and_truncated():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g)
+    best = int(logits.argmax())
+    assert int(sampling.pick(logits, Params(), None)) == best
+    for p in (Params(temperature=1.0, top_k=1), Params(temperature=1.0, top_p=1e-6)):
+        assert int(sampling.pick(logits, p, sampling.generator(p, torch.device("cpu")))) == best
+    p = Params(temperature=1.5, seed=7)
+    draws = [[int(sampling.pick(logits, p, gen)) for _ in range(20)]
+             for gen in (sampling.generator(p, torch.device("cpu")) for _ in range(2))]
+    assert draws[0] == draws[1] and len(set(draws[0])) > 1  # reproducible, and really sampled
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    p = Params(temperature=2.0, top_k=3, seed=1)
+    gen = sampling.generator(p, torch.device("cpu"))
+    assert {int(sampling.pick(logits, p, gen)) for _ in range(200)} == top3
+
+
+def test_stop_text_never_releases_a_stop_sequence():
+    s = StopText(("STOP",))
+    out = [s.add(x) for x in ("abc S", "T", "O", "x ST", "OP tail")]
+    assert "".join(t for t, _ in out) == "abc STOx "
+    assert [hit for _, hit in out] == [False, False, False, False, True]
+
+
+def test_streamed_text_pieces_add_up_to_the_library_decode(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    transformers_decoder.tiny_tokenizer().save(str(path))
+    text = Text(str(path))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        ids = torch.randint(1, 300, (25,), generator=g).tolist() + text.encode(" café 文字 fox")
+        detok = Detokenizer(text, [])
+        pieces = "".join(detok.add(i) for i in ids)
+        whole = text.decode(ids)
+        assert whole.startswith(pieces) and (pieces == whole or whole.endswith("\ufffd"))
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"{}", "exactly one prompt"),
+    (b'{"input_ids": []}', "non-empty list"),
+    (b'{"text_input": ""}', "non-empty string"),
+    (b'{"input_ids": [1], "parameters": {"temprature": 1}}', "unknown parameter(s) temprature"),
+    (b'{"input_ids": [1], "parameters": {"temperature": -1}}', "parameters.temperature is -1.0"),
+    (b'{"input_ids": [1], "parameters": {"top_p": 0}}', "parameters.top_p is 0.0"),
+    (b'{"input_ids": [1], "prompt": "x"}', "unknown field(s) prompt"),
+    (b"not json", "not JSON"),
+])
+def test_bad_requests_name_what_is_wrong(body, words):
+    with pytest.raises(RequestError) as e:
+        parse({"body": body}, "application/json", 1 << 20)
+    assert words in e.value.message and e.value.status == 400
+
+
+# --- through real TorchServe -------------------------------------------------------------------
+
+def eager_greedy(prompt: list, n: int, form: str) -> list:
+    """Greedy tokens of the eager model, from fresh caches."""
+    if form == "transformers":
+        model = transformers_decoder.tiny_llama()
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        return out[0, len(prompt):].tolist()
+    model, ids = tiny_decoder.build(), []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)))
+        for i in range(n):
+            ids.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[ids[-1]]]), torch.tensor([len(prompt) + i]))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def lm_server(exported, serve, tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm")
+    store = d / "store"
+    paths = {}
+    for form, ep in exported.items():
+        paths[form] = d / f"{form}.pt2"
+        torch.export.save(ep, paths[form])
+    tok = d / "tokenizer.json"
+    transformers_decoder.tiny_tokenizer().save(str(tok))
+    from torch._inductor import aoti_compile_and_package
+
+    pkg = aoti_compile_and_package(exported["torchchat"], package_path=str(d / "pkg.pt2"))
+    mars = {"lm_torchchat": build_mar(paths["torchchat"], "lm_torchchat", store),
+            "lm_batch1": build_mar(paths["batch1"], "lm_batch1", store),
+            "lm_aoti": build_mar(pkg, "lm_aoti", store, "--program", str(paths["torchchat"])),
+            "lm_hf": build_mar(paths["transformers"], "lm_hf", store, "--tokenizer", str(tok))}
+    return serve(mars)
+
+
+FORMS = {"lm_torchchat": "torchchat", "lm_batch1": "torchchat", "lm_aoti": "torchchat", "lm_hf": "transformers"}
+
+
+def ask(ts, model, body, stream=True):
+    r = requests.post(f"{ts.base}/predictions/{model}", json=body, headers=ts.auth(), stream=stream, timeout=120)
+    lines = [json.loads(x) for x in r.iter_lines() if x] if r.status_code == 200 else []
+    return r, lines
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", list(FORMS))
+def test_greedy_tokens_equal_the_eager_models_and_stream_one_line_each(lm_server, model):
+    prompt = [5, 17, 33, 2, 9, 44, 120]
+    r, lines = ask(lm_server, model, {"input_ids": prompt, "parameters": {"max_tokens": 12, "ignore_eos": True}})
+    assert r.status_code == 200 and r.headers["Transfer-Encoding"] == "chunked", r.text
+    *tokens, last = lines
+    assert [t["token_ids"][0] for t in tokens] == last["token_ids"] == eager_greedy(prompt, 12, FORMS[model])
+    assert last["finish_reason"] == "length" and last["completion_tokens"] == 12 and last["prompt_tokens"] == 7
+
+
+@pytest.mark.server
+def test_interleaved_clients_each_get_what_they_get_alone(lm_server):
+    a, b = [5, 17, 33, 2, 9], [7, 1, 200, 45, 3, 3, 90, 11, 4]
+    alone = {tuple(p): eager_greedy(p, 10, "torchchat") for p in (a, b)}
+    results, errors = [], []
+
+    def client(p):
+        try:
+            for _ in range(3):
+                _, lines = ask(lm_server, "lm_torchchat", {"input_ids": p, "parameters": {"max_tokens": 10}})
+                results.append((tuple(p), lines[-1]["token_ids"]))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=client, args=(p,)) for p in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 12
+    assert all(got == alone[p] for p, got in results)
+    # A's continuation after B ran: A's prompt plus its tokens, answered as the eager model does
+    cont = a + alone[tuple(a)][:4]
+    _, lines = ask(lm_server, "lm_torchchat", {"input_ids": cont, "parameters": {"max_tokens": 6}})
+    assert lines[-1]["token_ids"] == alone[tuple(a)][4:10]
+
+
+@pytest.mark.server
+def test_stop_conditions_and_reasons(lm_server):
+    prompt = [5, 17, 33, 2, 9]
+    full = eager_greedy(prompt, 10, "torchchat")
+    stop_at = full[4]
+    r, lines = ask(lm_server, "lm_torchchat", {"input_ids": prompt, "parameters": {"max_tokens": 10,
+                                                                                   "stop_token_ids": [stop_at]}})
+    last = lines[-1]
+    cut = full.index(stop_at) + 1
+    assert last["finish_reason"] == "eos_token" and last["token_ids"] == full[:cut]
+    r, lines = ask(lm_server, "lm_torchchat", {"input_ids": prompt, "parameters": {"max_tokens": 3, "stream": False}})
+    assert len(lines) == 1 and lines[0]["token_ids"] == full[:3] and lines[0]["finish_reason"] == "length"
+    # text: a stop sequence taken from the model's own greedy text ends it, and is not sent
+    r, lines = ask(lm_server, "lm_hf", {"text_input": "the quick brown", "parameters": {"max_tokens": 20,
+                                                                                        "ignore_eos": True}})
+    text = lines[-1]["text_output"]
+    assert text == "".join(x.get("text", "") for x in lines[:-1])
+    stop = text[6:8]
+    r, lines = ask(lm_server, "lm_hf", {"text_input": "the quick brown", "parameters": {
+        "max_tokens": 20, "ignore_eos": True, "stop": [stop]}})
+    assert lines[-1]["finish_reason"] == "stop_sequence" and lines[-1]["text_output"] == text[:text.index(stop)]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model, body, words", [
+    ("lm_torchchat", {"input_ids": [1, 256]}, "outside the vocabulary"),
+    ("lm_torchchat", {"input_ids": [1] * 60, "parameters": {"max_tokens": 5}}, "KV cache holds 64"),
+    ("lm_torchchat", {"input_ids": [1] * 64}, "shorten the prompt"),
+    ("lm_torchchat", {"input_ids": [1], "parameters": {"beam": 2}}, "unknown parameter(s) beam"),
+    ("lm_torchchat", {"input_ids": [1], "parameters": {"temperature": -0.5}}, "parameters.temperature"),
+    ("lm_torchchat", {"text_input": "hello"}, "carries no tokenizer"),
+    ("lm_hf", {"text_input": ""}, "non-empty string"),
+])
+def test_bad_requests_are_400_before_any_token_and_the_worker_serves_on(lm_server, model, body, words):
+    r, _ = ask(lm_server, model, body, stream=False)
+    assert r.status_code == 400 and words in r.json()["message"], r.text
+    r, lines = ask(lm_server, model, {"input_ids": [3, 4], "parameters": {"max_tokens": 2}})
+    assert r.status_code == 200 and lines[-1]["completion_tokens"] == 2
+
+
+@pytest.mark.server
+def test_sampling_with_a_seed_reproduces_through_the_server(lm_server):
+    body = {"input_ids": [5, 6, 7], "parameters": {"max_tokens": 16, "temperature": 1.0, "top_k": 50, "seed": 11}}
+    runs = [ask(lm_server, "lm_aoti", body)[1][-1]["token_ids"] for _ in range(2)]
+    other = ask(lm_server, "lm_aoti", {**body, "parameters": {**body["parameters"], "seed": 12}})[1][-1]["token_ids"]
+    assert runs[0] == runs[1] and other != runs[0]
+
+
+@pytest.mark.server
+def test_grpc_stream_predictions_sends_each_token(lm_server, stubs):
+    pb2, pb2_grpc = stubs
+    with grpc.insecure_channel(f"127.0.0.1:{lm_server.ports['grpc']}") as channel:
+        stub = pb2_grpc.InferenceAPIsServiceStub(channel)
+        meta = [("authorization", f"Bearer {lm_server.keys['inference']['key']}")]
+        body = json.dumps({"input_ids": [5, 17, 33, 2, 9], "parameters": {"max_tokens": 6}}).encode()
+        replies = [json.loads(m.prediction) for m in stub.StreamPredictions(
+            pb2.PredictionsRequest(model_name="lm_torchchat", input={"body": body}), metadata=meta, timeout=60)]
+    assert len(replies) == 7 and replies[-1]["token_ids"] == [r["token_ids"][0] for r in replies[:-1]]
+    assert replies[-1]["token_ids"] == eager_greedy([5, 17, 33, 2, 9], 6, "torchchat")
+
+
+@pytest.mark.server
+def test_tokenizer_for_a_model_that_is_no_decoder_is_refused(artifacts, tmp_path):
+    tok = tmp_path / "tokenizer.json"
+    transformers_decoder.tiny_tokenizer().save(str(tok))
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(artifacts.get("cls_export")), "--name", "x",
+                        "--out", str(tmp_path), "--tokenizer", str(tok)], cwd=ROOT, capture_output=True, text=True,
+                       env=server_env())
+    assert r.returncode != 0 and "--tokenizer is for a decoder" in r.stderr
