@@ -156,15 +156,17 @@ class Batch1Positions(nn.Module):
         return self.model(tokens, input_pos[0])
 
 
-def build(cfg: Config = Config(), seed: int = 0) -> Transformer:
+def build(cfg: Config = Config(), seed: int = 0, std: float = 0.08, device=None, dtype=None) -> Transformer:
+    """Seeded random weights (normal, `std`; 0.02 is Llama's initialisation, for deep models in
+    fp16), caches for one sequence, on `device` in `dtype` (caches too)."""
     torch.manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, std)
     model.setup_caches(1)
-    return model.eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def export(model: nn.Module, form: str = "torchchat", max_seq: int | None = None):
