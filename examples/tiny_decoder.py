@@ -175,11 +175,12 @@ def export(model: nn.Module, form: str = "torchchat", max_seq: int | None = None
     inner = model if isinstance(model, Transformer) else model.model
     max_seq = max_seq or inner.cfg.max_seq_length
     seq = torch.export.Dim("seq", min=1, max=max_seq)
-    tokens = torch.zeros(1, 2, dtype=torch.int64)
+    device = inner.tok_embeddings.weight.device
+    tokens = torch.zeros(1, 2, dtype=torch.int64, device=device)
     if form == "batch1":
-        module, pos, pos_dims = Batch1Positions(inner), torch.arange(2).view(1, 2), {1: seq}
+        module, pos, pos_dims = Batch1Positions(inner), torch.arange(2, device=device).view(1, 2), {1: seq}
     else:
-        module, pos, pos_dims = inner, torch.arange(2), {0: seq}
+        module, pos, pos_dims = inner, torch.arange(2, device=device), {0: seq}
     with torch.no_grad():
         return torch.export.export(module, (tokens, pos), dynamic_shapes=({1: seq}, pos_dims))
 
