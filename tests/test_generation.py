@@ -265,3 +265,39 @@ def test_tokenizer_for_a_model_that_is_no_decoder_is_refused(artifacts, tmp_path
                         "--out", str(tmp_path), "--tokenizer", str(tok)], cwd=ROOT, capture_output=True, text=True,
                        env=server_env())
     assert r.returncode != 0 and "--tokenizer is for a decoder" in r.stderr
+
+
+@pytest.mark.server
+def test_the_pods_generate_and_generate_stream_routes(exported, tmp_path):
+    """The Open Inference Protocol's generate extension through the KServe pod (nginx in front of
+    TorchServe): one answer with details, server-sent events token by token, a 400 before the
+    first event with the handler's own reason, and a model the pod does not serve 404."""
+    from kserve_kit import Container, lay_out
+
+    path = tmp_path / "lm.pt2"
+    torch.export.save(exported["torchchat"], path)
+    mar = build_mar(path, "lm", tmp_path / "store")
+    r = lay_out([mar], tmp_path / "out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    pod = Container(tmp_path / "out" / "storage", tmp_path / "pod")
+    try:
+        pod.wait("ready")
+        prompt = [5, 17, 33, 2, 9]
+        want = eager_greedy(prompt, 8, "torchchat")
+        one = requests.post(f"{pod.base}/v2/models/lm/generate", json={"input_ids": prompt, "parameters": {
+            "max_tokens": 8}}, timeout=60)
+        assert one.status_code == 200, one.text
+        body = one.json()
+        assert body["output_ids"] == want and body["details"]["finish_reason"] == "length"
+        assert body["model_name"] == "lm"
+        s = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": prompt, "parameters": {
+            "max_tokens": 8}}, stream=True, timeout=60)
+        assert s.status_code == 200 and s.headers["Content-Type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in s.iter_lines() if line.startswith(b"data: ")]
+        assert [e["token_ids"][0] for e in events[:-1]] == want
+        assert events[-1]["details"] == {"finish_reason": "length", "prompt_tokens": 5, "completion_tokens": 8}
+        bad = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": [1, 999]}, timeout=60)
+        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["message"], bad.text
+        assert requests.post(f"{pod.base}/v2/models/nope/generate", json={"input_ids": [1]}, timeout=60).status_code == 404
+    finally:
+        pod.stop()
