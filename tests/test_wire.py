@@ -174,7 +174,8 @@ def test_header_reader_agrees_with_the_plain_rule_on_random_header_sets():
 
     rng = random.Random(5)
     names = ["Content-Type", "content-type", "CONTENT-TYPE", "Accept", "accept", "Host", "User-Agent",
-             "Inference-Header-Content-Length", "inference-header-content-length", "X-Trace"]
+             "Inference-Header-Content-Length", "inference-header-content-length", "X-Trace",
+             "X-Generate-Route", "x-generate-route"]
     values = ["application/json", "application/x-safetensors", "120", "", "text/plain"]
 
     class Ctx:
@@ -191,13 +192,14 @@ def test_header_reader_agrees_with_the_plain_rule_on_random_header_sets():
                 h[part] = {k: rng.choice(values) for k in rng.sample(["content-type", "accept"], rng.randint(0, 2))}
         ctx = Ctx(h)
         got = headers.read(ctx, 0)
-        want = plain_header_rule(ctx, 0, "Content-Type", "Accept", "Inference-Header-Content-Length")
-        assert list(got[:3]) == [w or None for w in want], (h, got, want)
+        want = plain_header_rule(ctx, 0, "Content-Type", "Accept", "Inference-Header-Content-Length",
+                                 "X-Generate-Route")
+        assert list(got[:4]) == [w or None for w in want], (h, got, want)
         assert got.rest == any(isinstance(v, str) for v in h.values()), h
     class Broken:
         def get_all_request_header(self, idx):
             raise IndexError(idx)
-    assert headers.read(Broken(), 3) == headers.RequestHeaders(None, None, None, True)
+    assert headers.read(Broken(), 3) == headers.RequestHeaders(rest=True)
 
 
 def test_every_format_is_in_the_one_list_and_the_wire_needs_no_torchserve():
