@@ -11,7 +11,8 @@ The bridge reads only the request's model name and version (protobuf fields 1 an
 A handler error's HTTP status becomes the gRPC status: 400/415 INVALID_ARGUMENT, 404 NOT_FOUND,
 413 RESOURCE_EXHAUSTED, 503/507 and an unreachable TorchServe UNAVAILABLE (retryable), others
 INTERNAL, with the handler's message. ServerLive/Ready, ModelReady and the two metadata calls
-answer from pod.status's state file. The repository RPCs (load, unload, index) are not served:
+answer from pod.status's state file. ModelStreamInfer serves a decoder's generation token by
+token (pod/stream_infer.py). The repository RPCs (load, unload, index) are not served:
 gRPC answers UNIMPLEMENTED, and nothing on this port can change the server.
 
 Several bridge processes may share the port (SO_REUSEPORT, grpc's default on Linux): pod.start
@@ -29,6 +30,7 @@ import grpc
 
 from handlers import protowire
 from pod import config as pod_config
+from pod import stream_infer
 from pod.state import PLATFORM, READY, SERVER_NAME, StateFile, find_model, server_problem, unservable
 
 SERVICE = "inference.GRPCInferenceService"
@@ -142,6 +144,39 @@ class Bridge:
             STATUS.get(status, grpc.StatusCode.INTERNAL)
         await context.abort(code, message + ("; retry" if code == grpc.StatusCode.UNAVAILABLE else ""))
 
+    async def model_stream_infer(self, requests, context):
+        """ModelStreamInfer for a decoder (pod/stream_infer.py): each request on the stream one
+        generation, its tokens streamed back as they come; a failed request answers its
+        error_message and the stream goes on."""
+        async for request in requests:
+            try:
+                name, version, rid, body = stream_infer.generation_body(request)
+            except (stream_infer.BadRequest, protowire.ProtoError, UnicodeDecodeError, ValueError) as e:
+                yield stream_infer.error(f"the request is malformed: {e}")
+                continue
+            async for reply in self._generate(name, version, rid, body):
+                yield reply
+
+    async def _generate(self, name: str, version: str, rid: str, body: dict):
+        path = stream_infer.path_of(name, version)
+        try:
+            async for status, line in stream_infer.lines(*self.cfg.inference, path, json.dumps(body).encode(),
+                                                          self.cfg.response_timeout_s + 5):
+                if status != 200:
+                    yield stream_infer.error(f"{status}: {error_message(status, line)}")
+                    return
+                obj = json.loads(line)
+                if "error" in obj:
+                    yield stream_infer.error(obj["error"])
+                    return
+                if "finish_reason" in obj:  # the last line: counts, no new token
+                    params = {k: obj[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")}
+                    yield stream_infer.response(name, version, rid, "", [], {**params, "triton_final_response": True})
+                    return
+                yield stream_infer.response(name, version, rid, obj.get("text", ""), obj.get("token_ids", []))
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            yield stream_infer.error(f"TorchServe did not answer ({type(e).__name__}: {e}); retry")
+
     async def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""
         name, version = await names(request, context)
@@ -193,8 +228,9 @@ class Bridge:
         calls = {"ModelInfer": self.model_infer, "ServerLive": self.server_live, "ServerReady": self.server_ready,
                  "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
                  "ModelMetadata": self.model_metadata}
-        return grpc.method_handlers_generic_handler(
-            SERVICE, {k: grpc.unary_unary_rpc_method_handler(v) for k, v in calls.items()})
+        handlers = {k: grpc.unary_unary_rpc_method_handler(v) for k, v in calls.items()}
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(self.model_stream_infer)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 async def serve(cfg) -> None:

@@ -465,3 +465,14 @@ def stubs(tmp_path_factory):
     import inference_pb2_grpc
 
     return inference_pb2, inference_pb2_grpc
+
+
+@pytest.fixture(scope="session")
+def kserve_env():
+    """The Python of .venv-kserve (the kserve SDK and tritonclient), installed on first use."""
+    if not (Path(ROOT) / ".venv-kserve" / ".installed").exists():
+        r = subprocess.run(["sh", "scripts/setup_kserve_env.sh"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+        if r.returncode != 0:
+            pytest.skip(f"scripts/setup_kserve_env.sh could not install the kserve SDK: {r.stderr[-500:]}")
+    return Path(ROOT) / ".venv-kserve" / "bin" / "python"

@@ -268,10 +268,12 @@ def test_tokenizer_for_a_model_that_is_no_decoder_is_refused(artifacts, tmp_path
 
 
 @pytest.mark.server
-def test_the_pods_generate_and_generate_stream_routes(exported, tmp_path):
+def test_the_pods_generate_and_generate_stream_routes_and_triton_streaming(exported, kserve_env, tmp_path):
     """The Open Inference Protocol's generate extension through the KServe pod (nginx in front of
     TorchServe): one answer with details, server-sent events token by token, a 400 before the
-    first event with the handler's own reason, and a model the pod does not serve 404."""
+    first event with the handler's own reason, and a model the pod does not serve 404; and
+    tritonclient's start_stream (ModelStreamInfer through nginx and the gRPC bridge): tokens equal
+    eager greedy, the last response flagged, a bad request's error and the stream serving on."""
     from kserve_kit import Container, lay_out
 
     path = tmp_path / "lm.pt2"
@@ -299,5 +301,39 @@ def test_the_pods_generate_and_generate_stream_routes(exported, tmp_path):
         bad = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": [1, 999]}, timeout=60)
         assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["message"], bad.text
         assert requests.post(f"{pod.base}/v2/models/nope/generate", json={"input_ids": [1]}, timeout=60).status_code == 404
+        r = subprocess.run([str(kserve_env), "-c", STREAM_CLIENT, pod.grpc_target], capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["good"]["tokens"] == want and out["good"]["reason"] == "length", out
+        assert "outside the vocabulary" in out["bad"]["error"], out
+        assert out["again"]["tokens"] == want[:3], out
     finally:
         pod.stop()
+
+
+STREAM_CLIENT = """
+import json, queue, sys
+import numpy as np
+import tritonclient.grpc as g
+c = g.InferenceServerClient(sys.argv[1])
+q = queue.Queue()
+c.start_stream(callback=lambda result, error: q.put((result, error)))
+def run(ids, **params):
+    inp = g.InferInput("input_ids", [len(ids)], "INT64")
+    inp.set_data_from_numpy(np.array(ids, np.int64))
+    c.async_stream_infer("lm", [inp], request_id="r", parameters=params)
+    tokens = []
+    while True:
+        result, error = q.get(timeout=60)
+        if error is not None:
+            return {"error": str(error)}
+        resp = result.get_response()
+        tokens += result.as_numpy("token_ids").tolist()
+        if resp.parameters["triton_final_response"].bool_param:
+            return {"tokens": tokens, "reason": resp.parameters["finish_reason"].string_param,
+                    "text": result.as_numpy("text_output").tolist()}
+out = {"good": run([5, 17, 33, 2, 9], max_tokens=8), "bad": run([1, 999]), "again": run([5, 17, 33, 2, 9], max_tokens=3)}
+c.stop_stream()
+print(json.dumps(out, default=str))
+"""

@@ -35,16 +35,6 @@ LIMIT = 8 * 2**20  # the pod's max_request_size in these tests
 
 
 @pytest.fixture(scope="module")
-def kserve_env():
-    if not (Path(ROOT) / ".venv-kserve" / ".installed").exists():
-        r = subprocess.run(["sh", "scripts/setup_kserve_env.sh"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=900)
-        if r.returncode != 0:
-            pytest.skip(f"scripts/setup_kserve_env.sh could not install the kserve SDK: {r.stderr[-500:]}")
-    return KPY
-
-
-@pytest.fixture(scope="module")
 def door(cluster_layout, tmp_path_factory):
     """The image's entrypoint as the image runs it: TorchServe on the storage's loopback
     addresses, nginx, the gRPC bridge and the status process on the container's ports."""
