@@ -67,7 +67,16 @@ IMAGE_REPO = "ghcr.io/example/compiled-serving"
 # a GPU worker's device memory is not a Kubernetes resource: each archive states what one of its
 # workers needs (handler.worker_gpu_mb, compiled_serving/worker_sizing.py) and the GPU manifests require
 # nodes whose GPU has that much for all of them (gpu_memory_affinity).
-FRONTEND_MIB = 768
+# The Java frontend: a capped heap, Netty's direct buffers (the request bodies it holds, up to
+# DIRECT_BODIES of the pod's body limit at once, plus its pools) and the JVM's own memory (code,
+# threads, metaspace). Both caps go into config.properties' vmargs; FRONTEND_MIB is the total at
+# the smallest body limit, frontend_mib() at the pod's.
+JVM_HEAP_MIB = 384
+JVM_NATIVE_MIB = 256
+DIRECT_BODIES = 4
+DIRECT_POOL_MIB = 64
+MIB = 1 << 20
+FRONTEND_MIB = JVM_HEAP_MIB + JVM_NATIVE_MIB + DIRECT_POOL_MIB + DIRECT_BODIES * 8  # an 8 MiB limit
 FRONTS_MIB = 256
 WORKER_CPU_MIB = 512
 CPU_PER_WORKER = 1
@@ -111,17 +120,34 @@ def read_mar(path: str) -> dict:
         if not cfg_name or cfg_name not in names:
             fail(f"{path}: has no model-config.yaml; build it with compiled_serving/archive.py")
         cfg = yaml.safe_load(z.read(cfg_name)) or {}
-        devices, torches = set(), set()
+        devices, torches, bodies = set(), set(), []
         for n in names:
             if n == "artifact.json" or n.endswith("/artifact.json"):
                 art = json.loads(z.read(n))
                 devices.add(art.get("device"))
                 torches.add(major_minor(str(art.get("torch_version", ""))))
+                bodies.append(largest_body_of(art, cfg, path))
     name = model.get("modelName")
     if not name:
         fail(f"{path}: MANIFEST.json names no model")
     return {"name": name, "version": model.get("modelVersion") or "1.0", "config": cfg,
-            "devices": devices, "torches": torches, "path": path}
+            "devices": devices, "torches": torches, "path": path, "body_bytes": max(bodies, default=0)}
+
+
+def largest_body_of(artifact: dict, cfg: dict, path: str) -> int:
+    """The largest request body one variant of an archive accepts (handlers/admission.largest_body),
+    from its artifact.json and model-config.yaml."""
+    from handlers.admission import Limits, largest_body
+    from handlers.artifact.decoder import of as decoder_of
+    from handlers.artifact.metadata import spec_from_dict
+    from handlers.config import parse_config
+    from handlers.errors import LoadError
+
+    try:
+        spec, config = spec_from_dict(artifact), parse_config(cfg)
+    except LoadError as e:
+        fail(f"{path}: {e}")
+    return largest_body(Limits.of(config, spec), spec, generates=decoder_of(spec) is not None)
 
 
 def major_minor(version: str) -> str:
@@ -158,11 +184,28 @@ def workers(m: dict) -> int:
     return max(int(m["config"].get("minWorkers", 1)), 1)
 
 
+def body_limit(mars: list) -> int:
+    """The pod's request body limit, bytes: the largest body any of its models accepts
+    (handlers/admission.largest_body), with a sixteenth more for the transport's framing; nginx,
+    the gRPC bridge and TorchServe refuse anything larger (max_request_size)."""
+    largest = max(m["body_bytes"] for m in mars)
+    return largest + largest // 16
+
+
+def direct_mib(limit: int) -> int:
+    return DIRECT_POOL_MIB + DIRECT_BODIES * -(-limit // MIB)
+
+
+def frontend_mib(limit: int) -> int:
+    return JVM_HEAP_MIB + JVM_NATIVE_MIB + direct_mib(limit)
+
+
 def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> dict:
     """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS), plus
-    our pod's fronts (nginx, the status process, the gRPC bridge) where our runtime serves."""
+    our pod's fronts (nginx, the status process, the gRPC bridge) where our runtime serves, and the
+    frontend's capped JVM at the pod's body limit."""
     n = sum(workers(m) for m in mars)
-    mem = FRONTEND_MIB + (FRONTS_MIB if fronts else 0) + n * WORKER_CPU_MIB
+    mem = frontend_mib(body_limit(mars)) + (FRONTS_MIB if fronts else 0) + n * WORKER_CPU_MIB
     res = {"cpu": str(n * CPU_PER_WORKER + (FRONTS_CPU if fronts else 0)), "memory": f"{mem}Mi"}
     out = {"requests": dict(res), "limits": dict(res)}
     if device == "gpu":
@@ -210,11 +253,18 @@ def model_snapshot(mars: list) -> dict:
     return {"name": "startup.cfg", "modelCount": len(models), "models": models}
 
 
-def config_text(snapshot: dict) -> str:
+def config_text(snapshot: dict, limit: int) -> str:
+    """The storage's config.properties: the template with the pod's body limit (`limit`), the
+    JVM's caps and the models TorchServe loads."""
     with open(CONFIG_TEMPLATE) as f:
         text = f.read()
     if re.search(r"(?m)^model_snapshot=", text):
         fail(f"{CONFIG_TEMPLATE} already sets model_snapshot; it is generated")
+    text, n = re.subn(r"(?m)^max_request_size=\d+$", f"max_request_size={limit}", text)
+    text, m = re.subn(r"(?m)^(vmargs=.*)$", lambda v: f"{v.group(1)} -Xmx{JVM_HEAP_MIB}m "
+                      f"-XX:MaxDirectMemorySize={direct_mib(limit)}m", text)
+    if n != 1 or m != 1:
+        fail(f"{CONFIG_TEMPLATE} must set max_request_size and vmargs once each (they are filled in)")
     return (text.rstrip("\n") + "\n\n# Generated by `python -m compiled_serving.kserve`: the models TorchServe loads at start "
             "(name -> version -> settings from each archive's model-config.yaml). KServe's wrapper "
             "serves the same names.\n"
@@ -287,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", action="append", choices=DEVICES, help="default: cpu and gpu")
     p.add_argument("--cpu", help=f"CPU request and limit (default: one per worker of the archives + {FRONTS_CPU} "
                                  "for the pod's fronts)")
-    p.add_argument("--memory", help=f"memory request and limit (default: {FRONTEND_MIB + FRONTS_MIB}Mi + "
+    p.add_argument("--memory", help=f"memory request and limit (default: the frontend's capped JVM, "
+                                    f"{FRONTEND_MIB}Mi at an 8 MiB body limit, + {FRONTS_MIB}Mi + "
                                     f"{WORKER_CPU_MIB}Mi per worker)")
     p.add_argument("--force-gpu", action="store_true",
                    help="write gpu manifests even when an archive has no cuda variant")
@@ -336,8 +387,13 @@ def write_storage(args, mars, storage, manifests) -> None:
     os.makedirs(manifests)
     for m in mars:
         shutil.copy2(m["path"], os.path.join(storage, "model-store", os.path.basename(m["path"])))
+    limit = body_limit(mars)
     with open(os.path.join(storage, "config", "config.properties"), "w") as f:
-        f.write(config_text(model_snapshot(mars)))
+        f.write(config_text(model_snapshot(mars), limit))
+    widest = max(mars, key=lambda m: m["body_bytes"])
+    print(f"kserve: request bodies up to {limit} bytes ({widest['name']} accepts {widest['body_bytes']}, the most "
+          f"of the pod's models, plus a sixteenth); the frontend's JVM capped at {JVM_HEAP_MIB} MiB heap and "
+          f"{direct_mib(limit)} MiB direct buffers")
     # config.properties' vmargs names /mnt/models/config/log4j2.xml
     shutil.copy2(os.path.join(ROOT, "log4j2.xml"), os.path.join(storage, "config", "log4j2.xml"))
     verify_store.main(["record", "--store", os.path.join(storage, "model-store"),

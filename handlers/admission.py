@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from handlers.artifact.metadata import ArtifactSpec
 from handlers.config import HandlerConfig
 from handlers.errors import PayloadTooLarge
@@ -32,6 +34,29 @@ class Limits:
         return cls(int(config.max_body_mb * (1 << 20)), config.max_rows_per_request, spec.batch_max,
                    config.split_oversized, int(config.max_json_mb * (1 << 20)),
                    ValueContract.of(spec, config))
+
+
+# What a binary body carries beside its tensors (the v2 binary extension's JSON header, a
+# safetensors header, multipart framing): names, dtypes and shapes, a few hundred bytes per input.
+BODY_ENVELOPE_BYTES = 64 << 10
+
+
+def largest_body(limits: Limits, spec: ArtifactSpec, generates: bool = False) -> int:
+    """The largest request body this model can accept, bytes: a JSON body up to its limit, or a
+    binary one of the most rows a request may carry at every dimension's maximum (an input of
+    unknown size: the body limit), never above handler.max_body_mb. A decoder (`generates`) takes
+    JSON only. The KServe pod refuses larger bodies at its door (compiled_serving/kserve.py)."""
+    if generates:
+        return limits.max_json_bytes
+    rows = limits.max_rows if limits.split_oversized else min(limits.max_rows, limits.batch_max)
+    row = 0
+    for t in spec.inputs:
+        n = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+        for d in t.shape[1:]:
+            n *= d if isinstance(d, int) else spec.dims.get(d, (0, 0))[1]
+        row += n
+    binary = rows * row + BODY_ENVELOPE_BYTES if row else limits.max_body_bytes
+    return min(limits.max_body_bytes, max(limits.max_json_bytes, binary))
 
 
 def check_rows(rows: int, limits: Limits) -> None:

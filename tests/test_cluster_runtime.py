@@ -40,7 +40,20 @@ def schema(name):
 # Manifests
 
 
-def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layout):
+def test_the_pods_body_limit_and_jvm_caps_follow_its_models(cluster_layout, cluster_mar):
+    """max_request_size is the largest body the model accepts (its 8 MiB JSON limit: its binary
+    rows are smaller) plus a sixteenth, not the template's 128 MiB; the JVM's heap and direct
+    memory are capped in vmargs; cs-kserve says so."""
+    out, r = cluster_layout
+    props = (out / "storage" / "config" / "config.properties").read_text()
+    limit = (8 << 20) + (8 << 20) // 16
+    assert f"\nmax_request_size={limit}\n" in props
+    vmargs = next(ln for ln in props.splitlines() if ln.startswith("vmargs="))
+    assert f"-Xmx{kserve_script.JVM_HEAP_MIB}m" in vmargs and f"-XX:MaxDirectMemorySize={64 + 4 * 9}m" in vmargs
+    assert f"request bodies up to {limit} bytes" in r.stdout
+
+
+def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layout, cluster_mar):
     import jsonschema
 
     out, r = cluster_layout
@@ -50,7 +63,8 @@ def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layo
     # a CPU-only archive: no GPU manifests unless forced, and the layout says why
     assert [f.name for f in files] == sorted(f"compiled-{p}.yaml" for p in ("v1", "v2", "grpc-v2"))
     assert "no gpu manifests" in r.stderr and "has no cuda variant" in r.stderr
-    mem = f"{kserve_script.FRONTEND_MIB + kserve_script.FRONTS_MIB + CLUSTER_WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
+    frontend = kserve_script.frontend_mib(kserve_script.body_limit([kserve_script.read_mar(str(cluster_mar))]))
+    mem = f"{frontend + kserve_script.FRONTS_MIB + CLUSTER_WORKERS * kserve_script.WORKER_CPU_MIB}Mi"
     for f in files:
         doc = yaml.safe_load(f.read_text())
         jsonschema.Draft7Validator(isvc_schema).validate(doc)

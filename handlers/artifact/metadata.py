@@ -251,6 +251,11 @@ def read_spec(directory: str) -> ArtifactSpec:
                         "written by cs-compile next to the artifact") from None
     except json.JSONDecodeError as e:
         raise LoadError(f"{path} is not valid JSON ({e}); rebuild it with cs-compile") from e
+    return spec_from_dict(raw, path, directory)
+
+
+def spec_from_dict(raw: dict, path: str = METADATA_FILE, directory: str = "") -> ArtifactSpec:
+    """artifact.json's content (read from `path`, in `directory`) as an ArtifactSpec, checked."""
     if raw.get("format") not in READS:
         raise LoadError(f"{path} has layout version (key `format`) {raw.get('format')!r}; this handler "
                         f"reads {', '.join(map(str, READS))}. Recompile with this version of cs-compile.")
