@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
 import shutil
 import subprocess
 import sys
@@ -45,14 +47,14 @@ def default_workers(devices, cpus: int):
     return n, f"a CPU artifact on {cpus} cores: one worker per 4 cores, at least 1"
 
 
-def gpu_sizing(args, cuda_specs, speed_cap: int) -> worker_sizing.Sizing:
+def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_sizing.Sizing:
     """The memory arithmetic for the largest of the CUDA variants (a worker loads one)."""
     if args.worker_overhead_mib is not None and args.worker_overhead_mib < 0:
         fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB a worker holds beside its weights")
     if not 0 <= args.gpu_memory_headroom < 1:
         fail(f"--gpu-memory-headroom {args.gpu_memory_headroom}: expected a fraction from 0 up to 1, e.g. 0.1")
     weights = max((weight_bytes(s) for s in cuda_specs), key=lambda w: w.bytes)
-    graphs_off = args.handler_opts.get("cuda_graphs") in ("off", False)
+    graphs_off = handler_opts.get("cuda_graphs") in ("off", False)
     if args.worker_overhead_mib is not None:
         overhead, how = args.worker_overhead_mib, "--worker-overhead-mib"
     elif graphs_off:
@@ -66,42 +68,60 @@ def gpu_sizing(args, cuda_specs, speed_cap: int) -> worker_sizing.Sizing:
     return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap)
 
 
-def choose_workers(args, cfg) -> None:
-    """args.workers where not given (printed with why) and, for a CUDA artifact, what a worker needs
-    of GPU memory (handler.worker_gpu_mb, checked at load unless given as a handler option) with the
-    GPU memory it was sized for (gpuSizing); a hand-chosen count that does not fit is warned about."""
-    try:
-        specs = [read_spec(a) for a in args.artifact]
-    except LoadError as e:
-        fail(str(e))
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the archive: its value and what is said about it, in order: (to stderr?,
+    text) lines that main prints. The decisions read the arguments and the artifacts, never
+    change them, and raise ArchiveError; main alone prints and picks the exit status."""
+    value: Any
+    said: tuple = ()
+
+
+def said(text: str) -> tuple:
+    return (False, f"cs-archive: {text}")
+
+
+def warned(text: str) -> tuple:
+    return (True, f"cs-archive: warning: {text}")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    workers: int
+    worker_gpu_mb: Optional[float] = None  # a CUDA worker's need (handler.worker_gpu_mb), None: not sized
+    gpu_sizing: Optional[dict] = None  # model-config's gpuSizing record
+
+
+def decide_workers(args, specs, handler_opts) -> Decision:
+    """The worker count (given, or for speed and, on a GPU, what its memory holds) with why; for a
+    CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
+    option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
     cuda = [s for s in specs if s.device != "cpu"]
     if not cuda:
+        lines = []
         if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
-            print("cs-archive: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; these "
-                  "artifacts are CPU-only, so they are not used", file=sys.stderr)
-        if args.workers is None:
-            args.workers = speed
-            print(f"cs-archive: --workers {args.workers} ({why}; pass --workers N to choose)")
-        cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
-        return
-    sizing = gpu_sizing(args, cuda, speed)
+            lines.append((True, "cs-archive: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; "
+                                "these artifacts are CPU-only, so they are not used"))
+        if args.workers is not None:
+            return Decision(WorkerPlan(args.workers), tuple(lines))
+        return Decision(WorkerPlan(speed), tuple(lines) + (said(f"--workers {speed} ({why}; pass --workers N to choose)"),))
+    sizing = gpu_sizing(args, cuda, speed, handler_opts)
     if args.workers is None:
         try:
-            args.workers = sizing.workers
+            return Decision(WorkerPlan(sizing.workers, sizing.need_mib, sizing.record()), (said(sizing.line()),))
         except worker_sizing.SizingError as e:
             fail(str(e))
-        print(f"cs-archive: {sizing.line()}")
-    elif sizing.misfit(args.workers):
-        print(f"cs-archive: warning: {sizing.misfit(args.workers)}", file=sys.stderr)
-    cfg["minWorkers"] = cfg["maxWorkers"] = args.workers
-    args.handler_opts.setdefault("worker_gpu_mb", sizing.need_mib)
-    cfg["handler"] = args.handler_opts
-    cfg["gpuSizing"] = sizing.record()
+    misfit = sizing.misfit(args.workers)
+    return Decision(WorkerPlan(args.workers, sizing.need_mib, sizing.record()), (warned(misfit),) if misfit else ())
+
+
+class ArchiveError(Exception):
+    """What stops the archive: main prints `cs-archive: error: MESSAGE` and exits with status 1."""
 
 
 def fail(msg):
-    raise SystemExit(f"cs-archive: error: {msg}")  # the command's name: python -m compiled_serving.archive runs it too
+    raise ArchiveError(msg)
 
 
 def _yaml_value(text: str):
@@ -149,15 +169,35 @@ def response_row_bytes(spec) -> int:
     return total
 
 
-def default_batch_size(specs) -> int:
-    """8 (measured for ResNet-50 class models, docs/performance.md "Serving settings"), at most what every
-    variant accepts per call, and 1 where a row of the outputs is several MiB (see the warning)."""
-    if any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
-        return 1
-    return max(1, min([8] + [s.batch_max for s in specs]))
+def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
+    """TorchServe's batchSize: as given, else 8 (measured for ResNet-50 class models,
+    docs/performance.md "Serving settings"), at most what every variant accepts per call, and 1
+    where a row of the outputs is several MiB; with the warnings a batch size calls for."""
+    if given is not None:
+        n = given
+    elif any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
+        n = 1
+    else:
+        n = max(1, min([8] + [s.batch_max for s in specs]))
+    lines = []
+    for spec in specs:
+        if n > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
+            lines.append(warned(f"batchSize {n} exceeds what {spec.artifact} accepts per call "
+                                f"({spec.batch_min}..{spec.batch_max}); batches will be split into several calls"))
+        elif n > spec.batch_max:
+            lines.append(warned(f"batchSize {n} exceeds the artifact's max batch {spec.batch_max} and "
+                                "split_oversized is off: oversized requests are refused"))
+        big = response_row_bytes(spec)
+        if n > 1 and big > LARGE_RESPONSE_ROW:
+            lines.append(warned(
+                f"each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. TorchServe 0.12's frontend re-reads "
+                "a batched worker response from its start on every network read until the last request's bytes "
+                "arrive, which is quadratic in the response size (a batch of 2 x 50 MB took 22 s to relay after "
+                "0.2 s of inference, docs/results/soak.md). Use --batch-size 1 for this model"))
+    return Decision(n, tuple(lines))
 
 
-def imported(path: str, i: int, args, tmp: str) -> str:
+def imported(path: str, i: int, args, handler_opts: dict, tmp: str) -> str:
     """A directory as it is; a .pt2 file imported into a directory of its own first."""
     if os.path.isdir(path):
         return path
@@ -167,7 +207,7 @@ def imported(path: str, i: int, args, tmp: str) -> str:
 
     try:
         return import_artifact(path, os.path.join(tmp, f"imported_{i}"), args.program, args.input_range,
-                               find_pad=args.pad == "auto" and "pad" not in args.handler_opts)
+                               find_pad=args.pad == "auto" and "pad" not in handler_opts)
     except ImportError_ as e:
         fail(e.reason)
 
@@ -179,39 +219,35 @@ NO_PAD_COST = ("requests of different lengths run as groups of equal length, eve
                "14427.5 with it on one H100 (docs/performance.md)")
 
 
-def choose_pad(args, specs) -> dict | None:
-    """The pad values to declare (None: none), printing what was chosen and why: an explicit
-    pad= option as given, --pad none nothing, else what the import found safe for every variant
-    (artifact.json extra.padding, compiled_serving/find_padding.py)."""
+def decide_pad(pad_flag: str, handler_opts: dict, specs) -> Decision:
+    """The pad values to declare (None: none) with why: an explicit pad= option as given, --pad
+    none nothing, else what the import found safe for every variant (artifact.json extra.padding,
+    compiled_serving/find_padding.py)."""
     from handlers.artifact.decoder import of as decoder_of
 
     if not any(s.dims for s in specs) or any(decoder_of(s) for s in specs):  # a decoder is never padded
-        return None
-    if "pad" in args.handler_opts:
-        print("cs-archive: pad= as given with --handler-option (the worker checks at load that it leaves "
-              "answers unchanged)")
-        return None
-    if args.pad == "none":
-        print(f"cs-archive: no padding (--pad none): {NO_PAD_COST}")
-        return None
+        return Decision(None)
+    if "pad" in handler_opts:
+        return Decision(None, (said("pad= as given with --handler-option (the worker checks at load that it "
+                                    "leaves answers unchanged)"),))
+    if pad_flag == "none":
+        return Decision(None, (said(f"no padding (--pad none): {NO_PAD_COST}"),))
     found = [s.extra.get("padding") for s in specs]
     if any(f is None for f in found):
-        print("cs-archive: no padding: padding was not tried (a directory not imported from a .pt2 with its "
-              f"program; python -m compiled_serving.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, "
-              "declare it: --handler-option \"pad={input_ids: 0, attention_mask: 0}\"")
-        return None
+        return Decision(None, (said(
+            "no padding: padding was not tried (a directory not imported from a .pt2 with its program; python -m "
+            f"compiled_serving.import_artifact tries it); {NO_PAD_COST}. If the model masks padding, declare it: "
+            "--handler-option \"pad={input_ids: 0, attention_mask: 0}\""),))
     pads = [f.get("pad") for f in found]
     if all(p and p == pads[0] for p in pads):
         from compiled_serving.find_padding import show
 
-        pads[0] = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
-        print(f"cs-archive: pad={show(pads[0])}: {found[0]['why']} (compiled_serving/find_padding.py; the worker checks it "
-              "again at load; --pad none turns it off)")
-        return pads[0]
+        pad = {s.name: pads[0][s.name] for s in specs[0].inputs if s.name in pads[0]}  # inputs' order
+        return Decision(pad, (said(f"pad={show(pad)}: {found[0]['why']} (compiled_serving/find_padding.py; the "
+                                   "worker checks it again at load; --pad none turns it off)"),))
     why = next((f["why"] for f in found if not f.get("pad")), "the variants disagree")
     unsafe = why.startswith("padding changes")  # find_padding's words for answers that changed
-    print(f"cs-archive: {'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}")
-    return None
+    return Decision(None, (said(f"{'no padding is safe' if unsafe else 'no padding'}: {why}. So {NO_PAD_COST}"),))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,69 +295,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(args) -> dict:
-    """model-config.yaml's settings from the arguments, validated as the worker validates them;
-    sets args.handler_opts."""
-    if not args.name.replace("_", "").replace("-", "").isalnum():
-        fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
-    handler_opts = {}
-    for item in args.handler_option:
+def handler_options(items: list) -> dict:
+    """--handler-option KEY=VALUE items, each value read as YAML."""
+    opts = {}
+    for item in items:
         if "=" not in item:
             fail(f"--handler-option {item!r}: expected KEY=VALUE")
         k, v = item.split("=", 1)
-        handler_opts[k] = _yaml_value(v)
-    args.handler_opts = handler_opts
-    cfg = {"minWorkers": args.workers, "maxWorkers": args.workers, "batchSize": args.batch_size or 1,
+        opts[k] = _yaml_value(v)
+    return opts
+
+
+def model_config(args, handler_opts: dict, workers: Optional[WorkerPlan] = None, batch_size: int = 1,
+                 pad: Optional[dict] = None) -> dict:
+    """model-config.yaml, the one place that writes it, validated as the worker validates it."""
+    if not args.name.replace("_", "").replace("-", "").isalnum():
+        fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
+    n = workers.workers if workers else args.workers
+    cfg = {"minWorkers": n, "maxWorkers": n, "batchSize": batch_size,
            "maxBatchDelay": args.max_batch_delay, "responseTimeout": args.response_timeout}
     if args.device_type:
         cfg["deviceType"] = args.device_type
     if args.device_ids:
         cfg["deviceIds"] = [int(x) for x in args.device_ids.split(",")]
-    if handler_opts:
-        cfg["handler"] = handler_opts
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg) -> None:
+    handler = dict(handler_opts)
+    if workers and workers.worker_gpu_mb is not None:
+        handler.setdefault("worker_gpu_mb", workers.worker_gpu_mb)
+    if pad:
+        handler["pad"] = pad
+    if handler:
+        cfg["handler"] = handler
+    if workers and workers.gpu_sizing:
+        cfg["gpuSizing"] = workers.gpu_sizing
     try:
         parse_config(cfg)  # the same validation the worker runs: fail here, not at load
     except LoadError as e:
         fail(str(e))
+    return cfg
 
 
-def stage_variants(args, stage) -> list:
-    """Copy each artifact into the staging directory (several: one variant directory each); their specs."""
-    if len(args.artifact) == 1:
-        return [copy_variant(args.artifact[0], stage)]
+def stage_variants(dirs: list, stage: str) -> list:
+    """Copy each artifact directory into the staging directory (several: one variant directory
+    each); their specs."""
+    if len(dirs) == 1:
+        return [copy_variant(dirs[0], stage)]
     specs = []
-    for i, src in enumerate(args.artifact):
+    for i, src in enumerate(dirs):
         spec = read_spec(src)
         tag = spec.device + (f"_cc{spec.compute_capability.replace('.', '')}" if spec.compute_capability
                              else f"_{(spec.cpu_isa or 'generic').split()[0].lower()}")
         specs.append(copy_variant(src, os.path.join(stage, "variants", f"{i:02d}_{spec.backend}_{tag}")))
     return specs
-
-
-def warn_batch_size(args, specs, handler_opts) -> None:
-    """Warnings where the batch size exceeds what an artifact takes, or its responses are large."""
-    for spec in specs:
-        if args.batch_size > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
-            print(f"cs-archive: warning: batchSize {args.batch_size} exceeds what {spec.artifact} "
-                  f"accepts per call ({spec.batch_min}..{spec.batch_max}); batches will be split "
-                  "into several calls", file=sys.stderr)
-        elif args.batch_size > spec.batch_max:
-            print(f"cs-archive: warning: batchSize {args.batch_size} exceeds the artifact's max batch "
-                  f"{spec.batch_max} and split_oversized is off: oversized requests are refused",
-                  file=sys.stderr)
-        big = response_row_bytes(spec)
-        if args.batch_size > 1 and big > LARGE_RESPONSE_ROW:
-            print(f"cs-archive: warning: each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. "
-                  "TorchServe 0.12's frontend re-reads a batched worker response from its start on "
-                  "every network read until the last request's bytes arrive, which is quadratic in "
-                  "the response size (a batch of 2 x 50 MB took 22 s to relay after 0.2 s of "
-                  "inference, docs/results/soak.md). Use --batch-size 1 for this model",
-                  file=sys.stderr)
 
 
 def stage_tokenizer(args, specs, stage) -> None:
@@ -368,30 +392,42 @@ def run_archiver(args, cfg, stage, tmp) -> None:
         fail(f"torch-model-archiver failed: {r.stderr.strip() or r.stdout.strip()}")
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    cfg = model_config(args)
-    handler_opts = args.handler_opts
+def build(args) -> tuple:
+    """The archive: (its path, the variants' specs, its model config, the workers' and batch
+    size's decisions), what was decided printed in order."""
+    opts = handler_options(args.handler_option)
+    model_config(args, opts)  # the options checked before anything is imported
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         stage = os.path.join(tmp, "stage")
         shutil.copytree(os.path.join(ROOT, "handlers"), os.path.join(stage, "handlers"),
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        args.artifact = [imported(a, i, args, tmp) for i, a in enumerate(args.artifact)]
-        choose_workers(args, cfg)  # after the import: a .pt2 file has no artifact.json until then
-        specs = stage_variants(args, stage)
+        dirs = [imported(a, i, args, opts, tmp) for i, a in enumerate(args.artifact)]
+        specs = stage_variants(dirs, stage)
         stage_tokenizer(args, specs, stage)
-        pad = choose_pad(args, specs)
-        if pad:
-            cfg["handler"] = handler_opts = {**handler_opts, "pad": pad}
-            validate(cfg)  # as validated above, with the found values
-        if args.batch_size is None:
-            args.batch_size = default_batch_size(specs)
-            cfg["batchSize"] = args.batch_size
-        warn_batch_size(args, specs, handler_opts)
+        workers = decide_workers(args, specs, opts)
+        pad = decide_pad(args.pad, opts, specs)
+        batch = decide_batch_size(args.batch_size, specs, opts)
+        for d in (workers, pad, batch):
+            show(d)
+        cfg = model_config(args, opts, workers.value, batch.value, pad.value)
         run_archiver(args, cfg, stage, tmp)
-    mar = os.path.join(args.out, f"{args.name}.mar")
-    print(f"wrote {mar} ({len(specs)} variant(s); batchSize {args.batch_size}, workers {args.workers})")
+    return os.path.join(args.out, f"{args.name}.mar"), specs, cfg
+
+
+def show(decision: Decision) -> None:
+    for to_stderr, text in decision.said:
+        print(text, file=sys.stderr if to_stderr else sys.stdout)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        mar, specs, cfg = build(args)
+    except (ArchiveError, LoadError) as e:
+        print(f"cs-archive: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {mar} ({len(specs)} variant(s); batchSize {cfg['batchSize']}, workers {cfg['minWorkers']})")
     return 0
 
 
