@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 from conftest import ROOT, build_mar, cs_command, server_env
-from torch import nn
+from test_state import Counter
 
 from compiled_serving import contract
 from examples import tiny_decoder, transformers_decoder
@@ -39,18 +39,6 @@ def test_the_three_export_forms_are_recognised_as_decoders(exported):
         assert dec.keywords == (form == "transformers"), form
         assert dec.vocab == (300 if form == "transformers" else 256), form
         assert dec.chunk_max == (63 if form == "transformers" else 64), form
-
-
-class Counter(nn.Module):
-    """State written between calls that is no KV cache: refused, naming it."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("calls", torch.zeros(1))
-
-    def forward(self, x):
-        self.calls.add_(1)
-        return x * self.calls
 
 
 def test_stateful_program_that_is_no_decoder_is_refused_naming_its_state():

@@ -98,7 +98,13 @@ def test_storage_layout_holds_the_archives_and_the_snapshot(layout):
             assert entry[key] == model_cfg[key], key
     # the frontend's logging, where config.properties' vmargs names it once mounted at /mnt/models
     assert (storage / "config" / "log4j2.xml").read_bytes() == (ROOT / "log4j2.xml").read_bytes()
-    assert cfg["vmargs"] == "-Dlog4j.configurationFile=/mnt/models/config/log4j2.xml"
+    # and the JVM's caps after it (compiled_serving/kserve.py: heap, and direct memory for 4 bodies)
+    from compiled_serving import kserve as kserve_script
+
+    limit = kserve_script.body_limit([kserve_script.read_mar(str(m)) for m in layout["mars"]])
+    assert cfg["vmargs"] == (f"-Dlog4j.configurationFile=/mnt/models/config/log4j2.xml -Xmx{kserve_script.JVM_HEAP_MIB}m "
+                             f"-XX:MaxDirectMemorySize={kserve_script.direct_mib(limit)}m")
+    assert cfg["max_request_size"] == str(limit) and limit < 128 << 20
     assert snap["models"]["two"]["1.0"]["batchSize"] == 4
     assert snap["models"]["two"]["1.0"]["maxBatchDelay"] == 400
 
@@ -118,8 +124,9 @@ def test_config_keeps_the_protections_and_documents_each_difference(layout):
     assert kcfg["grpc_inference_port"] == "7070"  # the h2c containerPort of the grpc-v2 manifests
     for key in ("enable_model_api", "install_py_dep_per_model", "enable_envvars_config"):
         assert kcfg[key] == "false", key
-    for key in ("max_request_size", "max_response_size", "job_queue_size", "default_response_timeout"):
+    for key in ("max_response_size", "job_queue_size", "default_response_timeout"):
         assert kcfg[key] == local[key], key
+    assert int(kcfg["max_request_size"]) < int(local["max_request_size"])  # the models' own, derived
     assert kcfg["ts_open_inference_protocol"] == "true"
     assert kcfg["disable_token_authorization"] == "true"
     allowed = re.compile(kcfg["allowed_urls"].replace("\\\\", "\\"))
