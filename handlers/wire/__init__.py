@@ -25,6 +25,7 @@ from handlers.wire import (
     strict_json,  # noqa: F401  (the JSON parser and writer, for format modules)
 )
 from handlers.wire.base import JSON_MEDIA, Encoded, Failed, WireFormat, WireName  # noqa: F401  (the interface)
+from handlers.wire.envelopes import FORMATS, json_format  # noqa: F401  (the registry of request formats)
 from handlers.wire.request import Request, check_json_part, check_size, parse_json, payload_of
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,6 @@ BUILT_IN = (
     oip_grpc.FORMAT,  # bound to its transport: TorchServe's Open Inference Protocol gRPC service
 )
 
-FORMATS = {}  # name -> format, in registration order (JSON envelopes are tried in this order)
 TRANSPORTS = {}  # transport -> the format bound to it, asked first, in registration order
 ERRORS = WireFormat()  # answers the errors of a request no transport format owns: the JSON error object
 
@@ -121,20 +121,6 @@ def _binary_format(payload, content_type, v2_header_length=None):
                                    "(our JSON, KServe v1 or v2) or "
                                    + " or ".join(f.media_type for f in FORMATS.values() if f.binary))
     return None
-
-
-def json_format(body) -> WireFormat:
-    """The JSON envelope of a parsed body, by its shape (also asked by transport formats whose
-    bodies carry one: oip_grpc)."""
-    if not isinstance(body, dict):
-        raise RequestError("JSON body must be an object: {\"inputs\": {...}} (ours), "
-                           "{\"instances\": [...]} (KServe v1) or {\"inputs\": [...]} (KServe v2)")
-    for f in FORMATS.values():
-        if not f.binary and f.matches_json(body):
-            return f
-    raise RequestError("JSON body has neither `inputs` nor `instances`; expected "
-                       "{\"inputs\": {NAME: nested list}} (ours), {\"instances\": [...]} "
-                       "(KServe v1) or {\"inputs\": [{name, shape, datatype, data}]} (KServe v2)")
 
 
 def _response_format(request_format: WireFormat, accept) -> WireFormat:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import handlers.wire as wire  # the registry's JSON envelope choice (this module is listed there)
 from handlers.errors import RequestError, ServingError
 from handlers.wire import kserve_v2, strict_json
 from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, dump_json
+from handlers.wire.envelopes import json_format
 
 TRANSPORT = "torchserve-oip-grpc"
 
@@ -89,7 +89,7 @@ class OipGrpc(WireFormat):
         return request_id(request)
 
     def for_request(self, body) -> "OipGrpc":
-        return OipGrpc(wire.json_format(body).for_request(body))
+        return OipGrpc(json_format(body).for_request(body))
 
     def decode(self, body, spec) -> tuple:
         return self.body_format.decode(body, spec)
