@@ -52,11 +52,10 @@ class PigeonFormat(WireFormat):
     name = "pigeon"
     transport = "pigeon"
 
-    def arrived_by(self, request, headers, max_json_bytes):
-        return isinstance(request, dict) and "pigeon" in request
-
-    def request_id(self, request):
-        return request["pigeon"]["ring"]
+    def arrival(self, request, headers, max_json_bytes):
+        if isinstance(request, dict) and "pigeon" in request:
+            return wire.Arrival(request["pigeon"], request["pigeon"]["ring"])
+        return None
 
     def decode(self, body, spec):  # body: the request's one part, {"ring", "rows"}
         return {spec.inputs[0].name: torch.tensor(body["rows"])}, body["ring"]

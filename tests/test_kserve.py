@@ -400,16 +400,18 @@ def test_oip_replies_are_complete():
     from handlers.wire import oip_grpc as oip
 
     def is_grpc(ctx, idx, request):  # as the pipeline asks: the format's own transport test
-        return oip.FORMAT.arrived_by(request, headers.read(ctx, idx), None)
+        return oip.FORMAT.arrival(request, headers.read(ctx, idx), None) is not None
 
     grpc_req = {"body": {"id": "", "model_name": "two", "inputs": []}}
     ctx = FakeContext([{"body": {"content-type": "application/json"}},
                        {"body": {"content-type": "application/json"}, "Host": "x"}])
     assert is_grpc(ctx, 0, grpc_req) and not is_grpc(ctx, 1, grpc_req)
     assert not is_grpc(ctx, 0, {"body": {"inputs": []}})
-    # header-less bodies as bytes: the JSON one is parsed, a binary one is left alone unparsed
-    raw = {"body": bytearray(b' {"id": "", "model_name": "two", "inputs": []}')}
-    assert is_grpc(ctx, 0, raw) and raw["body"]["model_name"] == "two"
+    # header-less bodies as bytes: the JSON one is parsed (handed on, the request unchanged), a
+    # binary one is left alone unparsed
+    raw = {"body": bytearray(b' {"id": "q", "model_name": "two", "inputs": []}')}
+    arrived = oip.FORMAT.arrival(raw, headers.read(ctx, 0), None)
+    assert arrived.body["model_name"] == "two" and arrived.request_id == "q" and isinstance(raw["body"], bytearray)
     from handlers.wire import safetensors_io
 
     binary = {"body": safetensors_io.dumps({"x": torch.zeros(4, 3)})}

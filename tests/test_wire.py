@@ -145,7 +145,8 @@ def test_oversized_oip_body_is_classified_without_parsing_and_refused_413(monkey
     req = {"body": body}
     from handlers.torchserve import headers
 
-    assert oip.FORMAT.arrived_by(req, headers.read(Ctx(), 0), 1024) and req["body"] is body
+    arrived = oip.FORMAT.arrival(req, headers.read(Ctx(), 0), 1024)
+    assert arrived.body is body and req == {"body": body}  # told apart unparsed; the request unchanged
     monkeypatch.undo()
     with pytest.raises(PayloadTooLarge, match="max_json_mb"):
         admit(req, make_spec(), Limits(1 << 30, 1024, 8, True, max_json_bytes=1024))

@@ -24,7 +24,7 @@ from handlers.wire import (
     safetensors,
     strict_json,  # noqa: F401  (the JSON parser and writer, for format modules)
 )
-from handlers.wire.base import JSON_MEDIA, Encoded, Failed, WireFormat, WireName  # noqa: F401  (the interface)
+from handlers.wire.base import JSON_MEDIA, Arrival, Encoded, Failed, WireFormat, WireName  # noqa: F401  (the interface)
 from handlers.wire.envelopes import FORMATS, json_format  # noqa: F401  (the registry of request formats)
 from handlers.wire.request import Request, check_json_part, check_size, parse_json, payload_of
 
@@ -65,8 +65,11 @@ def arrival(request, headers, max_json_bytes: int) -> Request:
     request whose transport cannot be told (malformed) is answered as REST."""
     try:
         for f in TRANSPORTS.values():
-            if f.arrived_by(request, headers, max_json_bytes):
-                return Request(f, f.request_id(request))
+            arrived = f.arrival(request, headers, max_json_bytes)
+            if arrived is not None:
+                req = Request(f, arrived.request_id)
+                req.body = arrived.body
+                return req
     except Exception:  # a malformed transport request: answered as REST, with its error
         logger.exception("could not tell a request's transport")
     return Request(ERRORS, None)
@@ -83,7 +86,8 @@ def read(request, headers, limits) -> Request:
         check_size(payload, limits)
         if req.errors_as.transport:  # its transport's format decodes and answers it, whatever its headers say
             transport = req.errors_as
-            body = payload if transport.binary else parse_json(payload, limits)
+            arrived = payload if req.body is None else req.body
+            body = arrived if transport.binary else parse_json(arrived, limits)
             req.wire = req.respond_as = transport.for_request(body)
         else:
             if headers.v2_header_length is not None:

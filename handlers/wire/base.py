@@ -2,7 +2,7 @@
 
 A format is either binary (chosen by its media type, or recognised from the bytes), a JSON
 envelope (chosen by the shape of the parsed JSON object), or bound to a transport (chosen by how
-the request arrived, before its body is looked at: `transport`, `arrived_by`; TorchServe's Open
+the request arrived, before its body is looked at: `transport`, `arrival`; TorchServe's Open
 Inference Protocol gRPC service is one, handlers/wire/oip_grpc.py). A transport's format also
 writes the error answers of its requests. What a format answers is an `Encoded`, or a `Failed`
 for an error; the registry and the choice are wire/__init__.py."""
@@ -41,20 +41,26 @@ class Failed(NamedTuple):
     transport: Optional[str]
 
 
+class Arrival(NamedTuple):
+    """A request as its transport delivered it: the body its format decodes (the bytes, or the
+    JSON the format parsed to tell its transport) and the transport's request id (for an error
+    answered before the body is decoded)."""
+
+    body: object  # None: the payload as TorchServe handed it over
+    request_id: Optional[str]
+
+
 class WireFormat:
     name = ""  # a WireName, or any other string for a registered format
     media_type = JSON_MEDIA  # Content-Type of its bodies
     binary = False  # True: chosen by media type / bytes; False: a JSON envelope
-    transport = None  # a name: chosen by the transport a request arrived over (arrived_by), nothing else
+    transport = None  # a name: chosen by the transport a request arrived over (arrival), nothing else
 
-    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
-        """Transport formats: whether this request came over the transport. `headers` is the
-        request's handlers.torchserve.headers.RequestHeaders; a body this reads it may parse
-        once and put back into `request` for admission (never past max_json_bytes)."""
-        return False
-
-    def request_id(self, request) -> Optional[str]:
-        """Transport formats: the request's id, for an error answered before its decode."""
+    def arrival(self, request, headers, max_json_bytes: int) -> Optional[Arrival]:
+        """Transport formats: the request as this transport delivered it, or None where it came
+        otherwise. `headers` is the request's handlers.torchserve.headers.RequestHeaders; a body
+        parsed to tell the transport comes back in the Arrival (never past max_json_bytes), and
+        `request` is never changed."""
         return None
 
     def matches_bytes(self, payload) -> bool:

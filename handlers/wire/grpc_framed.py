@@ -16,7 +16,9 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from handlers.errors import ModelNotFound, RequestError
-from handlers.wire.base import Encoded
+from typing import Optional
+
+from handlers.wire.base import Arrival, Encoded
 from handlers.wire.kserve_v2_grpc import KServeV2Grpc, parse_request
 
 MEDIA = "application/grpc"
@@ -42,12 +44,11 @@ class GrpcFramed(KServeV2Grpc):
     media_type = MEDIA
     transport = "grpc-through-nginx"
 
-    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
+    def arrival(self, request, headers, max_json_bytes: int) -> Optional[Arrival]:
         ct = headers.content_type
-        return isinstance(ct, str) and ct.split(";")[0].strip().lower() in (MEDIA, MEDIA + "+proto")
-
-    def request_id(self, request):
-        return None
+        if not (isinstance(ct, str) and ct.split(";")[0].strip().lower() in (MEDIA, MEDIA + "+proto")):
+            return None
+        return Arrival(None, None)  # the body: the framed message as TorchServe hands it over
 
     def for_request(self, body) -> "GrpcFramed":
         return GrpcFramed(parse_request(unframe(body)))

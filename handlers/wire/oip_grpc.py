@@ -7,7 +7,7 @@ Facts this relies on (TorchServe 0.12, OpenInferenceProtocolImpl / GRPCJob in mo
   headers; REST requests always carry their HTTP headers (Host at least). So: no string header
   and a `model_name` in the body = the gRPC path. The body arrives as bytes, since ts_entry
   turns TorchServe's JSON decoding off (TS_DECODE_INPUT_REQUEST=false): it is parsed here,
-  strictly, once, and put back in the request for admission.
+  strictly, once, and handed on in the Arrival (the request itself is never changed).
 - It reads the reply as JSON and needs `id`, `model_name`, `model_version` (strings) and
   `outputs[]` with name, datatype, shape and flat data; a missing key throws in
   GRPCJob.response and the worker is killed. FP16/BF16 data come back empty (no typed field),
@@ -22,39 +22,36 @@ from typing import Optional
 
 from handlers.errors import RequestError, ServingError
 from handlers.wire import kserve_v2, strict_json
-from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, dump_json
+from handlers.wire.base import JSON_MEDIA, Arrival, Encoded, WireFormat, dump_json
 from handlers.wire.envelopes import json_format
 
 TRANSPORT = "torchserve-oip-grpc"
 
 
-def is_grpc_request(request, rest: bool, max_json_bytes: Optional[int] = None) -> bool:
-    """Whether a request came over the OIP gRPC service, given whether its headers say REST
-    (handlers/torchserve/headers.py: any str header). Parses a header-less JSON body once and
-    puts it back for admission."""
+def grpc_body(request, rest: bool, max_json_bytes: Optional[int] = None):
+    """The body of a request that came over the OIP gRPC service, given whether its headers say
+    REST (handlers/torchserve/headers.py: any str header): the JSON object, parsed once here, or
+    the bytes of one over the JSON limit (admission refuses it, answered as an OIP reply); None
+    for any other request."""
     if rest:
-        return False
+        return None
     body = request.get("body") if isinstance(request, dict) else None
     if isinstance(body, (bytes, bytearray)):
         # The frontend's OIP body is a JSON object; a binary body (a safetensors payload starts
         # with its 8-byte header length) is never parsed here: that cost 14 ms on a 19 MB body.
         if body[:64].lstrip()[:1] != b"{":
-            return False
+            return None
         if max_json_bytes is not None and len(body) > max_json_bytes:
-            # Not parsed here: admission refuses it (413, handler.max_json_mb) and the refusal
-            # goes out as an OIP reply. The frontend writes "model_name" right after "id".
-            return b'"model_name"' in body[:4096]
+            # Not parsed here. The frontend writes "model_name" right after "id".
+            return body if b'"model_name"' in body[:4096] else None
         try:
             body = strict_json.loads(body)
         except RequestError:  # not JSON: admission answers it as the request it is
-            return False
-        if isinstance(body, dict):
-            request["body"] = body
-    return isinstance(body, dict) and isinstance(body.get("model_name"), str)
+            return None
+    return body if isinstance(body, dict) and isinstance(body.get("model_name"), str) else None
 
 
-def request_id(request) -> str:
-    body = request.get("body") if isinstance(request, dict) else None
+def request_id(body) -> str:
     rid = body.get("id") if isinstance(body, dict) else None
     return rid if isinstance(rid, str) else ""
 
@@ -82,11 +79,9 @@ class OipGrpc(WireFormat):
     def __init__(self, body_format: Optional[WireFormat] = None):
         self.body_format = body_format  # the JSON envelope of this request's body (KServe v2)
 
-    def arrived_by(self, request, headers, max_json_bytes: int) -> bool:
-        return is_grpc_request(request, headers.rest, max_json_bytes)
-
-    def request_id(self, request) -> str:
-        return request_id(request)
+    def arrival(self, request, headers, max_json_bytes: int) -> Optional[Arrival]:
+        body = grpc_body(request, headers.rest, max_json_bytes)
+        return None if body is None else Arrival(body, request_id(body))
 
     def for_request(self, body) -> "OipGrpc":
         return OipGrpc(json_format(body).for_request(body))
