@@ -38,9 +38,9 @@ class CsvFormat(WireFormat):
         rows = [[float(v) for v in line.split(",")] for line in bytes(body).decode().splitlines() if line]
         return {spec.inputs[0].name: torch.tensor(rows)}, None
 
-    def encode(self, outputs, request_id, model_name):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         (t,) = outputs.values()
-        return "\n".join(",".join(f"{v:g}" for v in row) for row in t.tolist())
+        return wire.base.Encoded("\n".join(",".join(f"{v:g}" for v in row) for row in t.tolist()), self.media_type, {})
 
 
 class PigeonFormat(WireFormat):
@@ -60,7 +60,7 @@ class PigeonFormat(WireFormat):
     def decode(self, body, spec):  # body: the request's one part, {"ring", "rows"}
         return {spec.inputs[0].name: torch.tensor(body["rows"])}, body["ring"]
 
-    def encoded(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         (t,) = outputs.values()
         return wire.base.Encoded(json.dumps({"ring": request_id, "rows": t.tolist()}), "application/json", {})
 

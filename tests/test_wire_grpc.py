@@ -287,7 +287,7 @@ def library_outputs(resp) -> dict:
 @given(outputs(), st.text(max_size=10), st.text(max_size=10), st.text(max_size=10))
 @SETTINGS
 def test_encoder_replies_parse_with_the_library(pb, outs, rid, name, version):
-    enc = grpc_wire.FORMAT.encoded(outs, rid or None, name, version)
+    enc = grpc_wire.FORMAT.encode(outs, rid or None, name, version)
     assert enc.media_type == MEDIA and enc.headers == {}
     resp = pb.ModelInferResponse.FromString(enc.body)
     assert (resp.model_name, resp.model_version, resp.id) == (name, version, rid)
@@ -307,7 +307,7 @@ def test_reply_holds_the_requested_outputs_in_their_order(pb):
     fmt = grpc_wire.FORMAT.for_request(body)
     fmt.decode(body, make_spec([("x", "float32")], (("y", "float32"), ("z", "int64"))))
     outs = {"y": torch.ones(1, 4), "z": torch.tensor([[-7]])}
-    resp = pb.ModelInferResponse.FromString(fmt.encoded(outs, "r", "m", "").body)
+    resp = pb.ModelInferResponse.FromString(fmt.encode(outs, "r", "m", "").body)
     assert [o.name for o in resp.outputs] == ["z", "y"]
     got = library_outputs(resp)
     assert got["z"].tolist() == [[-7]] and got["y"].tolist() == [[1.0] * 4]
@@ -315,7 +315,7 @@ def test_reply_holds_the_requested_outputs_in_their_order(pb):
 
 def test_strided_outputs_are_written_in_logical_order(pb):
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
-    resp = pb.ModelInferResponse.FromString(grpc_wire.FORMAT.encoded({"t": t}, None, "m").body)
+    resp = pb.ModelInferResponse.FromString(grpc_wire.FORMAT.encode({"t": t}, None, "m").body)
     assert torch.equal(library_outputs(resp)["t"], t)
 
 
@@ -619,7 +619,7 @@ def test_a_grpc_framed_call_decodes_like_the_message_and_answers_framed(pb):
     one = fmt.for_request(body)
     tensors, rid = one.decode(body, spec)
     assert rid == "r7" and torch.equal(tensors["x"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
-    out = one.encoded({"y": torch.ones(2, 4)}, rid, "m", "1")
+    out = one.encode({"y": torch.ones(2, 4)}, rid, "m", "1")
     assert out.media_type == "application/grpc" and out.body[0] == 0
     assert int.from_bytes(out.body[1:5], "big") == len(out.body) - 5
     reply = pb.ModelInferResponse.FromString(out.body[5:])
@@ -641,7 +641,7 @@ def test_grpc_framing_errors_and_another_model(pb):
     one = grpc_framed.FORMAT.for_request(framed(good))
     one.decode(framed(good), make_spec([("x", "float32")]))
     with pytest.raises(ModelNotFound, match="'other'"):  # never answered by the model this worker serves
-        one.encoded({"y": torch.ones(1, 4)}, None, "m")
+        one.encode({"y": torch.ones(1, 4)}, None, "m")
     err = grpc_framed.FORMAT.error(RequestError("input 'x': 100% wrong\nline two"), None, "m")
     assert err.body == b"" and err.media_type == "application/grpc"
     assert err.headers["X-Grpc-Message"] == "input 'x': 100%25 wrong%0Aline two"

@@ -81,17 +81,10 @@ class WireFormat:
         CPU tensor}, request id or None). The admission step checks the tensors against spec."""
         raise NotImplementedError
 
-    def encode(self, outputs: dict, request_id: Optional[str], model_name: str):
-        """{output name: CPU tensor} -> the response body (str or bytes-like, sent as this
-        format's media_type), or an Encoded where the reply's media type or headers depend on
-        the request (KServe v2 binary)."""
+    def encode(self, outputs: dict, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+        """{output name: CPU tensor} -> the reply: its body (str or bytes-like), media type and
+        any headers it needs (KServe v2 binary)."""
         raise NotImplementedError
-
-    def encoded(self, outputs: dict, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
-        """encode() as an Encoded value, whichever it returned (a format whose replies name the
-        model's version overrides this)."""
-        out = self.encode(outputs, request_id, model_name)
-        return out if isinstance(out, Encoded) else Encoded(out, self.media_type, {})
 
     def error(self, err, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
         """The answer to a request that failed with `err` (a ServingError): its JSON error

@@ -56,9 +56,9 @@ class GrpcFramed(KServeV2Grpc):
     def decode(self, body, spec) -> tuple:
         return super().decode(unframe(body) if self.parsed is None else body, spec)
 
-    def encoded(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         self.check_names(model_name, model_version)
-        message = super().encoded(outputs, request_id, model_name, model_version).body
+        message = super().encode(outputs, request_id, model_name, model_version).body
         return Encoded(b"\0" + len(message).to_bytes(4, "big") + message, MEDIA, {})
 
     def check_names(self, model_name: str, model_version: str) -> None:

@@ -4,7 +4,7 @@ dimension by stacking."""
 from __future__ import annotations
 
 from handlers.errors import RequestError
-from handlers.wire.base import WireFormat, WireName, dump_json
+from handlers.wire.base import Encoded, WireFormat, WireName, dump_json
 from handlers.wire.strict_json import json_values
 from handlers.wire.tensors import from_nested, spec_of
 
@@ -44,14 +44,14 @@ class KServeV1(WireFormat):
         per_name = _per_input(instances, spec)
         return {n: from_nested(spec_of(spec, n), vals, f"input {n!r}") for n, vals in per_name.items()}, None
 
-    def encode(self, outputs, request_id, model_name):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         names = list(outputs)
         if len(names) == 1:
             preds = json_values(outputs[names[0]])
         else:
             lists = {n: json_values(outputs[n]) for n in names}
             preds = [{n: lists[n][i] for n in names} for i in range(len(lists[names[0]]))]
-        return dump_json({"predictions": preds})
+        return Encoded(dump_json({"predictions": preds}), self.media_type, {})
 
 
 FORMAT = KServeV1()

@@ -130,7 +130,7 @@ class KServeV2(WireFormat):
         request_id = header.get("id")
         return tensors, request_id if isinstance(request_id, str) else None
 
-    def encode(self, outputs, request_id, model_name):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         request = self.request or v2_binary.Request({}, None)  # unbound: all outputs, as JSON
         outputs = v2_binary.select(outputs, request.wanted)
         binary = v2_binary.binary_names(request, outputs)

@@ -297,10 +297,7 @@ class KServeV2Grpc(WireFormat):
         v2_binary.check_wanted(tuple((n, None) for n in parsed.wanted), spec)
         return tensors, parsed.id or None
 
-    def encode(self, outputs, request_id, model_name):
-        return self.encoded(outputs, request_id, model_name)
-
-    def encoded(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, request_id, model_name, model_version=""):
         """Unbound (chosen by Accept for another format's request): every output."""
         if self.parsed is not None and self.parsed.wanted:
             outputs = {n: outputs[n] for n in self.parsed.wanted}

@@ -89,7 +89,7 @@ class OipGrpc(WireFormat):
     def decode(self, body, spec) -> tuple:
         return self.body_format.decode(body, spec)
 
-    def encoded(self, outputs: dict, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
+    def encode(self, outputs: dict, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
         return Encoded(reply(outputs, rid, model_name, model_version), JSON_MEDIA, {})
 
     def error(self, err, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:

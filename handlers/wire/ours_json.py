@@ -1,7 +1,7 @@
 """Our JSON: {"inputs": {NAME: nested list}} -> {"outputs": {NAME: nested list}}."""
 from __future__ import annotations
 
-from handlers.wire.base import WireFormat, WireName, dump_json
+from handlers.wire.base import Encoded, WireFormat, WireName, dump_json
 from handlers.wire.strict_json import json_values
 from handlers.wire.tensors import from_nested, spec_of
 
@@ -16,8 +16,8 @@ class OursJson(WireFormat):
         return {name: from_nested(spec_of(spec, name), value, f"input {name!r}")
                 for name, value in body["inputs"].items()}, None
 
-    def encode(self, outputs, request_id, model_name):
-        return dump_json({"outputs": {n: json_values(t) for n, t in outputs.items()}})
+    def encode(self, outputs, request_id, model_name, model_version=""):
+        return Encoded(dump_json({"outputs": {n: json_values(t) for n, t in outputs.items()}}), self.media_type, {})
 
 
 FORMAT = OursJson()

@@ -34,7 +34,7 @@ class Request:
         self.rows = 0
 
     def encode(self, outputs: dict, model_name: str, model_version: str = "") -> Encoded:
-        return self.respond_as.encoded(outputs, self.request_id, model_name, model_version)
+        return self.respond_as.encode(outputs, self.request_id, model_name, model_version)
 
     def error(self, err, model_name: str, model_version: str = "") -> Failed:
         """`err` (a ServingError) as this request's answer, in its transport's shape."""

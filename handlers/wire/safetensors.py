@@ -3,7 +3,7 @@ handlers.wire.safetensors_io straight from and into tensor memory."""
 from __future__ import annotations
 
 from handlers.wire import safetensors_io
-from handlers.wire.base import WireFormat, WireName
+from handlers.wire.base import Encoded, WireFormat, WireName
 
 
 class Safetensors(WireFormat):
@@ -17,8 +17,8 @@ class Safetensors(WireFormat):
     def decode(self, body, spec):
         return safetensors_io.loads(body), None
 
-    def encode(self, outputs, request_id, model_name):
-        return safetensors_io.dumps(outputs)
+    def encode(self, outputs, request_id, model_name, model_version=""):
+        return Encoded(safetensors_io.dumps(outputs), self.media_type, {})
 
 
 FORMAT = Safetensors()
