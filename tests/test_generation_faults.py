@@ -1,0 +1,55 @@
+"""A decoder's generation when its model fails after the first token (handlers/generating.py): the
+stream ends with an error object (its status line has gone out), the worker stays ready and the
+next request is served. The model here is the tiny decoder's eager module behind a runner that
+fails on a chosen step: the one fault a real decoder cannot be made to show on demand."""
+import json
+
+import torch
+
+from examples import tiny_decoder
+from handlers.artifact.decoder import recognise
+from handlers.artifact.state import program_state
+from handlers.config import parse_config
+from handlers.generating import Generation
+from handlers.run.decoder import DecoderRunner
+from handlers.torchserve.headers import RequestHeaders
+from worker_kit import make_spec, make_worker
+
+
+class FailingStep(DecoderRunner):
+    """The real runner over the exported program, raising on step `fail_at` of each sequence."""
+
+    def __init__(self, *args, fail_at: int):
+        super().__init__(*args)
+        self.fail_at, self.steps = fail_at, 0
+
+    def prefill(self, ids):
+        self.steps = 0
+        return super().prefill(ids)
+
+    def step(self, token, position):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("the model's kernel failed")
+        return super().step(token, position)
+
+
+def test_an_error_after_the_first_token_ends_the_stream_and_the_worker_serves_on():
+    ep = tiny_decoder.export(tiny_decoder.build(), "torchchat")
+    dec = recognise(ep, program_state(ep).mutated)
+    module = ep.module()
+    config = parse_config({})
+    runner = FailingStep(lambda t, p: {"logits": module(t, p)}, dec, torch.device("cpu"), config, fail_at=3)
+    worker = make_worker(make_spec(1, 1), runner, config=config)
+    worker.loaded.generation = Generation(runner, None, config, 1 << 20)
+    sent = []
+    body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
+    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: sent.append(a))
+    # the step queued ahead of the host's read fails: tokens before it went out, then the error
+    assert 1 <= len(sent) <= 3 and all("token_ids" in json.loads(a.body) for a in sent)
+    last = json.loads(answers[0].body)
+    assert last["finish_reason"] == "error" and "the model's kernel failed" in last["error"]
+    assert worker.health.refusal() is None  # not a device fault: the worker serves on
+    runner.fail_at = 0
+    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
+    assert json.loads(answers[0].body)["completion_tokens"] == 8
