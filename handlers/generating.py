@@ -68,9 +68,9 @@ def _one(worker, gen: Generation, request, h, route: Route, send) -> object:
         for event in loop.generate(gen.runner, req, plan, gen.text):
             if isinstance(event, loop.Finished):
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
-                return Encoded(route.final(event, streaming), route.media_type, {})
+                return Encoded(route.final(event, streaming), route.media_type(streaming), {})
             if streaming:
-                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type, {}))
+                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type(), {}))
                 sent += 1
     except Exception as e:  # noqa: BLE001  (the worker lives; the client is told)
         err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
@@ -79,5 +79,5 @@ def _one(worker, gen: Generation, request, h, route: Route, send) -> object:
         logger.exception("generation failed after %d streamed tokens", sent)
         if sent == 0:
             return _failed(err)
-        return Encoded(route.error_event(err), route.media_type, {})
+        return Encoded(route.error_event(err), route.media_type(), {})
     raise AssertionError("generation ended without its Finished event")

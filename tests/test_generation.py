@@ -196,6 +196,7 @@ def test_stop_conditions_and_reasons(lm_server):
     assert last["finish_reason"] == "eos_token" and last["token_ids"] == full[:cut]
     r, lines = ask(lm_server, "lm_torchchat", {"input_ids": prompt, "parameters": {"max_tokens": 3, "stream": False}})
     assert len(lines) == 1 and lines[0]["token_ids"] == full[:3] and lines[0]["finish_reason"] == "length"
+    assert r.headers["Content-Type"].startswith("application/json")  # one object, not JSON lines
     # text: a stop sequence taken from the model's own greedy text ends it, and is not sent
     r, lines = ask(lm_server, "lm_hf", {"text_input": "the quick brown", "parameters": {"max_tokens": 20,
                                                                                         "ignore_eos": True}})

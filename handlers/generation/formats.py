@@ -32,9 +32,12 @@ class Route:
     def streams(self, stream_param: bool) -> bool:
         return self.name == "generate_stream" or (self.name == "predictions" and stream_param)
 
-    @property
-    def media_type(self) -> str:
-        return {"predictions": NDJSON, "generate": JSON, "generate_stream": SSE}[self.name]
+    def media_type(self, streamed: bool = True) -> str:
+        """The answer's Content-Type: JSON lines, server-sent events, or one JSON object (generate,
+        and /predictions with stream false)."""
+        if self.name == "generate_stream":
+            return SSE
+        return NDJSON if self.name == "predictions" and streamed else JSON
 
     def _head(self) -> dict:
         return {"model_name": self.model, "model_version": self.version}
