@@ -27,6 +27,8 @@ from handlers.loaded import Loaded
 from handlers.torchserve.stage_timings import label
 
 logger = logging.getLogger(__name__)
+NOT_A_DECODER = ("this model is not a language model: it takes tensors, on /v2/models/NAME/infer or "
+                 "/predictions/NAME; the generate routes serve decoders (docs/generation.md)")
 
 
 class Batch:
@@ -114,6 +116,9 @@ def admit_all(loaded: Loaded, data: list, headers: list, batch: Batch) -> list:
     spec, limits = loaded.spec, loaded.limits
     for idx, request in enumerate(data):
         req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
+        if headers[idx].generate_route:  # the pod's generate routes serve decoders only
+            batch.fail(idx, req, RequestError(NOT_A_DECODER))
+            continue
         try:
             valid.append((idx, admit(req, spec, limits)))
         except RequestError as e:

@@ -335,6 +335,12 @@ def raw_two(f, m) -> bytes:
                               [f.numpy().tobytes(), m.numpy().astype("uint8").tobytes()])
 
 
+def test_the_generate_routes_on_a_model_that_does_not_generate_say_so(door):
+    for route in ("generate", "generate_stream"):
+        r = requests.post(f"{door['base']}/v2/models/two/{route}", json={"text_input": "hi"}, timeout=60)
+        assert r.status_code == 400 and "not a language model" in r.json()["message"], r.text
+
+
 def test_no_route_on_the_pods_ports_can_change_the_server(door):
     """The KServe repository API over REST (403) and gRPC (UNIMPLEMENTED), TorchServe's
     management routes and its other inference routes (404): none reaches TorchServe; the model
