@@ -53,3 +53,34 @@ def test_an_error_after_the_first_token_ends_the_stream_and_the_worker_serves_on
     runner.fail_at = 0
     answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
     assert json.loads(answers[0].body)["completion_tokens"] == 8
+
+
+def test_text_held_for_a_stop_sequence_is_released_when_an_end_of_sequence_id_ends_it(tmp_path):
+    """Text that could begin a stop sequence is held back; when an end-of-sequence id ends the
+    generation instead, that text is still sent (never lost)."""
+    from examples import transformers_decoder
+    from handlers.generation import loop
+    from handlers.generation.request import GenerateRequest, Params
+    from handlers.generation.text import Text
+
+    path = tmp_path / "tokenizer.json"
+    transformers_decoder.tiny_tokenizer().save(str(path))
+    text = Text(str(path))
+    ep = transformers_decoder.export(transformers_decoder.tiny_llama())
+    dec = recognise(ep, program_state(ep).mutated)
+    module = ep.module()
+    runner = DecoderRunner(lambda t, p: {"logits": module(input_ids=t, cache_position=p)}, dec,
+                           torch.device("cpu"), parse_config({}))
+    config = parse_config({})
+
+    def run(**params):
+        req = GenerateRequest("the quick brown", None, Params(max_tokens=12, ignore_eos=True, **params))
+        events = list(loop.generate(runner, req, loop.plan(req, text, dec.vocab, dec.cache_length, config), text))
+        return events[-1], "".join(e.text for e in events[:-1])
+    free, _ = run()
+    ids, full = free.ids, free.text
+    k = next(i for i in range(2, len(ids)) if text.decode(ids[:i]) and ids[i] not in ids[:i])
+    before = text.decode(ids[:k])  # the text of the tokens before the one that will end it
+    done, streamed = run(stop_token_ids=[ids[k]], stop=[before[-1] + "\x00"])
+    assert done.reason == "eos_token" and done.ids == ids[:k + 1]
+    assert streamed == done.text and full.startswith(done.text) and done.text.endswith(before[-1])

@@ -125,7 +125,7 @@ def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text]) -> Ite
             yield Token(tid, piece)
             if i + 1 < p.max_tokens:
                 token = nxt
-    if stops is not None and reason == "length":
+    if stops is not None and reason != "stop_sequence":  # held text that no stop sequence completed
         tail = stops.flush()
         out_text.append(tail)
         if tail:
