@@ -33,8 +33,8 @@ class Generation:
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; {self.runner.graph_note}; "
-                + (f"tokenizer.json (end-of-sequence ids {list(self.config.eos_token_ids or self.text.eos_ids)})"
-                   if self.text else "token ids only (no tokenizer.json in the archive)"))
+                + ("tokenizer.json" if self.text else "token ids only (no tokenizer.json in the archive)")
+                + f"; end-of-sequence ids {list(loop.eos_ids(self.config, self.text))}")
 
 
 def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:

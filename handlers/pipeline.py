@@ -115,10 +115,10 @@ def admit_all(loaded: Loaded, data: list, headers: list, batch: Batch) -> list:
     valid = []
     spec, limits = loaded.spec, loaded.limits
     for idx, request in enumerate(data):
-        req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
-        if headers[idx].generate_route:  # the pod's generate routes serve decoders only
-            batch.fail(idx, req, RequestError(NOT_A_DECODER))
+        if headers[idx].generate_route:  # the pod's generate routes serve decoders only: body unread
+            batch.fail(idx, wire.arrival(request, headers[idx], limits.max_json_bytes), RequestError(NOT_A_DECODER))
             continue
+        req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
         try:
             valid.append((idx, admit(req, spec, limits)))
         except RequestError as e:

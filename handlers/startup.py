@@ -145,18 +145,15 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     steps.note("trial load", probe_note)
     steps.done("trial load")
     model = load_artifact(spec, placement, config)
-    decoder = decoder_of(spec)
+    limits, decoder = Limits.of(config, spec), decoder_of(spec)
     if decoder is not None:  # a decoder: generation on its one KV cache (handlers/generating.py)
         runner = DecoderRunner(model, decoder, placement.torch_device, config)
-        generation = Generation(runner, Text.in_dir(plan.model_dir), config, Limits.of(config, spec).max_json_bytes)
-        steps.done("load")
-        return Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=model, runner=runner,
-                      device=placement.torch_device, stages=StageTimes(emit, config.stage_metrics_s),
-                      generation=generation)
-    loaded = Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=model,
-                    runner=runner_for(model, spec, placement.torch_device, config),
-                    device=placement.torch_device, stages=StageTimes(emit, config.stage_metrics_s))
-    if loaded.runner.pad:
+        generation = Generation(runner, Text.in_dir(plan.model_dir), config, limits.max_json_bytes)
+    else:
+        runner, generation = runner_for(model, spec, placement.torch_device, config), None
+    loaded = Loaded(config=config, spec=spec, limits=limits, model=model, runner=runner, device=placement.torch_device,
+                    stages=StageTimes(emit, config.stage_metrics_s), generation=generation)
+    if generation is None and runner.pad:
         steps.note("padding", verify_padding(model, loaded.runner, spec, placement.torch_device))
     steps.done("load")
     return loaded

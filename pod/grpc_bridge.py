@@ -29,6 +29,7 @@ from urllib.parse import quote
 import grpc
 
 from handlers import protowire
+from handlers.errors import RequestError
 from pod import config as pod_config
 from pod import stream_infer
 from pod.state import PLATFORM, READY, SERVER_NAME, StateFile, find_model, server_problem, unservable
@@ -151,7 +152,7 @@ class Bridge:
         async for request in requests:
             try:
                 name, version, rid, body = stream_infer.generation_body(request)
-            except (stream_infer.BadRequest, protowire.ProtoError, UnicodeDecodeError, ValueError) as e:
+            except (RequestError, protowire.ProtoError, UnicodeDecodeError, ValueError) as e:
                 yield stream_infer.error(f"the request is malformed: {e}")
                 continue
             async for reply in self._generate(name, version, rid, body):

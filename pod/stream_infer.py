@@ -4,7 +4,8 @@ tritonclient's `start_stream` / `async_stream_infer` call (Triton serves decoupl
 Each ModelInferRequest on the stream is one generation: its prompt is the input `text_input`
 (BYTES, one element) or `input_ids` (INT64 or INT32), its generation parameters the request's
 `parameters` map (max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos).
-It is POSTed as the handler's JSON request to TorchServe's /predictions/NAME, whose answer streams
+It is read with handlers/oip_request.py (what the
+ModelInfer path's wire format reads it with) and POSTed as the handler's JSON request to TorchServe's /predictions/NAME, whose answer streams
 one JSON line per token (HTTP/1.1 chunked); each line becomes a ModelStreamInferResponse carrying
 a ModelInferResponse with outputs `text_output` (BYTES [1], the token's text) and `token_ids`
 (INT64), in raw_output_contents (field 6). The last response of a request has no new token, and the parameters `finish_reason`,
@@ -25,12 +26,14 @@ import json
 import struct
 from urllib.parse import quote
 
+import numpy as np
+
 from handlers import protowire
+from handlers.errors import RequestError
+from handlers.oip_request import Input, parse_input, parse_request
 
-PARAMETERS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos")
 
-
-class BadRequest(ValueError):
+class BadRequest(RequestError):
     """The request's own fault, answered in its stream response's error_message."""
 
 
@@ -47,71 +50,51 @@ def _param(value) -> object:
     return None
 
 
-def _tensor(buf) -> tuple:
-    """(name, datatype, contents fields {number: [values]}) of an InferInputTensor."""
-    name = dtype = ""
-    contents: dict = {}
-    for n, _, v in protowire.fields(buf):
-        if n == 1:
-            name = bytes(v).decode("utf-8")
-        elif n == 2:
-            dtype = bytes(v).decode("utf-8")
-        elif n == 5:
-            for cn, _, cv in protowire.fields(v):
-                contents.setdefault(cn, []).append(cv)
-    return name, dtype, contents
-
-
 def _raw_values(dtype: str, raw: bytes):
     if dtype == "BYTES":  # each element: a 4-byte little-endian length, then its bytes
         (n,) = struct.unpack_from("<I", raw, 0)
         return raw[4:4 + n].decode("utf-8")
-    fmt = {"INT64": "q", "INT32": "i"}.get(dtype)
-    if fmt is None:
-        raise BadRequest(f"input_ids is {dtype}; send INT64 or INT32 token ids")
+    fmt = {"INT64": "q", "INT32": "i"}[dtype]
     return list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
 
 
-def _input_value(name: str, dtype: str, contents: dict):
-    if name == "text_input":
-        if dtype != "BYTES" or not contents.get(8):
+def _input_value(inp: Input, raw):
+    """The prompt an input holds: text_input's text (BYTES, one element) or input_ids' ids
+    (INT64 or INT32), from its raw contents or its typed ones."""
+    want = ("BYTES",) if inp.name == "text_input" else ("INT64", "INT32")
+    if inp.datatype not in want:
+        raise BadRequest(f"{inp.name} is {inp.datatype}; send {' or '.join(want)}")
+    if raw is not None:
+        return _raw_values(inp.datatype, bytes(raw))
+    contents = inp.contents or {}
+    if inp.name == "text_input":
+        if not contents.get(8):
             raise BadRequest("text_input must be a BYTES tensor of one element")
-        return bytes(contents[8][0]).decode("utf-8")
-    if dtype not in ("INT64", "INT32"):
-        raise BadRequest(f"input_ids is {dtype}; send INT64 or INT32 token ids")
-    field = 3 if dtype == "INT64" else 2
-    values = protowire.repeated_varints(contents.get(field, []), dtype="int64").tolist()
-    return values
+        return bytes(contents[8][0][1]).decode("utf-8")
+    return protowire.repeated_varints(contents.get(3 if inp.datatype == "INT64" else 2, []), np.int64).tolist()
 
 
 def generation_body(request: bytes) -> tuple:
-    """(model name, version, request id, the handler's JSON body) of a ModelInferRequest."""
-    name = version = rid = ""
-    params, inputs, raw = {}, [], []
-    for n, _, v in protowire.fields(request):
-        if n in (1, 2, 3):
-            text = bytes(v).decode("utf-8")
-            name, version, rid = (text, version, rid) if n == 1 else (name, text, rid) if n == 2 else (name, version, text)
-        elif n == 4:
-            entry = dict((en, ev) for en, _, ev in protowire.fields(v))
-            params[bytes(entry.get(1, b"")).decode("utf-8")] = _param(entry.get(2, b""))
-        elif n == 5:
-            inputs.append(_tensor(v))
-        elif n == 7:
-            raw.append(bytes(v))
+    """(model name, version, request id, the handler's JSON body) of a ModelInferRequest. Its
+    parameters go on as they are (the handler refuses unknown ones, naming them), except the
+    client library's own `triton_` flags."""
+    parsed = parse_request(request)
     body: dict = {}
-    for i, (tname, dtype, contents) in enumerate(inputs):
-        if tname not in ("text_input", "input_ids"):
-            raise BadRequest(f"unknown input {tname!r}; a language model takes text_input (BYTES) or input_ids (INT64)")
-        body[tname] = _raw_values(dtype, raw[i]) if i < len(raw) else _input_value(tname, dtype, contents)
-    params = {k: v for k, v in params.items() if not k.startswith("triton_")}  # the client library's own flags
-    unknown = sorted(set(params) - set(PARAMETERS))
-    if unknown:
-        raise BadRequest(f"unknown parameter(s) {', '.join(unknown)}; this model takes {', '.join(PARAMETERS)}")
+    for i, view in enumerate(parsed.inputs):
+        inp = parse_input(i, view)
+        if inp.name not in ("text_input", "input_ids"):
+            raise BadRequest(f"unknown input {inp.name!r}; a language model takes text_input (BYTES) or input_ids (INT64)")
+        body[inp.name] = _input_value(inp, parsed.raws[i] if i < len(parsed.raws) else None)
+    params = {}
+    for entry in parsed.parameters:
+        fields = {n: v for n, _, v in protowire.fields(entry)}
+        key = bytes(fields.get(1, b"")).decode("utf-8")
+        if not key.startswith("triton_"):
+            params[key] = _param(fields.get(2, b""))
     if params:
         body["parameters"] = {k: (json.loads(v) if k in ("stop", "stop_token_ids") and isinstance(v, str)
                                   and v.startswith("[") else v) for k, v in params.items()}
-    return name, version, rid, body
+    return parsed.model_name, parsed.model_version, parsed.id, body
 
 
 def _string_param(key: str, value) -> bytes:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from handlers import protowire
 from pod.local_pod import LocalPod
 from compiled_serving.local_server import server_env
 from conftest import cs_command
@@ -66,3 +67,31 @@ class Container(LocalPod):
     def worker_rss_mib(self):
         workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]
         return [p.memory_info().rss / 2**20 for p in workers]
+
+
+def grpc_infer_request(name: str, inputs: list, raw: list | None = None, params=(), rid: str = "") -> bytes:
+    """A ModelInferRequest: model_name (1), id (3), parameters (4: (key, int or str) entries),
+    inputs (5: name 1, datatype 2, shape 3, contents 5), raw_input_contents (7); each input is
+    (name, datatype, shape, contents bytes or None)."""
+    w = protowire.Writer()
+    w.string(1, name)
+    if rid:
+        w.string(3, rid)
+    for key, value in params:
+        p = protowire.Writer()
+        p.varint(2, value) if isinstance(value, int) else p.string(3, value)
+        entry = protowire.Writer()
+        entry.string(1, key)
+        entry.message(2, p.bytes())
+        w.message(4, entry.bytes())
+    for n, dt, shape, contents in inputs:
+        t = protowire.Writer()
+        t.string(1, n)
+        t.string(2, dt)
+        t.packed_varints(3, shape)
+        if contents is not None:
+            t.message(5, contents)
+        w.message(5, t.bytes())
+    for r in raw or []:
+        w.bytes_field(7, r)
+    return w.bytes()

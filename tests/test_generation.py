@@ -326,3 +326,33 @@ out = {"good": run([5, 17, 33, 2, 9], max_tokens=8), "bad": run([1, 999]), "agai
 c.stop_stream()
 print(json.dumps(out, default=str))
 """
+
+
+def test_the_bridge_reads_a_stream_request_with_typed_or_raw_contents():
+    """pod/stream_infer.py reads ModelStreamInfer requests with handlers/oip_request.py: input_ids
+    as typed int64_contents (packed) or raw little-endian bytes, text_input as bytes_contents, the
+    parameters map (the client library's triton_ flags dropped)."""
+    import struct
+
+    from handlers import protowire
+    from kserve_kit import grpc_infer_request
+    from pod import stream_infer
+
+    def request(inputs, raw=(), params=()):
+        return grpc_infer_request("lm", inputs, list(raw), params, rid="r1")
+
+    ids = protowire.Writer()
+    ids.packed_varints(3, [5, 17, 33])
+    name, _, rid, body = stream_infer.generation_body(request(
+        [("input_ids", "INT64", [3], ids.bytes())], params=[("max_tokens", 4), ("triton_enable_empty_final_response", 1)]))
+    assert (name, rid, body) == ("lm", "r1", {"input_ids": [5, 17, 33], "parameters": {"max_tokens": 4}})
+    _, _, _, body = stream_infer.generation_body(request([("input_ids", "INT32", [2], None)],
+                                                         raw=[struct.pack("<2i", 7, 8)]))
+    assert body == {"input_ids": [7, 8]}
+    text = protowire.Writer()
+    text.bytes_field(8, "héllo".encode())
+    _, _, _, body = stream_infer.generation_body(request([("text_input", "BYTES", [1], text.bytes())],
+                                                         params=[("stop", '["x"]')]))
+    assert body == {"text_input": "héllo", "parameters": {"stop": ["x"]}}
+    with pytest.raises(stream_infer.BadRequest, match="input_ids is FP32"):
+        stream_infer.generation_body(request([("input_ids", "FP32", [1], None)], raw=[b"\0" * 4]))

@@ -25,7 +25,7 @@ import torch
 
 from conftest import ROOT, close, eager, two
 from handlers import protowire
-from kserve_kit import Container, lay_out
+from kserve_kit import Container, grpc_infer_request, lay_out
 
 pytestmark = pytest.mark.server
 
@@ -310,24 +310,6 @@ def test_a_pod_whose_archives_are_broken_serves_the_reasons_and_is_never_ready(a
 
 # ---------------------------------------------------------------------------------------------
 # What a stranger on the pod's ports may try, and client errors on every route
-
-
-def grpc_infer_request(name: str, inputs: list, raw: list | None = None) -> bytes:
-    """A ModelInferRequest: model_name (1), inputs (5: name 1, datatype 2, shape 3, contents 5),
-    raw_input_contents (7); each input is (name, datatype, shape, contents bytes or None)."""
-    w = protowire.Writer()
-    w.string(1, name)
-    for n, dt, shape, contents in inputs:
-        t = protowire.Writer()
-        t.string(1, n)
-        t.string(2, dt)
-        t.packed_varints(3, shape)
-        if contents is not None:
-            t.message(5, contents)
-        w.message(5, t.bytes())
-    for r in raw or []:
-        w.bytes_field(7, r)
-    return w.bytes()
 
 
 def raw_two(f, m) -> bytes:

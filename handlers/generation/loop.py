@@ -43,6 +43,11 @@ class Plan:
     stop_ids: frozenset
 
 
+def eos_ids(config, text: Optional[Text]) -> tuple:
+    """The end-of-sequence ids: handler.eos_token_ids, else the tokenizer's own (none without one)."""
+    return tuple(config.eos_token_ids) or (text.eos_ids if text else ())
+
+
 def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: int, config) -> Plan:
     """`req` checked against the model and the worker's settings; RequestError (400) naming what
     is wrong."""
@@ -67,7 +72,7 @@ def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: i
     if asked is not None and asked > room:
         raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({asked}) is {len(ids) + asked} "
                            f"positions; this model's KV cache holds {cache_length}: ask for at most {room}")
-    eos = () if req.params.ignore_eos else (config.eos_token_ids or (text.eos_ids if text else ()))
+    eos = () if req.params.ignore_eos else eos_ids(config, text)
     return Plan(list(ids), asked if asked is not None else min(room, config.max_new_tokens),
                 frozenset(eos) | frozenset(req.params.stop_token_ids))
 

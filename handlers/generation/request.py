@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
+from handlers.wire import strict_json
+from handlers.wire.request import payload_of
 
 # name -> (type, meaning); the only parameters taken (an unknown one is a 400, never ignored)
 PARAMETERS = {
@@ -76,7 +78,6 @@ def _params(raw) -> Params:
                            f"{', '.join(PARAMETERS)}")
     v = {k: _typed(k, x, PARAMETERS[k][0]) for k, x in raw.items() if x is not None}
     if "stop" in v:
-        v["stop"] = v["stop"] if isinstance(v["stop"], list) else [v["stop"]]
         if not all(isinstance(s, str) and s for s in v["stop"]):
             raise RequestError("parameters.stop must be a list of non-empty strings")
         v["stop"] = tuple(v["stop"])
@@ -97,16 +98,9 @@ def _ranges(v: dict) -> None:
             raise RequestError(f"parameters.{name} is {v[name]}: expected a value {words} ({PARAMETERS[name][1]})")
 
 
-def _body(data) -> dict:
-    body = data.get("body") if isinstance(data, dict) else data
-    if body is None and isinstance(data, dict):
-        body = data.get("data")
-    return body
-
-
 def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
     """The request TorchServe handed over (a dict with the body under "body" or "data")."""
-    body = _body(data)
+    body = payload_of(data)
     if isinstance(body, (bytes, bytearray)):
         if len(body) > max_bytes:
             raise PayloadTooLarge(f"the request body is {len(body)} bytes; a generation request may be at most "
@@ -115,9 +109,9 @@ def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
             raise UnsupportedMediaType(f"Content-Type {content_type} is not taken by a language model: send "
                                        "application/json, {\"text_input\": ...} or {\"input_ids\": [...]}")
         try:
-            body = json.loads(body)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise RequestError(f"the body is not JSON ({e}); send {{\"text_input\": \"...\"}} or "
+            body = strict_json.loads(body)
+        except RequestError as e:
+            raise RequestError(f"the body is not JSON ({e.message}); send {{\"text_input\": \"...\"}} or "
                                "{\"input_ids\": [1, 2, 3]}") from None
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object: {\"text_input\": \"...\"} or {\"input_ids\": [1, 2, 3]}, "
