@@ -73,9 +73,8 @@ def admit(req: Request, spec: ArtifactSpec, limits: Limits) -> Request:
     """The request with its checked `tensors` and `rows`; raises its typed error."""
     if req.read_error is not None:
         raise req.read_error
-    tensors, request_id = req.wire.decode(req.body, spec)
-    tensors, rows = check_inputs(tensors, spec)
+    tensors, rows = check_inputs(req.wire.decode(req.parsed, spec), spec)
     limits.values.check(tensors)
     check_rows(rows, limits)
-    req.tensors, req.rows, req.request_id = tensors, rows, request_id
+    req.tensors, req.rows = tensors, rows
     return req

@@ -51,7 +51,7 @@ def _text(value, where: str) -> str:
         raise RequestError(f"{where} is not valid UTF-8 (protobuf strings are UTF-8)") from None
 
 
-class Parsed(NamedTuple):
+class InferRequest(NamedTuple):
     """A ModelInferRequest's top level: sub-messages and raw contents still views of the body."""
 
     model_name: str
@@ -71,7 +71,7 @@ class Input(NamedTuple):
     contents: dict | None  # InferTensorContents field -> [(wire type, value)]; None: absent
 
 
-def parse_request(body) -> Parsed:
+def parse_request(body) -> InferRequest:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise RequestError(f"{MEDIA} body must arrive as bytes, got {type(body).__name__}")
     strings, inputs, wanted, raws, params = {1: "", 2: "", 3: ""}, [], [], [], []
@@ -93,7 +93,7 @@ def parse_request(body) -> Parsed:
     if len(set(wanted)) != len(wanted):
         twice = sorted({n for n in wanted if wanted.count(n) > 1})
         raise RequestError(f"output(s) {', '.join(map(repr, twice))} requested more than once; name each once")
-    return Parsed(strings[1], strings[2], strings[3], inputs, tuple(wanted), raws, params)
+    return InferRequest(strings[1], strings[2], strings[3], inputs, tuple(wanted), raws, params)
 
 
 def _output_name(view, i: int) -> str:

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from handlers import faults, wire
+from handlers.wire.request import Request, arrival, read_arrived
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
@@ -40,17 +41,17 @@ class Batch:
         self.answers: list = [None] * n
         self.model_name, self.version = model_name, version
 
-    def fail(self, idx: int, req: wire.Request, err: ServingError) -> None:
+    def fail(self, idx: int, req: Request, err: ServingError) -> None:
         self.answers[idx] = req.error(err, self.model_name, self.version)
 
-    def answer(self, idx: int, req: wire.Request, out: dict) -> None:
+    def answer(self, idx: int, req: Request, out: dict) -> None:
         self.answers[idx] = req.encode(out, self.model_name, self.version)
 
     def fail_all(self, data: list, headers: list, err: ServingError, loaded: Optional[Loaded]) -> list:
         """Every request answered with `err`, each in its transport's shape (its body unread)."""
         cap = loaded.limits.max_json_bytes if loaded else int(HandlerConfig.max_json_mb * (1 << 20))
         for idx, (request, h) in enumerate(zip(data, headers)):
-            self.fail(idx, wire.arrival(request, h, cap), err)
+            self.fail(idx, arrival(request, h, cap), err)
         return self.answers
 
 
@@ -111,14 +112,15 @@ def _run(worker, data: list, headers: list, batch: Batch) -> None:
 
 
 def admit_all(loaded: Loaded, data: list, headers: list, batch: Batch) -> list:
-    """[(idx, admitted wire.Request)] for the valid requests; the others get their error in the batch."""
+    """[(idx, admitted wire.request.Request)] for the valid requests; the others get their error in the batch."""
     valid = []
     spec, limits = loaded.spec, loaded.limits
     for idx, request in enumerate(data):
+        req = arrival(request, headers[idx], limits.max_json_bytes)
         if headers[idx].generate_route:  # the pod's generate routes serve decoders only: body unread
-            batch.fail(idx, wire.arrival(request, headers[idx], limits.max_json_bytes), RequestError(NOT_A_DECODER))
+            batch.fail(idx, req, RequestError(NOT_A_DECODER))
             continue
-        req = wire.read(request, headers[idx], limits)  # never raises: admit raises what it met
+        read_arrived(req, request, headers[idx], limits)  # never raises: admit raises what it met
         try:
             valid.append((idx, admit(req, spec, limits)))
         except RequestError as e:

@@ -34,11 +34,11 @@ class CsvFormat(WireFormat):
     media_type = "text/csv"
     binary = True  # chosen by its media type
 
-    def decode(self, body, spec):
-        rows = [[float(v) for v in line.split(",")] for line in bytes(body).decode().splitlines() if line]
-        return {spec.inputs[0].name: torch.tensor(rows)}, None
+    def decode(self, parsed, spec):
+        rows = [[float(v) for v in line.split(",")] for line in bytes(parsed.message).decode().splitlines() if line]
+        return {spec.inputs[0].name: torch.tensor(rows)}
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, parsed, model_name, model_version=""):
         (t,) = outputs.values()
         return wire.base.Encoded("\n".join(",".join(f"{v:g}" for v in row) for row in t.tolist()), self.media_type, {})
 
@@ -57,12 +57,15 @@ class PigeonFormat(WireFormat):
             return wire.Arrival(request["pigeon"], request["pigeon"]["ring"])
         return None
 
-    def decode(self, body, spec):  # body: the request's one part, {"ring", "rows"}
-        return {spec.inputs[0].name: torch.tensor(body["rows"])}, body["ring"]
+    def parse(self, body, headers):  # body: the request's one part, {"ring", "rows"}
+        return wire.Parsed(body, body["ring"])
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
+    def decode(self, parsed, spec):
+        return {spec.inputs[0].name: torch.tensor(parsed.message["rows"])}
+
+    def encode(self, outputs, parsed, model_name, model_version=""):
         (t,) = outputs.values()
-        return wire.base.Encoded(json.dumps({"ring": request_id, "rows": t.tolist()}), "application/json", {})
+        return wire.base.Encoded(json.dumps({"ring": parsed.request_id, "rows": t.tolist()}), "application/json", {})
 
     def error(self, err, request_id, model_name, model_version=""):
         return wire.base.Encoded(json.dumps({"ring": request_id, "error": err.message}), "application/json", {})

@@ -30,6 +30,7 @@ from handlers.dtypes import BY_NAME, BY_V2
 from handlers.errors import RequestError
 from handlers.protowire import I32, I64, LEN, VARINT, ProtoError
 from handlers.wire import kserve_v2_grpc as grpc_wire
+from handlers.wire.base import Parsed
 from handlers.wire.kserve_v2_grpc import MEDIA
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -59,7 +60,9 @@ def make_spec(inputs, outputs=(("y", "float32"),)) -> ArtifactSpec:
 
 
 def decode(body, spec):
-    return grpc_wire.FORMAT.for_request(body).decode(body, spec)
+    """(tensors, the request's id or None), as wire.read and admission read them."""
+    parsed = grpc_wire.FORMAT.parse(body)
+    return grpc_wire.FORMAT.decode(parsed, spec), parsed.request_id
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -213,15 +216,15 @@ def test_decoder_gives_exactly_what_the_library_holds(pb, drawn):
     body = rewrite(msg.SerializeToString(), how)
     parsed = pb.ModelInferRequest.FromString(body)  # the reference's reading of the same bytes
     spec = make_spec(dtypes, (("y", "float32"), ("z", "int64")))
-    fmt = grpc_wire.FORMAT.for_request(body)
-    tensors, got_id = fmt.decode(body, spec)
+    tensors, got_id = decode(body, spec)
     assert list(tensors) == [t.name for t in parsed.inputs]
     for i, (name, dtype) in enumerate(dtypes):
         want = held(parsed, i, dtype)
         assert same(tensors[name], want), (name, dtype, tensors[name], want)
     assert got_id == (parsed.id or None)
-    assert fmt.parsed.wanted == tuple(o.name for o in parsed.outputs)
-    assert (fmt.parsed.model_name, fmt.parsed.model_version) == (parsed.model_name, parsed.model_version)
+    ours = grpc_wire.FORMAT.parse(body)
+    assert ours.wanted == tuple((o.name, None) for o in parsed.outputs)
+    assert ours.names == (parsed.model_name, parsed.model_version)
 
 
 def test_typed_fp32_is_a_view_of_the_body_not_a_copy(pb):
@@ -287,7 +290,7 @@ def library_outputs(resp) -> dict:
 @given(outputs(), st.text(max_size=10), st.text(max_size=10), st.text(max_size=10))
 @SETTINGS
 def test_encoder_replies_parse_with_the_library(pb, outs, rid, name, version):
-    enc = grpc_wire.FORMAT.encode(outs, rid or None, name, version)
+    enc = grpc_wire.FORMAT.encode(outs, Parsed(None, rid or None), name, version)
     assert enc.media_type == MEDIA and enc.headers == {}
     resp = pb.ModelInferResponse.FromString(enc.body)
     assert (resp.model_name, resp.model_version, resp.id) == (name, version, rid)
@@ -304,10 +307,10 @@ def test_reply_holds_the_requested_outputs_in_their_order(pb):
     msg.outputs.add(name="z")
     msg.outputs.add(name="y")
     body = msg.SerializeToString()
-    fmt = grpc_wire.FORMAT.for_request(body)
-    fmt.decode(body, make_spec([("x", "float32")], (("y", "float32"), ("z", "int64"))))
+    parsed = grpc_wire.FORMAT.parse(body)
+    grpc_wire.FORMAT.decode(parsed, make_spec([("x", "float32")], (("y", "float32"), ("z", "int64"))))
     outs = {"y": torch.ones(1, 4), "z": torch.tensor([[-7]])}
-    resp = pb.ModelInferResponse.FromString(fmt.encode(outs, "r", "m", "").body)
+    resp = pb.ModelInferResponse.FromString(grpc_wire.FORMAT.encode(outs, parsed, "m", "").body)
     assert [o.name for o in resp.outputs] == ["z", "y"]
     got = library_outputs(resp)
     assert got["z"].tolist() == [[-7]] and got["y"].tolist() == [[1.0] * 4]
@@ -315,7 +318,7 @@ def test_reply_holds_the_requested_outputs_in_their_order(pb):
 
 def test_strided_outputs_are_written_in_logical_order(pb):
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
-    resp = pb.ModelInferResponse.FromString(grpc_wire.FORMAT.encode({"t": t}, None, "m").body)
+    resp = pb.ModelInferResponse.FromString(grpc_wire.FORMAT.encode({"t": t}, Parsed(None), "m").body)
     assert torch.equal(library_outputs(resp)["t"], t)
 
 
@@ -616,10 +619,10 @@ def test_a_grpc_framed_call_decodes_like_the_message_and_answers_framed(pb):
     fmt = arrival({"body": body}, headers, 1 << 20).errors_as
     assert fmt is grpc_framed.FORMAT  # chosen by the Content-Type alone, before the body
     assert arrival({"body": body}, RequestHeaders(content_type="application/json"), 1 << 20).errors_as.transport is None
-    one = fmt.for_request(body)
-    tensors, rid = one.decode(body, spec)
-    assert rid == "r7" and torch.equal(tensors["x"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
-    out = one.encode({"y": torch.ones(2, 4)}, rid, "m", "1")
+    parsed = fmt.parse(body)
+    tensors = fmt.decode(parsed, spec)
+    assert parsed.request_id == "r7" and torch.equal(tensors["x"], torch.arange(8, dtype=torch.float32).reshape(2, 4))
+    out = fmt.encode({"y": torch.ones(2, 4)}, parsed, "m", "1")
     assert out.media_type == "application/grpc" and out.body[0] == 0
     assert int.from_bytes(out.body[1:5], "big") == len(out.body) - 5
     reply = pb.ModelInferResponse.FromString(out.body[5:])
@@ -637,11 +640,11 @@ def test_grpc_framing_errors_and_another_model(pb):
     for body, words in ((framed(good, flag=1), "compressed"), (framed(good)[:-1], "prefix says"),
                         (b"\0\0", "5-byte")):
         with pytest.raises(RequestError, match=words):
-            grpc_framed.FORMAT.for_request(body)
-    one = grpc_framed.FORMAT.for_request(framed(good))
-    one.decode(framed(good), make_spec([("x", "float32")]))
+            grpc_framed.FORMAT.parse(body)
+    parsed = grpc_framed.FORMAT.parse(framed(good))
+    grpc_framed.FORMAT.decode(parsed, make_spec([("x", "float32")]))
     with pytest.raises(ModelNotFound, match="'other'"):  # never answered by the model this worker serves
-        one.encode({"y": torch.ones(1, 4)}, None, "m")
+        grpc_framed.FORMAT.encode({"y": torch.ones(1, 4)}, parsed, "m")
     err = grpc_framed.FORMAT.error(RequestError("input 'x': 100% wrong\nline two"), None, "m")
     assert err.body == b"" and err.media_type == "application/grpc"
     assert err.headers["X-Grpc-Message"] == "input 'x': 100%25 wrong%0Aline two"

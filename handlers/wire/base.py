@@ -4,8 +4,10 @@ A format is either binary (chosen by its media type, or recognised from the byte
 envelope (chosen by the shape of the parsed JSON object), or bound to a transport (chosen by how
 the request arrived, before its body is looked at: `transport`, `arrival`; TorchServe's Open
 Inference Protocol gRPC service is one, handlers/wire/oip_grpc.py). A transport's format also
-writes the error answers of its requests. What a format answers is an `Encoded`, or a `Failed`
-for an error; the registry and the choice are wire/__init__.py."""
+writes the error answers of its requests. Formats are stateless codecs: `parse` reads a body
+into a `Parsed`, the one neutral value every format's `decode` and `encode` take (nothing
+about a request is kept in a format). What a format answers is an `Encoded`, or a `Failed` for
+an error; the registry is wire/registry.py, the choice wire/request.py."""
 from __future__ import annotations
 
 from enum import Enum
@@ -50,6 +52,20 @@ class Arrival(NamedTuple):
     request_id: Optional[str]
 
 
+class Parsed(NamedTuple):
+    """One request's body as its format read it, the same value for every format: what decode
+    reads (`message`: the bytes of a binary format, the parsed JSON object, or a protocol's
+    parsed message), the id the request gives itself, the outputs it asks for and how, and the
+    model it names (where its protocol names one). Any format answers any Parsed: Accept may
+    pick another format than the one that read it."""
+
+    message: object
+    request_id: Optional[str] = None
+    wanted: tuple = ()  # ((output name, binary: True/False/None), ...); (): every output
+    all_binary: bool = False  # every output in binary unless wanted says otherwise (v2 binary)
+    names: Optional[tuple] = None  # (model_name, model_version) the request names; None: it names none
+
+
 class WireFormat:
     name = ""  # a WireName, or any other string for a registered format
     media_type = JSON_MEDIA  # Content-Type of its bodies
@@ -71,19 +87,24 @@ class WireFormat:
         """JSON formats: whether a parsed JSON object is this envelope."""
         return False
 
-    def for_request(self, body) -> "WireFormat":
-        """The format that decodes and answers this one request: itself, or a fresh instance
-        holding per-request state (KServe v2: binary framing, requested outputs)."""
+    def reader(self, body) -> "WireFormat":
+        """The format that parses and decodes a body this format answers: itself, or for a
+        transport whose bodies come in another format's envelope, that format."""
         return self
 
-    def decode(self, body, spec) -> tuple:
-        """Body (bytes for binary formats, the parsed object for JSON ones) -> ({input name:
-        CPU tensor}, request id or None). The admission step checks the tensors against spec."""
+    def parse(self, body, headers) -> Parsed:
+        """Body (bytes for binary formats, the parsed object for JSON ones) -> its Parsed;
+        `headers` (handlers.torchserve.headers.RequestHeaders) for a format framed by one
+        (KServe v2 binary). Raises the request's RequestError."""
+        return Parsed(body)
+
+    def decode(self, parsed: Parsed, spec) -> dict:
+        """Parsed -> {input name: CPU tensor}. The admission step checks them against spec."""
         raise NotImplementedError
 
-    def encode(self, outputs: dict, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:
-        """{output name: CPU tensor} -> the reply: its body (str or bytes-like), media type and
-        any headers it needs (KServe v2 binary)."""
+    def encode(self, outputs: dict, parsed: Parsed, model_name: str, model_version: str = "") -> Encoded:
+        """{output name: CPU tensor} -> the reply to `parsed` (its id, the outputs it asks
+        for): its body (str or bytes-like), media type and any headers (KServe v2 binary)."""
         raise NotImplementedError
 
     def error(self, err, request_id: Optional[str], model_name: str, model_version: str = "") -> Encoded:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from handlers.errors import ModelNotFound, RequestError
 from typing import Optional
 
-from handlers.wire.base import Arrival, Encoded
-from handlers.wire.kserve_v2_grpc import KServeV2Grpc, parse_request
+from handlers.errors import ModelNotFound, RequestError
+from handlers.wire.base import Arrival, Encoded, Parsed
+from handlers.wire.kserve_v2_grpc import KServeV2Grpc
 
 MEDIA = "application/grpc"
 MESSAGE_HEADER = "X-Grpc-Message"
@@ -50,33 +50,31 @@ class GrpcFramed(KServeV2Grpc):
             return None
         return Arrival(None, None)  # the body: the framed message as TorchServe hands it over
 
-    def for_request(self, body) -> "GrpcFramed":
-        return GrpcFramed(parse_request(unframe(body)))
+    def parse(self, body, headers=None) -> Parsed:
+        return super().parse(unframe(body), headers)
 
-    def decode(self, body, spec) -> tuple:
-        return super().decode(unframe(body) if self.parsed is None else body, spec)
-
-    def encode(self, outputs, request_id, model_name, model_version=""):
-        self.check_names(model_name, model_version)
-        message = super().encode(outputs, request_id, model_name, model_version).body
+    def encode(self, outputs, parsed, model_name, model_version=""):
+        check_names(parsed, model_name, model_version)
+        message = super().encode(outputs, parsed, model_name, model_version).body
         return Encoded(b"\0" + len(message).to_bytes(4, "big") + message, MEDIA, {})
-
-    def check_names(self, model_name: str, model_version: str) -> None:
-        """The call names this worker's model, and its version if it names one (as the pod's
-        gRPC bridge checks them for a pod of several models): never answered by another."""
-        p = self.parsed
-        if p is None:
-            return
-        if not p.model_name:
-            raise RequestError(f"the ModelInferRequest's model_name is empty; name the model: {model_name!r}")
-        if p.model_name != model_name:
-            raise ModelNotFound(f"model {p.model_name!r} is not served on this route; it serves {model_name!r}")
-        if p.model_version and model_version and p.model_version != model_version:
-            raise ModelNotFound(f"model {model_name!r} version {p.model_version!r} is not served here; it serves "
-                                f"version {model_version!r} (or leave model_version empty)")
 
     def error(self, err, request_id, model_name, model_version=""):
         return Encoded(b"", MEDIA, {MESSAGE_HEADER: quote(err.message[:4000], safe=" !\"#$&'()*+,/:;=?@[]{}")})
+
+
+def check_names(parsed: Parsed, model_name: str, model_version: str) -> None:
+    """The call names this worker's model, and its version if it names one (as the pod's gRPC
+    bridge checks them for a pod of several models): never answered by another."""
+    if parsed.names is None:
+        return
+    name, version = parsed.names
+    if not name:
+        raise RequestError(f"the ModelInferRequest's model_name is empty; name the model: {model_name!r}")
+    if name != model_name:
+        raise ModelNotFound(f"model {name!r} is not served on this route; it serves {model_name!r}")
+    if version and model_version and version != model_version:
+        raise ModelNotFound(f"model {model_name!r} version {version!r} is not served here; it serves "
+                            f"version {model_version!r} (or leave model_version empty)")
 
 
 FORMAT = GrpcFramed()

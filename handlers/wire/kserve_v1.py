@@ -37,14 +37,14 @@ class KServeV1(WireFormat):
     def matches_json(self, body):
         return "instances" in body
 
-    def decode(self, body, spec):
-        instances = body["instances"]
+    def decode(self, parsed, spec):
+        instances = parsed.message["instances"]
         if not isinstance(instances, list) or not instances:
             raise RequestError("KServe v1 `instances` must be a non-empty list")
         per_name = _per_input(instances, spec)
-        return {n: from_nested(spec_of(spec, n), vals, f"input {n!r}") for n, vals in per_name.items()}, None
+        return {n: from_nested(spec_of(spec, n), vals, f"input {n!r}") for n, vals in per_name.items()}
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, parsed, model_name, model_version=""):
         names = list(outputs)
         if len(names) == 1:
             preds = json_values(outputs[names[0]])

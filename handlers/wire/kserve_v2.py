@@ -2,8 +2,8 @@
 data}], "outputs"?: [{name, parameters?}], "parameters"?} -> {"model_name", "id", "outputs":
 [{name, shape, datatype, data}]}, and its binary tensor extension (handlers.wire.v2_binary).
 
-Per-request state (the binary framing, the requested outputs) lives in the instance that
-`for_request` returns; the registered FORMAT itself stays stateless.
+What a request says beyond its inputs (its binary framing, the outputs it asks for and in
+which encoding) is read once by `parse` into its Parsed; the format itself holds nothing.
 
 Inputs declared FP32 are accepted for a float16/bfloat16 input when every value converts
 exactly: TorchServe 0.12's OIP gRPC frontend drops FP16/BF16 contents (it reads typed contents
@@ -20,7 +20,7 @@ import torch
 from handlers.dtypes import BY_NAME, BY_TORCH, BY_V2
 from handlers.errors import RequestError
 from handlers.wire import v2_binary
-from handlers.wire.base import JSON_MEDIA, Encoded, WireFormat, WireName, dump_json
+from handlers.wire.base import JSON_MEDIA, Encoded, Parsed, WireFormat, WireName, dump_json
 from handlers.wire.strict_json import json_values
 from handlers.wire.tensors import from_nested, spec_of
 
@@ -94,21 +94,19 @@ def reply(outputs: dict, request_id, model_name: str, model_version=None, widen_
 class KServeV2(WireFormat):
     name = WireName.KSERVE_V2
 
-    def __init__(self, header_length=None, request=None):
-        self.header_length = header_length  # set: the binary extension (v2_binary.HEADER)
-        self.request = request  # v2_binary.Request, set by for_request
-
     def matches_json(self, body):
         return isinstance(body.get("inputs"), list)
 
-    def for_request(self, body):
-        if self.header_length is not None:
-            return KServeV2(self.header_length, v2_binary.split(body, self.header_length))
-        return KServeV2(None, v2_binary.Request(body, None))
+    def parse(self, body, headers=None):
+        """The binary extension when the request header v2_binary.HEADER announces it (the
+        body is then bytes: the JSON part, then the raw one), else a plain JSON object."""
+        length = None if headers is None else headers.v2_header_length
+        request = v2_binary.Request(body, None) if length is None else v2_binary.split(body, length)
+        rid = request.header.get("id")
+        return Parsed(request, rid if isinstance(rid, str) else None, request.wanted, request.all_binary)
 
-    def decode(self, body, spec):
-        """Decodes the request bound by for_request (body itself when called unbound)."""
-        request = self.request or self.for_request(body).request
+    def decode(self, parsed, spec):
+        request = parsed.message
         header, raw = request.header, request.raw
         if not isinstance(header.get("inputs"), list):
             raise RequestError("KServe v2 `inputs` must be a list of {name, shape, datatype, data}")
@@ -126,15 +124,13 @@ class KServeV2(WireFormat):
                 name, t = _decode_item(i, item, spec)
                 tensors[name] = t
         offsets.check_consumed()
-        v2_binary.check_wanted(request.wanted, spec)
-        request_id = header.get("id")
-        return tensors, request_id if isinstance(request_id, str) else None
+        v2_binary.check_wanted(parsed.wanted, spec)
+        return tensors
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
-        request = self.request or v2_binary.Request({}, None)  # unbound: all outputs, as JSON
-        outputs = v2_binary.select(outputs, request.wanted)
-        binary = v2_binary.binary_names(request, outputs)
-        body = reply({n: t for n, t in outputs.items() if n not in binary}, request_id, model_name)
+    def encode(self, outputs, parsed, model_name, model_version=""):
+        outputs = v2_binary.select(outputs, parsed.wanted)
+        binary = v2_binary.binary_names(parsed, outputs)
+        body = reply({n: t for n, t in outputs.items() if n not in binary}, parsed.request_id, model_name)
         if not binary:
             return Encoded(dump_json(body), JSON_MEDIA, {})
         raws = {n: v2_binary.raw_bytes(outputs[n]) for n in binary}
@@ -146,9 +142,3 @@ class KServeV2(WireFormat):
 
 
 FORMAT = KServeV2()
-
-
-def binary(header_length: str) -> KServeV2:
-    """The binary extension, announced by the request header v2_binary.HEADER (not by a media
-    type, so it is not registered: the registry asks for it by that header)."""
-    return KServeV2(header_length)

@@ -38,11 +38,11 @@ import torch
 from handlers import protowire
 from handlers.dtypes import BY_TORCH
 from handlers.errors import RequestError
-from handlers.oip_request import (  # noqa: F401  (MEDIA, Parsed, Input: this format's interface too)
-    CONTENTS, MEDIA, Input, Parsed, malformed, parse_input, parse_request,
+from handlers.oip_request import (  # noqa: F401  (MEDIA, InferRequest, Input: this format's interface too)
+    CONTENTS, MEDIA, InferRequest, Input, malformed, parse_input, parse_request,
 )
 from handlers.wire import v2_binary
-from handlers.wire.base import Encoded, WireFormat
+from handlers.wire.base import Encoded, Parsed, WireFormat
 from handlers.wire.kserve_v2 import check_item, narrow
 
 FIXED = {6: "<f4", 7: "<f8"}  # float, double: little-endian fixed width
@@ -129,7 +129,7 @@ def input_tensor(inp: Input, raw, spec) -> tuple:
     return inp.name, narrow(t.reshape(shape), s, where)
 
 
-def decode_inputs(parsed: Parsed, spec) -> dict:
+def decode_inputs(parsed: InferRequest, spec) -> dict:
     if len(parsed.inputs) > len(spec.inputs):
         raise RequestError(f"ModelInferRequest has {len(parsed.inputs)} inputs; the artifact takes "
                            f"{len(spec.inputs)} ({', '.join(spec.input_names)})")
@@ -172,23 +172,20 @@ class KServeV2Grpc(WireFormat):
     media_type = MEDIA
     binary = True
 
-    def __init__(self, parsed: Parsed | None = None):
-        self.parsed = parsed  # set by for_request: this request's top level
+    def parse(self, body, headers=None) -> Parsed:
+        message = parse_request(body)
+        return Parsed(message, message.id or None, tuple((n, None) for n in message.wanted),
+                                names=(message.model_name, message.model_version))
 
-    def for_request(self, body) -> KServeV2Grpc:
-        return KServeV2Grpc(parse_request(body))
+    def decode(self, parsed, spec) -> dict:
+        tensors = decode_inputs(parsed.message, spec)
+        v2_binary.check_wanted(parsed.wanted, spec)
+        return tensors
 
-    def decode(self, body, spec) -> tuple:
-        parsed = self.parsed if self.parsed is not None else parse_request(body)
-        tensors = decode_inputs(parsed, spec)
-        v2_binary.check_wanted(tuple((n, None) for n in parsed.wanted), spec)
-        return tensors, parsed.id or None
-
-    def encode(self, outputs, request_id, model_name, model_version=""):
-        """Unbound (chosen by Accept for another format's request): every output."""
-        if self.parsed is not None and self.parsed.wanted:
-            outputs = {n: outputs[n] for n in self.parsed.wanted}
-        return Encoded(response(outputs, request_id, model_name, model_version), MEDIA, {})
+    def encode(self, outputs, parsed, model_name, model_version=""):
+        """The outputs the request asks for (any format's request: Accept may choose this one)."""
+        outputs = v2_binary.select(outputs, parsed.wanted)
+        return Encoded(response(outputs, parsed.request_id, model_name, model_version), MEDIA, {})
 
 
 FORMAT = KServeV2Grpc()

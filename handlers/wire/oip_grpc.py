@@ -21,9 +21,8 @@ from __future__ import annotations
 from typing import Optional
 
 from handlers.errors import RequestError, ServingError
-from handlers.wire import kserve_v2, strict_json
+from handlers.wire import kserve_v2, strict_json, v2_binary
 from handlers.wire.base import JSON_MEDIA, Arrival, Encoded, WireFormat, dump_json
-from handlers.wire.envelopes import json_format
 
 TRANSPORT = "torchserve-oip-grpc"
 
@@ -76,21 +75,16 @@ class OipGrpc(WireFormat):
     name = "oip-grpc"
     transport = TRANSPORT
 
-    def __init__(self, body_format: Optional[WireFormat] = None):
-        self.body_format = body_format  # the JSON envelope of this request's body (KServe v2)
-
     def arrival(self, request, headers, max_json_bytes: int) -> Optional[Arrival]:
         body = grpc_body(request, headers.rest, max_json_bytes)
         return None if body is None else Arrival(body, request_id(body))
 
-    def for_request(self, body) -> "OipGrpc":
-        return OipGrpc(json_format(body).for_request(body))
+    def reader(self, body) -> WireFormat:
+        return kserve_v2.FORMAT  # the frontend rebuilds every call as KServe v2 JSON
 
-    def decode(self, body, spec) -> tuple:
-        return self.body_format.decode(body, spec)
-
-    def encode(self, outputs: dict, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
-        return Encoded(reply(outputs, rid, model_name, model_version), JSON_MEDIA, {})
+    def encode(self, outputs: dict, parsed, model_name: str, model_version: str = "") -> Encoded:
+        outputs = v2_binary.select(outputs, parsed.wanted)
+        return Encoded(reply(outputs, parsed.request_id, model_name, model_version), JSON_MEDIA, {})
 
     def error(self, err, rid: Optional[str], model_name: str, model_version: str = "") -> Encoded:
         return Encoded(error_reply(err, rid or "", model_name, model_version), JSON_MEDIA, {})

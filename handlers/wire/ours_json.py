@@ -12,11 +12,11 @@ class OursJson(WireFormat):
     def matches_json(self, body):
         return isinstance(body.get("inputs"), dict)
 
-    def decode(self, body, spec):
+    def decode(self, parsed, spec):
         return {name: from_nested(spec_of(spec, name), value, f"input {name!r}")
-                for name, value in body["inputs"].items()}, None
+                for name, value in parsed.message["inputs"].items()}
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, parsed, model_name, model_version=""):
         return Encoded(dump_json({"outputs": {n: json_values(t) for n, t in outputs.items()}}), self.media_type, {})
 
 

@@ -1,6 +1,9 @@
-"""One request as the wire reads it: its payload out of TorchServe's request dict, the body limits
-that apply before any format looks at it, and the typed `Request` the pipeline carries from
-wire.read (its format, its body, who answers it) through admission (its checked tensors) to its
+"""One request as the wire reads it (the order: wire/__init__.py): `arrival` (its transport, its
+body unread), `read` (its payload out of TorchServe's request dict, the body limits that apply
+before any format looks at it, its format chosen from wire/registry.py's formats: by media type
+or bytes, by JSON shape (`json_format`, also asked by oip_grpc for its bodies' envelope), the
+answering one by Accept; its body parsed), and the
+typed `Request` the pipeline carries from there through admission (its checked tensors) to its
 answer.
 
 The JSON limit can apply before parsing only because the worker hands JSON bodies over as
@@ -10,36 +13,81 @@ arrives as Python objects and is taken as it is.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
-from handlers.errors import PayloadTooLarge, RequestError
-from handlers.wire import strict_json
-from handlers.wire.base import Encoded, Failed, WireFormat
+from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
+from handlers.wire import registry, strict_json
+from handlers.wire.base import JSON_MEDIA, Encoded, Failed, Parsed, WireFormat, WireName
+
+logger = logging.getLogger(__name__)
 
 
 class Request:
     """One request, typed: made once by wire.read, completed by admission (`tensors`, `rows`),
     answered through `encode` or `error`. Slots: one small object per request, nothing else."""
 
-    __slots__ = ("errors_as", "request_id", "read_error", "body", "wire", "respond_as", "tensors", "rows")
+    __slots__ = ("errors_as", "request_id", "arrived", "read_error", "parsed", "wire", "respond_as",
+                 "tensors", "rows")
 
-    def __init__(self, errors_as: WireFormat, request_id: Optional[str]):
+    def __init__(self, errors_as: WireFormat, request_id: Optional[str], arrived=None):
         self.errors_as = errors_as  # answers its errors: its transport's format, else the JSON error object
-        self.request_id = request_id  # its transport's id before decode, then the decoded one (KServe v2 "id")
+        self.request_id = request_id  # its transport's id, then the one its body gives (KServe v2 "id")
+        self.arrived = arrived  # a body its transport parsed to tell it (wire.base.Arrival); None: not yet read
         self.read_error: Optional[BaseException] = None  # what reading it raised; admission raises it
-        self.body = None  # bytes for binary formats, the parsed object for JSON ones
-        self.wire: Optional[WireFormat] = None  # the format that decodes it (for_request's instance)
+        self.parsed: Optional[Parsed] = None  # its body as its format read it (wire.read)
+        self.wire: Optional[WireFormat] = None  # the format that read it and decodes it
         self.respond_as: Optional[WireFormat] = None  # the format that answers it (Accept may choose)
         self.tensors: Optional[dict] = None  # input name -> CPU tensor, batch in dim 0 (admission)
         self.rows = 0
 
     def encode(self, outputs: dict, model_name: str, model_version: str = "") -> Encoded:
-        return self.respond_as.encode(outputs, self.request_id, model_name, model_version)
+        return self.respond_as.encode(outputs, self.parsed, model_name, model_version)
 
     def error(self, err, model_name: str, model_version: str = "") -> Failed:
         """`err` (a ServingError) as this request's answer, in its transport's shape."""
         return Failed(err, self.errors_as.error(err, self.request_id, model_name, model_version),
                       self.errors_as.transport)
+
+
+def arrival(request, headers, max_json_bytes: int) -> Request:
+    """The request as it arrived, its body not yet read: its transport's format, which answers
+    its errors, and its id; a plain REST request is answered with the JSON error object."""
+    fmt, arrived = _transport_of(request, headers, max_json_bytes)
+    return Request(fmt, None) if arrived is None else Request(fmt, arrived.request_id, arrived.body)
+
+
+def read(request, headers, limits) -> Request:
+    """The one choice of a request's wire format, its body parsed (wire/__init__.py: the order).
+    `headers`: its handlers.torchserve.headers.RequestHeaders; `limits`: handlers.admission.Limits.
+    Never raises: what reading raised is kept in `read_error`, raised by admission, and answered
+    by the request's `errors_as`."""
+    return read_arrived(arrival(request, headers, limits.max_json_bytes), request, headers, limits)
+
+
+def read_arrived(req: Request, request, headers, limits) -> Request:
+    """`read` for a request whose `arrival` is known."""
+    try:
+        payload = payload_of(request)
+        check_size(payload, limits)
+        if req.errors_as.transport:  # its transport's format reads and answers it, whatever its headers say
+            transport = req.errors_as
+            arrived = payload if req.arrived is None else req.arrived
+            body = arrived if transport.binary else parse_json(arrived, limits)
+            req.wire, req.respond_as = transport.reader(body), transport
+        else:
+            if headers.v2_header_length is not None:
+                check_json_part(headers.v2_header_length, limits)
+            fmt = binary_format(payload, headers.content_type, headers.v2_header_length)
+            body = payload if fmt is not None else parse_json(payload, limits)
+            req.wire = fmt or json_format(body)
+            req.respond_as = response_format(req.wire, headers.accept)
+        req.parsed = req.wire.parse(body, headers)
+        if req.parsed.request_id is not None:
+            req.request_id = req.parsed.request_id
+    except Exception as e:  # noqa: BLE001  (the request's own answer: admission raises it)
+        req.read_error = e
+    return req
 
 
 def payload_of(request: dict):
@@ -82,3 +130,67 @@ def check_json_part(header_length, limits) -> None:
         raise PayloadTooLarge(f"the JSON part of this v2 binary request is {text} bytes; this model "
                               f"accepts JSON up to {limits.max_json_bytes} bytes (handler.max_json_mb). "
                               "Send tensor data in the binary part (binary_data)")
+
+
+def _transport_of(request, headers, max_json_bytes: int) -> tuple:
+    """(the format bound to the transport the request arrived over, its Arrival), or (ERRORS,
+    None) for plain REST; a request whose transport cannot be told (malformed) is answered as REST."""
+    try:
+        for f in registry.TRANSPORTS.values():
+            arrived = f.arrival(request, headers, max_json_bytes)
+            if arrived is not None:
+                return f, arrived
+    except Exception:  # a malformed transport request: answered as REST, with its error
+        logger.exception("could not tell a request's transport")
+    return registry.ERRORS, None
+
+
+def json_format(body) -> WireFormat:
+    """The JSON envelope of a parsed body, by its shape."""
+    if not isinstance(body, dict):
+        raise RequestError("JSON body must be an object: {\"inputs\": {...}} (ours), "
+                           "{\"instances\": [...]} (KServe v1) or {\"inputs\": [...]} (KServe v2)")
+    for f in registry.FORMATS.values():
+        if not f.binary and f.matches_json(body):
+            return f
+    raise RequestError("JSON body has neither `inputs` nor `instances`; expected "
+                       "{\"inputs\": {NAME: nested list}} (ours), {\"instances\": [...]} "
+                       "(KServe v1) or {\"inputs\": [{name, shape, datatype, data}]} (KServe v2)")
+
+
+def _media(content_type) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def binary_format(payload, content_type, v2_header_length=None) -> Optional[WireFormat]:
+    """The binary format named by the Content-Type, or recognised from bytes sent without a
+    JSON one; None: the body is JSON. Raises 415 for any other declared media type. The v2
+    binary extension is announced by its header (v2_binary.HEADER), whatever the media type:
+    KServe v2, whose parse splits the body by it."""
+    if v2_header_length is not None:
+        return registry.FORMATS[WireName.KSERVE_V2]
+    ct = _media(content_type)
+    for f in registry.FORMATS.values():
+        if f.binary and ct == f.media_type:
+            return f
+    if isinstance(payload, (bytes, bytearray)) and ct != JSON_MEDIA:
+        for f in registry.FORMATS.values():
+            if f.binary and f.matches_bytes(payload):
+                return f
+    if ct and ct != JSON_MEDIA and not ct.startswith("text/") and ct != "application/octet-stream":
+        raise UnsupportedMediaType(f"Content-Type {ct!r} is not supported; send {JSON_MEDIA} "
+                                   "(our JSON, KServe v1 or v2) or "
+                                   + " or ".join(f.media_type for f in registry.FORMATS.values() if f.binary))
+    return None
+
+
+def response_format(request_format: WireFormat, accept) -> WireFormat:
+    """The request's own format unless Accept prefers another media type: binary media types
+    first (large tensors), then JSON, which answers in our JSON."""
+    if not accept:
+        return request_format
+    accept = accept.lower()
+    for f in sorted(registry.FORMATS.values(), key=lambda f: not f.binary):
+        if f.media_type in accept:
+            return request_format if f.media_type == request_format.media_type else f
+    return request_format

@@ -14,10 +14,10 @@ class Safetensors(WireFormat):
     def matches_bytes(self, payload):
         return safetensors_io.looks_like(payload)
 
-    def decode(self, body, spec):
-        return safetensors_io.loads(body), None
+    def decode(self, parsed, spec):
+        return safetensors_io.loads(parsed.message)
 
-    def encode(self, outputs, request_id, model_name, model_version=""):
+    def encode(self, outputs, parsed, model_name, model_version=""):
         return Encoded(safetensors_io.dumps(outputs), self.media_type, {})
 
 

@@ -66,7 +66,7 @@ def split(payload, header_length) -> Request:
     if isinstance(payload, dict):  # TorchServe parsed a JSON body: there is no binary part
         return Request(payload, None)
     if isinstance(payload, str):
-        payload = payload.encode("utf-8")
+        payload = bytes(payload, "utf-8")
     if not isinstance(payload, (bytes, bytearray)):
         raise RequestError(f"{HEADER} needs a binary body")
     text = str(header_length).strip()
@@ -134,9 +134,10 @@ def select(outputs: dict, wanted: tuple) -> dict:
     return {n: outputs[n] for n, _ in wanted} if wanted else outputs
 
 
-def binary_names(request: Request, outputs: dict) -> set:
-    flags = dict(request.wanted)
-    return {n for n in outputs if (flags.get(n) if flags.get(n) is not None else request.all_binary)}
+def binary_names(parsed, outputs: dict) -> set:
+    """The outputs a request (its wire.base.Parsed) asks for in binary."""
+    flags = dict(parsed.wanted)
+    return {n for n in outputs if (flags.get(n) if flags.get(n) is not None else parsed.all_binary)}
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
