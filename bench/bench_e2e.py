@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from bench.bench_load import first_request, run_point
+from handlers import timeline
 from compiled_serving.local_server import ROOT, LocalTorchServe, tool
 from bench.results_meta import page_head
 
@@ -105,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured window of the first round: their time per request by stage "
                         "(bench/worker_spy.py)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
+    return heavy_options(p)
+
+
+def heavy_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of heavy-load runs: other serving settings, the native load generator, the timeline."""
+    p.add_argument("--serving", action="append", default=[], metavar="NAME:BATCH:DELAY",
+                   help="also serve our archive and the echo handler with TorchServe's batchSize BATCH and "
+                        "maxBatchDelay DELAY ms, as ours_NAME and echo_NAME, at every client count")
+    p.add_argument("--load-generator", choices=("python", "native"), default="python",
+                   help="native: wrk (bench/native_load.py) on cores of its own for every point of more "
+                        "than one client (answers are then checked by the one-client points' Python client)")
+    p.add_argument("--loadgen-cores", type=int, default=3, help="cores kept for the native load generator")
+    p.add_argument("--timeline", action="store_true",
+                   help="record our workers' batch cycles (handlers/timeline.py) and report "
+                        "where each point's cycle went (bench/timeline_report.py)")
     return p
 
 
@@ -286,10 +302,11 @@ def imported(args, stack) -> None:
     args.artifact = import_artifact(args.artifact, os.path.join(tmp, "artifact"), args.program)
 
 
-def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=()) -> Path:
+def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=(), serving=None) -> Path:
+    batch, delay = serving or (args.batch_size, args.max_batch_delay)
     cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", args.artifact, "--name", name,
-           "--out", str(store), "--workers", str(workers), "--batch-size", str(args.batch_size),
-           "--max-batch-delay", str(args.max_batch_delay), *extra]
+           "--out", str(store), "--workers", str(workers), "--batch-size", str(batch),
+           "--max-batch-delay", str(delay), *extra]
     if device_ids:
         cmd += ["--device-ids", ",".join(map(str, device_ids))]
     else:
@@ -304,9 +321,10 @@ def archive_ours(args, store: Path, name: str, workers: int, device_ids, extra=(
 
 
 def archive_baseline(args, store: Path, name: str, handler: str, workers: int, device_ids, section: dict,
-                     artifact=None) -> Path:
-    cfg = {"minWorkers": workers, "maxWorkers": workers, "batchSize": args.batch_size,
-           "maxBatchDelay": args.max_batch_delay, "responseTimeout": 120, **section}
+                     artifact=None, serving=None) -> Path:
+    batch, delay = serving or (args.batch_size, args.max_batch_delay)
+    cfg = {"minWorkers": workers, "maxWorkers": workers, "batchSize": batch,
+           "maxBatchDelay": delay, "responseTimeout": 120, **section}
     if device_ids:
         cfg["deviceIds"] = list(device_ids)
     else:
@@ -395,7 +413,12 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     if "echo" in wanted:
         models["echo"] = archive_baseline(args, store, "echo", "echo_handler.py", workers, ids,
                                           {"echo": {"response": echo_response(spec, refs[0]).hex()}})
-    server = LocalTorchServe(work / f"ts{n}", store, models, extra_config="\n".join(args.ts_config))
+    models.update(serving_models(args, store, workers, ids, echo_response(spec, refs[0])))
+    env = {**os.environ, timeline.ENV: str(work / f"timeline{n}")} if args.timeline else None
+    if env:
+        Path(env[timeline.ENV]).mkdir(parents=True, exist_ok=True)
+        args.timeline_dir = env[timeline.ENV]
+    server = LocalTorchServe(work / f"ts{n}", store, models, env=env, extra_config="\n".join(args.ts_config))
     try:
         ready_s = server.wait_ready()
         logged = chosen_threads(server.log(), "ours")
@@ -407,6 +430,16 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
         return _measure_set(args, server, n, workers, budget, ready_s, bodies, refs, tol)
     finally:
         server.stop()
+
+
+def serving_models(args, store: Path, workers: int, ids, echo_body: bytes) -> dict:
+    """ours_NAME and echo_NAME of each --serving NAME:BATCH:DELAY, archived with those settings."""
+    models = {}
+    for name, batch, delay in serving_sets(args):
+        models[f"ours_{name}"] = archive_ours(args, store, f"ours_{name}", workers, ids, serving=(batch, delay))
+        models[f"echo_{name}"] = archive_baseline(args, store, f"echo_{name}", "echo_handler.py", workers, ids,
+                                                  {"echo": {"response": echo_body.hex()}}, serving=(batch, delay))
+    return models
 
 
 def echo_response(spec, ref: dict) -> bytes:
@@ -421,12 +454,23 @@ def echo_response(spec, ref: dict) -> bytes:
 def _echo_check(model: str, refs: list, tol: float):
     """The echo answers zeros of the output's shape: its answers are parsed and compared too,
     so the client does the same work per answer for every handler."""
-    return ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model == "echo" else (refs, tol)
+    return ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model.startswith("echo") else (refs, tol)
 
 
 def variant_models(args) -> list:
-    """The model names of the --variant archives (NAME:KEY=VALUE,... is served as ours_NAME)."""
-    return [f"ours_{v.partition(':')[0]}" for v in args.variant]
+    """The model names of the --variant archives (NAME:KEY=VALUE,... is served as ours_NAME) and
+    of the --serving ones (ours_NAME and echo_NAME)."""
+    return [f"ours_{v.partition(':')[0]}" for v in args.variant] + [
+        f"{h}_{name}" for name, _, _ in serving_sets(args) for h in ("ours", "echo")]
+
+
+def serving_sets(args) -> list:
+    """[(NAME, batchSize, maxBatchDelay)] of --serving NAME:BATCH:DELAY."""
+    out = []
+    for item in args.serving:
+        name, batch, delay = item.split(":")
+        out.append((name, int(batch), int(delay)))
+    return out
 
 
 def _first_requests(args, server, token, n, bodies, refs, tol) -> list:
@@ -460,9 +504,7 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         # pairs favoured whichever ran last): every other round goes backwards, so drift over
         # the run falls on every handler alike.
         for model, clients in (plan if r % 2 == 0 else plan[::-1]):
-            res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
-                            clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes,
-                            args.spy if r == 0 else 0, args.spy_exe, server.proc.pid)
+            res = _point(args, server, token, model, clients, r, bodies, refs, tol)
             res.update(handler=model, gpus=n, workers=workers, clients=clients, round=r)
             print(json.dumps(res), flush=True)
             rounds.setdefault((model, clients), []).append(res)
@@ -473,6 +515,28 @@ def _measure_set(args, server, n, workers, threads, ready_s, bodies, refs, tol) 
         p["ready_s"] = round(ready_s, 1)
         p["ours_cpu_threads"] = threads
     return points, firsts
+
+
+def _point(args, server, token, model, clients, r, bodies, refs, tol) -> dict:
+    """One load point: wrk on its own cores for several clients with --load-generator native, else
+    the Python clients (answers checked); with --timeline, where our workers' cycles went."""
+    from bench import native_load, timeline_report
+
+    t0 = time.perf_counter()
+    if args.load_generator == "native" and clients > 1:
+        headers = {"Content-Type": "application/x-safetensors", "Authorization": f"Bearer {token}"}
+        res = native_load.run_bodies(server.base, f"/predictions/{model}", bodies, headers, clients, args.seconds,
+                                     args.warmup_seconds, args.loadgen_cpus)
+    else:
+        res = run_point(server.base, f"/predictions/{model}", token, bodies, _echo_check(model, refs, tol),
+                        clients, args.seconds, args.warmup_seconds, args.max_requests, args.processes,
+                        args.spy if r == 0 else 0, args.spy_exe, server.proc.pid)
+    t1 = time.perf_counter()
+    if args.timeline and model.startswith("ours"):
+        # the measured window: the point's last `seconds` before its clients stopped (0.5 s margins)
+        end = t1 - (0.3 if args.load_generator == "native" and clients > 1 else 1.0)
+        res["timeline"] = timeline_report.report(args.timeline_dir, max(t0, end - args.seconds + 0.5), end)
+    return res
 
 
 def combine_rounds(results: list) -> dict:
@@ -513,8 +577,10 @@ def summary(points: list, limits: dict) -> dict:
     thread-budget default against the best tried, and scaling across GPUs."""
     by = {(p["handler"], p["gpus"], p["clients"]): p for p in points}
 
-    def ratios(p, n, c) -> dict:
-        stock, echo, aoti = by.get(("stock", n, c)), by.get(("echo", n, c)), by.get(("stock_aoti", n, c))
+    def ratios(p, n, c, h="ours") -> dict:
+        # ours_NAME of --serving NAME:... is held against echo_NAME, served with the same settings
+        echo = by.get(("echo" + h[4:], n, c)) or by.get(("echo", n, c))
+        stock, aoti = by.get(("stock", n, c)), by.get(("stock_aoti", n, c))
         img_limit = limits.get(str(n), {}).get("img_s")
         return {"vs_stock": round(p["req_s"] / stock["req_s"], 2) if stock and stock["req_s"] else None,
                 "vs_stock_aoti": round(p["req_s"] / aoti["req_s"], 2) if aoti and aoti["req_s"] else None,
@@ -524,7 +590,8 @@ def summary(points: list, limits: dict) -> dict:
     rows, variant_rows = [], []
     for (h, n, c), p in sorted(by.items()):
         if h.startswith("ours_") and not is_thread_sweep(h):
-            variant_rows.append({"handler": h, "gpus": n, "clients": c, "req_s": p["req_s"], **ratios(p, n, c)})
+            variant_rows.append({"handler": h, "gpus": n, "clients": c, "req_s": p["req_s"], "p50_ms": p["p50_ms"],
+                                 **ratios(p, n, c, h)})
         if h != "ours":
             continue
         variants = {k[0]: v for k, v in by.items() if k[1:] == (n, c) and k[0].startswith("ours_")
@@ -580,6 +647,7 @@ def write_markdown(path: Path, result: dict):
               f"{r['vs_stock_aoti']} | {r['vs_transport']} | {r['vs_gpu_limit']} |" for r in s.get("variants", [])]
     lines += _cores_table(result["points"])
     lines += _spy_table(result["points"])
+    lines += _timeline_tables(result["points"])
     if s["thread_budget"]:
         lines += ["", "Thread budget (req/s; `ours` is the default, `ours_tN` forces N threads):", ""]
         lines += [f"- {r}" for r in s["thread_budget"]]
@@ -596,6 +664,21 @@ def write_markdown(path: Path, result: dict):
                   f"{r['first_over_steady']} | {r.get('after_idle_median_ms', '-')} | "
                   f"{r.get('after_idle_over_steady', '-')} |" for r in result["first_requests"]]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _timeline_tables(points: list) -> list:
+    """Where our workers' batch cycles went at each point (--timeline)."""
+    from bench.timeline_report import markdown
+
+    lines = []
+    for p in points:
+        if p.get("timeline", {}).get("batches"):
+            if not lines:
+                lines = ["", "Our workers' batch cycle at each point (handlers/timeline.py: the "
+                         "wall time between two batches of one worker, every interval named; means and "
+                         "medians per batch over the measured window):"]
+            lines += ["", f"{p['handler']}, {p['gpus']} GPU(s), {p['clients']} clients: " + markdown(p["timeline"])]
+    return lines
 
 
 def _spy_table(points: list) -> list:
@@ -703,6 +786,17 @@ def main(argv=None):
         return run(args, argv, from_cli)
 
 
+def split_cores(args):
+    """The native load generator's own cores (--loadgen-cores N): the last N of this process's;
+    this process keeps the rest, and the servers it starts inherit them. None otherwise."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = args.loadgen_cores if args.load_generator == "native" else 0
+    if not n or n >= len(cores):
+        return None
+    os.sched_setaffinity(0, cores[:-n])
+    return cores[-n:]
+
+
 def run(args, argv, from_cli: bool) -> int:
     import torch
 
@@ -714,6 +808,7 @@ def run(args, argv, from_cli: bool) -> int:
         raise SystemExit("bench_e2e: the artifact was compiled for CUDA and this machine has no GPU")
     device = torch.device("cuda:0" if n_gpu else "cpu")
     bodies, refs, tol, sizes = references(args, spec, device)
+    args.loadgen_cpus = split_cores(args)
     pad, pad_buckets = declared_pad(args)
     if not pad:  # ours, archived with no options, pads where the import found padding safe
         pad = (spec.extra.get("padding") or {}).get("pad") or {}
@@ -736,7 +831,9 @@ def run(args, argv, from_cli: bool) -> int:
         "model": name, "host_cores": os.cpu_count(),
         "settings": {"batch_size": args.batch_size, "max_batch_delay": args.max_batch_delay,
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,
-                     "seconds": args.seconds, "rounds": args.rounds, "tolerance": tol},
+                     "seconds": args.seconds, "rounds": args.rounds, "tolerance": tol,
+                     "serving": args.serving, "load_generator": args.load_generator,
+                     "load_generator_cores": args.loadgen_cpus},
         "limits": limits, "points": points, "summary": summary(points, limits),
     }
     if firsts:

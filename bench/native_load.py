@@ -117,6 +117,34 @@ def _measured(cmd: list, warmup: float, seconds: float, cores=None) -> tuple:
     return out, cores
 
 
+def wrk_script(tmp: str, bodies: list) -> str:
+    """A wrk Lua script POSTing `bodies` in turn, each connection from its own place in the list
+    (Lua strings are byte strings: each body goes out as read)."""
+    for i, b in enumerate(bodies):
+        Path(f"{tmp}/body{i}").write_bytes(b)
+    script = f"{tmp}/post.lua"
+    Path(script).write_text(
+        f'local n = {len(bodies)}\nlocal bodies = {{}}\n'
+        f'for i = 1, n do local f = io.open("{tmp}/body" .. (i - 1), "rb"); bodies[i] = f:read("*a"); f:close() end\n'
+        'local i = 0\nwrk.method = "POST"\n'
+        'function init(args) i = math.random(n) end\n'
+        'function request() i = i % n + 1; return wrk.format(nil, nil, nil, bodies[i]) end\n')
+    return script
+
+
+def run_bodies(url: str, path: str, bodies: list, headers: dict, clients: int, seconds: float, warmup: float,
+               cores=None) -> dict:
+    """bench_load.summarize's figures for HTTP/1.1 POSTs of `bodies` in turn by `clients` wrk
+    connections (one request in flight each), on `cores` only when given."""
+    with tempfile.TemporaryDirectory(prefix="native_load_") as tmp:
+        script = wrk_script(tmp, bodies)
+        subprocess.run(wrk_command(url, path, script, headers, clients, warmup, cores), capture_output=True,
+                       check=True, timeout=warmup + 60, preexec_fn=_pinned(cores))  # wrk has no warm-up option
+        out, busy = _measured(wrk_command(url, path, script, headers, clients, seconds, cores), 0.0, seconds, cores)
+    return {**parse_wrk(out, seconds), "mismatches": None, "seconds": seconds, "cpu_cores": busy,
+            "load_generator": "wrk", "load_generator_cores": sorted(cores) if cores else None}
+
+
 def run_point(url: str, path: str, body: bytes, headers: dict, clients: int, seconds: float, warmup: float,
               grpc: bool = False, cores=None) -> dict:
     """bench_load.summarize's figures for one body sent by `clients` connections: gRPC (url grpc://HOST:PORT,

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from handlers import faults, wire
+from handlers import faults, timeline, wire
 from handlers.wire.request import Request, arrival, read_arrived
 from handlers.admission import admit
 from handlers.config import HandlerConfig
@@ -98,15 +98,21 @@ def _run(worker, data: list, headers: list, batch: Batch) -> None:
     with label("decode"):
         valid = admit_all(loaded, data, headers, batch)
     t1 = time.perf_counter()
+    if timeline.ON:
+        timeline.mark("decoded")
     if not valid:
         loaded.stages.record(decode=(t1 - t0) * 1000.0, total=(t1 - t0) * 1000.0)
         return
     with label("run"):
         outputs = infer(worker, [req.tensors for _, req in valid])
     t2 = time.perf_counter()
+    if timeline.ON:
+        timeline.mark("ran")
     with label("encode"):
         encode_all(valid, outputs, batch)
     t3 = time.perf_counter()
+    if timeline.ON:
+        timeline.mark("encoded")
     loaded.stages.record(decode=(t1 - t0) * 1000.0, run=(t2 - t1) * 1000.0, encode=(t3 - t2) * 1000.0,
                          total=(t3 - t0) * 1000.0)
 

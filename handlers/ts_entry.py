@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from handlers import timeline
 from handlers.torchserve import exchange
 from handlers.worker import Worker
 
@@ -34,7 +35,12 @@ class CompiledModelHandler:
         worker's health."""
         if _is_describe(context):
             return [self.describe_handle()]
-        return exchange.handle(self.worker, data, context)
+        if not timeline.ON:
+            return exchange.handle(self.worker, data, context)
+        timeline.mark("handle")
+        replies = exchange.handle(self.worker, data, context)
+        timeline.mark("replied")
+        return replies
 
     def describe_handle(self):
         """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""

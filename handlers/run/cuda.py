@@ -22,6 +22,7 @@ import time
 import torch
 
 from handlers.errors import LoadError
+from handlers import timeline
 from handlers.faults import is_sticky
 from handlers.run import graphs
 from handlers.run.base import Runner
@@ -245,8 +246,12 @@ class CudaRunner(Runner):
         finally:
             # Also after a failure: pinned input pieces may still be in flight, and the next
             # request rewrites them.
+            if timeline.ON:
+                timeline.mark("launched")
             self.done.record(self.stream)
             self._wait()
+            if timeline.ON:
+                timeline.mark("synced")
         # Model outputs were allocated on our stream and die here; the caching allocator reuses
         # their blocks only on that same stream, in order.
         return host

@@ -35,6 +35,7 @@ import os
 import struct
 import sys
 
+from handlers import timeline
 from handlers.torchserve import restart
 
 _INT = struct.Struct("!i")
@@ -163,6 +164,8 @@ def retrieve_msg(conn):
     if _reader is None or _reader.conn is not conn:
         _reader = FrameReader(conn)
     reader = _reader
+    if timeline.ON:
+        timeline.mark("wait")
     if reader.pos == reader.end:
         # the loop sent its last answers and is back for the next message: the moment for the
         # worker's deferred work while none has begun to arrive, and the clean moment to exit
@@ -171,11 +174,15 @@ def retrieve_msg(conn):
             _between_batches(lambda: restart.waiting(conn))
         restart.exit_if_idle(conn)
     cmd = reader.bytes(1)
+    if timeline.ON:
+        timeline.mark("arrived")
     if cmd == b"I":
         decode = os.environ.get("TS_DECODE_INPUT_REQUEST") in (None, "true")
         msg = []
         while (n := reader.int()) != -1:
             msg.append(_request(reader, n, decode))
+        if timeline.ON:
+            timeline.mark("read", len(msg))
         return cmd, msg
     if cmd == b"L":
         return cmd, _load_message(reader)
