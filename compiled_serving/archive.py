@@ -169,17 +169,54 @@ def response_row_bytes(spec) -> int:
     return total
 
 
+# batchSize with no --batch-size: 16 for a CUDA model whose request rows are small, 8 otherwise.
+# Measured through TorchServe 0.12 on an H100 (docs/results/heavy_{mlp,bert,r50}_fp16_h100.md,
+# 6 workers, 1 ms delay): 16 against 8 served more at 1, 64 and 128 clients for the MLP (1 KiB
+# rows; +5% at 64, +52% at 128) and the BERT classifier (<= 4 KiB; +10%, +43%); ResNet-50
+# (294 KiB rows), whose frontend time goes to reading the bodies, served 10% less at 64 clients,
+# so large rows keep 8. CPU workers were not measured at 16 and keep 8.
+BATCH_DEFAULT, BATCH_SMALL_ROWS, SMALL_REQUEST_ROW = 8, 16, 64 << 10
+
+
+def request_row_bytes(spec) -> int:
+    """Bytes one row of the inputs takes at most (named dimensions at their maximum); 0 where
+    a dimension is unknown."""
+    import torch
+
+    total = 0
+    for t in spec.inputs:
+        n = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
+        for d in t.shape[1:]:
+            d = spec.dims.get(d, (0, 0))[1] if isinstance(d, str) else d
+            if not isinstance(d, int) or d <= 0:
+                return 0
+            n *= d
+        total += n
+    return total
+
+
+def default_batch(specs) -> tuple:
+    """(batchSize with no --batch-size, why)."""
+    rows = [request_row_bytes(s) for s in specs]
+    if all(s.device == "cuda" for s in specs) and all(0 < r <= SMALL_REQUEST_ROW for r in rows):
+        return BATCH_SMALL_ROWS, (f"a CUDA model with request rows of at most {max(rows) / 1024:.1f} KiB: "
+                                  "measured faster than 8 (compiled_serving/archive.py BATCH_SMALL_ROWS)")
+    return BATCH_DEFAULT, "measured for ResNet-50 class models and CPU workers"
+
+
 def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
-    """TorchServe's batchSize: as given, else 8 (measured for ResNet-50 class models,
-    docs/performance.md "Serving settings"), at most what every variant accepts per call, and 1
-    where a row of the outputs is several MiB; with the warnings a batch size calls for."""
+    """TorchServe's batchSize: as given, else default_batch's (16 or 8), at most what every
+    variant accepts per call, and 1 where a row of the outputs is several MiB; with the warnings
+    a batch size calls for."""
+    lines = []
     if given is not None:
         n = given
     elif any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
         n = 1
     else:
-        n = max(1, min([8] + [s.batch_max for s in specs]))
-    lines = []
+        base, why = default_batch(specs)
+        n = max(1, min([base] + [s.batch_max for s in specs]))
+        lines.append(said(f"batchSize {n} ({why}; pass --batch-size N to choose)"))
     for spec in specs:
         if n > spec.batch_max and handler_opts.get("split_oversized", True) is not False:
             lines.append(warned(f"batchSize {n} exceeds what {spec.artifact} accepts per call "
@@ -195,6 +232,16 @@ def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
                 "arrive, which is quadratic in the response size (a batch of 2 x 50 MB took 22 s to relay after "
                 "0.2 s of inference, docs/results/soak.md). Use --batch-size 1 for this model"))
     return Decision(n, tuple(lines))
+
+
+def check_delay(delay_ms: int, batch_size: int) -> None:
+    """A batch of more than one with maxBatchDelay 0 waits 100 ms for every batch: TorchServe 0.12
+    takes 0 as unset and uses its default (measured: every batch of a worker 101-104 ms apart at
+    batchSize 8, maxBatchDelay 0, through real TorchServe on the CPU machine, echo handler alike)."""
+    if batch_size > 1 and delay_ms <= 0:
+        raise ArchiveError(f"--max-batch-delay {delay_ms} with batchSize {batch_size}: TorchServe 0.12 takes a "
+                           "delay of 0 as unset and waits its default, 100 ms, for every batch to fill. Use "
+                           "--max-batch-delay 1 (the least it honours), or --batch-size 1 for no batching")
 
 
 def imported(path: str, i: int, args, handler_opts: dict, tmp: str) -> str:
@@ -408,6 +455,7 @@ def build(args) -> tuple:
         workers = decide_workers(args, specs, opts)
         pad = decide_pad(args.pad, opts, specs)
         batch = decide_batch_size(args.batch_size, specs, opts)
+        check_delay(args.max_batch_delay, batch.value)
         for d in (workers, pad, batch):
             show(d)
         cfg = model_config(args, opts, workers.value, batch.value, pad.value)

@@ -138,3 +138,40 @@ def test_archive_defaults_are_the_measured_serving_settings(artifacts, tmp_path)
     assert (cfg["minWorkers"], cfg["maxWorkers"], cfg["batchSize"], cfg["maxBatchDelay"]) == \
         (cpu_workers, cpu_workers, 8, 1)
     assert config(artifacts.get("two_export_2to4"), "narrow")["batchSize"] == 4  # its max per call
+
+
+def test_default_batch_size_follows_the_measured_rule():
+    """No --batch-size: 16 for a CUDA model with small request rows (named dimensions at their
+    maximum), 8 for large rows, CPU models or a dimension the metadata does not bound; never
+    past what the artifact takes per call; --batch-size as given."""
+    import torch
+
+    from compiled_serving.archive import decide_batch_size
+    from handlers.artifact.metadata import ArtifactSpec, TensorSpec
+
+    def spec(device, inputs, batch_max=64, dims=None):
+        return ArtifactSpec(backend="aoti", artifact="m.pt2", sha256="", device=device,
+                            inputs=tuple(TensorSpec(n, d, (None, *shape)) for n, d, shape in inputs),
+                            outputs=(TensorSpec("y", "float16", (None, 2)),), output_structure="tensor",
+                            batch_min=1, batch_max=batch_max, torch_version=torch.__version__, dims=dims or {})
+
+    text = [("input_ids", "int64", ("S",)), ("attention_mask", "int64", ("S",))]
+    bert = spec("cuda", text, dims={"S": (8, 256)})  # 2 x 256 x 8 bytes = 4 KiB a row
+    assert decide_batch_size(None, [bert], {}).value == 16
+    assert "4.0 KiB" in decide_batch_size(None, [bert], {}).said[0][1]
+    assert decide_batch_size(None, [spec("cuda", text, dims={"S": (8, 8192)})], {}).value == 8  # 128 KiB
+    assert decide_batch_size(None, [spec("cuda", [("image", "float16", (3, 224, 224))])], {}).value == 8
+    assert decide_batch_size(None, [spec("cpu", text, dims={"S": (8, 256)})], {}).value == 8
+    assert decide_batch_size(None, [spec("cuda", text, dims={"S": (8, 256)}, batch_max=12)], {}).value == 12
+    assert decide_batch_size(None, [bert, spec("cpu", text, dims={"S": (8, 256)})], {}).value == 8
+    assert decide_batch_size(4, [bert], {}).value == 4
+
+
+def test_a_batch_with_no_delay_is_refused_with_its_fix():
+    """TorchServe 0.12 waits 100 ms for every batch of more than one when maxBatchDelay is 0."""
+    from compiled_serving.archive import ArchiveError, check_delay
+
+    check_delay(0, 1)
+    check_delay(1, 16)
+    with pytest.raises(ArchiveError, match="100 ms.*--max-batch-delay 1"):
+        check_delay(0, 8)
