@@ -786,17 +786,6 @@ def main(argv=None):
         return run(args, argv, from_cli)
 
 
-def split_cores(args):
-    """The native load generator's own cores (--loadgen-cores N): the last N of this process's;
-    this process keeps the rest, and the servers it starts inherit them. None otherwise."""
-    cores = sorted(os.sched_getaffinity(0))
-    n = args.loadgen_cores if args.load_generator == "native" else 0
-    if not n or n >= len(cores):
-        return None
-    os.sched_setaffinity(0, cores[:-n])
-    return cores[-n:]
-
-
 def run(args, argv, from_cli: bool) -> int:
     import torch
 
@@ -808,7 +797,9 @@ def run(args, argv, from_cli: bool) -> int:
         raise SystemExit("bench_e2e: the artifact was compiled for CUDA and this machine has no GPU")
     device = torch.device("cuda:0" if n_gpu else "cpu")
     bodies, refs, tol, sizes = references(args, spec, device)
-    args.loadgen_cpus = split_cores(args)
+    from bench import native_load
+
+    args.loadgen_cpus = native_load.split_cores(args.loadgen_cores if args.load_generator == "native" else 0)
     pad, pad_buckets = declared_pad(args)
     if not pad:  # ours, archived with no options, pads where the import found padding safe
         pad = (spec.extra.get("padding") or {}).get("pad") or {}

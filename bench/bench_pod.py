@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import native_load
 from bench.bench_load import _mismatch, run_point
 from pod.local_pod import LocalPod
 from compiled_serving.local_server import ROOT
@@ -175,8 +176,6 @@ def answer_ok(url: str, path: str, body: bytes, headers: dict, check: tuple) -> 
 def measure_native(args, url, path, body, headers, clients, check) -> dict:
     """One point by the C load generators on the first body; that body's answer checked by a real client
     before and after (they see HTTP statuses only, not the answer nor gRPC's status trailer)."""
-    from bench import native_load
-
     headers = headers[0] if isinstance(headers, list) else headers
     before = answer_ok(url, path, body, headers, check)
     res = native_load.run_point(url, path, body, headers, clients, args.seconds, args.warmup_seconds,
@@ -217,19 +216,6 @@ def largest(pod, spec, model, device, tol, rows: int = 0) -> list:
     return out
 
 
-def split_cores(args):
-    """The load generator's own cores (native load, --loadgen-cores N): the last N of this process's; this
-    process keeps the rest, and the pod it starts inherits them. None where they are shared."""
-    import os
-
-    cores = sorted(os.sched_getaffinity(0))
-    n = args.loadgen_cores if args.load_generator == "native" else 0
-    if not n or n >= len(cores):
-        return None
-    os.sched_setaffinity(0, cores[:-n])
-    return cores[-n:]
-
-
 def summary(points: list) -> list:
     rows = []
     for clients in sorted({p["clients"] for p in points}):
@@ -263,7 +249,7 @@ def run(args, spec, device) -> dict:
     bodies, refs, tol, _ = bench_e2e.references(ns, spec, device)
     enc = encodings(bodies)
     routes = [r for r in args.routes.split(",") if r]
-    args.loadgen_cpus = split_cores(args)
+    args.loadgen_cpus = native_load.split_cores(args.loadgen_cores if args.load_generator == "native" else 0)
     with tempfile.TemporaryDirectory(prefix="bench_pod_") as tmp:
         pod = start_pod(args, Path(tmp))
         try:

@@ -45,6 +45,17 @@ def tool(name: str) -> list:
     return [exe]
 
 
+def split_cores(n: int):
+    """The native load generator's own cores: the last `n` of this process's; this process keeps
+    the rest, and the servers it starts inherit them. None where none are set apart (n 0, or
+    not fewer than the cores there are)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not n or n >= len(cores):
+        return None
+    os.sched_setaffinity(0, cores[:-n])
+    return cores[-n:]
+
+
 def threads(clients: int, cores=None) -> int:
     """One thread per core given to the load generator, else a quarter of this process's cores; at most 4."""
     return max(1, min(clients, 4, len(cores) if cores else len(os.sched_getaffinity(0)) // 4 or 1))

@@ -40,14 +40,13 @@ class Generation:
 def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
     """One answer per request (an Encoded or a Failed); `send(idx, Encoded)` streams a chunk."""
     refusal = worker.health.refusal()
-    gen: Generation = worker.loaded.generation if worker.loaded else None
     answers = []
     for idx, (request, h) in enumerate(zip(data, headers)):
         route = Route(h.generate_route or "predictions", worker.name, worker.version)
         if refusal is not None:
             answers.append(_failed(refusal))
             continue
-        answers.append(_one(worker, gen, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
+        answers.append(_one(worker, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
         refusal = worker.health.refusal()  # a sticky fault refuses the rest of the batch
     return answers
 
@@ -56,7 +55,8 @@ def _failed(err: ServingError) -> Failed:
     return Failed(err, wire.ERRORS.error(err, None, ""), None)
 
 
-def _one(worker, gen: Generation, request, h, route: Route, send) -> object:
+def _one(worker, request, h, route: Route, send) -> object:
+    gen: Generation = worker.loaded.generation
     try:
         req = parse(request, h.content_type, gen.max_body_bytes)
         plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from handlers import faults, timeline, wire
+from handlers import faults, timeline
 from handlers.wire.request import Request, arrival, read_arrived
 from handlers.admission import admit
 from handlers.config import HandlerConfig
