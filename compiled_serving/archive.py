@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-headroom", type=float, default=worker_sizing.DEFAULT_HEADROOM,
                    help=f"fraction of the GPU's memory left out of the sizing (default {worker_sizing.DEFAULT_HEADROOM:g})")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="TorchServe batchSize (default: 8, at most the artifact's max batch; 1 for "
-                        "outputs of several MiB per row)")
+                   help="TorchServe batchSize (default: 16 for a CUDA model whose request rows are at most "
+                        "64 KiB, else 8; at most the artifact's max batch; 1 for outputs of several MiB per row)")
     p.add_argument("--max-batch-delay", type=int, default=1, help="milliseconds (default 1)")
     p.add_argument("--response-timeout", type=int, default=120, help="seconds")
     p.add_argument("--device-type", choices=("cpu", "gpu"))

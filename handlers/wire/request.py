@@ -1,10 +1,9 @@
 """One request as the wire reads it (the order: wire/__init__.py): `arrival` (its transport, its
 body unread), `read` (its payload out of TorchServe's request dict, the body limits that apply
 before any format looks at it, its format chosen from wire/registry.py's formats: by media type
-or bytes, by JSON shape (`json_format`, also asked by oip_grpc for its bodies' envelope), the
-answering one by Accept; its body parsed), and the
-typed `Request` the pipeline carries from there through admission (its checked tensors) to its
-answer.
+or bytes, by JSON shape (`json_format`), the answering one by Accept; a transport's own format
+names the one reading its bodies; its body parsed into a wire.base.Parsed), and the typed
+`Request` the pipeline carries from there through admission (its checked tensors) to its answer.
 
 The JSON limit can apply before parsing only because the worker hands JSON bodies over as
 bytes: ts_entry sets TS_DECODE_INPUT_REQUEST=false at initialize (TorchServe 0.12's worker
