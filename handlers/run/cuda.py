@@ -30,9 +30,9 @@ from handlers.staging import StagingBuffers, concat_into
 
 logger = logging.getLogger(__name__)
 # A call's fixed host cost beside its GPU work (upload, launch, the wait, the copy-out), what
-# padding texts of several length buckets into one call saves per call merged: the run stage of
-# a batch of 8 on an H100 host took 0.249 ms per call around a 0.020 ms graph replay
-# (docs/results/profile_mlp_fp16_h100.json and e2e_mlp's GPU limit).
+# padding texts of several length buckets into one call saves per call merged: on an H100 host
+# under load, a batch of 8 of the MLP spent 0.272 ms copying in and launching and 0.162 ms waiting
+# around a 0.0204 ms graph replay (docs/results/heavy_mlp_fp16_h100.json, 64 clients).
 CALL_OVERHEAD_MS = 0.2
 
 

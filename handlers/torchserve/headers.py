@@ -7,7 +7,7 @@ Content-Type) sit in a dict under the part's name ("body" or "data"); the fronte
 Inference Protocol gRPC service sends no str header at all (handlers/wire/oip_grpc.py).
 
 Header names are matched without regard to case. The per-request cost matters at small models
-(a worker's Python is the limit there, docs/results/profile_mlp_fp16_h100.md): the lower-cased
+(a worker's own steps are the limit there, docs/results/heavy_mlp_fp16_h100.md): the lower-cased
 spelling of each header set seen is kept, so a request whose header names were seen before
 costs one tuple and a few dict lookups instead of lower-casing every name.
 """
