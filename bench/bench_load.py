@@ -6,7 +6,8 @@ Each connection sends prebuilt HTTP/1.1 requests and reads Content-Length answer
 (`Connection`). With `http.client` (and 8 processes) the load generator took 7.9 cores for
 13.5k req/s of 300 kB, 0.59 ms of CPU per request with the answer check, and its busiest
 process was 99% busy, so under its interpreter lock: at that rate it, not TorchServe, was the
-limit being measured (docs/results/e2e_resnet50_fp16_scaling_httpclient_h200x2.md, core accounting).
+limit being measured (e2e_resnet50_fp16_scaling_httpclient_h200x2.md, core accounting; in git history:
+`git show c29cc58^:docs/results/e2e_resnet50_fp16_scaling_httpclient_h200x2.md`).
 
 Answers are counted only when they complete inside the measured window, after a warm-up;
 every 200 answer is parsed (`safetensors` by default; the KServe v2 binary extension or a gRPC

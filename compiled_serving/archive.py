@@ -229,8 +229,8 @@ def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
             lines.append(warned(
                 f"each row of {spec.artifact}'s outputs is {big / 2**20:.1f} MiB. TorchServe 0.12's frontend re-reads "
                 "a batched worker response from its start on every network read until the last request's bytes "
-                "arrive, which is quadratic in the response size (a batch of 2 x 50 MB took 22 s to relay after "
-                "0.2 s of inference, docs/results/soak.md). Use --batch-size 1 for this model"))
+                "arrive, which is quadratic in the response size (seen in soak runs whose logs were not kept: a batch "
+                "of 2 x 50 MB took 22 s to relay after 0.2 s of inference). Use --batch-size 1 for this model"))
     return Decision(n, tuple(lines))
 
 
