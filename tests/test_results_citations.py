@@ -10,6 +10,8 @@
 - A README unit quoting a throughput (req/s) links its results file or docs/performance.md.
 - A results page's links to other results files (`[x](NAME.md)`) lead to files that exist.
 - docs/results keeps the current sets only: at most 70 files.
+- Code (docstrings, comments, messages users read) cites results files that exist, or cites
+  them in git history (`git show REV:docs/results/NAME`).
 """
 from __future__ import annotations
 
@@ -166,3 +168,25 @@ def test_the_checks_catch_a_stale_figure_and_a_missing_file():
              "```\npython -m x --out docs/results/other_h100.json\n```\n")
     assert cited_files(prose) == {f"{stem}", "gone_run_h100_s1", "gone_run_h100_s2.md"}
     assert sorted(n for n in cited_files(prose) if not _exists(n)) == ["gone_run_h100_s1", "gone_run_h100_s2.md"]
+
+
+# a results path in code (docstrings, comments, messages users read); `git show REV:PATH` cites
+# history, `--out PATH` and VAR=PATH name an output, and a placeholder (TAG, NAME, *) a pattern
+_CODE_PATH = re.compile(r"(?<![\w/:])docs/results/([A-Za-z0-9_.-]+\.(?:json|md|png))")
+
+
+def test_code_cites_results_files_that_exist():
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    missing = []
+    for path in files:
+        for n, line in enumerate((ROOT / path).read_text().splitlines(), 1):
+            if "--out" in line or re.search(r"\w+=\S*docs/results/", line):
+                continue
+            for name in _CODE_PATH.findall(line):
+                if not re.search(r"TAG|NAME", name) and not (RESULTS / name).exists():
+                    missing.append(f"{path}:{n} docs/results/{name}")
+    assert not missing, ("code cites results files that are not in docs/results (cite the current set, or "
+                         "the file in git history as `git show REV:docs/results/NAME`):\n" + "\n".join(missing))
