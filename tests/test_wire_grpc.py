@@ -12,6 +12,7 @@ The messages come from tests/data/oip_infer.proto (the protocol's field list, pa
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 
@@ -531,6 +532,16 @@ def test_admission_chooses_it_by_media_type_and_answers_in_it(pb):
               "application/json", MEDIA)
     assert j.respond_as.media_type == MEDIA and j.encode({"y": torch.ones(1, 4)}, "two").media_type == MEDIA
     assert admit({"body": body}, spec, limits(), MEDIA, "application/json").respond_as.media_type == "application/json"
+    # the outputs a KServe v2 JSON request asks for are the ones a protobuf reply holds, with its id
+    two = make_spec([("x", "float32"), ("m", "bool")], (("y", "float32"), ("z", "int64")))
+    v2 = json.dumps({"id": "r9", "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                                            {"name": "m", "shape": [1, 4], "datatype": "BOOL",
+                                             "data": [True, False, True, True]}],
+                     "outputs": [{"name": "z"}]}).encode()
+    k = admit({"body": v2}, two, limits(), "application/json", MEDIA)
+    resp = pb.ModelInferResponse.FromString(k.encode({"y": torch.ones(1, 4), "z": torch.tensor([[5]])}, "two").body)
+    assert [o.name for o in resp.outputs] == ["z"] and resp.id == "r9"
+    assert library_outputs(resp)["z"].tolist() == [[5]]
 
 
 def test_admission_refuses_a_contract_violation_after_decoding(pb):
