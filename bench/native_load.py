@@ -130,10 +130,14 @@ def _measured(cmd: list, warmup: float, seconds: float, cores=None) -> tuple:
 
 def wrk_script(tmp: str, bodies: list) -> str:
     """A wrk Lua script POSTing `bodies` in turn, each connection from its own place in the list
-    (Lua strings are byte strings: each body goes out as read)."""
+    (Lua strings are byte strings: each body goes out as read); one body is wrk's own static body."""
     for i, b in enumerate(bodies):
         Path(f"{tmp}/body{i}").write_bytes(b)
     script = f"{tmp}/post.lua"
+    if len(bodies) == 1:
+        Path(script).write_text(f'local f = io.open("{tmp}/body0", "rb")\nwrk.method = "POST"\n'
+                                'wrk.body = f:read("*a")\nf:close()\n')
+        return script
     Path(script).write_text(
         f'local n = {len(bodies)}\nlocal bodies = {{}}\n'
         f'for i = 1, n do local f = io.open("{tmp}/body" .. (i - 1), "rb"); bodies[i] = f:read("*a"); f:close() end\n'
@@ -161,25 +165,15 @@ def run_point(url: str, path: str, body: bytes, headers: dict, clients: int, sec
     """bench_load.summarize's figures for one body sent by `clients` connections: gRPC (url grpc://HOST:PORT,
     path the method; body the serialized request message) by h2load, else HTTP/1.1 POSTs by wrk; on
     `cores` only when given (the server kept off them by the caller, as clients on other hosts would be)."""
+    if not grpc:
+        return run_bodies(url, path, [body], headers, clients, seconds, warmup, cores)
     with tempfile.TemporaryDirectory(prefix="native_load_") as tmp:
         body_file, log_file = f"{tmp}/body", f"{tmp}/log"
-        if grpc:
-            # gRPC's length-prefixed message: compression flag 0, 4-byte big-endian length
-            Path(body_file).write_bytes(b"\0" + len(body).to_bytes(4, "big") + body)
-            cmd = h2load_command(url, path, body_file, {"content-type": "application/grpc", "te": "trailers",
-                                                        **headers}, clients, seconds, warmup, log_file, cores)
-            out, busy = _measured(cmd, warmup, seconds, cores)
-            res, gen = parse_h2load_log(log_file, seconds), "h2load"
-        else:
-            Path(body_file).write_bytes(body)
-            script = f"{tmp}/post.lua"
-            # Lua strings are byte strings: the body goes out as read
-            Path(script).write_text(f'local f = io.open("{body_file}", "rb")\nwrk.method = "POST"\n'
-                                    'wrk.body = f:read("*a")\nf:close()\n')
-            subprocess.run(wrk_command(url, path, script, headers, clients, warmup, cores), capture_output=True,
-                           check=True, timeout=warmup + 60, preexec_fn=_pinned(cores))  # wrk has no warm-up option
-            cmd = wrk_command(url, path, script, headers, clients, seconds, cores)
-            out, busy = _measured(cmd, 0.0, seconds, cores)
-            res, gen = parse_wrk(out, seconds), "wrk"
-    return {**res, "mismatches": None, "seconds": seconds, "cpu_cores": busy, "load_generator": gen,
+        # gRPC's length-prefixed message: compression flag 0, 4-byte big-endian length
+        Path(body_file).write_bytes(b"\0" + len(body).to_bytes(4, "big") + body)
+        cmd = h2load_command(url, path, body_file, {"content-type": "application/grpc", "te": "trailers",
+                                                    **headers}, clients, seconds, warmup, log_file, cores)
+        _, busy = _measured(cmd, warmup, seconds, cores)
+        res = parse_h2load_log(log_file, seconds)
+    return {**res, "mismatches": None, "seconds": seconds, "cpu_cores": busy, "load_generator": "h2load",
             "load_generator_cores": sorted(cores) if cores else None}

@@ -28,7 +28,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from handlers.artifact.metadata import METADATA_FILE, read_spec, sha256_file
+from handlers.artifact.metadata import METADATA_FILE, read_spec, row_bytes, sha256_file
 from handlers.config import parse_config
 from handlers.errors import LoadError
 from compiled_serving import worker_sizing
@@ -155,18 +155,9 @@ LARGE_RESPONSE_ROW = 4 << 20
 
 
 def response_row_bytes(spec) -> int:
-    """Bytes one row of the outputs takes in a response (0 where a dimension is unknown)."""
-    import torch
-
-    total = 0
-    for o in spec.outputs:
-        if any(not isinstance(d, int) for d in o.shape[1:]):
-            return 0
-        n = torch.empty((), dtype=getattr(torch, o.dtype)).element_size()
-        for d in o.shape[1:]:
-            n *= d
-        total += n
-    return total
+    """Bytes one row of the outputs takes in a response (0 where a dimension is named: its size
+    is the request's)."""
+    return row_bytes(spec.outputs, {})
 
 
 # batchSize with no --batch-size: 16 for a CUDA model whose request rows are small, 8 otherwise.
@@ -178,26 +169,9 @@ def response_row_bytes(spec) -> int:
 BATCH_DEFAULT, BATCH_SMALL_ROWS, SMALL_REQUEST_ROW = 8, 16, 64 << 10
 
 
-def request_row_bytes(spec) -> int:
-    """Bytes one row of the inputs takes at most (named dimensions at their maximum); 0 where
-    a dimension is unknown."""
-    import torch
-
-    total = 0
-    for t in spec.inputs:
-        n = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-        for d in t.shape[1:]:
-            d = spec.dims.get(d, (0, 0))[1] if isinstance(d, str) else d
-            if not isinstance(d, int) or d <= 0:
-                return 0
-            n *= d
-        total += n
-    return total
-
-
 def default_batch(specs) -> tuple:
     """(batchSize with no --batch-size, why)."""
-    rows = [request_row_bytes(s) for s in specs]
+    rows = [row_bytes(s.inputs, s.dims) for s in specs]
     if all(s.device == "cuda" for s in specs) and all(0 < r <= SMALL_REQUEST_ROW for r in rows):
         return BATCH_SMALL_ROWS, (f"a CUDA model with request rows of at most {max(rows) / 1024:.1f} KiB: "
                                   "measured faster than 8 (compiled_serving/archive.py BATCH_SMALL_ROWS)")

@@ -69,14 +69,13 @@ IMAGE_REPO = "ghcr.io/example/compiled-serving"
 # nodes whose GPU has that much for all of them (gpu_memory_affinity).
 # The Java frontend: a capped heap, Netty's direct buffers (the request bodies it holds, up to
 # DIRECT_BODIES of the pod's body limit at once, plus its pools) and the JVM's own memory (code,
-# threads, metaspace). Both caps go into config.properties' vmargs; FRONTEND_MIB is the total at
-# the smallest body limit, frontend_mib() at the pod's.
+# threads, metaspace). Both caps go into config.properties' vmargs; frontend_mib() is the total
+# at the pod's body limit.
 JVM_HEAP_MIB = 384
 JVM_NATIVE_MIB = 256
 DIRECT_BODIES = 4
 DIRECT_POOL_MIB = 64
 MIB = 1 << 20
-FRONTEND_MIB = JVM_HEAP_MIB + JVM_NATIVE_MIB + DIRECT_POOL_MIB + DIRECT_BODIES * 8  # an 8 MiB limit
 FRONTS_MIB = 256
 WORKER_CPU_MIB = 512
 CPU_PER_WORKER = 1
@@ -338,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", help=f"CPU request and limit (default: one per worker of the archives + {FRONTS_CPU} "
                                  "for the pod's fronts)")
     p.add_argument("--memory", help=f"memory request and limit (default: the frontend's capped JVM, "
-                                    f"{FRONTEND_MIB}Mi at an 8 MiB body limit, + {FRONTS_MIB}Mi + "
+                                    f"{frontend_mib(8 * MIB)}Mi at an 8 MiB body limit, + {FRONTS_MIB}Mi + "
                                     f"{WORKER_CPU_MIB}Mi per worker)")
     p.add_argument("--force-gpu", action="store_true",
                    help="write gpu manifests even when an archive has no cuda variant")

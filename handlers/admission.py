@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from handlers.artifact.metadata import ArtifactSpec
+from handlers.artifact.metadata import ArtifactSpec, row_bytes
 from handlers.config import HandlerConfig
 from handlers.errors import PayloadTooLarge
 from handlers.values import ValueContract
@@ -49,12 +47,7 @@ def largest_body(limits: Limits, spec: ArtifactSpec, generates: bool = False) ->
     if generates:
         return limits.max_json_bytes
     rows = limits.max_rows if limits.split_oversized else min(limits.max_rows, limits.batch_max)
-    row = 0
-    for t in spec.inputs:
-        n = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-        for d in t.shape[1:]:
-            n *= d if isinstance(d, int) else spec.dims.get(d, (0, 0))[1]
-        row += n
+    row = row_bytes(spec.inputs, spec.dims)
     binary = rows * row + BODY_ENVELOPE_BYTES if row else limits.max_body_bytes
     return min(limits.max_body_bytes, max(limits.max_json_bytes, binary))
 

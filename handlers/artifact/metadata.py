@@ -207,6 +207,20 @@ def describe_columns(ranges) -> str:
                       for a, b, r in runs)
 
 
+def row_bytes(tensors, dims: dict) -> int:
+    """Bytes one row (every dimension but the batch) of `tensors` (TensorSpecs) takes at most,
+    a named dimension at its maximum in `dims`; 0 where a dimension is not known there."""
+    total = 0
+    for t in tensors:
+        n = torch_dtype(t.dtype).itemsize
+        for d in t.shape[1:]:
+            if isinstance(d, str) and d not in dims:
+                return 0
+            n *= dims[d][1] if isinstance(d, str) else d
+        total += n
+    return total
+
+
 def _tensor_specs(raw, where: str, dims: dict, batch_first: bool = True):
     """`batch_first`: dimension 0 is the batch (a decoder's positions [S] are not batched:
     handlers/artifact/decoder.py)."""
