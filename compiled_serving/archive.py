@@ -35,6 +35,14 @@ from compiled_serving import worker_sizing
 from compiled_serving.weight_bytes import weight_bytes
 
 
+def slot_decoder(specs):
+    """The slot-form decoder the variants hold (handlers/artifact/decoder.py), or None."""
+    from handlers.artifact.decoder import of as decoder_of
+
+    decoders = [decoder_of(s) for s in specs]
+    return decoders[0] if decoders and all(d is not None and d.slotted for d in decoders) else None
+
+
 def default_workers(devices, cpus: int):
     """(workers, why) for speed, for artifacts built for `devices` ("cpu"/"cuda") on a machine with
     `cpus` cores. A CUDA worker spends its time waiting on the GPU, so several share one GPU (6
@@ -97,6 +105,10 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
     option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
+    slotted = slot_decoder(specs)
+    if slotted is not None:  # one engine batches every sequence: a second worker is a second copy
+        speed, why = 1, (f"a slot-form decoder: one worker's engine runs all {slotted.slots} sequence slots on one "
+                         "cache; another worker would hold another copy of the weights and the cache")
     cuda = [s for s in specs if s.device != "cpu"]
     if not cuda:
         lines = []
@@ -183,6 +195,13 @@ def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
     variant accepts per call, and 1 where a row of the outputs is several MiB; with the warnings
     a batch size calls for."""
     lines = []
+    if slot_decoder(specs) is not None:  # the engine forms the batches (handlers/continuous.py)
+        if given not in (None, 1):
+            fail(f"--batch-size {given}: a slot-form decoder takes each request as it arrives and batches its "
+                 "sequences itself (continuous batching); leave --batch-size out")
+        return Decision(1, (said("batchSize 1 with asyncCommunication: the frontend hands every request to the "
+                                 "worker as it arrives and the worker's engine batches the sequences "
+                                 "(continuous batching, handlers/continuous.py)"),))
     if given is not None:
         n = given
     elif any(response_row_bytes(s) > LARGE_RESPONSE_ROW for s in specs):
@@ -328,13 +347,15 @@ def handler_options(items: list) -> dict:
 
 
 def model_config(args, handler_opts: dict, workers: Optional[WorkerPlan] = None, batch_size: int = 1,
-                 pad: Optional[dict] = None) -> dict:
+                 pad: Optional[dict] = None, continuous: bool = False) -> dict:
     """model-config.yaml, the one place that writes it, validated as the worker validates it."""
     if not args.name.replace("_", "").replace("-", "").isalnum():
         fail(f"--name {args.name!r}: use letters, digits, '-' and '_'")
     n = workers.workers if workers else args.workers
     cfg = {"minWorkers": n, "maxWorkers": n, "batchSize": batch_size,
            "maxBatchDelay": args.max_batch_delay, "responseTimeout": args.response_timeout}
+    if continuous:  # TorchServe 0.12 then sends requests without waiting for answers (handlers/continuous.py)
+        cfg["asyncCommunication"] = True
     if args.device_type:
         cfg["deviceType"] = args.device_type
     if args.device_ids:
@@ -432,7 +453,7 @@ def build(args) -> tuple:
         check_delay(args.max_batch_delay, batch.value)
         for d in (workers, pad, batch):
             show(d)
-        cfg = model_config(args, opts, workers.value, batch.value, pad.value)
+        cfg = model_config(args, opts, workers.value, batch.value, pad.value, slot_decoder(specs) is not None)
         run_archiver(args, cfg, stage, tmp)
     return os.path.join(args.out, f"{args.name}.mar"), specs, cfg
 

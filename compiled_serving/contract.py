@@ -487,12 +487,20 @@ def decoder_contract(ep, state) -> Contract:
     except NotADecoder as e:
         raise ContractError(f"{refusal('the program', state)}. It is not served as a decoder either: {e}") from None
     seq = "seq" if dec.chunk_max > 1 else 1
-    pos_shape = [seq] if dec.positions_rank == 1 else [1, seq]
     values = {dec.tokens: {"min": 0, "max": dec.vocab - 1, "source": "the decoder's vocabulary"},
               dec.positions: {"min": 0, "max": dec.cache_length - 1, "source": "the decoder's KV cache length"}}
-    return Contract(inputs=[(dec.tokens, "int64", [1, seq]), (dec.positions, "int64", pos_shape)],
-                    outputs=[(dec.logits, dec.logits_dtype, [1, seq if dec.all_positions else 1, dec.vocab])],
-                    batch=(1, 1), dims={"seq": (1, dec.chunk_max)} if seq == "seq" else {}, values=values,
+    dims = {"seq": (1, dec.chunk_max)} if seq == "seq" else {}
+    logits_seq = seq if dec.all_positions else 1
+    if dec.slotted:  # many sequences: a row per busy slot (handlers/continuous.py)
+        values[dec.slot_input] = {"min": 0, "max": dec.slots - 1, "source": "the decoder's slot count"}
+        inputs = [(dec.tokens, "int64", [None, seq]), (dec.positions, "int64", [None, seq]),
+                  (dec.slot_input, "int64", [None])]
+        outputs, batch = [(dec.logits, dec.logits_dtype, [None, logits_seq, dec.vocab])], (1, dec.slots)
+    else:
+        pos_shape = [seq] if dec.positions_rank == 1 else [1, seq]
+        inputs = [(dec.tokens, "int64", [1, seq]), (dec.positions, "int64", pos_shape)]
+        outputs, batch = [(dec.logits, dec.logits_dtype, [1, logits_seq, dec.vocab])], (1, 1)
+    return Contract(inputs=inputs, outputs=outputs, batch=batch, dims=dims, values=values,
                     state={**state.record(), "decoder": dec.record()})
 
 

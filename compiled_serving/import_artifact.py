@@ -220,7 +220,8 @@ def check(spec, ep, found, device_index: int) -> float:
 
 def check_decoder(record: dict, ep, loaded, device) -> float:
     """A decoder's artifact against its program: a prompt (in one call, or one token per call
-    where the program takes one) and one decode step after it, each from its own cache."""
+    where the program takes one) and one decode step after it, each from its own cache; the slot
+    form's prompt goes into its last slot and the step runs beside a row of slot 0."""
     import torch
 
     from handlers.artifact.decoder import Decoder
@@ -235,6 +236,10 @@ def check_decoder(record: dict, ep, loaded, device) -> float:
         pos = torch.arange(start, start + ids.shape[1], device=device)
         pos = pos.view(1, -1) if dec.positions_rank == 2 else pos
         args = {dec.tokens: ids, dec.positions: pos}
+        if dec.slotted:
+            last = torch.tensor([dec.slots - 1], device=device)
+            args = {dec.tokens: torch.cat([ids, ids]), dec.positions: torch.cat([pos, pos]),
+                    dec.slot_input: torch.cat([last, torch.zeros_like(last)])} if start else {**args, dec.slot_input: last}
         out = fn(**args) if fn is module and dec.keywords else fn(*args.values())
         out = out[dec.logits] if isinstance(out, dict) else out
         return out[0, -1]

@@ -180,6 +180,8 @@ OPTIONS = (
            "max_tokens (fewer where the KV cache ends)", low=1),
     Option("eos_token_ids", tuple, (), "a decoder's end-of-sequence token ids; empty: the archive's "
            "tokenizer's end-of-sequence tokens (handlers/generation/text.py)", low=0),
+    Option("queue_size", int, 256, "a slot-form decoder's sequences that wait while every slot is busy "
+           "(handlers/generation/engine.py); one more is refused at once with 503 and Retry-After", low=0),
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),
 )

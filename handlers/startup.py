@@ -24,11 +24,13 @@ from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.config import HandlerConfig, parse_config
 from handlers.errors import LoadError
+from handlers.continuous import Continuous
 from handlers.generating import Generation
 from handlers.generation.text import Text
 from handlers.loaded import Loaded
 from handlers.run import runner_for
 from handlers.run.decoder import DecoderRunner
+from handlers.run.slots import SlotRunner
 from handlers.run.padding import verify_padding
 from handlers.torchserve import scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
@@ -146,7 +148,10 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     steps.done("trial load")
     model = load_artifact(spec, placement, config)
     limits, decoder = Limits.of(config, spec), decoder_of(spec)
-    if decoder is not None:  # a decoder: generation on its one KV cache (handlers/generating.py)
+    if decoder is not None and decoder.slotted:  # many sequences on one cache (handlers/continuous.py)
+        runner = SlotRunner(model, decoder, placement.torch_device, config)
+        generation = Continuous(runner, Text.in_dir(plan.model_dir), config, limits.max_json_bytes)
+    elif decoder is not None:  # a decoder: generation on its one KV cache (handlers/generating.py)
         runner = DecoderRunner(model, decoder, placement.torch_device, config)
         generation = Generation(runner, Text.in_dir(plan.model_dir), config, limits.max_json_bytes)
     else:

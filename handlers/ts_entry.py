@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from handlers import timeline
-from handlers.torchserve import exchange
+from handlers import continuous, timeline
+from handlers.torchserve import exchange, frontend_frames
 from handlers.worker import Worker
 
 
@@ -24,6 +24,7 @@ class CompiledModelHandler:
     def __init__(self):
         self.initialized = False
         self.worker: Optional[Worker] = None
+        self.async_worker = frontend_frames.async_worker()
 
     def initialize(self, context):
         self.worker = Worker.of(context)
@@ -32,15 +33,25 @@ class CompiledModelHandler:
 
     def handle(self, data, context):
         """Exactly one reply per request; the describe call of the management API gets the
-        worker's health."""
+        worker's health. TorchServe's async worker (model-config asyncCommunication: a slot
+        decoder's continuous batching, handlers/continuous.py) awaits what this returns."""
+        if self.async_worker:
+            return self._handle_async(data, context)
         if _is_describe(context):
             return [self.describe_handle()]
+        if continuous.serves(self.worker):
+            return continuous.handle_sync(self.worker, data, context)
         if not timeline.ON:
             return exchange.handle(self.worker, data, context)
         timeline.mark("handle")
         replies = exchange.handle(self.worker, data, context)
         timeline.mark("replied")
         return replies
+
+    async def _handle_async(self, data, context):
+        if _is_describe(context):
+            return [self.describe_handle()]
+        return await continuous.handle_async(self.worker, data, context)
 
     def describe_handle(self):
         """`GET /models/NAME?customized=true` (management API) shows this as customizedMetadata."""

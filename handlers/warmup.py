@@ -52,6 +52,28 @@ def decoder(loaded: Loaded, steps) -> None:
     steps.done("CUDA graphs")
 
 
+def slots(loaded: Loaded, steps, broken) -> None:
+    """A slot decoder's warm-up: a prompt of the longest chunk one call takes and a step of every
+    slot (kernels and allocator), the steps' CUDA graphs, the prompt budget per turn timed on
+    this device (handlers/generation/engine.py), then the engine's thread."""
+    import torch
+
+    from handlers.generation.engine import measure_budget
+
+    runner, cont = loaded.runner, loaded.generation
+    dec = runner.dec
+    with torch.inference_mode(), runner.stream_context():
+        if loaded.config.warmup:
+            n = max(1, min(dec.chunk_max, dec.cache_length - 4))
+            runner.prefill(0, torch.arange(n, device=runner.device).view(1, n) % dec.vocab, 0)
+            runner.step(list(range(dec.slots)), torch.zeros(dec.slots, dtype=torch.int64, device=runner.device),
+                        [n] * dec.slots)
+            steps.done("warm-up")
+    steps.note("graphs", runner.capture(loaded.config.cuda_graphs))
+    steps.done("CUDA graphs")
+    cont.start(*measure_budget(runner), broken)
+
+
 def model(loaded: Loaded, smallest_only: bool = False) -> None:
     """The model across a few batch sizes (`smallest_only`: the smallest accepted batch):
     kernels, allocator, staging buffers; then every length bucket at that batch. Its inputs are

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from handlers import faults, generating, pipeline, startup, warmup
+from handlers import continuous, faults, generating, pipeline, startup, warmup
 from handlers.health import Health
 from handlers.loaded import Loaded
 from handlers.torchserve import frontend_frames, restart
@@ -64,7 +64,10 @@ class Worker:
         with startup.gpu_room(plan):
             self.loaded = startup.load(plan, emit, steps)
             if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
-                warmup.decoder(self.loaded, steps)
+                if continuous.serves(self):
+                    warmup.slots(self.loaded, steps, self.broken)
+                else:
+                    warmup.decoder(self.loaded, steps)
                 self.health.ready()
                 startup.log_decoder(self.loaded, plan.placement, steps,
                                     frontend_frames.install(plan.config.buffered_reader, self.between_batches))
@@ -86,6 +89,8 @@ class Worker:
         """One answer per request of a TorchServe batch (`headers`: each request's
         handlers.torchserve.headers.RequestHeaders), an Encoded or a Failed; a decoder streams
         its tokens through `send(idx, Encoded)` (handlers/generating.py) before its last answer."""
+        if continuous.serves(self):
+            return self.loaded.generation.serve(self, data, headers)
         if self.loaded is not None and self.loaded.generation is not None:
             return generating.serve(self, data, headers, send)
         return pipeline.serve(self, data, headers)

@@ -222,8 +222,8 @@ def row_bytes(tensors, dims: dict) -> int:
 
 
 def _tensor_specs(raw, where: str, dims: dict, batch_first: bool = True):
-    """`batch_first`: dimension 0 is the batch (a decoder's positions [S] are not batched:
-    handlers/artifact/decoder.py)."""
+    """`batch_first`: dimension 0 is the batch (a one-sequence decoder's positions [S] are not
+    batched; the slot form's rows are: handlers/artifact/decoder.py)."""
     specs = []
     for i, item in enumerate(raw):
         try:
@@ -284,7 +284,8 @@ def spec_from_dict(raw: dict, path: str = METADATA_FILE, directory: str = "") ->
                         "directory, not a path")
     dims = _dims(raw.get("dims"), path)
     state = (raw.get("extra") or {}).get("state")
-    batch_first = not (isinstance(state, dict) and state.get("decoder"))
+    decoder = state.get("decoder") if isinstance(state, dict) else None
+    batch_first = not decoder or bool(decoder.get("slot_input"))  # the slot form's rows are a batch
     inputs = _tensor_specs(raw["inputs"], "inputs", dims, batch_first)
     outputs = _tensor_specs(raw["outputs"], "outputs", dims, batch_first)
     for s in inputs + outputs:

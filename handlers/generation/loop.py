@@ -96,43 +96,60 @@ class _HostToken:
         return int(self.buf[0, 0])
 
 
+class Sequence:
+    """One request's tokens as they come: each checked against its stops (end-of-sequence and
+    stop ids, max_tokens, stop strings), turned into text, and why it ended. The one place a
+    generated token becomes an event, for one sequence at a time (`generate`) and for many on one
+    cache (handlers/generation/engine.py)."""
+
+    def __init__(self, req: GenerateRequest, p: Plan, text: Optional[Text]):
+        self.plan, self.params = p, req.params
+        self.detok = Detokenizer(text, p.prompt) if text else None
+        self.stops = StopText(req.params.stop) if req.params.stop else None
+        self.ids, self.text, self.reason = [], [], None  # reason: None while it goes on
+
+    def take(self, tid: int) -> Token:
+        """The event for generated token `tid`; `reason` is set where it ends the sequence."""
+        self.ids.append(tid)
+        if tid in self.plan.stop_ids:
+            self.reason = "eos_token"
+            return Token(tid, "")
+        piece = self.detok.add(tid) if self.detok else ""
+        if self.stops is not None:
+            piece, hit = self.stops.add(piece)
+            if hit:
+                self.reason = "stop_sequence"
+        self.text.append(piece)
+        if self.reason is None and len(self.ids) >= self.plan.max_tokens:
+            self.reason = "length"
+        return Token(tid, piece)
+
+    def finish(self) -> list:
+        """The last events: text held back for a stop sequence that never completed, then Finished."""
+        out = []
+        if self.stops is not None and self.reason != "stop_sequence":
+            tail = self.stops.flush()
+            self.text.append(tail)
+            if tail:
+                out.append(Token(None, tail))
+        return out + [Finished(self.reason or "length", len(self.plan.prompt), self.ids, "".join(self.text))]
+
+
 def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text]) -> Iterator:
     """Yields a Token per generated token, then one Finished."""
-    params, device = req.params, runner.device
-    gen = sampling.generator(params, device)
-    detok = Detokenizer(text, p.prompt) if text else None
-    stops = StopText(params.stop) if params.stop else None
-    host = [_HostToken(device), _HostToken(device)]  # two in flight: one read while the next is sampled
-    out_ids, out_text, reason = [], [], "length"
+    gen = sampling.generator(req.params, runner.device)
+    seq = Sequence(req, p, text)
+    host = [_HostToken(runner.device), _HostToken(runner.device)]  # two in flight: one read while the next is sampled
     with torch.inference_mode(), runner.stream_context():
-        ids = torch.tensor([p.prompt], dtype=torch.int64).to(device, non_blocking=True)
-        token = sampling.pick(runner.prefill(ids), params, gen)
+        ids = torch.tensor([p.prompt], dtype=torch.int64).to(runner.device, non_blocking=True)
+        token = sampling.pick(runner.prefill(ids), req.params, gen)
         host[0].send(token)
         for i in range(p.max_tokens):
             if i + 1 < p.max_tokens:  # queue the next step before reading this token
-                nxt = sampling.pick(runner.step(token, len(p.prompt) + i), params, gen)
+                nxt = sampling.pick(runner.step(token, len(p.prompt) + i), req.params, gen)
                 host[(i + 1) % 2].send(nxt)
-            tid = host[i % 2].read()
-            out_ids.append(tid)
-            if tid in p.stop_ids:
-                yield Token(tid, "")
-                reason = "eos_token"
+            yield seq.take(host[i % 2].read())
+            if seq.reason is not None:
                 break
-            piece = detok.add(tid) if detok else ""
-            if stops is not None:
-                piece, hit = stops.add(piece)
-                if hit:
-                    out_text.append(piece)
-                    yield Token(tid, piece)
-                    reason = "stop_sequence"
-                    break
-            out_text.append(piece)
-            yield Token(tid, piece)
-            if i + 1 < p.max_tokens:
-                token = nxt
-    if stops is not None and reason != "stop_sequence":  # held text that no stop sequence completed
-        tail = stops.flush()
-        out_text.append(tail)
-        if tail:
-            yield Token(None, tail)
-    yield Finished(reason, len(p.prompt), out_ids, "".join(out_text))
+            token = nxt
+    yield from seq.finish()

@@ -199,7 +199,7 @@ def install(enabled: bool, between_batches=None) -> str:
     main = sys.modules.get("__main__")
     if os.path.basename(getattr(main, "__file__", "") or "") != "model_service_worker.py":
         return "TorchServe's frame reader (not in a TorchServe worker process)"
-    if "--async" in sys.argv:
+    if async_worker():
         # TorchServe's async worker (model-config asyncCommunication) reads requests in
         # ts/async_service.py with that module's own retrieve_msg, never the loop's: replacing
         # the loop's would change nothing, and that reader was not tested against this one.
@@ -221,6 +221,12 @@ def install(enabled: bool, between_batches=None) -> str:
 
     process.record("TorchServe's worker loop", "__main__.retrieve_msg is handlers.torchserve.frontend_frames.retrieve_msg")
     return "buffered frame reader"
+
+
+def async_worker() -> bool:
+    """Whether this process is TorchServe's async worker (model-config asyncCommunication: its
+    frontend starts ts/model_service_worker.py with --async, and the worker awaits `handle`)."""
+    return "--async" in sys.argv
 
 
 def runs_between_batches() -> bool:

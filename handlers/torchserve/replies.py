@@ -62,3 +62,57 @@ def write(context, answers: list) -> list:
             type(a) is Failed and a.transport == first.transport for a in answers):
         raise BATCH_FAILURES[first.transport]([a.error for a in answers])
     return bodies
+
+
+STREAM_NEXT = "ts_stream_next"  # TorchServe 0.12's header: true for a chunk, false for a stream's end
+
+
+class _Chunks:
+    """The part of TorchServe's Context that `create_predict_response` reads and writes for each
+    answer, for chunks of several requests that arrived in different batches. The answers at
+    `whole` are not marked as chunks (create_predict_response marks every answer of a frame)."""
+
+    def __init__(self, whole: set):
+        self.status, self.headers, self.stopping_criteria, self.whole = {}, {}, None, whole
+
+    def set_response_status(self, code: int, phrase: str = "", idx: int = 0) -> None:
+        self.status[idx] = (code, phrase)
+
+    def get_response_status(self, idx: int):
+        return self.status.get(idx, (200, ""))
+
+    def set_response_header(self, idx, key, value) -> None:
+        if not (key == STREAM_NEXT and idx in self.whole):
+            self.headers.setdefault(idx, {})[key] = value
+
+    def get_response_headers(self, idx) -> dict:
+        return self.headers.setdefault(idx, {})
+
+    def set_response_content_type(self, idx, value) -> None:
+        self.set_response_header(idx, "content-type", value)
+
+    def get_response_content_type(self, idx):
+        return self.get_response_headers(idx).get("content-type")
+
+
+def send_chunks(sock, lock, items: list) -> None:
+    """One frame to the frontend holding a chunk of each of several requests' streamed answers
+    (`items`: [(request id, Encoded or Failed)]), each marked ts_stream_next true: TorchServe
+    0.12's frontend relays each as the next chunk of its request (RestJob: the first with the
+    status and headers), whichever batch the request came in. A Failed goes unmarked, as a whole
+    answer: the frontend closes the connection after the status line of any answer of 400 or
+    more (NettyUtils.sendHttpResponse), so an error cannot be a stream's first chunk; its last
+    frame (ts_stream_next false, handlers/continuous.py) then only lets the frontend forget the
+    request, its writes to the closed connection dropped. `lock` keeps the frames of this
+    worker's own writers whole; TorchServe's async worker writes its batch replies from another
+    thread without it, and the frontend reads every frame whole only because each write of up to
+    half the socket's send buffer (about 100 KiB on Linux for a Unix socket) is queued as one
+    unit: a chunk here is one token or one answer."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    ctx = _Chunks({i for i, (_rid, answer) in enumerate(items) if type(answer) is Failed})
+    bodies = write(ctx, [answer for _rid, answer in items])
+    msg = create_predict_response(dict(enumerate(bodies)), {i: rid for i, (rid, _a) in enumerate(items)},
+                                  "Intermediate Prediction success", 200, ctx, True)
+    with lock:
+        sock.sendall(msg)

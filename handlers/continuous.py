@@ -1,0 +1,190 @@
+"""The third way a worker serves (beside batches, handlers/pipeline.py, and one sequence at a time,
+handlers/generating.py): continuous batching of a slot-form decoder (handlers/artifact/decoder.py)
+by handlers/generation/engine.py, whose thread owns the cache and answers every request as its
+sequence goes.
+
+The archive serves such a model with TorchServe 0.12's `asyncCommunication` (cs-archive writes it
+in model-config.yaml): the frontend writes each request to the worker as it arrives, without
+waiting for the answers to earlier ones, and TorchServe's async worker (ts/async_service.py) awaits
+what `handle` returns; so `handle_async` parses and queues a batch's requests and awaits their
+last answers while the engine runs, and sequences that arrive later join the running batch.
+Without `--async` (a model-config that drops the setting) `serve` waits for its batch instead:
+the same engine, with as many sequences at once as TorchServe's batch holds.
+
+Facts of TorchServe 0.12 this relies on:
+- every answer's chunks are frames marked ts_stream_next true, and its last frame carries
+  ts_stream_next false; the async frontend (AsyncBatchAggregator.sendResponse) forgets a request
+  only on that false, and keeps every other request it was sent for the worker's lifetime;
+- a REST answer marked false that follows no chunk loses its status line (RestJob.response
+  writes it as a stream's end), so an answer with no token chunks goes out as a frame of its own
+  first (a chunk with its status, headers and body; an error whole, replies.send_chunks) and the
+  last frame is empty;
+- a non-200 code for a whole batch reply fails every request the worker holds, so nothing here
+  raises out of `handle_async`: each request gets its own status.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Callable, Optional
+
+from handlers import wire
+from handlers.errors import ServingError
+from handlers.generation import engine as engines
+from handlers.generation import loop
+from handlers.generation.formats import Route
+from handlers.generation.request import parse
+from handlers.torchserve import headers as ts_headers
+from handlers.torchserve import replies
+from handlers.wire.base import Encoded, Failed
+
+logger = logging.getLogger(__name__)
+STREAM_NEXT = replies.STREAM_NEXT
+LOCK = threading.Lock()  # this worker's own frame writers (replies.send_chunks)
+
+
+class Client:
+    """One request's side of its sequence: how its answer is encoded, the chunks sent so far, and
+    the future that its last answer resolves."""
+
+    __slots__ = ("route", "streaming", "rest", "request_id", "future", "sent", "own_chunk")
+
+    def __init__(self, route: Route, rest: bool, request_id: str, own_chunk: bool):
+        self.route, self.rest, self.request_id = route, rest, request_id
+        self.streaming, self.sent = False, 0
+        self.own_chunk = own_chunk and rest  # async REST: an answer without chunks goes as one (module docstring)
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def last(self, answer) -> tuple:
+        """(the chunk to send first or None, the last answer)."""
+        if self.own_chunk and self.sent == 0:
+            self.sent = 1
+            return (self.request_id, answer), Encoded("", answer[1].media_type if type(answer) is Failed
+                                                      else answer.media_type, {})
+        return None, answer
+
+
+class Continuous:
+    """What a slot-decoder worker keeps: its runner, tokenizer, settings and the engine."""
+
+    def __init__(self, runner, text, config, max_body_bytes: int):
+        self.runner, self.text, self.config = runner, text, config
+        self.max_body_bytes = max_body_bytes
+        self.engine: Optional[engines.Engine] = None
+        self.budget_note = ""
+        self.sock = None
+
+    def start(self, budget: int, note: str, broken: Callable) -> None:
+        self.budget_note = note
+        self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken).start()
+
+    def describe(self) -> str:
+        return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "
+                f"{self.config.queue_size} more waiting; {self.budget_note}; {self.runner.graph_note}; "
+                + ("tokenizer.json" if self.text else "token ids only (no tokenizer.json in the archive)")
+                + f"; end-of-sequence ids {list(loop.eos_ids(self.config, self.text))}")
+
+    def serve(self, worker, data: list, heads: list, send=None) -> list:
+        """The batch's last answers, its sequences run together (the warm-up and tests: no chunks)."""
+        return [c.future.result() for c in self.submit(worker, data, heads, None, own_chunk=False)]
+
+    def submit(self, worker, data: list, heads: list, context, own_chunk: bool) -> list:
+        """A Client per request, its sequence queued (or its last answer already set)."""
+        refusal = worker.health.refusal()
+        clients = []
+        for idx, (request, h) in enumerate(zip(data, heads)):
+            rid = context.request_ids[idx] if context is not None else str(idx)
+            c = Client(Route(h.generate_route or "predictions", worker.name, worker.version), h.rest, rid, own_chunk)
+            if context is not None:
+                self.sock = context.cl_socket
+            clients.append(c)
+            try:
+                if refusal is not None:
+                    raise refusal
+                req = parse(request, h.content_type, self.max_body_bytes)
+                dec = self.runner.dec
+                plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
+                c.streaming = c.route.streams(req.params.stream)
+                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c))
+            except ServingError as e:
+                self._finish([(c, _failed(e, c.route))])
+        return clients
+
+    def _deliver(self, updates: list) -> None:
+        """The engine's turn, on its thread: every token chunk of the turn in one frame, then the
+        last answers."""
+        chunks, last = [], []
+        for job, events, err in updates:
+            c: Client = job.tag
+            if err is not None:
+                last.append((c, _failed(err, c.route) if c.sent == 0 else
+                             Encoded(c.route.error_event(err), c.route.media_type(), {})))
+                continue
+            for ev in events:
+                if isinstance(ev, loop.Finished):
+                    last.append((c, Encoded(c.route.final(ev, c.streaming), c.route.media_type(c.streaming), {})))
+                elif c.streaming:
+                    chunks.append((c.request_id, Encoded(c.route.token([ev.id] if ev.id is not None else [], ev.text),
+                                                         c.route.media_type(), {})))
+                    c.sent += 1
+        self._finish(last, chunks)
+
+    def _finish(self, last: list, chunks: list = ()) -> None:
+        chunks = list(chunks)
+        answers = []
+        for c, answer in last:
+            first, answer = c.last(answer)
+            if first is not None:
+                chunks.append(first)
+            answers.append((c, answer))
+        if chunks and self.sock is not None:
+            replies.send_chunks(self.sock, LOCK, chunks)
+        for c, answer in answers:
+            c.future.set_result(answer)
+
+
+def _failed(err: ServingError, route: Route) -> Failed:
+    encoded = wire.ERRORS.error(err, None, "")
+    if isinstance(err, engines.Busy):
+        encoded = Encoded(encoded.body, encoded.media_type, {**encoded.headers, "Retry-After": str(engines.RETRY_AFTER_S)})
+    return Failed(err, encoded, None)
+
+
+def serves(worker) -> bool:
+    return worker.loaded is not None and isinstance(worker.loaded.generation, Continuous)
+
+
+def handle_sync(worker, data: list, context) -> list:
+    """TorchServe's batch protocol: the batch's sequences run, and their answers return, together."""
+    cont: Continuous = worker.loaded.generation
+    clients = cont.submit(worker, data, [ts_headers.read(context, i) for i in range(len(data))], context, own_chunk=False)
+    return _reply(context, clients, [c.future.result() for c in clients])
+
+
+async def handle_async(worker, data: list, context) -> list:
+    """TorchServe's async worker: the batch's sequences queued, their last answers awaited (while
+    other batches' sequences join), each answer's status set on `context`, every last frame
+    marked ts_stream_next false. A worker that serves no slot decoder (its load failed, or
+    asyncCommunication on another model) answers the batch at once, each answer as a chunk of its own."""
+    heads = [ts_headers.read(context, i) for i in range(len(data))]
+    if not serves(worker):
+        clients = [Client(Route("predictions", worker.name, worker.version), h.rest, context.request_ids[i], True)
+                   for i, h in enumerate(heads)]
+        firsts = [c.last(a) for c, a in zip(clients, worker.serve(data, heads))]
+        chunks = [f for f, _a in firsts if f is not None]
+        if chunks:
+            replies.send_chunks(context.cl_socket, LOCK, chunks)
+        return _reply(context, clients, [a for _f, a in firsts])
+    cont: Continuous = worker.loaded.generation
+    clients = cont.submit(worker, data, heads, context, own_chunk=True)
+    return _reply(context, clients, [await asyncio.wrap_future(c.future) for c in clients])
+
+
+def _reply(context, clients: list, answers: list) -> list:
+    bodies = replies.write(context, answers)
+    for i, c in enumerate(clients):
+        if c.sent or c.own_chunk:
+            context.set_response_header(i, STREAM_NEXT, "false")
+    return bodies

@@ -1,0 +1,227 @@
+"""Continuous batching: many sequences on a slot-form decoder's one cache
+(handlers/run/slots.py), run by one thread that owns the runner.
+
+Each turn of the loop:
+1. newcomers take free slots (the lowest first, so busy slots stay packed and the step sizes
+   small), oldest first; the rest wait in a queue of `queue_size` (a full queue refuses at once:
+   `submit` raises Busy, a 503 with a retry hint);
+2. one decode step for every sequence past its prompt, a row each, in one call;
+3. prompt chunks of sequences still filling their slot, up to `budget` tokens in all, the budget
+   measured at load so that the chunks of one turn take no longer than a decode step of every
+   slot (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at
+   most about one step. With no sequence decoding, every waiting prompt goes in whole;
+4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunks of
+   step 3 still run on the GPU), each turned into its sequence's event
+   (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
+
+A sequence's tokens do not depend on what runs beside it: its rows read only its own slot, and
+its sampling draws from its own generator (handlers/generation/sampling.py).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from handlers import faults
+from handlers.errors import ServingError
+from handlers.generation import sampling
+from handlers.generation.loop import Sequence
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
+
+
+class Busy(ServingError):
+    """Every slot is busy and the queue is full: the client should retry (503, Retry-After)."""
+
+    status = 503
+    error_type = "ServiceUnavailable"
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence: its request's Sequence, its generator, and where it is in the cache."""
+    seq: Sequence
+    tag: object  # the serving side's handle (handlers/continuous.py)
+    gen: Optional[torch.Generator] = None
+    slot: int = -1
+    filled: int = 0  # prompt tokens in the cache
+    pos: int = 0  # the position the next decode step writes
+    token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """`deliver(updates)`: [(job, events, error)] after each turn, events a list of loop.Token
+    and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
+    failed."""
+
+    def __init__(self, runner, deliver: Callable, queue_size: int, budget: int, broken: Callable = None):
+        self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
+        self.broken = broken
+        self.slots = runner.dec.slots
+        self.free = list(range(self.slots))
+        self.waiting: collections.deque = collections.deque()
+        self.filling: list = []
+        self.decoding: list = []
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="continuous-batching", daemon=True)
+
+    def start(self) -> "Engine":
+        self.thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        """Queues `job`; raises Busy when every slot is busy and the queue is full."""
+        job.gen = sampling.generator(job.seq.params, self.runner.device)
+        with self.cond:
+            if len(self.waiting) - len(self.free) >= self.queue_size:  # every slot taken, and the queue
+                raise Busy(f"all {self.slots} sequence slots are busy and {len(self.waiting)} sequences wait "
+                           f"(handler.queue_size {self.queue_size}); retry after {RETRY_AFTER_S} s")
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def load(self) -> dict:
+        with self.cond:
+            return {"slots": self.slots, "busy": self.slots - len(self.free), "waiting": len(self.waiting)}
+
+    def _run(self) -> None:
+        with torch.inference_mode(), self.runner.stream_context():
+            while True:
+                with self.cond:
+                    while not (self.waiting or self.filling or self.decoding):
+                        self.cond.wait()
+                    self._admit()
+                try:
+                    self.deliver(self._turn())
+                except Exception as e:  # noqa: BLE001  (every sequence in the cache is told)
+                    self._fail_all(e)
+
+    def _admit(self) -> None:
+        self.free.sort()
+        while self.waiting and self.free:
+            job = self.waiting.popleft()
+            job.slot = self.free.pop(0)
+            self.filling.append(job)
+
+    def _turn(self) -> list:
+        updates = []
+        rows, host, done = self.decoding, None, None
+        if rows:
+            logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows])
+            nxt = self._pick(logits, rows)
+            host, done = self._to_host(nxt)
+            for i, j in enumerate(rows):
+                j.token, j.pos = nxt[i:i + 1], j.pos + 1
+        started = self._fill(budget=self.budget if rows else None)
+        if rows:
+            done.synchronize() if done is not None else None
+            updates += self._take(rows, host.tolist())
+        if started:
+            firsts = torch.cat([j.token for j in started])
+            updates += self._take(started, firsts.tolist())
+        self.decoding = [j for j in self.decoding + started if j.seq.reason is None]
+        return updates
+
+    def _pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
+        """int64[n]: each row's next token (greedy rows in one argmax, sampled rows by their own generator)."""
+        out = logits.argmax(-1)
+        for i, j in enumerate(rows):
+            if j.gen is not None:
+                out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
+        return out
+
+    def _to_host(self, tokens: torch.Tensor):
+        if not self.runner.cuda:
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _fill(self, budget: Optional[int]) -> list:
+        """Prompt chunks of the filling sequences, oldest first, up to `budget` tokens (None: all);
+        the sequences whose prompt is now whole, each with its first token sampled."""
+        started, dev = [], self.runner.device
+        for job in list(self.filling):
+            prompt = job.seq.plan.prompt
+            while job.filled < len(prompt) and (budget is None or budget > 0):
+                n = min(len(prompt) - job.filled, self.runner.dec.chunk_max, budget or len(prompt))
+                ids = torch.tensor([prompt[job.filled:job.filled + n]], dtype=torch.int64).to(dev, non_blocking=True)
+                logits = self.runner.prefill(job.slot, ids, job.filled)
+                job.filled += n
+                budget = None if budget is None else budget - n
+            if job.filled < len(prompt):
+                break
+            job.token = sampling.pick(logits, job.seq.params, job.gen).view(1)
+            job.pos = len(prompt)
+            self.filling.remove(job)
+            started.append(job)
+        return started
+
+    def _take(self, jobs: list, tids: list) -> list:
+        updates = []
+        for job, tid in zip(jobs, tids):
+            events = [job.seq.take(tid)]
+            if job.seq.reason is not None:
+                events += job.seq.finish()
+                self._release(job)
+            updates.append((job, events, None))
+        return updates
+
+    def _release(self, job: Job) -> None:
+        with self.cond:
+            self.free.append(job.slot)
+            job.slot = -1
+
+    def _fail_all(self, e: Exception) -> None:
+        err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
+        logger.exception("a continuous-batching turn failed; the %d sequences in the cache fail with it",
+                         len(self.filling) + len(self.decoding))
+        failed = self.filling + self.decoding
+        self.filling, self.decoding = [], []
+        for job in failed:
+            self._release(job)
+        self.deliver([(job, [], err) for job in failed])
+        if faults.is_sticky(e) and self.broken is not None:
+            self.broken(f"generation: {type(e).__name__}: {e}")
+
+
+def measure_budget(runner, repeats: int = 3) -> tuple:
+    """(prompt tokens per turn, the note): the most prompt tokens of one chunk whose call takes no
+    longer than a decode step of every slot, timed on this device (powers of two up to the
+    export's chunk limit, at least 1)."""
+    dec, dev = runner.dec, runner.device
+    slots = list(range(dec.slots))
+
+    def timed(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if runner.cuda:
+                runner.stream.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if runner.cuda:
+                runner.stream.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.inference_mode(), runner.stream_context():
+        tokens = torch.zeros(dec.slots, dtype=torch.int64, device=dev)
+        step = timed(lambda: runner.step(slots, tokens, [0] * dec.slots))
+        budget, n = 1, 1
+        while n <= min(dec.chunk_max, dec.cache_length):
+            ids = torch.zeros(1, n, dtype=torch.int64, device=dev)
+            if timed(lambda: runner.prefill(0, ids, 0)) > step:
+                break
+            budget, n = n, n * 2
+    return budget, (f"prompt chunks of up to {budget} tokens per turn (a {dec.slots}-row decode step took "
+                    f"{step * 1e3:.2f} ms here)")

@@ -1,0 +1,126 @@
+"""A slot-form decoder's runner (handlers/artifact/decoder.py): many sequences on the loaded
+artifact's one cache, a row per slot, on the worker's own stream on a GPU.
+
+- `prefill(slot, ids, start)`: a chunk of one sequence's prompt into its slot from `start`.
+- `step(slots, tokens, positions)`: one token for each of several sequences at once, a row per
+  busy slot; the logits of every row.
+
+A decode step is launch-bound on a GPU (hundreds of small kernels), so on CUDA each step size of
+`sizes()` (1, 2, 4, ... up to the slot count) is captured once as a CUDA graph and replayed with the
+rows copied into its static inputs. A step of n busy rows replays the smallest graph of at least n
+rows; the rows past n are padding, each given a slot no sequence holds (there are at least as many
+free slots as padding rows, since the graph has at most as many rows as there are slots), writing
+position 0 of that free slot: a sequence that later takes the slot writes position 0 with its
+prompt before any call reads it, so the padding never reaches an answer. Each graph is kept only
+if its logits equal the plain call's (handler.cuda_graphs as for the one-sequence runner).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+
+from handlers.artifact.decoder import Decoder
+
+logger = logging.getLogger(__name__)
+
+
+def sizes(slots: int) -> list:
+    """The step sizes captured: powers of two below the slot count, and the slot count."""
+    out, n = [], 1
+    while n < slots:
+        out.append(n)
+        n *= 2
+    return out + [slots]
+
+
+class SlotRunner:
+    def __init__(self, model, decoder: Decoder, device: torch.device, config):
+        self.model, self.dec, self.device = model, decoder, device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
+        self.graphs: dict = {}  # rows -> (graph, tokens [n, 1], positions [n, 1], slots [n], logits [n, vocab])
+        self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graphs not captured"
+
+    def stream_context(self):
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _run(self, tokens, positions, slots) -> torch.Tensor:
+        """The logits of each row's last position, float[B, vocab]."""
+        return self.model(tokens, positions, slots)[self.dec.logits][:, -1]
+
+    def prefill(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids (int64[1, n] on the device) into `slot` at positions start..start+n-1; the logits
+        after the last, float[vocab]."""
+        pos = torch.arange(start, start + ids.shape[1], device=self.device).view(1, -1)
+        return self._run(ids, pos, torch.tensor([slot], device=self.device))[0]
+
+    def step(self, slots: list, tokens: torch.Tensor, positions: list) -> torch.Tensor:
+        """One token per row: `tokens` int64[n] on the device, row i at positions[i] of slots[i];
+        the logits float[n, vocab] (a view valid until the next step)."""
+        n = len(slots)
+        size = next((s for s in sorted(self.graphs) if s >= n), None)
+        if size is None:
+            pos = torch.tensor(positions, device=self.device).view(n, 1)
+            return self._run(tokens.view(n, 1), pos, torch.tensor(slots, device=self.device))
+        graph, tok, pos, rows, logits = self.graphs[size]
+        free = [s for s in range(self.dec.slots) if s not in set(slots)][:size - n]
+        host = torch.tensor([positions + [0] * (size - n), slots + free], dtype=torch.int64)
+        host = host.pin_memory() if self.cuda else host
+        both = host.to(self.device, non_blocking=True)
+        pos.copy_(both[0].view(size, 1))
+        rows.copy_(both[1])
+        tok[:n, 0].copy_(tokens)
+        graph.replay()
+        return logits[:n]
+
+    def capture(self, mode: str) -> str:
+        """Each step size's CUDA graph as handler.cuda_graphs says; the load line's note."""
+        if not self.cuda or mode == "off":
+            self.graph_note = "plain step calls" + (" (handler.cuda_graphs off)" if self.cuda else " (CPU)")
+            return self.graph_note
+        try:
+            with torch.inference_mode(), self.stream_context():
+                for n in sizes(self.dec.slots):
+                    self._capture(n)
+            self.graph_note = (f"decode steps as CUDA graphs of {', '.join(map(str, sorted(self.graphs)))} rows "
+                               "(each verified equal to the plain call)")
+        except Exception as e:  # noqa: BLE001  (a capture the model refuses, logits that differ)
+            self.graphs = {}
+            if mode == "on":
+                raise
+            self.graph_note = f"plain step calls: the steps' CUDA graphs were not kept ({type(e).__name__}: {e})"
+            torch.cuda.empty_cache()
+        return self.graph_note
+
+    def _capture(self, n: int) -> None:
+        dev = self.device
+        tok = torch.ones(n, 1, dtype=torch.int64, device=dev)
+        pos = torch.zeros(n, 1, dtype=torch.int64, device=dev)
+        rows = torch.arange(n, dtype=torch.int64, device=dev)
+        for _ in range(2):  # lazy initialisation (cuBLAS workspaces) before the capture
+            self._run(tok, pos, rows)
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            logits = self._run(tok, pos, rows)
+        # verified: a prompt in each row's slot, then one step by the plain call and by the graph
+        # (each rewrites the same cache entries from the same cache)
+        prompt = torch.arange(3, dtype=torch.int64, device=dev).view(1, 3) % self.dec.vocab
+        for s in range(n):
+            self.prefill(s, prompt, 0)
+        slots, positions = list(range(n)), [3] * n
+        plain = self._run(tok, torch.full((n, 1), 3, device=dev), rows).clone()
+        self.graphs[n] = (graph, tok, pos, rows, logits)
+        graphed = self.step(slots, tok.view(n).clone(), positions).clone()
+        self.stream.synchronize()
+        if not torch.equal(plain, graphed):
+            del self.graphs[n]
+            diff = (plain.float() - graphed.float()).abs().max().item()
+            raise RuntimeError(f"the {n}-row graph's logits differ from the plain call's by {diff:.3g}")
+
+
+def runner_note(runner: Optional[SlotRunner]) -> str:
+    return runner.graph_note if runner is not None else ""

@@ -1,0 +1,240 @@
+"""Continuous batching of a slot-form decoder (examples/slot_decoder.py, handlers/continuous.py,
+handlers/generation/engine.py): the form recognised and its contract read from the artifact; a
+sequence's tokens the same alone and among 32 others that join and leave around it, equal to the
+one-sequence model's with the same weights; seeded sampling the same alone and in a crowd; a full
+queue refused at once with 503 and a retry hint; and through real TorchServe (an archive built by
+cs-archive with no options: asyncCommunication, one worker, batchSize 1): many concurrent streams
+each answered as alone, one line per token, the answer without streaming, a bad request's 400, a
+full queue's 503 with Retry-After, and the worker serving on after all of them."""
+import json
+import subprocess
+import threading
+from types import SimpleNamespace
+
+import pytest
+import requests
+import torch
+import yaml
+from conftest import ROOT, cs_command, server_env
+
+from compiled_serving import contract
+from examples import slot_decoder, tiny_decoder
+from examples.tiny_decoder import Config
+from handlers.artifact.decoder import recognise
+from handlers.artifact.state import program_state
+from handlers.generation import engine as engines
+from handlers.generation import loop
+from handlers.generation.request import GenerateRequest, Params
+from handlers.run.slots import SlotRunner, sizes
+
+SLOTS = 32
+
+
+@pytest.fixture(scope="module")
+def program():
+    return slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=SLOTS))
+
+
+def test_the_slot_form_is_recognised_with_its_slots_and_contract(program):
+    dec = recognise(program, program_state(program).mutated)
+    assert dec.slotted and dec.slots == SLOTS and dec.slot_input == "slots"
+    assert dec.cache_length == 128 and dec.vocab == 256 and dec.chunk_max == 128
+    c = contract.read(program, ["logits"])
+    assert c.batch == (1, SLOTS) and c.values["slots"]["max"] == SLOTS - 1
+    assert [i[0] for i in c.inputs] == ["tokens", "input_pos", "slots"]
+    assert sizes(SLOTS) == [1, 2, 4, 8, 16, 32] and sizes(6) == [1, 2, 4, 6]
+
+
+class _Module:
+    loader = "torch.export"
+
+    def __init__(self, ep):
+        self.mod = ep.module()
+
+    def __call__(self, tokens, positions, slots):
+        return {"logits": self.mod(tokens, positions, slots)}
+
+
+class Harness:
+    """The engine on the CPU over the exported program, its answers collected."""
+
+    def __init__(self, program, queue_size=256, budget=16):
+        dec = recognise(program, program_state(program).mutated)
+        self.runner = SlotRunner(_Module(program), dec, torch.device("cpu"), SimpleNamespace(stream_priority=0))
+        self.done, self.cond = {}, threading.Condition()
+        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget).start()
+
+    def _deliver(self, updates):
+        with self.cond:
+            for job, events, err in updates:
+                for e in events:
+                    if isinstance(e, loop.Finished):
+                        self.done[job.tag] = e.ids
+                if err is not None:
+                    self.done[job.tag] = err
+            self.cond.notify_all()
+
+    def submit(self, tag, prompt, n, **params):
+        dec = self.runner.dec
+        req = GenerateRequest(None, prompt, Params(max_tokens=n, ignore_eos=True, **params))
+        cfg = SimpleNamespace(eos_token_ids=(), max_new_tokens=n)
+        self.engine.submit(engines.Job(loop.Sequence(req, loop.plan(req, None, dec.vocab, dec.cache_length, cfg), None), tag))
+
+    def wait(self, tags):
+        with self.cond:
+            assert self.cond.wait_for(lambda: all(t in self.done for t in tags), timeout=120), "sequences unfinished"
+        return {t: self.done[t] for t in tags}
+
+
+def one_sequence_greedy(program, prompt, n):
+    """Greedy tokens of the one-sequence model (examples/tiny_decoder.py) with the same weights."""
+    model = tiny_decoder.build(Config(max_seq_length=128))
+    model.load_state_dict({k: v for k, v in program.state_dict.items()}, strict=False)
+    ids = []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)))
+        for i in range(n):
+            ids.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[ids[-1]]]), torch.tensor([len(prompt) + i]))
+    return ids
+
+
+def test_tokens_are_the_same_alone_and_among_32_that_join_and_leave(program):
+    h = Harness(program)
+    prompt = [5, 9, 13, 2, 7, 7, 1]
+    h.submit("alone", prompt, 24)
+    alone = h.wait(["alone"])["alone"]
+    assert alone == one_sequence_greedy(program, prompt, 24)
+    g = torch.Generator().manual_seed(1)
+    others = {}
+    for i in range(48):  # more than the slots: the rest wait and join as slots free up
+        p = prompt if i % 3 == 0 else torch.randint(0, 256, (int(torch.randint(1, 40, (1,), generator=g)),),
+                                                    generator=g).tolist()
+        n = 24 if i % 3 == 0 else 4 + i % 29  # sequences of different lengths leave at different steps
+        others[i] = (p, n)
+        h.submit(i, p, n)
+    got = h.wait(list(others))
+    assert all(got[i] == alone for i in others if i % 3 == 0)
+    for i in (1, 2, 4, 5, 47):
+        assert got[i] == one_sequence_greedy(program, *others[i]), i
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
+    h = Harness(program)
+    prompt = [3, 1, 4, 1, 5]
+    h.submit("alone", prompt, 16, temperature=0.9, top_k=20, seed=7)
+    alone = h.wait(["alone"])["alone"]
+    for i in range(20):
+        h.submit(i, prompt, 16, temperature=0.9, top_k=20, seed=7 if i % 2 else 8)
+    got = h.wait(list(range(20)))
+    assert all(got[i] == alone for i in range(1, 20, 2))
+    assert any(got[i] != alone for i in range(0, 20, 2))
+
+
+def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
+    h = Harness(program, queue_size=2)
+    with h.engine.cond:  # the engine cannot admit while the test holds its lock: the slots stay free
+        h.engine.waiting.extend(engines.Job(None, i) for i in range(SLOTS + 1))  # every slot's worth, and one
+        h.submit("last", [1, 2], 4)  # the queue's second place
+        with pytest.raises(engines.Busy) as e:
+            h.submit("over", [1, 2], 4)
+        assert e.value.status == 503 and "retry after 1 s" in e.value.message
+        h.engine.waiting.clear()
+
+
+# --- through real TorchServe -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slot_server(program, serve, tmp_path_factory):
+    d = tmp_path_factory.mktemp("slots")
+    path = d / "slots.pt2"
+    torch.export.save(program, path)
+    store = d / "store"
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm", "--out", str(store)],
+                       cwd=ROOT, capture_output=True, text=True, env=server_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    small = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm_q0", "--out", str(store),
+                            "--handler-option", "queue_size=0"],
+                           cwd=ROOT, capture_output=True, text=True, env=server_env())
+    assert small.returncode == 0, small.stdout + small.stderr
+    ts = serve({"lm": store / "lm.mar", "lm_q0": store / "lm_q0.mar"})
+    return SimpleNamespace(ts=ts, archive_out=r.stdout + r.stderr, store=store)
+
+
+def ask(ts, model, body, stream=True):
+    r = requests.post(f"{ts.base}/predictions/{model}", json=body, headers=ts.auth(), stream=stream, timeout=120)
+    lines = [json.loads(x) for x in r.iter_lines() if x] if r.status_code == 200 else []
+    return r, lines
+
+
+@pytest.mark.server
+def test_the_archive_serves_it_with_async_communication_one_worker_and_no_options(slot_server):
+    import zipfile
+
+    with zipfile.ZipFile(slot_server.store / "lm.mar") as z:
+        cfg = yaml.safe_load(z.read("model-config.yaml"))
+    assert cfg["asyncCommunication"] is True and cfg["batchSize"] == 1 and cfg["minWorkers"] == 1, cfg
+    assert "continuous batching" in slot_server.archive_out
+
+
+@pytest.mark.server
+def test_concurrent_streams_are_each_answered_as_alone(program, slot_server):
+    ts = slot_server.ts
+    prompts = {i: [(7 * i + k) % 256 for k in range(3 + i % 9)] for i in range(40)}
+    want = {i: one_sequence_greedy(program, p, 12) for i, p in prompts.items()}
+    got, errors = {}, []
+
+    def client(i):
+        try:
+            r, lines = ask(ts, "lm", {"input_ids": prompts[i], "parameters": {"max_tokens": 12, "ignore_eos": True}})
+            assert r.status_code == 200 and r.headers["Transfer-Encoding"] == "chunked", r.text
+            *tokens, last = lines
+            assert [t["token_ids"][0] for t in tokens] == last["token_ids"]
+            got[i] = last["token_ids"]
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=client, args=(i,)) for i in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert got == want
+
+
+@pytest.mark.server
+def test_an_answer_without_streaming_and_a_bad_request(program, slot_server):
+    ts = slot_server.ts
+    r = requests.post(f"{ts.base}/predictions/lm", json={"input_ids": [5, 6, 7], "parameters": {
+        "max_tokens": 5, "stream": False}}, headers=ts.auth(), timeout=60)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("application/json"), r.text
+    assert r.json()["token_ids"] == one_sequence_greedy(program, [5, 6, 7], 5)
+    bad = requests.post(f"{ts.base}/predictions/lm", json={"input_ids": [1, 999]}, headers=ts.auth(), timeout=60)
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["message"], bad.text
+    over = requests.post(f"{ts.base}/predictions/lm", json={"input_ids": [1] * 100, "parameters": {"max_tokens": 40}},
+                         headers=ts.auth(), timeout=60)
+    assert over.status_code == 400 and "ask for at most 28" in over.json()["message"], over.text
+    r, lines = ask(ts, "lm", {"input_ids": [5, 6, 7], "parameters": {"max_tokens": 5}})
+    assert lines[-1]["token_ids"] == one_sequence_greedy(program, [5, 6, 7], 5)
+
+
+@pytest.mark.server
+def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
+    ts = slot_server.ts
+    long = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 120, "ignore_eos": True}}
+    statuses, lock = [], threading.Lock()
+
+    def client():
+        r = requests.post(f"{ts.base}/predictions/lm_q0", json=long, headers=ts.auth(), timeout=120)
+        with lock:
+            statuses.append((r.status_code, r.headers.get("Retry-After"), r.text))
+    threads = [threading.Thread(target=client) for _ in range(SLOTS * 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    busy = [s for s in statuses if s[0] == 503]
+    assert busy and all(s[1] == "1" and "slots are busy" in s[2] for s in busy), statuses[:3]
+    assert sum(s[0] == 200 for s in statuses) >= SLOTS
+    r, lines = ask(ts, "lm_q0", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}})
+    assert r.status_code == 200 and len(lines) == 4
