@@ -1,0 +1,230 @@
+"""Continuous batching on the GPU machine (issue 50 item 3): a 0.5 B Llama-architecture decoder in
+the slot form (examples/slot_decoder.py: random weights, fp16, a cache of SLOTS rows of MAX_SEQ
+positions), exported and packaged with plain torch calls, archived with no options (cs-archive
+--artifact PKG --program PROGRAM) and served by real TorchServe; then 1, 8, 32 and 64 concurrent
+streams (one client process each, all started together after a warm-up round), each a 128-token
+prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP chunked:
+
+- aggregate decode tokens/s (every stream's tokens over the round's wall time),
+- time to first token p50 / p99 (request sent to first token line),
+- inter-token latency p50 / p99 (between consecutive token lines of a stream, all streams pooled),
+- the worker's GPU memory (nvidia-smi) beside the weights' and the cache's bytes,
+- the greedy tokens of one stream against the same stream's among 32 (equal or not).
+
+  python -m bench.bench_slots --out docs/results/slots_llama05b_fp16_h100
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.results_meta import header, page_head, write_pages
+from compiled_serving.local_server import ROOT, LocalTorchServe
+from examples import slot_decoder
+from examples.tiny_decoder import Config
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--max-seq", type=int, default=512)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--decode", type=int, default=256)
+    p.add_argument("--streams", default="1,8,32,64")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
+    p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
+    return p
+
+
+def package(args, work: Path) -> tuple:
+    """(program path, package path, parameter count, cache bytes, compile seconds)."""
+    cfg = Config(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                 max_seq_length=args.max_seq)
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    model = slot_decoder.build(cfg, slots=args.slots, std=0.02, device=args.device, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    cache = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cache" in n)
+    t0 = time.perf_counter()
+    ep = slot_decoder.export(model)
+    program, pkg = work / "program.pt2", work / "model.pt2"
+    torch.export.save(ep, program)
+    from torch._inductor import aoti_compile_and_package
+
+    aoti_compile_and_package(ep, package_path=str(pkg))
+    del model, ep
+    return program, pkg, params, cache, time.perf_counter() - t0
+
+
+def stream_once(a) -> dict:
+    """One streaming request, started at wall time `start`: its token arrival times and tokens."""
+    port, token, prompt, n, start = a
+    time.sleep(max(0.0, start - time.time()))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"input_ids": prompt, "parameters": {"max_tokens": n, "ignore_eos": True}})
+    t0 = time.time()
+    conn.request("POST", "/predictions/lm", body, {"Authorization": f"Bearer {token}",
+                                                    "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    times, last = [], None
+    for line in resp:
+        if line.strip():
+            times.append(time.time())
+            last = json.loads(line)
+    conn.close()
+    if resp.status != 200 or last is None or "token_ids" not in last:
+        raise RuntimeError(f"status {resp.status}: {last}")
+    return {"t0": t0, "times": times[:-1], "end": times[-1], "tokens": last["token_ids"]}
+
+
+def pct(xs: list, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def one_point(pool, port, token, prompts, n: int, decode: int) -> dict:
+    start = time.time() + 1.0
+    runs = pool.map(stream_once, [(port, token, prompts[i], decode, start) for i in range(n)])
+    wall = max(r["end"] for r in runs) - min(r["t0"] for r in runs)
+    ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in runs]
+    itl = [(b - a) * 1e3 for r in runs for a, b in zip(r["times"], r["times"][1:])]
+    return {"streams": n, "aggregate_tok_s": n * decode / wall, "wall_s": wall,
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+            "tokens": [r["tokens"] for r in runs]}
+
+
+def gpu_memory_mib() -> dict:
+    """{pid: MiB} of the GPU's processes (nvidia-smi); {} without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return {int(p): float(m) for p, m in (ln.split(",") for ln in out.strip().splitlines() if ln.strip())}
+
+
+def served(args, program: Path, pkg: Path, work: Path) -> dict:
+    store = work / "store"
+    cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
+           "--name", "lm", "--out", str(store)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stdout + r.stderr)
+    ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
+    try:
+        ts.wait_ready(timeout=500)
+        port, token = ts.ports["inf"], ts.key()
+        g = torch.Generator().manual_seed(0)
+        counts = [int(x) for x in args.streams.split(",")]
+        prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
+        prompts = [prompts[0]] * 2 + prompts[2:]  # streams 0 and 1 share a prompt: alone against in a crowd
+        out = {"archive": r.stdout.strip().splitlines(), "points": []}
+        with mp.get_context("spawn").Pool(max(counts)) as pool:
+            for n in counts:
+                one_point(pool, port, token, prompts, n, args.decode)  # warm-up round
+                point = one_point(pool, port, token, prompts, n, args.decode)
+                print({k: v for k, v in point.items() if k != "tokens"}, flush=True)
+                out["points"].append(point)
+        out["gpu_mib"] = gpu_memory_mib()
+        log = ts.log()
+        out["load_line"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in log.splitlines()
+                                 if "loaded aoti decoder" in ln), "")
+        return out
+    finally:
+        ts.stop()
+
+
+def page(report: dict) -> str:
+    lines = page_head(report, "Continuous batching: a 0.5 B slot-form decoder, many streams on one cache")
+    lines += [f"Model: {report['model']}.", "",
+              "| concurrent streams | aggregate tokens/s | x one stream | TTFT p50 (ms) | TTFT p99 (ms) | "
+              "inter-token p50 (ms) | inter-token p99 (ms) | x one stream's p99 |", "|---|---|---|---|---|---|---|---|"]
+    one = report["points"][0]
+    for p in report["points"]:
+        lines.append(f"| {p['streams']} | {p['aggregate_tok_s']:.0f} | {p['aggregate_tok_s'] / one['aggregate_tok_s']:.2f} | "
+                     f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['itl_ms_p50']:.2f} | {p['itl_ms_p99']:.2f} | "
+                     f"{p['itl_ms_p99'] / one['itl_ms_p99']:.2f} |")
+    t = report["targets"]
+    lines += ["", f"Targets at 32 streams: aggregate >= 12x one stream's ({t['aggregate_x']:.2f}x: "
+                  f"{'met' if t['aggregate_x'] >= 12 else 'NOT met'}); inter-token p99 <= 3x one stream's "
+                  f"({t['itl_p99_x']:.2f}x: {'met' if t['itl_p99_x'] <= 3 else 'NOT met'}).", "",
+              f"Greedy tokens of one stream alone and the same prompt among 32: {report['same_tokens']}.", "",
+              f"GPU memory: {report['memory']}.", "", "Archive (cs-archive, no options):", ""]
+    lines += [f"    {ln}" for ln in report["archive"]]
+    lines += ["", f"Worker's load line: {report['load_line']}", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = report["points"]
+    n = [p["streams"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(n, [p["aggregate_tok_s"] for p in pts], "o-", label="served (continuous batching)")
+    ax1.plot(n, [pts[0]["aggregate_tok_s"] * k for k in n], ":", label="one stream x N")
+    ax1.set_xlabel("concurrent streams")
+    ax1.set_ylabel("aggregate decode tokens/s")
+    ax1.legend()
+    ax2.plot(n, [p["itl_ms_p50"] for p in pts], "o-", label="inter-token p50")
+    ax2.plot(n, [p["itl_ms_p99"] for p in pts], "s-", label="inter-token p99")
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_ylabel("ms")
+    ax2.legend()
+    fig.suptitle(f"{report['model'][:80]} on {report['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        program, pkg, params, cache, compile_s = package(args, work)
+        print(f"packaged {params / 1e9:.3f} B parameters, cache {cache / 2**20:.0f} MiB in {compile_s:.0f}s", flush=True)
+        ours = served(args, program, pkg, work)
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    pts = ours["points"]
+    by_n = {p["streams"]: p for p in pts}
+    crowd = by_n.get(32, pts[-1])
+    report = {**header(device, argv), "model": (
+        f"Llama-architecture decoder in the slot form, {params / 1e9:.3f} B parameters (dim {args.dim}, {args.layers} "
+        f"layers, {args.heads} heads, vocabulary {args.vocab}), fp16, {args.slots} slots of {args.max_seq} positions, "
+        f"random weights; AOTInductor package compiled in {compile_s:.0f}s; prompts {args.prompt} tokens, "
+        f"{args.decode} new tokens per stream"),
+        "points": [{k: v for k, v in p.items() if k != "tokens"} for p in pts],
+        "targets": {"aggregate_x": crowd["aggregate_tok_s"] / pts[0]["aggregate_tok_s"],
+                    "itl_p99_x": crowd["itl_ms_p99"] / pts[0]["itl_ms_p99"]},
+        "same_tokens": (pts[0]["tokens"][0] == crowd["tokens"][1]) if len(crowd["tokens"]) > 1 else None,
+        "memory": {"worker_mib": ours["gpu_mib"], "weights_mib": round(params * 2 / 2**20, 1),
+                   "cache_mib": round(cache / 2**20, 1)},
+        "archive": ours["archive"], "load_line": ours["load_line"]}
+    write_pages(args.out + ".json", report, page(report))
+    try:
+        plot(report, args.out + ".png")
+    except ImportError as e:
+        print(f"no plot ({e}): python -c 'import json; from bench.bench_slots import plot; "
+              f"plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
+    print(page(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
