@@ -72,6 +72,12 @@ class Engine:
         self.decoding: list = []
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="continuous-batching", daemon=True)
+        # the turn's tokens come back through one pinned buffer: a turn writes it only after the
+        # last turn's wait on its copy (step 4), so no copy into it is still pending
+        cuda = runner.cuda
+        self.host = torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
+        self.stats = TurnStats()
 
     def start(self) -> "Engine":
         self.thread.start()
@@ -95,11 +101,16 @@ class Engine:
         with torch.inference_mode(), self.runner.stream_context():
             while True:
                 with self.cond:
+                    if not (self.waiting or self.filling or self.decoding):
+                        self.stats.log_and_reset()
                     while not (self.waiting or self.filling or self.decoding):
                         self.cond.wait()
                     self._admit()
                 try:
-                    self.deliver(self._turn())
+                    updates = self._turn()
+                    t = time.perf_counter()
+                    self.deliver(updates)
+                    self.stats.lap("deliver", t)
                 except Exception as e:  # noqa: BLE001  (every sequence in the cache is told)
                     self._fail_all(e)
 
@@ -111,21 +122,25 @@ class Engine:
             self.filling.append(job)
 
     def _turn(self) -> list:
-        updates = []
-        rows, host, done = self.decoding, None, None
+        updates, t = [], self.stats.start(len(self.decoding))
+        rows, host = self.decoding, None
         if rows:
             logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows])
             nxt = self._pick(logits, rows)
-            host, done = self._to_host(nxt)
+            host = self._to_host(nxt)
             for i, j in enumerate(rows):
                 j.token, j.pos = nxt[i:i + 1], j.pos + 1
+        t = self.stats.lap("step", t)
         started = self._fill(budget=self.budget if rows else None)
+        t = self.stats.lap("prompts", t)
         if rows:
-            done.synchronize() if done is not None else None
+            if self.copied is not None:
+                self.copied.synchronize()
             updates += self._take(rows, host.tolist())
         if started:
             firsts = torch.cat([j.token for j in started])
             updates += self._take(started, firsts.tolist())
+        self.stats.lap("wait", t)
         self.decoding = [j for j in self.decoding + started if j.seq.reason is None]
         return updates
 
@@ -137,14 +152,14 @@ class Engine:
                 out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
         return out
 
-    def _to_host(self, tokens: torch.Tensor):
+    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' copy into the pinned buffer, `copied` recorded after it (CUDA)."""
         if not self.runner.cuda:
-            return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            return tokens
+        host = self.host[:tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        self.copied.record()
+        return host
 
     def _fill(self, budget: Optional[int]) -> list:
         """Prompt chunks of the filling sequences, oldest first, up to `budget` tokens (None: all);
@@ -192,6 +207,36 @@ class Engine:
         self.deliver([(job, [], err) for job in failed])
         if faults.is_sticky(e) and self.broken is not None:
             self.broken(f"generation: {type(e).__name__}: {e}")
+
+
+class TurnStats:
+    """Where the engine's turns went since it was last idle, logged once when it goes idle: the
+    operator's (and bench/bench_slots.py's) view of a busy period without a per-token log line."""
+
+    PARTS = ("step", "prompts", "wait", "deliver")
+
+    def __init__(self):
+        self.turns, self.rows, self.began = 0, 0, None
+        self.ms = dict.fromkeys(self.PARTS, 0.0)
+
+    def start(self, rows: int) -> float:
+        now = time.perf_counter()
+        self.began = self.began or now
+        self.turns, self.rows = self.turns + 1, self.rows + rows
+        return now
+
+    def lap(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.ms[part] += (now - since) * 1e3
+        return now
+
+    def log_and_reset(self) -> None:
+        if self.turns:
+            wall = (time.perf_counter() - self.began) * 1e3
+            each = ", ".join(f"{k} {v / self.turns:.3f}" for k, v in self.ms.items())
+            logger.info("continuous batching: %d turns in %.1f ms, %.1f decoding rows per turn; ms per turn: %s",
+                        self.turns, wall, self.rows / self.turns, each)
+        self.__init__()
 
 
 def measure_budget(runner, repeats: int = 3) -> tuple:

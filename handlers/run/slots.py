@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Optional
-
 import torch
 
 from handlers.artifact.decoder import Decoder
@@ -43,6 +41,9 @@ class SlotRunner:
         self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
         self.graphs: dict = {}  # rows -> (graph, tokens [n, 1], positions [n, 1], slots [n], logits [n, vocab])
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graphs not captured"
+        # a graph step's positions and slots go in through one pinned buffer; the engine waits on
+        # each turn's tokens before the next turn writes it, so no copy out of it is still pending
+        self.host = torch.empty(2, decoder.slots, dtype=torch.int64, pin_memory=self.cuda)
 
     def stream_context(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -66,9 +67,10 @@ class SlotRunner:
             pos = torch.tensor(positions, device=self.device).view(n, 1)
             return self._run(tokens.view(n, 1), pos, torch.tensor(slots, device=self.device))
         graph, tok, pos, rows, logits = self.graphs[size]
-        free = [s for s in range(self.dec.slots) if s not in set(slots)][:size - n]
-        host = torch.tensor([positions + [0] * (size - n), slots + free], dtype=torch.int64)
-        host = host.pin_memory() if self.cuda else host
+        busy = set(slots)
+        free = [s for s in range(self.dec.slots) if s not in busy][:size - n]
+        host = self.host[:, :size]
+        host.copy_(torch.tensor([positions + [0] * (size - n), slots + free], dtype=torch.int64))
         both = host.to(self.device, non_blocking=True)
         pos.copy_(both[0].view(size, 1))
         rows.copy_(both[1])
@@ -121,6 +123,3 @@ class SlotRunner:
             diff = (plain.float() - graphed.float()).abs().max().item()
             raise RuntimeError(f"the {n}-row graph's logits differ from the plain call's by {diff:.3g}")
 
-
-def runner_note(runner: Optional[SlotRunner]) -> str:
-    return runner.graph_note if runner is not None else ""
