@@ -6,10 +6,10 @@ Each turn of the loop:
    small), oldest first; the rest wait in a queue of `queue_size` (a full queue refuses at once:
    `submit` raises Busy, a 503 with a retry hint);
 2. one decode step for every sequence past its prompt, a row each, in one call;
-3. prompt chunks of sequences still filling their slot, up to `budget` tokens in all, the budget
-   measured at load so that the chunks of one turn take no longer than a decode step of every
-   slot (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at
-   most about one step. With no sequence decoding, every waiting prompt goes in whole;
+3. one prompt chunk of the oldest sequence still filling its slot, of up to `budget` tokens,
+   the budget measured at load so that the chunk takes no longer than a decode step of every slot
+   (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
+   about one step. With no sequence decoding, every waiting prompt goes in whole;
 4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunks of
    step 3 still run on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
@@ -162,17 +162,17 @@ class Engine:
         return host
 
     def _fill(self, budget: Optional[int]) -> list:
-        """Prompt chunks of the filling sequences, oldest first, up to `budget` tokens (None: all);
-        the sequences whose prompt is now whole, each with its first token sampled."""
-        started, dev = [], self.runner.device
+        """Prompt chunks of the filling sequences, oldest first: with sequences decoding, one call
+        of up to `budget` tokens; else (None) every waiting prompt whole. The sequences whose
+        prompt is now whole, each with its first token sampled."""
+        started, dev, calls = [], self.runner.device, 0
         for job in list(self.filling):
             prompt = job.seq.plan.prompt
-            while job.filled < len(prompt) and (budget is None or budget > 0):
+            while job.filled < len(prompt) and (budget is None or calls == 0):
                 n = min(len(prompt) - job.filled, self.runner.dec.chunk_max, budget or len(prompt))
                 ids = torch.tensor([prompt[job.filled:job.filled + n]], dtype=torch.int64).to(dev, non_blocking=True)
                 logits = self.runner.prefill(job.slot, ids, job.filled)
-                job.filled += n
-                budget = None if budget is None else budget - n
+                job.filled, calls = job.filled + n, calls + 1
             if job.filled < len(prompt):
                 break
             job.token = sampling.pick(logits, job.seq.params, job.gen).view(1)

@@ -13,6 +13,13 @@ free slots as padding rows, since the graph has at most as many rows as there ar
 position 0 of that free slot: a sequence that later takes the slot writes position 0 with its
 prompt before any call reads it, so the padding never reaches an answer. Each graph is kept only
 if its logits equal the plain call's (handler.cuda_graphs as for the one-sequence runner).
+
+A prompt chunk of up to PROMPT_SIZES tokens is also a graph replay (a plain call of a 28-layer
+0.5 B model costs about 4 ms in launches alone: docs/results/slots_llama05b_fp16_h100.md), padded
+to the graph's length with token 0 at the positions after it: those are positions of the same
+slot that the sequence writes before any of its calls reads them (each call writes its keys
+before it attends), so the padding never reaches an answer either. The chunk's logits are read at
+its last real token; a program that returns only the last position's logits gets no prompt graphs.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ import torch
 from handlers.artifact.decoder import Decoder
 
 logger = logging.getLogger(__name__)
+
+
+PROMPT_SIZES = (16, 32, 64, 128)
 
 
 def sizes(slots: int) -> list:
@@ -40,6 +50,8 @@ class SlotRunner:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
         self.graphs: dict = {}  # rows -> (graph, tokens [n, 1], positions [n, 1], slots [n], logits [n, vocab])
+        self.prompt_graphs: dict = {}  # length -> (graph, tokens [1, c], positions [1, c], slot [1], logits [1, c, vocab])
+        self.arange = torch.arange(decoder.cache_length, dtype=torch.int64, device=device)
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graphs not captured"
         # a graph step's positions and slots go in through one pinned buffer; the engine waits on
         # each turn's tokens before the next turn writes it, so no copy out of it is still pending
@@ -55,8 +67,18 @@ class SlotRunner:
     def prefill(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
         """ids (int64[1, n] on the device) into `slot` at positions start..start+n-1; the logits
         after the last, float[vocab]."""
-        pos = torch.arange(start, start + ids.shape[1], device=self.device).view(1, -1)
-        return self._run(ids, pos, torch.tensor([slot], device=self.device))[0]
+        n = ids.shape[1]
+        size = next((c for c in sorted(self.prompt_graphs) if c >= n), None)
+        if size is None or start + size > self.dec.cache_length:
+            pos = self.arange[start:start + n].view(1, -1)
+            return self._run(ids, pos, torch.tensor([slot], device=self.device))[0]
+        graph, tok, pos, row, logits = self.prompt_graphs[size]
+        tok.zero_()
+        tok[:, :n].copy_(ids)
+        pos.copy_(self.arange[start:start + size].view(1, size))
+        row.fill_(slot)
+        graph.replay()
+        return logits[0, n - 1]
 
     def step(self, slots: list, tokens: torch.Tensor, positions: list) -> torch.Tensor:
         """One token per row: `tokens` int64[n] on the device, row i at positions[i] of slots[i];
@@ -88,14 +110,32 @@ class SlotRunner:
                 for n in sizes(self.dec.slots):
                     self._capture(n)
             self.graph_note = (f"decode steps as CUDA graphs of {', '.join(map(str, sorted(self.graphs)))} rows "
-                               "(each verified equal to the plain call)")
+                               f"(each verified equal to the plain call); {self._capture_prompts(mode)}")
         except Exception as e:  # noqa: BLE001  (a capture the model refuses, logits that differ)
-            self.graphs = {}
+            self.graphs, self.prompt_graphs = {}, {}
             if mode == "on":
                 raise
             self.graph_note = f"plain step calls: the steps' CUDA graphs were not kept ({type(e).__name__}: {e})"
             torch.cuda.empty_cache()
         return self.graph_note
+
+    def _capture_prompts(self, mode: str) -> str:
+        """The prompt chunks' graphs (module docstring); what serves prompts, for the load line."""
+        if not self.dec.all_positions:
+            return "prompts by plain calls (the program returns the last position's logits only)"
+        try:
+            with torch.inference_mode(), self.stream_context():
+                for c in PROMPT_SIZES:
+                    if c <= min(self.dec.chunk_max, self.dec.cache_length):
+                        self._capture_prompt(c)
+        except Exception as e:  # noqa: BLE001
+            self.prompt_graphs = {}
+            if mode == "on":
+                raise
+            torch.cuda.empty_cache()
+            return f"prompts by plain calls: their CUDA graphs were not kept ({type(e).__name__}: {e})"
+        return (f"prompt chunks of up to {max(self.prompt_graphs)} tokens as CUDA graphs of "
+                f"{', '.join(map(str, sorted(self.prompt_graphs)))} tokens (verified likewise)")
 
     def _capture(self, n: int) -> None:
         dev = self.device
@@ -123,3 +163,27 @@ class SlotRunner:
             diff = (plain.float() - graphed.float()).abs().max().item()
             raise RuntimeError(f"the {n}-row graph's logits differ from the plain call's by {diff:.3g}")
 
+    def _capture_prompt(self, c: int) -> None:
+        dev = self.device
+        tok = torch.ones(1, c, dtype=torch.int64, device=dev)
+        pos = self.arange[:c].view(1, c).clone()
+        row = torch.zeros(1, dtype=torch.int64, device=dev)
+        for _ in range(2):
+            self.model(tok, pos, row)
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            logits = self.model(tok, pos, row)[self.dec.logits]
+        # verified: a prompt three tokens short of the graph's length, padded as `prefill` pads
+        # it, by the plain call and by the graph (each writes the same cache entries)
+        ids = (torch.arange(c - 3, dtype=torch.int64, device=dev) % self.dec.vocab).view(1, c - 3)
+        padded = torch.zeros(1, c, dtype=torch.int64, device=dev)
+        padded[:, :c - 3] = ids
+        plain = self.model(padded, self.arange[:c].view(1, c), row)[self.dec.logits][0, c - 4].clone()
+        self.prompt_graphs[c] = (graph, tok, pos, row, logits)
+        graphed = self.prefill(0, ids, 0).clone()
+        self.stream.synchronize()
+        if not torch.equal(plain, graphed):
+            del self.prompt_graphs[c]
+            diff = (plain.float() - graphed.float()).abs().max().item()
+            raise RuntimeError(f"the {c}-token prompt graph's logits differ from the plain call's by {diff:.3g}")
