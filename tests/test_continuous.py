@@ -113,7 +113,10 @@ def test_tokens_are_the_same_alone_and_among_32_that_join_and_leave(program):
         n = 24 if i % 3 == 0 else 4 + i % 29  # sequences of different lengths leave at different steps
         others[i] = (p, n)
         h.submit(i, p, n)
+    others[1000] = ([(3 * k) % 256 for k in range(100)], 28)  # prompt and tokens fill the cache exactly
+    h.submit(1000, *others[1000])
     got = h.wait(list(others))
+    assert got[1000] == one_sequence_greedy(program, *others[1000])
     assert all(got[i] == alone for i in others if i % 3 == 0)
     for i in (1, 2, 4, 5, 47):
         assert got[i] == one_sequence_greedy(program, *others[i]), i
