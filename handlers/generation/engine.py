@@ -5,14 +5,13 @@ Each turn of the loop:
 1. newcomers take free slots (the lowest first, so busy slots stay packed and the step sizes
    small), oldest first; the rest wait in a queue of `queue_size` (a full queue refuses at once:
    `submit` raises Busy, a 503 with a retry hint);
-2. one decode step for every sequence past its prompt, a row each, in one call, launched before
-   the last step's tokens are read (its inputs are those tokens, still on the device);
+2. one decode step for every sequence past its prompt, a row each, in one call;
 3. one prompt chunk of the oldest sequence still filling its slot, of up to `budget` tokens,
    the budget measured at load so that the chunk takes no longer than a decode step of every slot
    (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
    about one step. With no sequence decoding, every waiting prompt goes in whole;
-4. the last turn's step's tokens read back (one copy and one wait for all rows, while this
-   turn's step and prompt chunk run on the GPU), each turned into its sequence's event
+4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunks of
+   step 3 still run on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
 
 A sequence's tokens do not depend on what runs beside it: its rows read only its own slot, and
@@ -58,14 +57,6 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
-class Step:
-    """A launched decode step: its rows, their tokens' host copy and the event after it."""
-    rows: list
-    host: torch.Tensor
-    event: Optional[object]
-
-
 class Engine:
     """`deliver(updates)`: [(job, events, error)] after each turn, events a list of loop.Token
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
@@ -78,16 +69,14 @@ class Engine:
         self.free = list(range(self.slots))
         self.waiting: collections.deque = collections.deque()
         self.filling: list = []
-        self.ready: list = []  # prompt whole, first token on the device: joins the next step
-        self.inflight: Optional[Step] = None  # the step launched last turn, its tokens not read yet
+        self.decoding: list = []
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="continuous-batching", daemon=True)
-        # a step's tokens come back through one of two pinned buffers, taken in turn: the step of
-        # turn t is read in turn t + 1, before turn t + 2 copies into the same buffer
+        # the turn's tokens come back through one pinned buffer: a turn writes it only after the
+        # last turn's wait on its copy (step 4), so no copy into it is still pending
         cuda = runner.cuda
-        self.hosts = [torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turns = 0
+        self.host = torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None
         self.stats = TurnStats()
 
     def start(self) -> "Engine":
@@ -112,9 +101,9 @@ class Engine:
         with torch.inference_mode(), self.runner.stream_context():
             while True:
                 with self.cond:
-                    if not self._busy():
+                    if not (self.waiting or self.filling or self.decoding):
                         self.stats.log_and_reset()
-                    while not self._busy():
+                    while not (self.waiting or self.filling or self.decoding):
                         self.cond.wait()
                     self._admit()
                 try:
@@ -132,45 +121,28 @@ class Engine:
             job.slot = self.free.pop(0)
             self.filling.append(job)
 
-    def _busy(self) -> bool:
-        return bool(self.waiting or self.filling or self.ready or self.inflight)
-
     def _turn(self) -> list:
-        """Launch the next step before reading the last one (its tokens are the new step's inputs,
-        on the device), so the GPU runs a step while the host reads, sends and prepares: a
-        sequence that stopped at the last step runs one step more, writing only positions of its
-        own slot that a later sequence there writes before it reads them."""
-        prev, updates = self.inflight, []
-        rows = [j for j in (prev.rows if prev else []) if j.seq.reason is None] + self.ready
-        self.ready, t = [], self.stats.start(len(rows))
-        self.inflight = self._launch(rows) if rows else None
+        updates, t = [], self.stats.start(len(self.decoding))
+        rows, host = self.decoding, None
+        if rows:
+            logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows])
+            nxt = self._pick(logits, rows)
+            host = self._to_host(nxt)
+            for i, j in enumerate(rows):
+                j.token, j.pos = nxt[i:i + 1], j.pos + 1
         t = self.stats.lap("step", t)
         started = self._fill(budget=self.budget if rows else None)
         t = self.stats.lap("prompts", t)
-        if prev is not None:
-            if prev.event is not None:
-                prev.event.synchronize()
-            live = [(j, tid) for j, tid in zip(prev.rows, prev.host.tolist()) if j.seq.reason is None]
-            updates += self._take([j for j, _ in live], [tid for _, tid in live])
+        if rows:
+            if self.copied is not None:
+                self.copied.synchronize()
+            updates += self._take(rows, host.tolist())
         if started:
-            updates += self._take(started, torch.cat([j.token for j in started]).tolist())
-            self.ready = [j for j in started if j.seq.reason is None]
+            firsts = torch.cat([j.token for j in started])
+            updates += self._take(started, firsts.tolist())
         self.stats.lap("wait", t)
+        self.decoding = [j for j in self.decoding + started if j.seq.reason is None]
         return updates
-
-    def _launch(self, rows: list) -> "Step":
-        logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows])
-        nxt = self._pick(logits, rows)
-        for i, j in enumerate(rows):
-            j.token, j.pos = nxt[i:i + 1], j.pos + 1
-        self.turns += 1
-        k = self.turns % 2
-        if not self.runner.cuda:
-            return Step(rows, nxt, None)
-        host = self.hosts[k][:len(rows)]
-        host.copy_(nxt, non_blocking=True)
-        self.events[k].record()
-        return Step(rows, host, self.events[k])
 
     def _pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
         """int64[n]: each row's next token (greedy rows in one argmax, sampled rows by their own generator)."""
@@ -179,6 +151,15 @@ class Engine:
             if j.gen is not None:
                 out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
         return out
+
+    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' copy into the pinned buffer, `copied` recorded after it (CUDA)."""
+        if not self.runner.cuda:
+            return tokens
+        host = self.host[:tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self.copied.record()
+        return host
 
     def _fill(self, budget: Optional[int]) -> list:
         """Prompt chunks of the filling sequences, oldest first: with sequences decoding, one call
@@ -218,10 +199,9 @@ class Engine:
     def _fail_all(self, e: Exception) -> None:
         err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
         logger.exception("a continuous-batching turn failed; the %d sequences in the cache fail with it",
-                         len(self.filling) + len(self.ready) + len(self.inflight.rows if self.inflight else []))
-        failed = self.filling + self.ready + [j for j in (self.inflight.rows if self.inflight else [])
-                                              if j.seq.reason is None]
-        self.filling, self.ready, self.inflight = [], [], None
+                         len(self.filling) + len(self.decoding))
+        failed = self.filling + self.decoding
+        self.filling, self.decoding = [], []
         for job in failed:
             self._release(job)
         self.deliver([(job, [], err) for job in failed])

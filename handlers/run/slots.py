@@ -53,10 +53,9 @@ class SlotRunner:
         self.prompt_graphs: dict = {}  # length -> (graph, tokens [1, c], positions [1, c], slot [1], logits [1, c, vocab])
         self.arange = torch.arange(decoder.cache_length, dtype=torch.int64, device=device)
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graphs not captured"
-        # a graph step's positions and slots go in through one of two pinned buffers, taken in
-        # turn: the engine reads step t's tokens (after its copy in) before launching step t + 2
-        self.hosts = [torch.empty(2, decoder.slots, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
-        self.steps = 0
+        # a graph step's positions and slots go in through one pinned buffer; the engine waits on
+        # each turn's tokens before the next turn writes it, so no copy out of it is still pending
+        self.host = torch.empty(2, decoder.slots, dtype=torch.int64, pin_memory=self.cuda)
 
     def stream_context(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -92,8 +91,7 @@ class SlotRunner:
         graph, tok, pos, rows, logits = self.graphs[size]
         busy = set(slots)
         free = [s for s in range(self.dec.slots) if s not in busy][:size - n]
-        self.steps += 1
-        host = self.hosts[self.steps % 2][:, :size]
+        host = self.host[:, :size]
         host.copy_(torch.tensor([positions + [0] * (size - n), slots + free], dtype=torch.int64))
         both = host.to(self.device, non_blocking=True)
         pos.copy_(both[0].view(size, 1))
