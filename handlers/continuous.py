@@ -176,15 +176,17 @@ async def handle_async(worker, data: list, context) -> list:
         chunks = [f for f, _a in firsts if f is not None]
         if chunks:
             replies.send_chunks(context.cl_socket, LOCK, chunks)
-        return _reply(context, clients, [a for _f, a in firsts])
+        return _reply(context, clients, [a for _f, a in firsts], every=True)
     cont: Continuous = worker.loaded.generation
     clients = cont.submit(worker, data, heads, context, own_chunk=True)
-    return _reply(context, clients, [await asyncio.wrap_future(c.future) for c in clients])
+    return _reply(context, clients, [await asyncio.wrap_future(c.future) for c in clients], every=True)
 
 
-def _reply(context, clients: list, answers: list) -> list:
+def _reply(context, clients: list, answers: list, every: bool = False) -> list:
+    """The last answers' bodies, set on `context`; the last frame of every request the async
+    frontend holds (`every`), or of each that streamed, marked ts_stream_next false."""
     bodies = replies.write(context, answers)
     for i, c in enumerate(clients):
-        if c.sent or c.own_chunk:
+        if every or c.sent:
             context.set_response_header(i, STREAM_NEXT, "false")
     return bodies

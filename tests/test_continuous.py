@@ -241,3 +241,61 @@ def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_serv
     assert sum(s[0] == 200 for s in statuses) >= SLOTS
     r, lines = ask(ts, "lm_q0", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}})
     assert r.status_code == 200 and len(lines) == 4
+
+
+@pytest.mark.server
+def test_grpc_stream_predictions_and_a_unary_call_on_the_slot_model(program, slot_server, stubs):
+    """TorchServe's gRPC routes through the async frontend: StreamPredictions sends each token
+    and ends; a unary Predictions call gets the whole answer once; the worker serves on."""
+    import grpc
+
+    pb2, pb2_grpc = stubs
+    ts = slot_server.ts
+    want = one_sequence_greedy(program, [5, 17, 33, 2, 9], 6)
+    with grpc.insecure_channel(f"127.0.0.1:{ts.ports['grpc']}") as channel:
+        stub = pb2_grpc.InferenceAPIsServiceStub(channel)
+        meta = [("authorization", f"Bearer {ts.keys['inference']['key']}")]
+        body = json.dumps({"input_ids": [5, 17, 33, 2, 9], "parameters": {"max_tokens": 6}}).encode()
+        replies = [json.loads(m.prediction) for m in stub.StreamPredictions(
+            pb2.PredictionsRequest(model_name="lm", input={"body": body}), metadata=meta, timeout=60)]
+        assert len(replies) == 7 and replies[-1]["token_ids"] == [r["token_ids"][0] for r in replies[:-1]] == want
+        once = json.dumps({"input_ids": [5, 17, 33, 2, 9], "parameters": {"max_tokens": 6, "stream": False}}).encode()
+        one = stub.Predictions(pb2.PredictionsRequest(model_name="lm", input={"body": once}), metadata=meta, timeout=60)
+        assert json.loads(one.prediction)["token_ids"] == want
+    r, lines = ask(ts, "lm", {"input_ids": [5, 17, 33, 2, 9], "parameters": {"max_tokens": 6}})
+    assert lines[-1]["token_ids"] == want
+
+
+@pytest.mark.server
+def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_path):
+    """The Open Inference Protocol's generate and generate_stream through the KServe pod (nginx in
+    front of TorchServe's async frontend): one answer with details, server-sent events token by
+    token, and a 400 with the handler's reason before any event."""
+    from kserve_kit import Container, lay_out
+
+    path = tmp_path / "slots.pt2"
+    torch.export.save(program, path)
+    store = tmp_path / "store"
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm", "--out", str(store)],
+                       cwd=ROOT, capture_output=True, text=True, env=server_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    laid = lay_out([store / "lm.mar"], tmp_path / "out")
+    assert laid.returncode == 0, laid.stdout + laid.stderr
+    pod = Container(tmp_path / "out" / "storage", tmp_path / "pod")
+    try:
+        pod.wait("ready")
+        prompt = [5, 17, 33, 2, 9]
+        want = one_sequence_greedy(program, prompt, 8)
+        one = requests.post(f"{pod.base}/v2/models/lm/generate", json={"input_ids": prompt, "parameters": {
+            "max_tokens": 8}}, timeout=60)
+        assert one.status_code == 200, one.text
+        assert one.json()["output_ids"] == want and one.json()["details"]["finish_reason"] == "length"
+        s = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": prompt, "parameters": {
+            "max_tokens": 8}}, stream=True, timeout=60)
+        assert s.status_code == 200 and s.headers["Content-Type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in s.iter_lines() if line.startswith(b"data: ")]
+        assert [e["token_ids"][0] for e in events[:-1]] == want
+        bad = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": [1, 999]}, timeout=60)
+        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["message"], bad.text
+    finally:
+        pod.stop()
