@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.tiny_decoder import Block, Config, RMSNorm, rope_table
+from examples.tiny_decoder import Block, Config, Transformer
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,7 @@ class SlotAttention(nn.Module):
 
 class SlotBlock(Block):
     def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.attention = SlotAttention(cfg)
+        super().__init__(cfg, SlotAttention)
 
     def forward(self, x, table, mask, input_pos, slots):
         x = x + self.attention(self.attention_norm(x), table, mask, input_pos, slots)
@@ -88,20 +87,11 @@ class SlotBlock(Block):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class SlotTransformer(nn.Module):
-    """forward(tokens[B, S], input_pos[B, S], slots[B]) -> logits[B, S, vocab]."""
+class SlotTransformer(Transformer):
+    """forward(tokens[B, S], input_pos[B, S], slots[B]) -> logits[B, S, vocab]: examples/tiny_decoder's
+    Transformer with SlotBlock layers."""
 
-    def __init__(self, cfg: Config = Config()):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(SlotBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(cfg), persistent=False)
-        length = cfg.max_seq_length
-        self.register_buffer("causal_mask", torch.tril(torch.ones(length, length, dtype=torch.bool)),
-                             persistent=False)
+    block = SlotBlock
 
     def setup_caches(self, slots: int):
         for layer in self.layers:

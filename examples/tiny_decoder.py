@@ -100,9 +100,9 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, attention=Attention):
         super().__init__()
-        self.attention = Attention(cfg)
+        self.attention = attention(cfg)
         self.attention_norm, self.ffn_norm = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         hidden = 4 * cfg.dim
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
@@ -118,11 +118,13 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """forward(tokens[1, S], input_pos[S]) -> logits[1, S, vocab], TorchChat's signature."""
 
+    block = Block  # the layer class (examples/slot_decoder.py's has a slotted cache)
+
     def __init__(self, cfg: Config = Config()):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg), persistent=False)
