@@ -22,6 +22,7 @@ from examples import slot_decoder, tiny_decoder
 from examples.tiny_decoder import Config
 from handlers.artifact.decoder import recognise
 from handlers.artifact.state import program_state
+from handlers.errors import ServingError
 from handlers.generation import engine as engines
 from handlers.generation import loop
 from handlers.generation.request import GenerateRequest, Params
@@ -132,6 +133,23 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
     got = h.wait(list(range(20)))
     assert all(got[i] == alone for i in range(1, 20, 2))
     assert any(got[i] != alone for i in range(0, 20, 2))
+
+
+def test_a_failed_turn_fails_the_sequences_in_the_cache_and_the_engine_serves_on(program):
+    h = Harness(program)
+    real, calls = h.runner.step, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device said no")
+        return real(*args)
+    h.runner.step = flaky
+    h.submit("a", [1, 2, 3], 10)
+    err = h.wait(["a"])["a"]
+    assert isinstance(err, ServingError) and "device said no" in err.message
+    h.submit("b", [1, 2, 3], 10)
+    assert h.wait(["b"])["b"] == one_sequence_greedy(program, [1, 2, 3], 10)
 
 
 def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):

@@ -98,6 +98,8 @@ class Engine:
             return {"slots": self.slots, "busy": self.slots - len(self.free), "waiting": len(self.waiting)}
 
     def _run(self) -> None:
+        """The engine's thread: turns while there is work. It never ends on an error: a failed
+        turn fails the sequences in the cache, and a failure to tell them is logged."""
         with torch.inference_mode(), self.runner.stream_context():
             while True:
                 with self.cond:
@@ -204,7 +206,10 @@ class Engine:
         self.filling, self.decoding = [], []
         for job in failed:
             self._release(job)
-        self.deliver([(job, [], err) for job in failed])
+        try:
+            self.deliver([(job, [], err) for job in failed])
+        except Exception:  # noqa: BLE001  (the frontend gone: nobody left to tell)
+            logger.exception("could not answer the %d failed sequences", len(failed))
         if faults.is_sticky(e) and self.broken is not None:
             self.broken(f"generation: {type(e).__name__}: {e}")
 
