@@ -108,7 +108,10 @@ class Continuous:
                 plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
                 c.streaming = c.route.streams(req.params.stream)
                 self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c))
-            except ServingError as e:
+            except Exception as e:  # noqa: BLE001  (a raise here would fail every request the async frontend holds)
+                if not isinstance(e, ServingError):
+                    logger.exception("request %s could not be queued", rid)
+                    e = ServingError(f"generation failed: {type(e).__name__}: {e}")
                 self._finish([(c, _failed(e, c.route))])
         return clients
 
