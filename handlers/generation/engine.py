@@ -93,10 +93,6 @@ class Engine:
             self.waiting.append(job)
             self.cond.notify()
 
-    def load(self) -> dict:
-        with self.cond:
-            return {"slots": self.slots, "busy": self.slots - len(self.free), "waiting": len(self.waiting)}
-
     def _run(self) -> None:
         """The engine's thread: turns while there is work. It never ends on an error: a failed
         turn fails the sequences in the cache, and a failure to tell them is logged."""
