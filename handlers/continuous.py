@@ -41,7 +41,6 @@ from handlers.torchserve import replies
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
-STREAM_NEXT = replies.STREAM_NEXT
 LOCK = threading.Lock()  # this worker's own frame writers (replies.send_chunks)
 
 
@@ -61,8 +60,8 @@ class Client:
         """(the chunk to send first or None, the last answer)."""
         if self.own_chunk and self.sent == 0:
             self.sent = 1
-            return (self.request_id, answer), Encoded("", answer[1].media_type if type(answer) is Failed
-                                                      else answer.media_type, {})
+            encoded = answer.encoded if type(answer) is Failed else answer
+            return (self.request_id, answer), Encoded("", encoded.media_type, {})
         return None, answer
 
 
@@ -135,17 +134,23 @@ class Continuous:
         self._finish(last, chunks)
 
     def _finish(self, last: list, chunks: list = ()) -> None:
-        chunks = list(chunks)
-        answers = []
-        for c, answer in last:
-            first, answer = c.last(answer)
-            if first is not None:
-                chunks.append(first)
-            answers.append((c, answer))
-        if chunks and self.sock is not None:
-            replies.send_chunks(self.sock, LOCK, chunks)
-        for c, answer in answers:
+        answers = _lasts(self.sock, last, chunks)
+        for (c, _), answer in zip(last, answers):
             c.future.set_result(answer)
+
+
+def _lasts(sock, last: list, chunks=()) -> list:
+    """The last answers to return for [(client, answer)], after one frame to `sock` (None: no
+    frontend) with `chunks` and each answer that must go out as a chunk of its own first."""
+    chunks, answers = list(chunks), []
+    for c, answer in last:
+        first, answer = c.last(answer)
+        if first is not None:
+            chunks.append(first)
+        answers.append(answer)
+    if chunks and sock is not None:
+        replies.send_chunks(sock, LOCK, chunks)
+    return answers
 
 
 def _failed(err: ServingError, route: Route) -> Failed:
@@ -175,11 +180,8 @@ async def handle_async(worker, data: list, context) -> list:
     if not serves(worker):
         clients = [Client(Route("predictions", worker.name, worker.version), h.rest, context.request_ids[i], True)
                    for i, h in enumerate(heads)]
-        firsts = [c.last(a) for c, a in zip(clients, worker.serve(data, heads))]
-        chunks = [f for f, _a in firsts if f is not None]
-        if chunks:
-            replies.send_chunks(context.cl_socket, LOCK, chunks)
-        return _reply(context, clients, [a for _f, a in firsts], every=True)
+        answers = _lasts(context.cl_socket, list(zip(clients, worker.serve(data, heads))))
+        return _reply(context, clients, answers, every=True)
     cont: Continuous = worker.loaded.generation
     clients = cont.submit(worker, data, heads, context, own_chunk=True)
     return _reply(context, clients, [await asyncio.wrap_future(c.future) for c in clients], every=True)
@@ -191,5 +193,5 @@ def _reply(context, clients: list, answers: list, every: bool = False) -> list:
     bodies = replies.write(context, answers)
     for i, c in enumerate(clients):
         if every or c.sent:
-            context.set_response_header(i, STREAM_NEXT, "false")
+            context.set_response_header(i, replies.STREAM_NEXT, "false")
     return bodies

@@ -165,19 +165,22 @@ def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
 
 # --- through real TorchServe -------------------------------------------------------------------
 
+def archive(path, name: str, store, *extra):
+    """cs-archive with no options but `extra`, as a user runs it; its run (output printed)."""
+    r = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", name, "--out", str(store), *extra],
+                       cwd=ROOT, capture_output=True, text=True, env=server_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 @pytest.fixture(scope="module")
 def slot_server(program, serve, tmp_path_factory):
     d = tmp_path_factory.mktemp("slots")
     path = d / "slots.pt2"
     torch.export.save(program, path)
     store = d / "store"
-    r = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm", "--out", str(store)],
-                       cwd=ROOT, capture_output=True, text=True, env=server_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    small = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm_q0", "--out", str(store),
-                            "--handler-option", "queue_size=0"],
-                           cwd=ROOT, capture_output=True, text=True, env=server_env())
-    assert small.returncode == 0, small.stdout + small.stderr
+    r = archive(path, "lm", store)
+    archive(path, "lm_q0", store, "--handler-option", "queue_size=0")
     ts = serve({"lm": store / "lm.mar", "lm_q0": store / "lm_q0.mar"})
     return SimpleNamespace(ts=ts, archive_out=r.stdout + r.stderr, store=store)
 
@@ -294,9 +297,7 @@ def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_pat
     path = tmp_path / "slots.pt2"
     torch.export.save(program, path)
     store = tmp_path / "store"
-    r = subprocess.run([*cs_command("archive"), "--artifact", str(path), "--name", "lm", "--out", str(store)],
-                       cwd=ROOT, capture_output=True, text=True, env=server_env())
-    assert r.returncode == 0, r.stdout + r.stderr
+    archive(path, "lm", store)
     laid = lay_out([store / "lm.mar"], tmp_path / "out")
     assert laid.returncode == 0, laid.stdout + laid.stderr
     pod = Container(tmp_path / "out" / "storage", tmp_path / "pod")

@@ -10,8 +10,8 @@ Each turn of the loop:
    the budget measured at load so that the chunk takes no longer than a decode step of every slot
    (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
    about one step. With no sequence decoding, every waiting prompt goes in whole;
-4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunks of
-   step 3 still run on the GPU), each turned into its sequence's event
+4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunk of
+   step 3 still runs on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
 
 A sequence's tokens do not depend on what runs beside it: its rows read only its own slot, and
@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -54,7 +54,6 @@ class Job:
     filled: int = 0  # prompt tokens in the cache
     pos: int = 0  # the position the next decode step writes
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
-    arrived: float = field(default_factory=time.perf_counter)
 
 
 class Engine:
@@ -99,9 +98,9 @@ class Engine:
         with torch.inference_mode(), self.runner.stream_context():
             while True:
                 with self.cond:
-                    if not (self.waiting or self.filling or self.decoding):
+                    if not self._busy():
                         self.stats.log_and_reset()
-                    while not (self.waiting or self.filling or self.decoding):
+                    while not self._busy():
                         self.cond.wait()
                     self._admit()
                 try:
@@ -111,6 +110,9 @@ class Engine:
                     self.stats.lap("deliver", t)
                 except Exception as e:  # noqa: BLE001  (every sequence in the cache is told)
                     self._fail_all(e)
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.filling or self.decoding)
 
     def _admit(self) -> None:
         self.free.sort()

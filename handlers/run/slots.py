@@ -24,13 +24,10 @@ its last real token; a program that returns only the last position's logits gets
 from __future__ import annotations
 
 import contextlib
-import logging
+
 import torch
 
 from handlers.artifact.decoder import Decoder
-
-logger = logging.getLogger(__name__)
-
 
 PROMPT_SIZES = (16, 32, 64, 128)
 
