@@ -9,7 +9,9 @@ prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP ch
 - time to first token p50 / p99 (request sent to first token line),
 - inter-token latency p50 / p99 (between consecutive token lines of a stream, all streams pooled),
 - the worker's GPU memory (nvidia-smi) beside the weights' and the cache's bytes,
-- the greedy tokens of one stream against the same stream's among 32 (equal or not).
+- the greedy tokens of one stream against the same stream's among 32 (equal or not),
+- before the server starts, the package's own decode step at each stream count in this process
+  (the handler's runner and graphs, no server): the tokens/s limit the GPU sets at each count.
 
   python -m bench.bench_slots --out docs/results/slots_llama05b_fp16_h100
 """
@@ -121,6 +123,47 @@ def gpu_memory_mib() -> dict:
     return {int(p): float(m) for p, m in (ln.split(",") for ln in out.strip().splitlines() if ln.strip())}
 
 
+def step_limits(args, pkg: Path, counts: list) -> list:
+    """The package's own decode step in this process, no server: for each stream count, the
+    handler's runner (handlers/run/slots.py: CUDA graphs, rows padded to the graph's size) timed
+    over 50 steps at position prompt + decode / 2; the tokens/s the GPU allows at that count."""
+    from types import SimpleNamespace
+
+    from torch._inductor import aoti_load_package
+
+    from handlers.run.slots import SlotRunner
+
+    compiled = aoti_load_package(str(pkg), run_single_threaded=True)
+    dec = SimpleNamespace(slots=args.slots, cache_length=args.max_seq, vocab=args.vocab, logits="logits",
+                          chunk_max=args.max_seq, all_positions=True)
+    dev = torch.device(args.device)
+    runner = SlotRunner(lambda *a: {"logits": compiled(*a)}, dec, dev, SimpleNamespace(stream_priority=0))
+    out = []
+    with torch.inference_mode(), runner.stream_context():
+        note = runner.capture("auto")
+        for n in counts:
+            tokens = torch.zeros(n, dtype=torch.int64, device=dev)
+            args_n = (list(range(n)), tokens, [args.prompt + args.decode // 2] * n,
+                      [(s, 0) for s in range(n, args.slots)])
+            for _ in range(5):
+                runner.step(*args_n)
+            if runner.cuda:
+                runner.stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                runner.step(*args_n)
+            if runner.cuda:
+                runner.stream.synchronize()
+            ms = (time.perf_counter() - t0) / 50 * 1e3
+            out.append({"streams": n, "step_ms": ms, "tok_s": n / ms * 1e3})
+            print(out[-1], flush=True)
+    out[0]["graphs"] = note
+    del runner, compiled
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def served(args, program: Path, pkg: Path, work: Path) -> dict:
     store = work / "store"
     cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
@@ -166,6 +209,17 @@ def page(report: dict) -> str:
                      f"{p['ttft_ms_p50']:.1f} | {p['ttft_ms_p99']:.1f} | {p['itl_ms_p50']:.2f} | {p['itl_ms_p99']:.2f} | "
                      f"{p['itl_ms_p99'] / one['itl_ms_p99']:.2f} |")
     t = report["targets"]
+    lim = {x["streams"]: x for x in report.get("step_limits", [])}
+    if lim:
+        base = report["step_limits"][0]
+        lines += ["", "The package's own decode step in one process, no server (the handler's runner and CUDA graphs, "
+                      "rows at mid-sequence): the limit the GPU sets at each stream count, and what TorchServe served "
+                      "of it:", "", "| streams | step ms | tokens/s | x one stream's | served / limit |", "|---|---|---|---|---|"]
+        for p in report["points"]:
+            x = lim.get(p["streams"])
+            if x:
+                lines.append(f"| {x['streams']} | {x['step_ms']:.3f} | {x['tok_s']:.0f} | "
+                             f"{x['tok_s'] / base['tok_s']:.2f} | {p['aggregate_tok_s'] / x['tok_s']:.2f} |")
     lines += ["", "The engine's own account of each point (logged by the worker when it goes idle):", ""]
     lines += [f"- {p['streams']} streams: {p.get('engine', '')}" for p in report["points"]]
     lines += ["", f"Targets at 32 streams: aggregate >= 12x one stream's ({t['aggregate_x']:.2f}x: "
@@ -210,6 +264,8 @@ def main(argv=None) -> int:
         keep.mkdir(parents=True, exist_ok=True)
         program, pkg, params, cache, compile_s = package(args, keep)
         print(f"packaged {params / 1e9:.3f} B parameters, cache {cache / 2**20:.0f} MiB in {compile_s:.0f}s", flush=True)
+        counts = [int(x) for x in args.streams.split(",")]
+        limits = step_limits(args, pkg, counts)
         ours = served(args, program, pkg, work)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     pts = ours["points"]
@@ -223,6 +279,7 @@ def main(argv=None) -> int:
         "points": [{k: v for k, v in p.items() if k != "tokens"} for p in pts],
         "targets": {"aggregate_x": crowd["aggregate_tok_s"] / pts[0]["aggregate_tok_s"],
                     "itl_p99_x": crowd["itl_ms_p99"] / pts[0]["itl_ms_p99"]},
+        "step_limits": limits,
         "same_tokens": (pts[0]["tokens"][0] == crowd["tokens"][1]) if len(crowd["tokens"]) > 1 else None,
         "memory": {"worker_mib": ours["gpu_mib"], "weights_mib": round(params * 2 / 2**20, 1),
                    "cache_mib": round(cache / 2**20, 1)},

@@ -123,6 +123,44 @@ def test_tokens_are_the_same_alone_and_among_32_that_join_and_leave(program):
         assert got[i] == one_sequence_greedy(program, *others[i]), i
 
 
+class _Replay:
+    """Stands in for a captured torch.cuda.CUDAGraph on the CPU: replay() runs the model on the
+    graph's static buffers, as the captured graph does, so the runner's padded step path (rows
+    padded to a graph's size) runs here exactly as it does on a GPU."""
+
+    def __init__(self, runner, tok, pos, rows, logits):
+        self.run = lambda: logits.copy_(runner._run(tok, pos, rows))
+
+    def replay(self):
+        self.run()
+
+
+def with_step_graphs(h):
+    """Every step size of the runner 'captured' (_Replay), as SlotRunner.capture leaves it on CUDA."""
+    r = h.runner
+    for n in sizes(r.dec.slots):
+        tok, pos = torch.zeros(n, 1, dtype=torch.int64), torch.zeros(n, 1, dtype=torch.int64)
+        rows, logits = torch.arange(n), torch.empty(n, r.dec.vocab)
+        r.graphs[n] = (_Replay(r, tok, pos, rows, logits), tok, pos, rows, logits)
+    return h
+
+
+def test_padded_steps_never_touch_a_prompt_being_filled(program):
+    """Steps replayed at a graph's size pad their rows onto slots outside the step: a prompt filled
+    over several turns (budget 4 tokens, prompts up to 40) holds a slot outside the step, and its
+    tokens must still be the one-sequence model's."""
+    h = with_step_graphs(Harness(program, budget=4))
+    g = torch.Generator().manual_seed(3)
+    cases = {}
+    for i in range(40):
+        p = torch.randint(0, 256, (int(torch.randint(9, 40, (1,), generator=g)),), generator=g).tolist()
+        cases[i] = (p, 6 + i % 11)
+        h.submit(i, *cases[i])
+    got = h.wait(list(cases))
+    wrong = [i for i in cases if got[i] != one_sequence_greedy(program, *cases[i])]
+    assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
     h = Harness(program)
     prompt = [3, 1, 4, 1, 5]

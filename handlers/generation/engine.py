@@ -5,13 +5,15 @@ Each turn of the loop:
 1. newcomers take free slots (the lowest first, so busy slots stay packed and the step sizes
    small), oldest first; the rest wait in a queue of `queue_size` (a full queue refuses at once:
    `submit` raises Busy, a 503 with a retry hint);
-2. one decode step for every sequence past its prompt, a row each, in one call;
+2. one decode step for every sequence past its prompt, a row each, in one call, launched before
+   the last step's tokens are read (its inputs are those tokens, still on the device), so the GPU
+   runs a step while the host reads, sends and prepares the turn;
 3. one prompt chunk of the oldest sequence still filling its slot, of up to `budget` tokens,
    the budget measured at load so that the chunk takes no longer than a decode step of every slot
    (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
    about one step. With no sequence decoding, every waiting prompt goes in whole;
-4. the step's tokens read back (one copy and one wait for all rows, while the prompt chunk of
-   step 3 still runs on the GPU), each turned into its sequence's event
+4. the last turn's step's tokens read back (one copy and one wait for all rows, while this
+   turn's step and prompt chunk run on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
 
 A sequence's tokens do not depend on what runs beside it: its rows read only its own slot, and
@@ -56,6 +58,14 @@ class Job:
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
 
 
+@dataclass
+class Step:
+    """A launched decode step: its rows, their tokens' host copy and the event recorded after it."""
+    rows: list
+    host: torch.Tensor
+    event: Optional[object]
+
+
 class Engine:
     """`deliver(updates)`: [(job, events, error)] after each turn, events a list of loop.Token
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
@@ -68,14 +78,16 @@ class Engine:
         self.free = list(range(self.slots))
         self.waiting: collections.deque = collections.deque()
         self.filling: list = []
-        self.decoding: list = []
+        self.ready: list = []  # prompt whole, first token on the device: joins the next step
+        self.inflight: Optional[Step] = None  # the step launched last turn, its tokens not read yet
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="continuous-batching", daemon=True)
-        # the turn's tokens come back through one pinned buffer: a turn writes it only after the
-        # last turn's wait on its copy (step 4), so no copy into it is still pending
+        # a step's tokens come back through one of two pinned buffers, taken in turn: step t is
+        # read (after a wait on its event) in turn t + 1, before step t + 2 copies into its buffer
         cuda = runner.cuda
-        self.host = torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None
+        self.hosts = [torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.launched = 0
         self.stats = TurnStats()
 
     def start(self) -> "Engine":
@@ -112,7 +124,7 @@ class Engine:
                     self._fail_all(e)
 
     def _busy(self) -> bool:
-        return bool(self.waiting or self.filling or self.decoding)
+        return bool(self.waiting or self.filling or self.ready or self.inflight)
 
     def _admit(self) -> None:
         self.free.sort()
@@ -122,27 +134,43 @@ class Engine:
             self.filling.append(job)
 
     def _turn(self) -> list:
-        updates, t = [], self.stats.start(len(self.decoding))
-        rows, host = self.decoding, None
-        if rows:
-            logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows])
-            nxt = self._pick(logits, rows)
-            host = self._to_host(nxt)
-            for i, j in enumerate(rows):
-                j.token, j.pos = nxt[i:i + 1], j.pos + 1
+        """Launch this turn's step, fill prompts, then read the last turn's step (module docstring).
+        A sequence that stopped at the last step runs in this one too, its slot freed only after
+        the launch: it writes its own slot at a position a later holder writes before reading."""
+        prev, updates = self.inflight, []
+        rows = [j for j in (prev.rows if prev else []) if j.seq.reason is None] + self.ready
+        self.ready, t = [], self.stats.start(len(rows))
+        self.inflight = self._launch(rows) if rows else None
         t = self.stats.lap("step", t)
         started = self._fill(budget=self.budget if rows else None)
         t = self.stats.lap("prompts", t)
-        if rows:
-            if self.copied is not None:
-                self.copied.synchronize()
-            updates += self._take(rows, host.tolist())
+        if prev is not None:
+            if prev.event is not None:
+                prev.event.synchronize()
+            live = [(j, tid) for j, tid in zip(prev.rows, prev.host.tolist()) if j.seq.reason is None]
+            updates += self._take([j for j, _ in live], [tid for _, tid in live])
         if started:
-            firsts = torch.cat([j.token for j in started])
-            updates += self._take(started, firsts.tolist())
+            updates += self._take(started, torch.cat([j.token for j in started]).tolist())
+            self.ready = [j for j in self.ready if j.seq.reason is None]
         self.stats.lap("wait", t)
-        self.decoding = [j for j in self.decoding + started if j.seq.reason is None]
         return updates
+
+    def _launch(self, rows: list) -> Step:
+        """One decode step of `rows`, padded (on a graph) onto free slots at position 0 and onto
+        slots whose prompt is being filled at their next prompt position; its tokens' copy out."""
+        spare = [(s, 0) for s in sorted(self.free)] + [(j.slot, j.filled) for j in self.filling]
+        logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows],
+                                  spare)
+        nxt = self._pick(logits, rows)
+        for i, j in enumerate(rows):
+            j.token, j.pos = nxt[i:i + 1], j.pos + 1
+        k, self.launched = self.launched % 2, self.launched + 1
+        if not self.runner.cuda:
+            return Step(rows, nxt, None)
+        host = self.hosts[k][:len(rows)]
+        host.copy_(nxt, non_blocking=True)
+        self.events[k].record()
+        return Step(rows, host, self.events[k])
 
     def _pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
         """int64[n]: each row's next token (greedy rows in one argmax, sampled rows by their own generator)."""
@@ -152,24 +180,16 @@ class Engine:
                 out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
         return out
 
-    def _to_host(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The tokens' copy into the pinned buffer, `copied` recorded after it (CUDA)."""
-        if not self.runner.cuda:
-            return tokens
-        host = self.host[:tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        self.copied.record()
-        return host
-
     def _fill(self, budget: Optional[int]) -> list:
         """Prompt chunks of the filling sequences, oldest first: with sequences decoding, one call
-        of up to `budget` tokens; else (None) every waiting prompt whole. The sequences whose
-        prompt is now whole, each with its first token sampled."""
+        of up to `budget` tokens; else (None) every waiting prompt whole, in chunks of at most the
+        runner's `chunk_limit`. The sequences whose prompt is now whole, each with its first token
+        sampled, moved to `ready` (where a failure later in the turn still finds them)."""
         started, dev, calls = [], self.runner.device, 0
         for job in list(self.filling):
             prompt = job.seq.plan.prompt
             while job.filled < len(prompt) and (budget is None or calls == 0):
-                n = min(len(prompt) - job.filled, self.runner.dec.chunk_max, budget or len(prompt))
+                n = min(len(prompt) - job.filled, self.runner.chunk_limit, budget or len(prompt))
                 ids = torch.tensor([prompt[job.filled:job.filled + n]], dtype=torch.int64).to(dev, non_blocking=True)
                 logits = self.runner.prefill(job.slot, ids, job.filled)
                 job.filled, calls = job.filled + n, calls + 1
@@ -179,6 +199,7 @@ class Engine:
             job.pos = len(prompt)
             self.filling.remove(job)
             started.append(job)
+            self.ready.append(job)
         return started
 
     def _take(self, jobs: list, tids: list) -> list:
@@ -198,10 +219,10 @@ class Engine:
 
     def _fail_all(self, e: Exception) -> None:
         err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
-        logger.exception("a continuous-batching turn failed; the %d sequences in the cache fail with it",
-                         len(self.filling) + len(self.decoding))
-        failed = self.filling + self.decoding
-        self.filling, self.decoding = [], []
+        failed = self.filling + self.ready + [j for j in (self.inflight.rows if self.inflight else [])
+                                              if j.seq.reason is None]
+        logger.exception("a continuous-batching turn failed; the %d sequences in the cache fail with it", len(failed))
+        self.filling, self.ready, self.inflight = [], [], None
         for job in failed:
             self._release(job)
         try:
@@ -245,7 +266,7 @@ class TurnStats:
 def measure_budget(runner, repeats: int = 3) -> tuple:
     """(prompt tokens per turn, the note): the most prompt tokens of one chunk whose call takes no
     longer than a decode step of every slot, timed on this device (powers of two up to the
-    export's chunk limit, at least 1)."""
+    runner's chunk limit, at least 1)."""
     dec, dev = runner.dec, runner.device
     slots = list(range(dec.slots))
 
@@ -266,7 +287,7 @@ def measure_budget(runner, repeats: int = 3) -> tuple:
         tokens = torch.zeros(dec.slots, dtype=torch.int64, device=dev)
         step = timed(lambda: runner.step(slots, tokens, [0] * dec.slots))
         budget, n = 1, 1
-        while n <= min(dec.chunk_max, dec.cache_length):
+        while n <= min(runner.chunk_limit, dec.cache_length):
             ids = torch.zeros(1, n, dtype=torch.int64, device=dev)
             if timed(lambda: runner.prefill(0, ids, 0)) > step:
                 break

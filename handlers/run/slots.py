@@ -8,11 +8,14 @@ artifact's one cache, a row per slot, on the worker's own stream on a GPU.
 A decode step is launch-bound on a GPU (hundreds of small kernels), so on CUDA each step size of
 `sizes()` (1, 2, 4, ... up to the slot count) is captured once as a CUDA graph and replayed with the
 rows copied into its static inputs. A step of n busy rows replays the smallest graph of at least n
-rows; the rows past n are padding, each given a slot no sequence holds (there are at least as many
-free slots as padding rows, since the graph has at most as many rows as there are slots), writing
-position 0 of that free slot: a sequence that later takes the slot writes position 0 with its
-prompt before any call reads it, so the padding never reaches an answer. Each graph is kept only
-if its logits equal the plain call's (handler.cuda_graphs as for the one-sequence runner).
+rows; the rows past n are padding, each written at a place the caller names as spare: a slot
+outside the step at a position its holder writes before any call reads it (position 0 of a free
+slot; the next prompt position of a slot whose prompt is still being filled), so the padding never
+reaches an answer. Every slot outside the step has such a place and the graph has at most as many
+rows as there are slots, so there are always enough. (Position 0 of any slot outside the step was
+wrong: a prompt filled over several turns had its first position overwritten, tests/test_continuous.py.)
+Each graph is kept only if its logits equal the plain call's (handler.cuda_graphs as for the
+one-sequence runner).
 
 A prompt chunk of up to PROMPT_SIZES tokens is also a graph replay (a plain call of a 28-layer
 0.5 B model costs about 4 ms in launches alone: docs/results/slots_llama05b_fp16_h100.md), padded
@@ -50,9 +53,18 @@ class SlotRunner:
         self.prompt_graphs: dict = {}  # length -> (graph, tokens [1, c], positions [1, c], slot [1], logits [1, c, vocab])
         self.arange = torch.arange(decoder.cache_length, dtype=torch.int64, device=device)
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graphs not captured"
-        # a graph step's positions and slots go in through one pinned buffer; the engine waits on
-        # each turn's tokens before the next turn writes it, so no copy out of it is still pending
-        self.host = torch.empty(2, decoder.slots, dtype=torch.int64, pin_memory=self.cuda)
+        # a graph step's positions and slots go in through one of two pinned buffers, taken in
+        # turn: the engine waits on step t's tokens (copied out after its inputs were copied in)
+        # before it launches step t + 2, which writes the same buffer
+        self.hosts = [torch.empty(2, decoder.slots, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.steps = 0
+
+    @property
+    def chunk_limit(self) -> int:
+        """The longest prompt chunk the engine sends: the largest prompt graph where there are
+        any (AOTInductor's first plain call at a length not seen before took 0.7-0.9 s on an H100,
+        8 layers, stalling every stream; a replay does not), else the export's limit."""
+        return max(self.prompt_graphs) if self.prompt_graphs else self.dec.chunk_max
 
     def stream_context(self):
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -77,19 +89,22 @@ class SlotRunner:
         graph.replay()
         return logits[0, n - 1]
 
-    def step(self, slots: list, tokens: torch.Tensor, positions: list) -> torch.Tensor:
+    def step(self, slots: list, tokens: torch.Tensor, positions: list, spare: list = ()) -> torch.Tensor:
         """One token per row: `tokens` int64[n] on the device, row i at positions[i] of slots[i];
-        the logits float[n, vocab] (a view valid until the next step)."""
+        the logits float[n, vocab] (a view valid until the next step). `spare`: (slot, position)
+        places a padding row may write (module docstring), at least one per slot outside the step."""
         n = len(slots)
         size = next((s for s in sorted(self.graphs) if s >= n), None)
         if size is None:
             pos = torch.tensor(positions, device=self.device).view(n, 1)
             return self._run(tokens.view(n, 1), pos, torch.tensor(slots, device=self.device))
         graph, tok, pos, rows, logits = self.graphs[size]
-        busy = set(slots)
-        free = [s for s in range(self.dec.slots) if s not in busy][:size - n]
-        host = self.host[:, :size]
-        host.copy_(torch.tensor([positions + [0] * (size - n), slots + free], dtype=torch.int64))
+        pad = list(spare[:size - n])
+        if len(pad) < size - n:
+            raise RuntimeError(f"a {n}-row step padded to {size} rows needs {size - n} spare places, got {len(pad)}")
+        host = self.hosts[self.steps % 2][:, :size]
+        self.steps += 1
+        host.copy_(torch.tensor([positions + [p for _, p in pad], slots + [s for s, _ in pad]], dtype=torch.int64))
         both = host.to(self.device, non_blocking=True)
         pos.copy_(both[0].view(size, 1))
         rows.copy_(both[1])
