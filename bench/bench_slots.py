@@ -5,9 +5,11 @@ positions), exported and packaged with plain torch calls, archived with no optio
 streams (one client process each, all started together after a warm-up round), each a 128-token
 prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP chunked:
 
-- aggregate decode tokens/s (every stream's tokens over the round's wall time),
-- time to first token p50 / p99 (request sent to first token line),
-- inter-token latency p50 / p99 (between consecutive token lines of a stream, all streams pooled),
+- aggregate decode tokens/s (every stream's tokens over the round's wall time; the median of
+  --rounds rounds: one round of one stream is 0.4 s, and a single stall moved it by a fifth),
+- time to first token p50 / p99 (request sent to first token line, every round's streams),
+- inter-token latency p50 / p99 (between consecutive token lines of a stream, all streams and
+  rounds pooled),
 - the worker's GPU memory (nvidia-smi) beside the weights' and the cache's bytes,
 - the greedy tokens of one stream against the same stream's among 32 (equal or not),
 - before the server starts, the package's own decode step at each stream count in this process
@@ -47,9 +49,12 @@ def build_parser():
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--streams", default="1,8,32,64")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per point (after one warm-up round): "
+                   "tokens/s the median round's, latency percentiles over all rounds")
     p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
     p.add_argument("--reuse", help="a directory to keep the program and package in and take them from when "
                                    "present (a second run on a machine still warm skips the compile)")
+    p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
@@ -101,16 +106,23 @@ def pct(xs: list, q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def one_point(pool, port, token, prompts, n: int, decode: int) -> dict:
-    start = time.time() + 1.0
-    runs = pool.map(stream_once, [(port, token, prompts[i], decode, start) for i in range(n)])
-    wall = max(r["end"] for r in runs) - min(r["t0"] for r in runs)
-    ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in runs]
-    itl = [(b - a) * 1e3 for r in runs for a, b in zip(r["times"], r["times"][1:])]
-    return {"streams": n, "aggregate_tok_s": n * decode / wall, "wall_s": wall,
+def one_point(pool, port, token, prompts, n: int, decode: int, rounds: int) -> dict:
+    """`rounds` rounds of n streams started together: aggregate tokens/s the median round's (each
+    round's every token over its wall time), TTFT and inter-token percentiles over every round's
+    streams pooled; the first round's tokens."""
+    rates, walls, ttft, itl, tokens = [], [], [], [], None
+    for _ in range(rounds):
+        start = time.time() + 1.0
+        runs = pool.map(stream_once, [(port, token, prompts[i], decode, start) for i in range(n)])
+        wall = max(r["end"] for r in runs) - min(r["t0"] for r in runs)
+        rates.append(n * decode / wall)
+        walls.append(wall)
+        ttft += [(r["times"][0] - r["t0"]) * 1e3 for r in runs]
+        itl += [(b - a) * 1e3 for r in runs for a, b in zip(r["times"], r["times"][1:])]
+        tokens = tokens or [r["tokens"] for r in runs]
+    return {"streams": n, "aggregate_tok_s": statistics.median(rates), "rounds_tok_s": rates, "wall_s": walls,
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-            "tokens": [r["tokens"] for r in runs]}
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99), "tokens": tokens}
 
 
 def gpu_memory_mib() -> dict:
@@ -182,8 +194,8 @@ def served(args, program: Path, pkg: Path, work: Path) -> dict:
         out = {"archive": r.stdout.strip().splitlines(), "points": []}
         with mp.get_context("spawn").Pool(max(counts)) as pool:
             for n in counts:
-                one_point(pool, port, token, prompts, n, args.decode)  # warm-up round
-                point = one_point(pool, port, token, prompts, n, args.decode)
+                one_point(pool, port, token, prompts, n, args.decode, 1)  # warm-up round
+                point = one_point(pool, port, token, prompts, n, args.decode, args.rounds)
                 time.sleep(1.0)  # the engine logs its turns when it goes idle
                 point["engine"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in reversed(ts.log().splitlines())
                                         if "continuous batching:" in ln), "")
@@ -191,6 +203,8 @@ def served(args, program: Path, pkg: Path, work: Path) -> dict:
                 out["points"].append(point)
         out["gpu_mib"] = gpu_memory_mib()
         log = ts.log()
+        if args.log:
+            Path(args.log).write_text(log)
         out["load_line"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in log.splitlines()
                                  if "loaded aoti decoder" in ln), "")
         return out
