@@ -3,14 +3,16 @@ the slot form (examples/slot_decoder.py: random weights, fp16, a cache of SLOTS 
 positions), exported and packaged with plain torch calls, archived with no options (cs-archive
 --artifact PKG --program PROGRAM) and served by real TorchServe; then 1, 8, 32 and 64 concurrent
 streams (one client process each, all started together after a warm-up round), each a 128-token
-prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP chunked:
+prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP chunked, the
+client processes on cores of their own (--client-cores):
 
 - aggregate decode tokens/s (every stream's tokens over the round's wall time; the median of
   --rounds rounds: one round of one stream is 0.4 s, and a single stall moved it by a fifth),
 - time to first token p50 / p99 (request sent to first token line, every round's streams),
 - inter-token latency p50 / p99 (between consecutive token lines of a stream, all streams and
   rounds pooled),
-- the worker's GPU memory (nvidia-smi) beside the weights' and the cache's bytes,
+- the worker's GPU memory (nvidia-smi; this process's own, which loaded the package for the limits
+  below, left out) beside the weights' and the cache's bytes,
 - the greedy tokens of one stream against the same stream's among 32 (equal or not),
 - before the server starts, the package's own decode step at each stream count in this process
   (the handler's runner and graphs, no server): the tokens/s limit the GPU sets at each count.
@@ -20,9 +22,11 @@ prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP ch
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from bench.native_load import split_cores
 from bench.results_meta import header, page_head, write_pages
 from compiled_serving.local_server import ROOT, LocalTorchServe
 from examples import slot_decoder
@@ -49,6 +54,13 @@ def build_parser():
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--streams", default="1,8,32,64")
+    p.add_argument("--client-cores", type=int, default=4,
+                   help="cores of this host set apart for the stream clients (the last N; the server gets the "
+                        "rest): client processes beside the server's threads added their scheduling delays to "
+                        "the inter-token times. 0: no split")
+    p.add_argument("--warmup", type=float, default=5.0,
+                   help="seconds of warm-up rounds before each point's measured rounds (after READY the first "
+                        "rounds of one stream ran at a quarter of the later ones' rate on an H100)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds per point (after one warm-up round): "
                    "tokens/s the median round's, latency percentiles over all rounds")
     p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
@@ -171,9 +183,16 @@ def step_limits(args, pkg: Path, counts: list) -> list:
             print(out[-1], flush=True)
     out[0]["graphs"] = note
     del runner, compiled
+    gc.collect()  # the graphs and the loaded package, before the server's worker starts beside this process
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _pin(cores) -> None:
+    """A client process on the cores set apart for the clients (None: wherever)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def served(args, program: Path, pkg: Path, work: Path) -> dict:
@@ -183,6 +202,7 @@ def served(args, program: Path, pkg: Path, work: Path) -> dict:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stdout + r.stderr)
+    clients = split_cores(args.client_cores)  # before the server starts: it inherits the other cores
     ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
     try:
         ts.wait_ready(timeout=500)
@@ -192,16 +212,20 @@ def served(args, program: Path, pkg: Path, work: Path) -> dict:
         prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
         prompts = [prompts[0]] * 2 + prompts[2:]  # streams 0 and 1 share a prompt: alone against in a crowd
         out = {"archive": r.stdout.strip().splitlines(), "points": []}
-        with mp.get_context("spawn").Pool(max(counts)) as pool:
+        with mp.get_context("spawn").Pool(max(counts), initializer=_pin, initargs=(clients,)) as pool:
             for n in counts:
-                one_point(pool, port, token, prompts, n, args.decode, 1)  # warm-up round
+                warm = time.time()  # warm-up rounds for --warmup seconds, at least one
+                while True:
+                    one_point(pool, port, token, prompts, n, args.decode, 1)
+                    if time.time() - warm >= args.warmup:
+                        break
                 point = one_point(pool, port, token, prompts, n, args.decode, args.rounds)
                 time.sleep(1.0)  # the engine logs its turns when it goes idle
                 point["engine"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in reversed(ts.log().splitlines())
                                         if "continuous batching:" in ln), "")
                 print({k: v for k, v in point.items() if k != "tokens"}, flush=True)
                 out["points"].append(point)
-        out["gpu_mib"] = gpu_memory_mib()
+        out["gpu_mib"] = {pid: mib for pid, mib in gpu_memory_mib().items() if pid != os.getpid()}  # the worker's
         log = ts.log()
         if args.log:
             Path(args.log).write_text(log)
