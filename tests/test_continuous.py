@@ -161,18 +161,6 @@ def test_padded_steps_never_touch_a_prompt_being_filled(program):
     assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
 
 
-def test_the_prompt_budget_follows_the_step_size(program):
-    """measure_budget times a step of each graph size and a prompt chunk of each candidate length;
-    the engine takes the entry of the smallest measured size that holds the turn's rows."""
-    h = Harness(program)
-    budget, note = engines.measure_budget(h.runner, repeats=1)
-    assert sorted(budget) == sizes(SLOTS) and note.startswith("prompt tokens per turn")
-    assert all(b in (1, 2, 4, 8, 16, 32, 64, 128) for b in budget.values()), budget
-    e = engines.Engine(h.runner, None, 4, {1: 16, 8: 32, 32: 128})
-    assert [e._budget(n) for n in (1, 2, 8, 9, 32, 40)] == [16, 32, 32, 128, 128, 128]
-    assert engines.Engine(h.runner, None, 4, 7).budget == {SLOTS: 7}
-
-
 def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
     h = Harness(program)
     prompt = [3, 1, 4, 1, 5]

@@ -8,11 +8,10 @@ Each turn of the loop:
 2. one decode step for every sequence past its prompt, a row each, in one call, launched before
    the last step's tokens are read (its inputs are those tokens, still on the device), so the GPU
    runs a step while the host reads, sends and prepares the turn;
-3. one prompt chunk of the oldest sequence still filling its slot, of up to the budget for
-   this turn's step size: the most prompt tokens whose call took no longer than a step of that
-   many rows, measured at load (`measure_budget`), so a newcomer's prompt delays the running
-   sequences' next token by at most about one step of their own size (never shorter than the
-   smallest prompt call). With no sequence decoding, every waiting prompt goes in whole;
+3. one prompt chunk of the oldest sequence still filling its slot, of up to `budget` tokens,
+   the budget measured at load so that the chunk takes no longer than a decode step of every slot
+   (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
+   about one step. With no sequence decoding, every waiting prompt goes in whole;
 4. the last turn's step's tokens read back (one copy and one wait for all rows, while this
    turn's step and prompt chunk run on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
@@ -72,11 +71,8 @@ class Engine:
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
     failed."""
 
-    def __init__(self, runner, deliver: Callable, queue_size: int, budget, broken: Callable = None):
-        """budget: prompt tokens per turn, {rows: tokens} by the step's row count (the entry for the
-        smallest count of at least the step's rows; measure_budget) or one number for every step."""
-        self.runner, self.deliver, self.queue_size = runner, deliver, queue_size
-        self.budget = budget if isinstance(budget, dict) else {runner.dec.slots: int(budget)}
+    def __init__(self, runner, deliver: Callable, queue_size: int, budget: int, broken: Callable = None):
+        self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
         self.broken = broken
         self.slots = runner.dec.slots
         self.free = list(range(self.slots))
@@ -146,7 +142,7 @@ class Engine:
         self.ready, t = [], self.stats.start(len(rows))
         self.inflight = self._launch(rows) if rows else None
         t = self.stats.lap("step", t)
-        started = self._fill(budget=self._budget(len(rows)) if rows else None)
+        started = self._fill(budget=self.budget if rows else None)
         t = self.stats.lap("prompts", t)
         if prev is not None:
             if prev.event is not None:
@@ -158,9 +154,6 @@ class Engine:
             self.ready = [j for j in self.ready if j.seq.reason is None]
         self.stats.lap("wait", t)
         return updates
-
-    def _budget(self, rows: int) -> int:
-        return next((self.budget[k] for k in sorted(self.budget) if k >= rows), self.budget[max(self.budget)])
 
     def _launch(self, rows: list) -> Step:
         """One decode step of `rows`, padded (on a graph) onto free slots at position 0 and onto
@@ -271,14 +264,11 @@ class TurnStats:
 
 
 def measure_budget(runner, repeats: int = 3) -> tuple:
-    """({step rows: prompt tokens per turn}, the note), timed on this device: for each step size
-    the runner replays (handlers/run/slots.sizes), the longest prompt chunk whose call took no
-    longer than that step; where none did, the chunk of the fastest call (a prompt graph's
-    shortest length costs what any shorter chunk padded to it costs). Chunks at the runner's
-    prompt graph lengths, else powers of two, up to its chunk limit."""
-    from handlers.run.slots import sizes
-
+    """(prompt tokens per turn, the note): the most prompt tokens of one chunk whose call takes no
+    longer than a decode step of every slot, timed on this device (powers of two up to the
+    runner's chunk limit, at least 1)."""
     dec, dev = runner.dec, runner.device
+    slots = list(range(dec.slots))
 
     def timed(fn) -> float:
         fn()
@@ -293,17 +283,14 @@ def measure_budget(runner, repeats: int = 3) -> tuple:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    top = min(runner.chunk_limit, dec.cache_length)
-    lengths = sorted(c for c in runner.prompt_graphs if c <= top) or [1 << k for k in range(top.bit_length())]
     with torch.inference_mode(), runner.stream_context():
-        steps = {}
-        for n in sizes(dec.slots):
-            tokens = torch.zeros(n, dtype=torch.int64, device=dev)
-            spare = [(s, 0) for s in range(n, dec.slots)]
-            steps[n] = timed(lambda: runner.step(list(range(n)), tokens, [0] * n, spare))
-        chunks = {c: timed(lambda: runner.prefill(0, torch.zeros(1, c, dtype=torch.int64, device=dev), 0))
-                  for c in lengths}
-    fastest = min(chunks, key=lambda c: (chunks[c], -c))
-    budget = {n: max((c for c in chunks if chunks[c] <= t), default=fastest) for n, t in steps.items()}
-    each = ", ".join(f"{budget[n]} beside {n} ({steps[n] * 1e3:.2f} ms)" for n in steps)
-    return budget, f"prompt tokens per turn by the decode step's rows (its time here): {each}"
+        tokens = torch.zeros(dec.slots, dtype=torch.int64, device=dev)
+        step = timed(lambda: runner.step(slots, tokens, [0] * dec.slots))
+        budget, n = 1, 1
+        while n <= min(runner.chunk_limit, dec.cache_length):
+            ids = torch.zeros(1, n, dtype=torch.int64, device=dev)
+            if timed(lambda: runner.prefill(0, ids, 0)) > step:
+                break
+            budget, n = n, n * 2
+    return budget, (f"prompt chunks of up to {budget} tokens per turn (a {dec.slots}-row decode step took "
+                    f"{step * 1e3:.2f} ms here)")
