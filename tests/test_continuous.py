@@ -173,13 +173,16 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
     assert any(got[i] != alone for i in range(0, 20, 2))
 
 
-def test_a_failed_turn_fails_the_sequences_in_the_cache_and_the_engine_serves_on(program):
+@pytest.mark.parametrize("failing_call", [1, 3])
+def test_a_failed_turn_fails_the_sequences_in_the_cache_and_the_engine_serves_on(program, failing_call):
+    """The step fails on its first call (the sequence's first step: it has just left the prompt)
+    or a later one: either way the sequence is told, and the next is answered as if alone."""
     h = Harness(program)
     real, calls = h.runner.step, []
 
     def flaky(*args):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == failing_call:
             raise RuntimeError("device said no")
         return real(*args)
     h.runner.step = flaky

@@ -139,8 +139,9 @@ class Engine:
         the launch: it writes its own slot at a position a later holder writes before reading."""
         prev, updates = self.inflight, []
         rows = [j for j in (prev.rows if prev else []) if j.seq.reason is None] + self.ready
-        self.ready, t = [], self.stats.start(len(rows))
+        t = self.stats.start(len(rows))
         self.inflight = self._launch(rows) if rows else None
+        self.ready = []  # in the step now (cleared after the launch: a failed launch still finds them to fail)
         t = self.stats.lap("step", t)
         started = self._fill(budget=self.budget if rows else None)
         t = self.stats.lap("prompts", t)
