@@ -226,6 +226,11 @@ class Engine:
         self.filling, self.ready, self.inflight = [], [], None
         for job in failed:
             self._release(job)
+        if self.runner.cuda:  # the dropped step's copies out of the pinned buffers end before they are written again
+            try:
+                self.runner.stream.synchronize()
+            except Exception:  # noqa: BLE001  (a sticky device error: `broken` below takes the worker out)
+                logger.exception("the worker's stream did not synchronize after the failed turn")
         try:
             self.deliver([(job, [], err) for job in failed])
         except Exception:  # noqa: BLE001  (the frontend gone: nobody left to tell)
