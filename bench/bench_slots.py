@@ -59,7 +59,7 @@ def build_parser():
                         "requests spread over more engine turns (353 against 321, TTFT p50 272 ms against 207)")
     p.add_argument("--warmup", type=float, default=5.0,
                    help="seconds of warm-up rounds before each point's measured rounds (at least one round)")
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds per point (after one warm-up round): "
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per point (after the warm-up): "
                    "tokens/s the median round's, latency percentiles over all rounds")
     p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
     p.add_argument("--reuse", help="a directory to keep the program and package in and take them from when "
