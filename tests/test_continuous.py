@@ -16,6 +16,7 @@ import requests
 import torch
 import yaml
 from conftest import ROOT, cs_command, server_env
+from test_generation import STREAM_CLIENT
 
 from compiled_serving import contract
 from examples import slot_decoder, tiny_decoder
@@ -332,7 +333,9 @@ def test_grpc_stream_predictions_and_a_unary_call_on_the_slot_model(program, slo
 def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_path):
     """The Open Inference Protocol's generate and generate_stream through the KServe pod (nginx in
     front of TorchServe's async frontend): one answer with details, server-sent events token by
-    token, and a 400 with the handler's reason before any event."""
+    token, and a 400 with the handler's reason before any event; and tritonclient's start_stream
+    (ModelStreamInfer through the pod's gRPC bridge): the same tokens, the last response flagged,
+    a bad request's error and the stream serving on."""
     from kserve_kit import Container, lay_out
 
     path = tmp_path / "slots.pt2"
@@ -357,5 +360,12 @@ def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_pat
         assert [e["token_ids"][0] for e in events[:-1]] == want
         bad = requests.post(f"{pod.base}/v2/models/lm/generate_stream", json={"input_ids": [1, 999]}, timeout=60)
         assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["message"], bad.text
+        r = subprocess.run([str(kserve_env), "-c", STREAM_CLIENT, pod.grpc_target], capture_output=True, text=True,
+                           timeout=180)  # tritonclient's start_stream: ModelStreamInfer through the gRPC bridge
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["good"]["tokens"] == want and out["good"]["reason"] == "length", out
+        assert "outside the vocabulary" in out["bad"]["error"], out
+        assert out["again"]["tokens"] == want[:3], out
     finally:
         pod.stop()
