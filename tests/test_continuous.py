@@ -162,6 +162,18 @@ def test_padded_steps_never_touch_a_prompt_being_filled(program):
     assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
 
 
+def test_a_padded_step_writes_its_padding_rows_only_at_the_spare_places(program):
+    """The rows a graph's size adds go to the (slot, position) places the caller names, in order;
+    too few places is an error, not a guess."""
+    h = with_step_graphs(Harness(program))
+    del h.runner.graphs[1], h.runner.graphs[2]  # a 1-row step now replays the 4-row graph
+    _, tok, pos, rows, _ = h.runner.graphs[4]
+    h.runner.step([7], torch.tensor([3]), [5], [(2, 0), (9, 11), (4, 0), (30, 0)])
+    assert rows.tolist() == [7, 2, 9, 4] and pos.view(-1).tolist() == [5, 0, 11, 0] and tok[0, 0] == 3
+    with pytest.raises(RuntimeError, match="needs 3 spare places, got 1"):
+        h.runner.step([7], torch.tensor([3]), [5], [(2, 0)])
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
     h = Harness(program)
     prompt = [3, 1, 4, 1, 5]
