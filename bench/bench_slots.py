@@ -193,7 +193,7 @@ def _pin(cores) -> None:
         os.sched_setaffinity(0, cores)
 
 
-def served(args, program: Path, pkg: Path, work: Path, pool) -> dict:
+def served(args, program: Path, pkg: Path, work: Path, pool, counts: list) -> dict:
     store = work / "store"
     cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
            "--name", "lm", "--out", str(store)]
@@ -205,7 +205,6 @@ def served(args, program: Path, pkg: Path, work: Path, pool) -> dict:
         ts.wait_ready(timeout=500)
         port, token = ts.ports["inf"], ts.key()
         g = torch.Generator().manual_seed(0)
-        counts = [int(x) for x in args.streams.split(",")]
         prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
         prompts = [prompts[0]] * 2 + prompts[2:]  # streams 0 and 1 share a prompt: alone against in a crowd
         out = {"archive": r.stdout.strip().splitlines(), "points": []}
@@ -305,7 +304,7 @@ def main(argv=None) -> int:
         program, pkg, params, cache, compile_s = package(args, keep)
         print(f"packaged {params / 1e9:.3f} B parameters, cache {cache / 2**20:.0f} MiB in {compile_s:.0f}s", flush=True)
         limits = step_limits(args, pkg, counts)
-        ours = served(args, program, pkg, work, pool)
+        ours = served(args, program, pkg, work, pool, counts)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     pts = ours["points"]
     by_n = {p["streams"]: p for p in pts}
