@@ -152,6 +152,13 @@ OPTIONS = (
     # handlers/artifact/room.py instead of failing out of memory on every restart.
     Option("worker_gpu_mb", float, 0.0, "GPU memory one worker needs, MiB (cs-archive writes it); a CUDA "
            "worker with less free refuses to load; 0: no check", low=0),
+    # handlers/weights: a holder process per GPU and artifact keeps one copy that the workers read
+    # in place (CUDA IPC); on the CPU the copy would live in /dev/shm, which containers often cap
+    # at 64 MiB, hence GPU only unless asked.
+    Option("shared_weights", str, "auto", "the workers of one GPU read one copy of the weights, kept by "
+           "a holder process (handlers/weights)",
+           choices=(("auto", "on GPU workers of AOTInductor packages and exported programs"),
+                    ("on", "also on CPU workers (the copy in shared memory)"), ("off", "each worker loads its own"))),
     Option("crash_safe_load", bool, True, "try the load and one call in a child process first (catches "
            "native crashes)"),
     Option("crash_safe_timeout_s", float, 600.0, "the trial load's time limit, seconds", positive=True),

@@ -35,6 +35,7 @@ from handlers.run.padding import verify_padding
 from handlers.torchserve import scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
+from handlers.weights import attach
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
                      if config.crash_safe_load else (0.0, "no trial load"))
     steps.note("trial load", probe_note)
     steps.done("trial load")
-    model = load_artifact(spec, placement, config)
+    model, held = load_model(plan, config, steps)
     limits, decoder = Limits.of(config, spec), decoder_of(spec)
     if decoder is not None and decoder.slotted:  # many sequences on one cache (handlers/continuous.py)
         runner = SlotRunner(model, decoder, placement.torch_device, config)
@@ -157,11 +158,31 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     else:
         runner, generation = runner_for(model, spec, placement.torch_device, config), None
     loaded = Loaded(config=config, spec=spec, limits=limits, model=model, runner=runner, device=placement.torch_device,
-                    stages=StageTimes(emit, config.stage_metrics_s), generation=generation)
+                    stages=StageTimes(emit, config.stage_metrics_s), generation=generation, weights=held)
     if generation is None and runner.pad:
         steps.note("padding", verify_padding(model, loaded.runner, spec, placement.torch_device))
     steps.done("load")
     return loaded
+
+
+def load_model(plan: StartPlan, config: HandlerConfig, steps: StartSteps) -> tuple:
+    """(the loaded artifact, the held weights it reads or None): reading the GPU's one copy
+    where this worker can (handlers/weights), else its own, with a warning when sharing was
+    meant to work and did not; the reason goes to the load line either way."""
+    spec, placement = plan.spec, plan.placement
+    kind = kind_of(spec)
+    why = attach.why_not(config, spec, placement, kind, decoder_of(spec) is not None)
+    if why is None:
+        try:
+            with attach.attached(scratch.shared_root(), spec, placement, kind.load_copies_weights) as held:
+                model = load_artifact(spec, placement, config, held.tensors)
+            steps.note("weights", held.describe())
+            return model, held
+        except (attach.ShareError, LoadError) as e:
+            why = f"sharing failed: {e}"
+            logger.warning("this worker loads its own copy of the weights: %s", why)
+    steps.note("weights", f"own copy ({why})")
+    return load_artifact(spec, placement, config), None
 
 
 def emit_times(emit, steps: StartSteps) -> None:
@@ -174,10 +195,10 @@ def emit_times(emit, steps: StartSteps) -> None:
 def log_decoder(loaded: Loaded, placement: Placement, steps: StartSteps, reader: str) -> None:
     """A decoder's load line: what serves it and how, and how long each step took."""
     spec = loaded.spec
-    logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; CPU threads: %s; %s",
+    logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; %s; CPU threads: %s; %s",
                 spec.backend, spec.artifact, loaded.model.loader, placement, placement.note, steps.describe(),
-                steps.notes.get("trial load", ""), loaded.generation.describe(), steps.notes.get("threads", ""),
-                reader)
+                steps.notes.get("trial load", ""), steps.notes.get("weights", ""), loaded.generation.describe(),
+                steps.notes.get("threads", ""), reader)
     logger.info("process-wide changes: %s", process.describe())
 
 
@@ -188,11 +209,12 @@ def log_loaded(loaded: Loaded, placement: Placement, steps: StartSteps, reader: 
           if placement.kind == "cuda" else None)
     sync_why = notes.get("sync", "")
     logger.info(
-        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; started in %s; %s; "
+        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; started in %s; %s; %s; "
         "inputs %s; batch range [%d, %d]; "
         "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
         spec.backend, spec.artifact, loaded.model.loader, placement, placement.note, cc or "n/a",
-        steps.describe(), notes.get("trial load", ""), ", ".join(s.describe() for s in spec.inputs),
+        steps.describe(), notes.get("trial load", ""), notes.get("weights", ""),
+        ", ".join(s.describe() for s in spec.inputs),
         spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), notes.get("threads", ""),
         notes.get("graphs", ""), runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
         loaded.limits.values.describe() + (f"; padding {runner.pad.describe()}, {notes.get('padding', '')}"

@@ -63,6 +63,8 @@ class Worker:
         steps = startup.StartSteps()
         with startup.gpu_room(plan):
             self.loaded = startup.load(plan, emit, steps)
+            if self.loaded.weights is not None:  # its model reads the holder's memory: stop when it is gone
+                self.loaded.weights.on_lost(self.broken)
             if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
                 if continuous.serves(self):
                     warmup.slots(self.loaded, steps, self.broken)

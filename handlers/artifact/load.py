@@ -8,6 +8,7 @@ from handlers.artifact.kinds import LoadedModel, kind_of
 from handlers.artifact.metadata import ArtifactSpec
 
 
-def load_artifact(spec: ArtifactSpec, placement: Placement, config=None) -> LoadedModel:
+def load_artifact(spec: ArtifactSpec, placement: Placement, config=None, weights=None) -> LoadedModel:
+    """`weights`: the GPU's held weights (handlers/weights), read in place; None: the artifact's own."""
     use_device(placement)
-    return kind_of(spec).load(spec, placement, config)
+    return kind_of(spec).load(spec, placement, config, weights)

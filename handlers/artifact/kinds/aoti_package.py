@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import zipfile
 
 from handlers.artifact.device import Placement
+from handlers.artifact.kinds import aoti_runner
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.machine import cc_from_digits
 from handlers.artifact.metadata import ArtifactSpec
@@ -85,12 +87,30 @@ class AotiPackage(ArtifactKind):
         cuda_kernel_rule(spec, placement, m, fatal, warn)
 
     graph_capturable = True
+    not_shared = None
+    load_copies_weights = True  # the container fills its own constants before the swap
 
-    def load(self, spec, placement, config=None):
+    def load(self, spec, placement, config=None, weights=None):
         # One request at a time per worker: the single-threaded runner serves both plain calls
         # and CUDA graph capture.
         graphs = placement.kind == "cuda" and config is not None and config.cuda_graphs != "off"
-        return load_aoti_package(spec, placement, "aoti_package", single_threaded=graphs)
+        if weights is None:
+            return load_aoti_package(spec, placement, "aoti_package", single_threaded=graphs)
+        runner = self._runner(spec, placement, graphs)
+        aoti_runner.adopt(runner, weights)
+        return LoadedModel(runner.run, spec, placement.torch_device, "aoti_package, held weights",
+                           flat_outputs=True)
+
+    def held_weights(self, spec, placement, keep):
+        runner = self._runner(spec, placement)
+        return keep(aoti_runner.constants(runner))  # views of the runner's copy: kept before it is freed
+
+    @staticmethod
+    def _runner(spec, placement, single_threaded=False):
+        """The package's library under the container runner, extracted into this process's
+        scratch directory (TMPDIR, removed when the process is gone: handlers/torchserve/scratch.py)."""
+        so, kernels = aoti_runner.package_library(spec.artifact_path, tempfile.mkdtemp(prefix="aoti-"))
+        return aoti_runner.new_runner(so, placement, kernels, single_threaded)
 
     def compile(self, ep, inputs, path, options) -> dict:
         from torch._inductor import aoti_compile_and_package

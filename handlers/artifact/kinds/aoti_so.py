@@ -6,8 +6,7 @@ from __future__ import annotations
 import glob
 import os
 
-import torch
-
+from handlers.artifact.kinds import aoti_runner
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.rules import cpu_isa_rule, cuda_kernel_rule
 from handlers.errors import LoadError
@@ -22,24 +21,29 @@ class AotiSharedLibrary(ArtifactKind):
         cpu_isa_rule(spec, placement, m, fatal, warn)
         cuda_kernel_rule(spec, placement, m, fatal, warn)
 
-    def load(self, spec, placement, config=None):
-        runners = torch._C._aoti
-        so = spec.artifact_path
-        try:
-            if placement.kind == "cuda":
-                cubin_dir = os.path.join(spec.variant_dir, spec.extra.get("cubin_dir", "cubin"))
-                if not glob.glob(os.path.join(cubin_dir, "*.cubin")):
-                    raise LoadError(f"{spec.artifact} is a CUDA AOTInductor library but {cubin_dir} "
-                                    "holds no .cubin files; archive its kernel directory beside it")
-                runner = runners.AOTIModelContainerRunnerCuda(so, 1, str(placement), cubin_dir)
-            else:
-                runner = runners.AOTIModelContainerRunnerCpu(so, 1)
-        except LoadError:
-            raise
-        except Exception as e:
-            raise LoadError(f"the AOTInductor container runner failed to load {spec.artifact} on "
-                            f"{placement}: {e}") from e
-        return LoadedModel(runner.run, spec, placement.torch_device, "aoti_so", flat_outputs=True)
+    not_shared = None
+    load_copies_weights = True  # the container fills its own constants before the swap
+
+    def load(self, spec, placement, config=None, weights=None):
+        runner = self._runner(spec, placement)
+        if weights is not None:
+            aoti_runner.adopt(runner, weights)
+        return LoadedModel(runner.run, spec, placement.torch_device,
+                           "aoti_so" + (", held weights" if weights is not None else ""), flat_outputs=True)
+
+    def held_weights(self, spec, placement, keep):
+        runner = self._runner(spec, placement)
+        return keep(aoti_runner.constants(runner))  # views of the runner's copy: kept before it is freed
+
+    @staticmethod
+    def _runner(spec, placement):
+        cubin_dir = ""
+        if placement.kind == "cuda":
+            cubin_dir = os.path.join(spec.variant_dir, spec.extra.get("cubin_dir", "cubin"))
+            if not glob.glob(os.path.join(cubin_dir, "*.cubin")):
+                raise LoadError(f"{spec.artifact} is a CUDA AOTInductor library but {cubin_dir} "
+                                "holds no .cubin files; archive its kernel directory beside it")
+        return aoti_runner.new_runner(spec.artifact_path, placement, cubin_dir)
 
 
 KIND = AotiSharedLibrary()

@@ -47,6 +47,14 @@ class ArtifactKind:
     # What cs-compile needs to produce it: "cxx" (a C++ compiler for a wrapper),
     # "torch_tensorrt"; None when compile.py does not produce it directly.
     compile_needs: tuple = None
+    # Why a worker of this kind cannot read its weights from the GPU's weights holder
+    # (handlers/weights), or None when it can: `held_weights` gives the holder the tensors and
+    # `load(..., weights=...)` reads them in place.
+    not_shared = "its loader cannot take weights it does not own"
+    # Its load with held weights allocates a copy of its own for a moment (the AOTInductor
+    # container fills its constants from the library before they are swapped out), so such loads
+    # on one GPU take turns (handlers/weights/attach.py).
+    load_copies_weights = False
 
     @property
     def relocatable(self) -> bool:
@@ -72,8 +80,16 @@ class ArtifactKind:
     def rules(self, spec: ArtifactSpec, placement: Placement, m: Machine, fatal: list, warn: list) -> None:
         """Compatibility rules beyond the common ones (rules.py)."""
 
-    def load(self, spec: ArtifactSpec, placement: Placement, config=None) -> LoadedModel:
+    def load(self, spec: ArtifactSpec, placement: Placement, config=None, weights=None) -> LoadedModel:
+        """The artifact loaded on `placement`; given `weights` ({name: tensor} from the holder,
+        as `held_weights` named them), the model reads those in place instead of its own copy."""
         raise NotImplementedError
+
+    def held_weights(self, spec: ArtifactSpec, placement: Placement, keep) -> dict:
+        """keep({name: tensor}) of every weight the model reads and never writes, called while
+        those tensors are alive: `keep` copies them onto the placement's device, into one
+        allocation per dtype, and returns the copies (what the holder serves)."""
+        raise NotImplementedError(f"{self.name} artifacts do not share weights: {self.not_shared}")
 
     def compile(self, ep, inputs, path: str, options) -> dict:
         """Write the artifact for exported program `ep` to `path`; returns artifact.json `extra`."""

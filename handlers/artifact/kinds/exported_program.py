@@ -17,16 +17,14 @@ class ExportedProgram(ArtifactKind):
     graph_capturable = True  # .module() runs eager aten kernels
     checks_state_at_load = True  # load() reads the graph (artifact/state.py)
     compile_needs = ()
+    not_shared = None
 
-    def load(self, spec, placement, config=None):
-        try:
-            ep = torch.export.load(spec.artifact_path)
-        except Exception as e:
-            raise LoadError(f"torch.export.load failed for {spec.artifact}: {e}. The file may be "
-                            f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
-                            f"this is {torch.__version__}).") from e
+    def load(self, spec, placement, config=None, weights=None):
+        ep = self._program(spec)
         # the graph itself says whether it writes state between calls (artifact/state.py)
         check_program(ep, spec.artifact, spec.extra.get("state"))
+        if weights is not None:
+            adopt(ep, weights)  # already on the device: relocating them below moves nothing
         ep = relocate(ep, placement.torch_device)
         module, names = ep.module(), list(ep.graph_signature.user_inputs)
         if by_keyword(ep):
@@ -36,9 +34,50 @@ class ExportedProgram(ArtifactKind):
                                "exported_program")
         return LoadedModel(module, spec, placement.torch_device, "exported_program")
 
+    def held_weights(self, spec, placement, keep):
+        return keep(read_only(self._program(spec)))  # copied from the host straight into the holder's allocation
+
+    @staticmethod
+    def _program(spec):
+        try:
+            return torch.export.load(spec.artifact_path)
+        except Exception as e:
+            raise LoadError(f"torch.export.load failed for {spec.artifact}: {e}. The file may be "
+                            f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
+                            f"this is {torch.__version__}).") from e
+
     def compile(self, ep, inputs, path, options) -> dict:
         torch.export.save(ep, path)
         return {}
+
+
+def read_only(ep) -> dict:
+    """{name: tensor} of the program's parameters, buffers and tensor constants that its graph
+    never writes (a buffer it mutates stays with each worker): "state:NAME" for `ep.state_dict`,
+    "constant:NAME" for `ep.constants`."""
+    written = set(ep.graph_signature.buffers_to_mutate.values())
+    out = {f"state:{k}": v for k, v in ep.state_dict.items() if k not in written and isinstance(v, torch.Tensor)}
+    out.update({f"constant:{k}": v for k, v in ep.constants.items()
+                if k not in written and isinstance(v, torch.Tensor)})
+    return out
+
+
+def adopt(ep, weights: dict) -> None:
+    """The program's read-only tensors replaced by the held ones of the same names (a parameter
+    stays a parameter). Raises LoadError naming a tensor the holder lacks or holds with another
+    shape or dtype."""
+    for name, mine in read_only(ep).items():
+        held = weights.get(name)
+        if held is None or held.shape != mine.shape or held.dtype != mine.dtype:
+            found = "nothing" if held is None else f"{held.dtype} {list(held.shape)}"
+            raise LoadError(f"the held weights hold {found} for {name}, the program has "
+                            f"{mine.dtype} {list(mine.shape)}")
+        where, key = name.split(":", 1)
+        if where == "state":
+            ep.state_dict[key] = (torch.nn.Parameter(held, requires_grad=False)
+                                  if isinstance(mine, torch.nn.Parameter) else held)
+        else:
+            ep.constants[key] = held
 
 
 KIND = ExportedProgram()

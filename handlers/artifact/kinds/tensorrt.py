@@ -92,7 +92,11 @@ class TorchTensorRT(ArtifactKind):
                          f"the assigned GPU ({m.gpu_name}) is {m.compute_capability}: {cc_fix(m)}, or "
                          "compile with --hardware-compatible")
 
-    def load(self, spec, placement, config=None):
+    # TensorRT engines embed their weights in the serialized engine, which has no API to
+    # point them at memory another process owns.
+    not_shared = "a TensorRT engine keeps its weights inside the engine"
+
+    def load(self, spec, placement, config=None, weights=None):
         try:
             import torch_tensorrt
         except ImportError:

@@ -1,0 +1,187 @@
+"""A worker's side of the weights holder (holder.py): whether this worker shares, the holder found
+or started, the weights received, and the watch that stops the worker when the holder is gone.
+
+The holder of an (artifact, device, frontend) answers on a unix socket in this user's private
+scratch root (handlers/torchserve/scratch.py: a directory no one else may write), with a random
+authkey in a 0600 file beside it. Workers take one file lock per holder around finding or
+starting it, and, for kinds whose load allocates their own copy for a moment
+(ArtifactKind.load_copies_weights), around that load too, so the GPU never holds more than the
+holder's copy and one worker's.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import secrets
+import select
+import subprocess
+import sys
+import threading
+import time
+
+from handlers.weights.holder import KEY_ENV
+
+logger = logging.getLogger(__name__)
+HOLDER_START_S = 600.0  # a holder loads the weights once, as a worker would: as long as a trial load may take
+RECEIVE_S = 120.0  # mapping the holder's allocations takes well under a second; a holder this slow is stuck
+
+
+class ShareError(Exception):
+    """The holder could not be found, started or read: the worker loads its own copy."""
+
+
+def why_not(config, spec, placement, kind, generative: bool):
+    """None when this worker reads held weights, else the reason it loads its own copy."""
+    if config.shared_weights == "off":
+        return "shared_weights is off"
+    if placement.kind != "cuda" and config.shared_weights != "on":
+        return "a CPU worker (shared_weights: on shares through shared memory)"
+    if kind.not_shared:
+        return kind.not_shared
+    if generative:
+        return "a generative model: its cache and weights stay with each worker"
+    return None
+
+
+class HeldWeights:
+    """The tensors received from a holder, and the open connection that says it is alive. The
+    tensors must outlive every model reading them: the worker keeps this object for its life."""
+
+    def __init__(self, conn, tensors: dict, holder_pid: int, started: bool):
+        self.conn, self.tensors, self.holder_pid, self.started = conn, tensors, holder_pid, started
+        self._lost = None  # why the holder is gone, once it is
+        self._on_lost = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="weights-holder-watch", daemon=True).start()
+
+    def describe(self) -> str:
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return (f"weights held by pid {self.holder_pid} ({len(self.tensors)} tensors, {nbytes / 2**20:.0f} MiB, "
+                + ("started by this worker)" if self.started else "attached)"))
+
+    def on_lost(self, callback) -> None:
+        """callback(reason) once the holder is gone (at once if it already is)."""
+        with self._lock:
+            self._on_lost, lost = callback, self._lost
+        if lost:
+            callback(lost)
+
+    def _watch(self) -> None:
+        try:
+            while True:
+                self.conn.recv_bytes()  # the holder sends nothing more: returns only when it is gone
+        except (EOFError, OSError):
+            pass
+        reason = f"the weights holder (pid {self.holder_pid}) is gone; this worker's model read its memory"
+        with self._lock:
+            self._lost, callback = reason, self._on_lost
+        if callback:
+            callback(reason)
+
+
+def _paths(root: str, spec, placement) -> dict:
+    # the frontend (this worker's parent) is part of the name: another TorchServe on the same
+    # files gets its own holder, tied to its own lifetime
+    tag = hashlib.sha256(f"{os.path.realpath(spec.artifact_path)}|{placement}|{os.getppid()}".encode()).hexdigest()[:16]
+    d = os.path.join(root, "weights")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
+
+
+# a socket with nobody listening, no socket or key file, a stale key
+NOT_THERE = (OSError, EOFError, ValueError, multiprocessing.AuthenticationError)
+
+
+def _connect(paths: dict):
+    from multiprocessing.connection import Client
+
+    with open(paths["key"], "rb") as f:
+        key = f.read()
+    return Client(paths["sock"], family="AF_UNIX", authkey=key)
+
+
+def _start_holder(paths: dict, spec, placement) -> int:
+    """Starts the holder in its own session (it outlives the worker that started it) and waits
+    for its ready line; returns its pid."""
+    key = secrets.token_hex(32).encode()  # hex: it also travels in the environment
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(paths["key"])
+    fd = os.open(paths["key"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, **{KEY_ENV: key.decode()})
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    index = placement.index if placement.index is not None else -1
+    cmd = [sys.executable, "-m", "handlers.weights.holder", spec.variant_dir, placement.kind, str(index),
+           paths["sock"], str(os.getppid())]
+    with open(paths["log"], "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=pkg_parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, start_new_session=True, close_fds=True)
+    line = _ready_line(proc, paths)
+    if "error" in line:
+        raise ShareError(f"the weights holder failed to load: {line['error']}")
+    return int(line["pid"])
+
+
+def _ready_line(proc, paths: dict) -> dict:
+    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_START_S)
+    raw = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        proc.kill()
+        raise ShareError(f"the weights holder gave no ready line within {HOLDER_START_S:.0f}s "
+                         f"(exit status {proc.poll()}); its log: {paths['log']}") from None
+
+
+def _receive(conn) -> dict:
+    try:
+        if not conn.poll(RECEIVE_S):
+            raise ShareError(f"the weights holder sent nothing within {RECEIVE_S:.0f}s")
+        return conn.recv()  # rebuilding the tensors maps the holder's allocations (CUDA IPC)
+    except ShareError:
+        raise
+    except Exception as e:  # noqa: BLE001  (an IPC handle this process cannot open, a holder gone mid-send)
+        raise ShareError(f"receiving the held weights failed: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def attached(root: str, spec, placement, hold_lock: bool):
+    """Yields HeldWeights from the holder of this artifact on this device, starting it when none
+    answers. hold_lock: keep the holder's lock until the block ends (a load that allocates its
+    own copy for a moment). Raises ShareError when no weights could be received."""
+    import torch.multiprocessing  # noqa: F401  (registers the tensor rebuilders the holder's pickles name)
+
+    if root is None:
+        raise ShareError("no private scratch root to keep the holder's socket in")
+    paths = _paths(root, spec, placement)
+    fd = os.open(paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = False
+        try:
+            conn = _connect(paths)
+        except NOT_THERE:
+            holder, started = _start_holder(paths, spec, placement), True
+            try:
+                conn = _connect(paths)
+            except NOT_THERE as e:
+                raise ShareError(f"the weights holder started (pid {holder}) but refused the connection: {e!r}") from e
+        t0 = time.perf_counter()
+        sent = _receive(conn)
+        held = HeldWeights(conn, sent["weights"], sent["pid"], started)
+        if not hold_lock:
+            os.close(fd)
+            fd = None
+        logger.info("received %d held tensors in %.2fs", len(held.tensors), time.perf_counter() - t0)
+        yield held
+    finally:
+        if fd is not None:
+            os.close(fd)
