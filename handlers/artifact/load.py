@@ -11,4 +11,7 @@ from handlers.artifact.metadata import ArtifactSpec
 def load_artifact(spec: ArtifactSpec, placement: Placement, config=None, weights=None) -> LoadedModel:
     """`weights`: the GPU's held weights (handlers/weights), read in place; None: the artifact's own."""
     use_device(placement)
-    return kind_of(spec).load(spec, placement, config, weights)
+    kind = kind_of(spec)
+    if weights is None:  # a kind written before sharing existed takes (spec, placement, config)
+        return kind.load(spec, placement, config)
+    return kind.load(spec, placement, config, weights)

@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import secrets
 import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -90,7 +91,11 @@ def _paths(root: str, spec, placement) -> dict:
     tag = hashlib.sha256(f"{os.path.realpath(spec.artifact_path)}|{placement}|{os.getppid()}".encode()).hexdigest()[:16]
     d = os.path.join(root, "weights")
     os.makedirs(d, mode=0o700, exist_ok=True)
-    return {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
+    paths = {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
+    # the holder's TMPDIR, short: on the CPU torch's shared-memory manager puts a unix socket
+    # (108 bytes at most) below it
+    paths["tmp"] = os.path.join(root, f"holder-{tag[:8]}")
+    return paths
 
 
 # a socket with nobody listening, no socket or key file, a stale key
@@ -115,7 +120,11 @@ def _start_holder(paths: dict, spec, placement) -> int:
     with os.fdopen(fd, "wb") as f:
         f.write(key)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, **{KEY_ENV: key.decode()})
+    # A TMPDIR of its own: the worker's (scratch.py) is removed when that worker dies, with what
+    # the holder keeps there (its extracted library, torch's shared-memory manager socket on the CPU)
+    shutil.rmtree(paths["tmp"], ignore_errors=True)  # an earlier holder's, killed before it could remove it
+    os.makedirs(paths["tmp"], mode=0o700)
+    env = dict(os.environ, TMPDIR=paths["tmp"], **{KEY_ENV: key.decode()})
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     index = placement.index if placement.index is not None else -1
     cmd = [sys.executable, "-m", "handlers.weights.holder", spec.variant_dir, placement.kind, str(index),

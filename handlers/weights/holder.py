@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -172,6 +173,7 @@ def main(argv=None) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+            shutil.rmtree(os.environ.get("TMPDIR", ""), ignore_errors=True)  # its own (attach.py), never a worker's
             os._exit(0)  # not sys.exit: the accept thread and torch's IPC bookkeeping need no cleanup
 
 

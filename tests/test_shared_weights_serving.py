@@ -1,0 +1,127 @@
+"""One copy of the weights per device, through real TorchServe (issue 49; handlers/weights).
+
+On the CPU the holder shares through named shared memory (`shared_weights: on`; the default,
+auto, shares on GPU workers only), so this tests the lifecycle, not GPU memory: one holder per
+model that every worker reads, a killed worker's replacement attaching to it, a killed holder
+stopping its workers (TorchServe restarts them on a new one), right answers throughout, and no
+holder left once the frontend is gone. The GPU figures: bench/bench_shared.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import build_mar, close, eager, two
+
+pytestmark = pytest.mark.server
+
+MODELS = {"sw_aoti": "two_aoti", "sw_export": "two_export"}
+# a worker's load line in model_log.log: "W-PORT-MODEL_VERSION-stdout ... weights held by pid N (...)"
+HELD = re.compile(r"W-\d+-(\w+?)_[\d.]+-stdout.*weights held by pid (\d+) \(\d+ tensors, \d+ MiB, "
+                  r"(started by this worker|attached)\)")
+
+
+def holders(ts) -> dict:
+    """{pid: command line} of the weights holders this server's workers started (their socket
+    lies under the server's TMPDIR)."""
+    out = subprocess.run(["pgrep", "-af", "handlers.weights.holder"], capture_output=True, text=True).stdout
+    tmp = str(ts.workdir / "tmp")
+    return {int(line.split()[0]): line for line in out.splitlines() if tmp in line}
+
+
+def held_lines(ts, model=None) -> list:
+    """(holder pid, started|attached) of every load line so far (of `model`), in order."""
+    return [(int(m.group(2)), m.group(3)) for m in HELD.finditer(ts.log()) if model in (None, m.group(1))]
+
+
+def answers_right(ts, model, seed=0) -> None:
+    f, m = two(3, seed=seed)
+    for _ in range(4):  # more requests than workers: every worker answers some
+        r = ts.predict(model, {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
+        assert r.status_code == 200, r.text
+        close(r.json()["outputs"], eager("two_input", f, m))
+
+
+def pids(ts, model) -> list:
+    return sorted(w["pid"] for w in ts.workers(model))
+
+
+def wait_back(ts, model, gone: set, n: int = 2, timeout: float = 120) -> float:
+    """Seconds until `n` workers of `model` are READY, none of them in `gone`."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        ws = ts.workers(model)
+        if len(ws) == n and all(w.get("status") == "READY" and w.get("pid") not in gone for w in ws):
+            return time.time() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"{model} not back: {ts.workers(model)}\n{ts.log()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def shared_server(artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("shared_store")
+    mars = {name: build_mar(artifacts.get(art), name, store, "--workers", "2", "--batch-size", "4",
+                            "--max-batch-delay", "5", "--handler-option", "shared_weights=on")
+            for name, art in MODELS.items()}
+    return serve(mars)
+
+
+def test_every_worker_reads_one_holder_per_model_and_answers_right(shared_server):
+    ts = shared_server
+    lines = held_lines(ts)
+    assert len(lines) == 4, ts.log()[-3000:]  # two workers of each model
+    running = holders(ts)
+    assert set(running) == {pid for pid, _ in lines}  # one holder per model, alive, the one they read
+    assert len(running) == 2
+    for pid in running:
+        assert sorted(how for p, how in lines if p == pid) == ["attached", "started by this worker"]
+    for model in MODELS:
+        answers_right(ts, model)
+
+
+def test_a_killed_worker_comes_back_on_the_same_holder(shared_server):
+    ts = shared_server
+    before = pids(ts, "sw_aoti")
+    holder_pids = set(holders(ts))
+    os.kill(before[0], signal.SIGKILL)
+    wait_back(ts, "sw_aoti", {before[0]})
+    assert held_lines(ts, "sw_aoti")[-1] == (held_lines(ts, "sw_aoti")[0][0], "attached")
+    assert set(holders(ts)) == holder_pids  # the holder did not restart
+    answers_right(ts, "sw_aoti", seed=1)
+
+
+def test_a_killed_holder_stops_its_workers_and_a_new_one_serves_them(shared_server):
+    """No worker answers from memory whose owner is gone: the workers of a killed holder stop
+    (503 meanwhile) and TorchServe restarts them on a new holder; the other model is untouched."""
+    ts = shared_server
+    old = set(holders(ts))
+    workers, export_workers = pids(ts, "sw_aoti"), pids(ts, "sw_export")
+    aoti_holder = held_lines(ts, "sw_aoti")[-1][0]
+    assert aoti_holder in old
+    os.kill(aoti_holder, signal.SIGKILL)
+    wait_back(ts, "sw_aoti", set(workers))
+    new = set(holders(ts)) - old
+    assert len(new) == 1, holders(ts)
+    assert {p for p, _ in held_lines(ts, "sw_aoti")[-2:]} == new  # both restarted workers read it
+    assert pids(ts, "sw_export") == export_workers
+    answers_right(ts, "sw_aoti", seed=2)
+    answers_right(ts, "sw_export", seed=2)
+
+
+def test_no_holder_outlives_the_frontend(artifacts, serve, tmp_path_factory):
+    """The frontend's SIGTERM (what `torchserve --stop` sends) ends it and its workers; each
+    holder sees its frontend gone and exits within a second."""
+    store = tmp_path_factory.mktemp("shared_stop_store")
+    mar = build_mar(artifacts.get("two_export"), "sw_stop", store, "--workers", "2",
+                    "--handler-option", "shared_weights=on")
+    ts = serve({"sw_stop": mar})
+    assert len(holders(ts)) == 1
+    ts.stop()
+    deadline = time.time() + 5
+    while holders(ts) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not holders(ts)
