@@ -114,3 +114,70 @@ def test_summary_ratios_count_the_holder_and_contexts():
     assert s["ratio_six_shared_to_one_beyond_contexts"] == round((5600 - 7 * 500) / (2600 - 500), 3)
     assert s["throughput_shared_over_unshared"] == 0.99
     assert s["answers_all_identical"] is False  # one worker answered with an error
+
+
+# ---------------------------------------------------------------- the handler's sharing (handlers/weights)
+
+def test_pack_keeps_values_shapes_strides_in_one_aligned_allocation_per_dtype():
+    from handlers.weights.holder import ALIGN_BYTES, pack
+
+    g = torch.Generator().manual_seed(0)
+    src = {"w": torch.randn(5, 7, generator=g), "wt": torch.randn(7, 5, generator=g).t(),  # strided
+           "b": torch.randn(3, generator=g), "ids": torch.arange(11), "empty": torch.empty(0, 4),
+           "half": torch.randn(4, 4, generator=g).half()}
+    held = pack(src, torch.device("cpu"))
+    for name, t in src.items():
+        assert torch.equal(held[name], t) and held[name].stride() == t.stride(), name
+        assert held[name].data_ptr() % ALIGN_BYTES == 0 or t.numel() == 0, name
+    storages = {}
+    for name, t in held.items():
+        storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+    assert all(len(s) == 1 for s in storages.values())  # one allocation (one IPC handle) per dtype
+    ptrs = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in held.values() if t.numel())
+    assert all(a[1] <= b[0] for a, b in zip(ptrs, ptrs[1:]))  # no two overlap
+
+
+def test_exported_program_reads_held_tensors_in_place_and_refuses_a_wrong_one(built, tmp_path):
+    """The export kind's adopt: the module's parameters are the held tensors themselves (same
+    memory), answers equal the program's own; a held tensor of another shape fails the load."""
+    from handlers.artifact.kinds.exported_program import adopt, read_only
+    from handlers.errors import LoadError
+
+    x = torch.randn(4, WIDTH)
+    batch = torch.export.Dim("batch", min=1, max=16)
+    with torch.no_grad():
+        ep = torch.export.export(built["model"], (x,), dynamic_shapes=({0: batch},))
+    torch.export.save(ep, tmp_path / "p.pt2")
+    held = {k: v.detach().clone() for k, v in read_only(torch.export.load(tmp_path / "p.pt2")).items()}
+    mine = torch.export.load(tmp_path / "p.pt2")
+    adopt(mine, held)
+    module = mine.module()
+    ptrs = {t.data_ptr() for t in module.state_dict().values()}
+    assert ptrs == {t.data_ptr() for t in held.values()}
+    assert torch.equal(module(built["x"]), torch.export.load(tmp_path / "p.pt2").module()(built["x"]))
+    bad = dict(held, **{"state:layers.0.weight": torch.zeros(WIDTH, WIDTH + 1)})
+    with pytest.raises(LoadError, match="layers.0.weight"):
+        adopt(torch.export.load(tmp_path / "p.pt2"), bad)
+
+
+def test_aoti_adopt_frees_its_own_copy_and_names_a_missing_constant(built, tmp_path):
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import aoti_runner
+    from handlers.errors import LoadError
+    from handlers.weights.holder import pack
+
+    cpu = Placement("cpu", None)
+    so, kernels = aoti_runner.package_library(built["normal"], str(tmp_path / "a"))
+    source = aoti_runner.new_runner(so, cpu, kernels)
+    held = pack(aoti_runner.constants(source), torch.device("cpu"))
+    del source  # the views it gave are gone with it; the packed copies stay
+    so2, kernels2 = aoti_runner.package_library(built["normal"], str(tmp_path / "b"))
+    runner = aoti_runner.new_runner(so2, cpu, kernels2)
+    own = runner.run([built["x"]])[0].clone()
+    assert aoti_runner.adopt(runner, held) == sum(t.numel() * t.element_size() for t in held.values())
+    active = aoti_runner.constants(runner)
+    assert {k: v.data_ptr() for k, v in active.items()} == {k: v.data_ptr() for k, v in held.items()}
+    assert torch.equal(runner.run([built["x"]])[0], own)
+    partial = {k: v for k, v in held.items() if k != "layers.1.bias"}
+    with pytest.raises(LoadError, match="layers.1.bias"):
+        aoti_runner.adopt(aoti_runner.new_runner(so2, cpu, kernels2), partial)
