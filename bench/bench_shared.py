@@ -1,0 +1,267 @@
+"""One copy of the weights per GPU (issue 49; handlers/weights), measured through real TorchServe:
+the GPU memory of every process, throughput at --clients, answers, kill -9 restarts and what is
+left after the frontend stops, with the weights shared (the default) and with each worker's own
+copy (`shared_weights: off`), the same archive otherwise.
+
+    python -m bench.bench_shared --artifact DIR --out docs/results/shared_big_mlp_fp16_h100
+
+Modes (--modes, in order):
+  one     one worker, its own copy: the reference the issue's memory target counts from
+  own     --workers workers, each its own copy (shared_weights: off)
+  shared  --workers workers reading one holder's copy (the default, shared_weights: auto)
+For each: nvidia-smi's memory.used on the GPU after READY less what it used before the server
+started, and each process's own (--query-compute-apps: the workers, the holder); the SHA-256 of
+the answer to one fixed request sent 12 times by one client (one request per batch, so the same
+kernels every time: equal hashes are bit-identical answers across workers and modes); --clients
+Python clients for --seconds (bench/bench_load.py); --restarts kills of one worker (seconds to
+READY again, the new worker's start by step: bench/bench_start.py); then every worker killed at
+once (seconds to the first answer and to all READY); and the holders left 5 s after the
+frontend's SIGTERM (what `torchserve --stop` sends). Also the memory of a bare CUDA context (a
+process that made one tensor), which no sharing of weights can remove: one per process.
+Writes OUT.json (device, date, torch, command first) and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+from bench import bench_load
+from bench.bench_e2e import archive_ours
+from bench.bench_start import answered, ready, restart_once, start_steps, wait_until
+from bench.results_meta import header, page_head
+from compiled_serving.local_server import LocalTorchServe
+
+MODES = {"one": ("shared_weights=off", 1), "own": ("shared_weights=off", None), "shared": ("", None)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
+    p.add_argument("--modes", default="one,own,shared", help="comma list of one, own, shared")
+    p.add_argument("--workers", type=int, default=6)
+    p.add_argument("--gpu", type=int, default=0, help="the GPU; -1: CPU workers (shared_weights: on), no "
+                   "memory figures: a smoke run of the flow")
+    p.add_argument("--clients", type=int, default=64, help="clients of the throughput point (0: none)")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--restarts", type=int, default=3, help="kills of one worker per mode")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batch-delay", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--out", required=True, help="results path without extension")
+    return p.parse_args(argv)
+
+
+def smi(query: list) -> list:
+    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def device_used(gpu: int) -> int:
+    return int(smi(["--query-gpu=memory.used", "-i", str(gpu)])[0][0]) if gpu >= 0 else 0
+
+
+def per_process() -> dict:
+    try:
+        return {int(p): int(m) for p, m in smi(["--query-compute-apps=pid,used_memory"]) if m.isdigit()}
+    except OSError:  # no nvidia-smi: a CPU smoke run
+        return {}
+
+
+def holders(workdir: Path) -> list:
+    """Pids of the weights holders of this server (their socket lies under its TMPDIR)."""
+    out = subprocess.run(["pgrep", "-af", "handlers.weights.holder"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if str(workdir / "tmp") in line]
+
+
+def context_mib(gpu: int) -> int:
+    """A bare CUDA context's memory: a process that made one tensor on the GPU."""
+    code = f"import torch,sys; torch.empty(1, device='cuda:{gpu}'); print('up', flush=True); sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()
+        time.sleep(1)
+        return per_process().get(proc.pid, -1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12) -> list:
+    """SHA-256 (16 hex) of the answers to `body` sent n times by one client, distinct values."""
+    seen = set()
+    for _ in range(n):
+        req = urllib.request.Request(f"{server.base}/predictions/{name}", data=body, method="POST",
+                                     headers={**server.auth(), "Content-Type": ct})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            seen.add(hashlib.sha256(r.read()).hexdigest()[:16])
+    return sorted(seen)
+
+
+def kill_all(server, name: str, n: int, body: bytes, ct: str, timeout: float) -> dict:
+    pids = [w.get("pid") for w in server.workers(name, timeout=5)]
+    pids = [p for p in pids if isinstance(p, int) and p > 1]
+    t0 = time.perf_counter()
+    for p in pids:
+        os.kill(p, signal.SIGKILL)
+    first = wait_until(lambda: answered(server, name, body, ct), timeout)
+    wait_until(lambda: ready(server, name, n, exclude=set(pids)), timeout)
+    return {"killed": len(pids), "kill_to_first_answer_s": round(first, 3),
+            "kill_to_all_ready_s": round(time.perf_counter() - t0, 3)}
+
+
+def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> dict:
+    option, count = MODES[mode]
+    n = count or args.workers
+    if args.gpu < 0 and not option:
+        option = "shared_weights=on"  # auto shares on GPU workers only
+    extra = ["--handler-option", option] if option else []
+    archive_ours(SimpleNamespace(artifact=args.artifact, batch_size=args.batch_size,
+                                 max_batch_delay=args.max_batch_delay), store, mode, n,
+                 [args.gpu] if args.gpu >= 0 else [], extra)
+    before = device_used(args.gpu)
+    t0 = time.perf_counter()
+    server = LocalTorchServe(work / mode, store, {mode: store / f"{mode}.mar"})
+    point = {"mode": mode, "workers": n}
+    try:
+        wait_until(lambda: ready(server, mode, n), args.timeout)
+        point["start_to_all_ready_s"] = round(time.perf_counter() - t0, 3)
+        wait_until(lambda: len(start_steps(server.log())) >= n, 30)
+        time.sleep(3)  # graph captures after ready (handlers/worker.py defers them)
+        point["answers_sha256"] = answer_hashes(server, mode, body, ct)
+        point.update(memory(args, server, mode, before))
+        if args.clients and mode != "one":  # the one-worker reference is for memory
+            token = server.key()
+            r = bench_load.run_point(server.base, f"/predictions/{mode}", token, [body], None, args.clients,
+                                     args.seconds, 2.0, 1_000_000)
+            point["load"] = {k: r.get(k) for k in ("req_s", "p50_ms", "p99_ms", "errors", "cpu_cores")}
+        point["restarts"] = [restart_once(server, mode, n, body, ct, args.timeout) for _ in range(args.restarts)]
+        point["kill_all"] = kill_all(server, mode, n, body, ct, args.timeout)
+        point["answers_sha256_after_kills"] = answer_hashes(server, mode, body, ct)
+        point["load_lines"] = [line for line in server.log().splitlines() if "weights held by" in line
+                               or "own copy (" in line][-2:]
+    finally:
+        server.stop()
+    t1 = time.perf_counter()
+    while holders(work / mode) and time.perf_counter() - t1 < 5:
+        time.sleep(0.1)
+    point["holders_left_5s_after_stop"] = len(holders(work / mode))
+    return point
+
+
+def memory(args, server, mode: str, before: int) -> dict:
+    workers = {w.get("pid") for w in server.workers(mode, timeout=5)}
+    held = set(holders(server.workdir))
+    procs = per_process()
+    return {"device_used_mib": device_used(args.gpu) - before,
+            "workers_mib": sorted(m for p, m in procs.items() if p in workers),
+            "holders_mib": sorted(m for p, m in procs.items() if p in held),
+            "processes_seen": len(procs)}
+
+
+def summarize(points: dict, context: int) -> dict:
+    out = {"cuda_context_mib": context}
+    one, own, shared = (points.get(m) for m in ("one", "own", "shared"))
+    if one and shared and one["device_used_mib"]:
+        extra = shared["workers"] + len(shared["holders_mib"]) - 1  # processes beyond one worker's
+        out["shared_over_one"] = round(shared["device_used_mib"] / one["device_used_mib"], 3)
+        out["shared_over_one_plus_contexts"] = round(
+            shared["device_used_mib"] / (one["device_used_mib"] + extra * context), 3)
+        out["memory_target_met"] = shared["device_used_mib"] <= 1.3 * one["device_used_mib"] + extra * context
+    if own and shared and own["device_used_mib"]:
+        out["shared_over_own_memory"] = round(shared["device_used_mib"] / own["device_used_mib"], 3)
+        if own.get("load") and shared.get("load"):
+            out["throughput_shared_over_own"] = round(shared["load"]["req_s"] / own["load"]["req_s"], 3)
+    hashes = {h for p in points.values() for h in p["answers_sha256"] + p["answers_sha256_after_kills"]}
+    out["answers_bit_identical"] = len(hashes) == 1
+    for m, p in points.items():
+        out[f"{m}_restart_to_ready_s"] = [r["kill_to_ready_s"] for r in p["restarts"]]
+        out[f"{m}_kill_all_to_first_answer_s"] = p["kill_all"]["kill_to_first_answer_s"]
+    return out
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    s, pts = result["summary"], result["points"]
+    lines = [*page_head(result, "One copy of the weights per GPU: memory, throughput, restarts",
+                        f"Artifact: {result['artifact']}."),
+             "| mode | workers | device MiB | per worker MiB | holder MiB | req/s | kill -9 one: to READY s | "
+             "kill all: first answer s | holders left after stop |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, p in pts.items():
+        lines.append(f"| {m} | {p['workers']} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib']))} | "
+                     f"{', '.join(map(str, p['holders_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
+                     f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
+                     f"{p['kill_all']['kill_to_first_answer_s']} | {p['holders_left_5s_after_stop']} |")
+    lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), "",
+              f"![memory and restarts]({path.with_suffix('.png').name})", ""]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(list(pts), [p["device_used_mib"] for p in pts.values()], color="tab:blue")
+    a.set_ylabel("GPU memory of the server's processes, MiB")
+    a.set_title("memory after READY")
+    for i, p in enumerate(pts.values()):
+        b.scatter([i] * len(p["restarts"]), [r["kill_to_ready_s"] for r in p["restarts"]], color="tab:orange",
+                  label="kill -9 one: to READY" if i == 0 else None)
+        b.scatter([i], [p["kill_all"]["kill_to_first_answer_s"]], color="tab:red", marker="x",
+                  label="kill -9 all: to first answer" if i == 0 else None)
+    b.axhline(5, color="gray", linestyle="--", linewidth=1)
+    b.set_xticks(range(len(pts)), list(pts))
+    b.set_ylabel("seconds")
+    b.set_title("restarts (target 5 s)")
+    b.legend()
+    fig.suptitle(f"{result['device']}, {result['artifact']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    from handlers.artifact.metadata import read_spec
+    from handlers.wire import safetensors_io
+
+    spec = read_spec(args.artifact)
+    body = bytes(safetensors_io.dumps(spec.example(spec.batch_min)))
+    points = {}
+    with tempfile.TemporaryDirectory(prefix="bench_shared_") as tmp:
+        work = Path(tmp)
+        (work / "store").mkdir()
+        context = context_mib(args.gpu) if args.gpu >= 0 else 0
+        for mode in args.modes.split(","):
+            points[mode] = measure(args, mode, work / "store", work, body, safetensors_io.CONTENT_TYPE)
+            print(json.dumps(points[mode]), flush=True)
+            result = {**header(torch.cuda.get_device_name(args.gpu) if args.gpu >= 0 else "cpu", argv),
+                      "artifact": f"{spec.backend} {', '.join(s.describe() for s in spec.inputs)}",
+                      "summary": summarize(points, context), "points": points}
+            write(Path(args.out), result)  # after every mode: a run cut short keeps what it measured
+    print(json.dumps(result["summary"], indent=1))
+
+
+def write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(out.with_suffix(".md"), result)
+    plot(out.with_suffix(".png"), result)
+
+
+if __name__ == "__main__":
+    main()
