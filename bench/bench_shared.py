@@ -151,12 +151,23 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
         point["load_lines"] = [line for line in server.log().splitlines() if "weights held by" in line
                                or "own copy (" in line][-2:]
     finally:
+        keep_logs(args, server, mode)
         server.stop()
     t1 = time.perf_counter()
     while holders(work / mode) and time.perf_counter() - t1 < 5:
         time.sleep(0.1)
     point["holders_left_5s_after_stop"] = len(holders(work / mode))
     return point
+
+
+def keep_logs(args, server, mode: str) -> None:
+    """The server's model log and its holders' logs, beside the results (OUT_logs/MODE/)."""
+    d = Path(f"{args.out}_logs") / mode
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model_log.log").write_text(server.log())
+    (d / "ts_log.log").write_text(server.log("logs/ts_log.log"))
+    for f in (server.workdir / "tmp" / "compiled-serving" / "weights").glob("*.log"):
+        (d / f"holder_{f.name}").write_text(f.read_text(errors="replace"))
 
 
 def memory(args, server, mode: str, before: int) -> dict:
