@@ -245,6 +245,8 @@ def plot(path: Path, result: dict) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    # `timeout`'s SIGTERM as an exception: the server is stopped and its logs kept (finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
 
     from handlers.artifact.metadata import read_spec
