@@ -128,7 +128,8 @@ def test_pack_keeps_values_shapes_strides_in_one_aligned_allocation_per_dtype():
     held = pack(src, torch.device("cpu"))
     for name, t in src.items():
         assert torch.equal(held[name], t) and held[name].stride() == t.stride(), name
-        assert held[name].data_ptr() % ALIGN_BYTES == 0 or t.numel() == 0, name
+        # at a multiple of ALIGN_BYTES from the allocation's start (whose own alignment is the allocator's)
+        assert held[name].storage_offset() * t.element_size() % ALIGN_BYTES == 0, name
     storages = {}
     for name, t in held.items():
         storages.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
@@ -181,3 +182,68 @@ def test_aoti_adopt_frees_its_own_copy_and_names_a_missing_constant(built, tmp_p
     partial = {k: v for k, v in held.items() if k != "layers.1.bias"}
     with pytest.raises(LoadError, match="layers.1.bias"):
         aoti_runner.adopt(aoti_runner.new_runner(so2, cpu, kernels2), partial)
+
+
+def test_a_runner_that_fails_its_first_call_on_held_weights_falls_back_to_the_threaded_one(built, monkeypatch, tmp_path):
+    """AotiPackage._held: the single-threaded runner (CUDA graphs) is tried first; one whose
+    first call fails is replaced by the threaded runner, and the load says so; both failing
+    fails the load naming each."""
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import aoti_package, aoti_runner
+    from handlers.errors import LoadError
+    from handlers.weights.holder import pack
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    cpu = Placement("cpu", None)
+    so, kernels = aoti_runner.package_library(built["normal"], str(tmp_path / "src"))
+    source = aoti_runner.new_runner(so, cpu, kernels)  # alive while pack copies its constants
+    held = pack(aoti_runner.constants(source), torch.device("cpu"))
+    # the fields of an ArtifactSpec the kind's held load reads
+    spec = type("Spec", (), {"artifact_path": str(built["normal"]), "batch_min": 1,
+                             "example": lambda self, n, device: {"x": torch.randn(n, WIDTH)}})()
+    calls = []
+    real = aoti_runner.smoke
+
+    def first_fails(runner, spec, placement):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise LoadError("a call on the held weights failed: RuntimeError: Unknown constant state")
+        real(runner, spec, placement)
+
+    monkeypatch.setattr(aoti_runner, "smoke", first_fails)
+    runner, how = aoti_package.KIND._held(spec, cpu, True, held)
+    assert len(calls) == 2 and "threaded runner (single-threaded runner: " in how and "Unknown constant" in how
+    assert torch.equal(runner.run([built["x"]])[0], source.run([built["x"]])[0])
+    monkeypatch.setattr(aoti_runner, "smoke", lambda *a: (_ for _ in ()).throw(LoadError("broken")))
+    with pytest.raises(LoadError, match="single-threaded runner: broken; threaded runner: broken"):
+        aoti_package.KIND._held(spec, cpu, True, held)
+
+
+@pytest.mark.server
+def test_a_worker_that_cannot_attach_loads_its_own_copy_and_says_why(artifacts, monkeypatch, caplog):
+    import contextlib
+
+    from handlers import startup
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import recognise
+    from handlers.artifact.metadata import read_spec
+    from handlers.config import parse_config
+    from handlers.weights import attach
+
+    @contextlib.contextmanager
+    def refused(*a, **k):
+        raise attach.ShareError("the weights holder gave no ready line within 600s")
+        yield
+
+    monkeypatch.setattr(attach, "attached", refused)
+    config = parse_config({"handler": {"shared_weights": "on"}})
+    spec = recognise(read_spec(str(artifacts.get("two_export"))))
+    plan = startup.StartPlan(config, spec, Placement("cpu", None), spec.variant_dir)
+    steps = startup.StartSteps()
+    model, held = startup.load_model(plan, config, steps)
+    assert held is None and model.loader == "exported_program"
+    assert steps.notes["weights"].startswith("own copy (sharing failed: the weights holder gave no ready line")
+    assert "loads its own copy of the weights" in caplog.text
+    off = parse_config({"handler": {"shared_weights": "off"}})
+    _, held = startup.load_model(startup.StartPlan(off, spec, plan.placement, spec.variant_dir), off, steps)
+    assert held is None and steps.notes["weights"] == "own copy (shared_weights is off)"

@@ -32,7 +32,10 @@ import time
 KEY_ENV = "CS_WEIGHTS_KEY"
 IDLE_EXIT_S = 15.0  # longer than TorchServe's restart of a killed worker (about a second) plus its start
 POLL_S = 0.5
-ALIGN_BYTES = 256  # each tensor starts 256-byte aligned in the allocation, as cudaMalloc's are
+# each tensor starts a multiple of 256 bytes into its allocation (CUDA's caching allocator hands
+# out blocks aligned to 512 bytes), as aligned as the library's own constants, which its kernels'
+# vectorised loads may assume
+ALIGN_BYTES = 256
 
 
 def span(t) -> int:

@@ -96,10 +96,25 @@ class AotiPackage(ArtifactKind):
         graphs = placement.kind == "cuda" and config is not None and config.cuda_graphs != "off"
         if weights is None:
             return load_aoti_package(spec, placement, "aoti_package", single_threaded=graphs)
-        runner = self._runner(spec, placement, graphs)
-        aoti_runner.adopt(runner, weights)
-        return LoadedModel(runner.run, spec, placement.torch_device, "aoti_package, held weights",
-                           flat_outputs=True)
+        runner, how = self._held(spec, placement, graphs, weights)
+        return LoadedModel(runner.run, spec, placement.torch_device, how, flat_outputs=True)
+
+    def _held(self, spec, placement, graphs, weights) -> tuple:
+        """(a runner reading `weights`, how it was loaded): the single-threaded runner where CUDA
+        graphs want it, else (or where that one fails its first call) the container's threaded
+        run, whose graphs the capture check keeps or refuses on their answers (run/graphs.py)."""
+        errors = []
+        for single in dict.fromkeys((graphs, False)):
+            runner = self._runner(spec, placement, single)
+            try:
+                aoti_runner.adopt(runner, weights)
+                aoti_runner.smoke(runner, spec, placement)
+            except LoadError as e:
+                errors.append(f"{'single-threaded' if single else 'threaded'} runner: {e}")
+                continue
+            return runner, "aoti_package, held weights" + ("" if single == graphs else
+                                                           f", threaded runner ({errors[-1]})")
+        raise LoadError("; ".join(errors))
 
     def held_weights(self, spec, placement, keep):
         runner = self._runner(spec, placement)

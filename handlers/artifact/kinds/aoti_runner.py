@@ -72,7 +72,15 @@ def adopt(runner, weights: dict) -> int:
     """Points the runner at `weights` ({state_dict name: tensor}, which must outlive it) and frees
     its own copy; returns the bytes it now reads from `weights`. Raises LoadError naming a
     constant `weights` lacks, or any mismatch the runner's full-update check finds (shape,
-    dtype)."""
+    dtype).
+
+    The container keeps two constant buffers, primary and secondary, and a folding state for
+    each (aoti_runtime/model_container.h): update_constant_buffer marks the buffer it fills
+    INITIALIZED, free_inactive_constant_buffer marks the freed one NONE, and the single-threaded
+    run reads the primary's state (on torch 2.11 CUDA a run after one swap failed with "Unknown
+    constant state: ConstantState::NONE" while the threaded run answered). So the held weights
+    go in twice: into the secondary, swap, free the primary (the library's copy), then into the
+    primary, swap back; both buffers then point at the held tensors and the primary is active."""
     names = runner.get_constant_names_to_original_fqns()
     missing = sorted(fqn for fqn in names.values() if fqn not in weights)
     if missing:
@@ -80,9 +88,24 @@ def adopt(runner, weights: dict) -> int:
                         f"{', '.join(missing[:5])}")
     mine = {inner: weights[fqn] for inner, fqn in names.items()}
     try:
-        runner.update_constant_buffer(mine, True, True, True)  # inactive buffer, full update, user-managed
-        runner.swap_constant_buffer()
-        runner.free_inactive_constant_buffer()
+        for _ in range(2):
+            runner.update_constant_buffer(mine, True, True, True)  # inactive buffer, full update, user-managed
+            runner.swap_constant_buffer()
+            runner.free_inactive_constant_buffer()
     except Exception as e:  # noqa: BLE001  (torch raises RuntimeError with the C++ check's text)
         raise LoadError(f"the library refused the held weights: {e}") from e
     return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in mine.values()}.values())
+
+
+def smoke(runner, spec, placement) -> None:
+    """One call on the artifact's example inputs at its smallest batch, so a runner that cannot
+    run on held weights fails the load here (and the worker loads its own copy), not a request."""
+    import torch
+
+    try:
+        with torch.inference_mode():
+            runner.run(list(spec.example(spec.batch_min, placement.torch_device).values()))
+        if placement.kind == "cuda":
+            torch.cuda.synchronize(placement.torch_device)
+    except Exception as e:  # noqa: BLE001
+        raise LoadError(f"a call on the held weights failed: {type(e).__name__}: {e}") from e

@@ -28,6 +28,7 @@ class AotiSharedLibrary(ArtifactKind):
         runner = self._runner(spec, placement)
         if weights is not None:
             aoti_runner.adopt(runner, weights)
+            aoti_runner.smoke(runner, spec, placement)
         return LoadedModel(runner.run, spec, placement.torch_device,
                            "aoti_so" + (", held weights" if weights is not None else ""), flat_outputs=True)
 
