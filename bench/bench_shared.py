@@ -46,7 +46,7 @@ MODES = {"one": ("shared_weights=off", 1), "own": ("shared_weights=off", None), 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
+    p.add_argument("--artifact", help="directory written by compiled_serving/compile.py")
     p.add_argument("--modes", default="one,own,shared", help="comma list of one, own, shared")
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--gpu", type=int, default=0, help="the GPU; -1: CPU workers (shared_weights: on), no "
@@ -58,6 +58,7 @@ def parse_args(argv):
     p.add_argument("--max-batch-delay", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", required=True, help="results path without extension")
+    p.add_argument("--render", action="store_true", help="only write OUT.md and OUT.png again from OUT.json")
     return p.parse_args(argv)
 
 
@@ -212,8 +213,23 @@ def write_markdown(path: Path, result: dict) -> None:
                      f"{', '.join(map(str, p['holders_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
                      f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
                      f"{p['kill_all']['kill_to_first_answer_s']} | {p['holders_left_5s_after_stop']} |")
-    lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), "",
-              f"![memory and restarts]({path.with_suffix('.png').name})", ""]
+    lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), ""]
+    if result.get("not_measured"):
+        lines += [f"Not measured: {result['not_measured']}", ""]
+    steps = result.get("load_steps")
+    if steps:  # bench/shared_load_steps.py's rows, run beside it
+        names = list(dict.fromkeys(k for row in steps["rows"] for k in row if k not in ("worker", "answer_sum")))
+        lines += ["## One worker's load, step by step (no server)", "", f"Command: `{steps['command']}`. {steps['note']}.", "",
+                  "| worker | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for row in steps["rows"]:
+            lines.append(f"| {row['worker']} | " + " | ".join(str(round(row[k], 2)) if isinstance(row.get(k), float)
+                                                           else str(row.get(k, "-")) for k in names) + " |")
+        lines.append("")
+    imports = result.get("imports")
+    if imports:  # what a fresh worker process imports before the handler starts
+        lines += ["## Imports of a fresh process", "", f"Command: `{imports['command']}` ({imports['note']}).", "",
+                  "| import | wall s |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in imports["wall_s"].items()), ""]
+    lines += [f"![memory and restarts]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -238,13 +254,18 @@ def plot(path: Path, result: dict) -> None:
     b.set_ylabel("seconds")
     b.set_title("restarts (target 5 s)")
     b.legend()
-    fig.suptitle(f"{result['device']}, {result['artifact']}")
+    fig.suptitle(f"{result['device']}, {result['artifact'].split(' (')[0]}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        out = Path(args.out)
+        result = json.loads(out.with_suffix(".json").read_text())
+        write_markdown(out.with_suffix(".md"), result)
+        return plot(out.with_suffix(".png"), result)
     # `timeout`'s SIGTERM as an exception: the server is stopped and its logs kept (finally blocks)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch

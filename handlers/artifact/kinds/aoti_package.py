@@ -36,7 +36,7 @@ def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str,
     a PT2 archive index), called with the flat input tensors and returning the flat outputs,
     as torch's `AOTICompiledModel` does (torch/export/pt2_archive/_package.py: leaves in, `boxed_run`,
     leaves out). Two costs of going through torch's wrapper are gone: importing `torch._inductor`
-    (4.2 s of a worker's start on the H100 machine, docs/results/start_study_resnet50_fp16_h100.md;
+    (4.2 s of a worker's start on the H100 machine, `git show 1c58aef:docs/results/start_study_resnet50_fp16_h100.md`;
     it pulls in dynamo and sympy, which serving never uses) with its CPU ISA probe builds (a
     library per SIMD extension compiled and dlopened in a child Python, only to log a warning;
     rules.py has already compared the CPU flags the package needs with this machine), and the
