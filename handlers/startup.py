@@ -176,7 +176,8 @@ def load_model(plan: StartPlan, config: HandlerConfig, steps: StartSteps) -> tup
         try:
             with attach.attached(scratch.shared_root(), spec, placement, kind.load_copies_weights) as held:
                 model = load_artifact(spec, placement, config, held.tensors)
-            steps.note("weights", held.describe())
+                checked = attach.verify(model, held.check, placement.torch_device)
+            steps.note("weights", f"{held.describe()}, {checked}")
             return model, held
         except (attach.ShareError, LoadError) as e:
             why = f"sharing failed: {e}"

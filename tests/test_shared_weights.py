@@ -247,3 +247,16 @@ def test_a_worker_that_cannot_attach_loads_its_own_copy_and_says_why(artifacts, 
     off = parse_config({"handler": {"shared_weights": "off"}})
     _, held = startup.load_model(startup.StartPlan(off, spec, plan.placement, spec.variant_dir), off, steps)
     assert held is None and steps.notes["weights"] == "own copy (shared_weights is off)"
+
+
+def test_verify_passes_equal_answers_and_refuses_a_held_load_that_answers_otherwise():
+    from handlers.weights.attach import ShareError, verify
+
+    check = {"inputs": {"x": torch.randn(2, 3)}, "outputs": {"y": torch.tensor([1.0, 2.0])}}
+    cpu = torch.device("cpu")
+    assert verify(lambda x: {"y": torch.tensor([1.0, 2.0])}, check, cpu) == "answers equal to the own copy's"
+    assert verify(lambda x: {"y": torch.tensor([1.0, 2.0005])}, check, cpu) == "answers within 1e-3 of the own copy's"
+    with pytest.raises(ShareError, match="differs from the artifact's own copy's by up to 1"):
+        verify(lambda x: {"y": torch.tensor([1.0, 3.0])}, check, cpu)
+    with pytest.raises(ShareError, match="float16"):
+        verify(lambda x: {"y": torch.tensor([1.0, 2.0]).half()}, check, cpu)

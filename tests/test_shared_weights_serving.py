@@ -79,6 +79,8 @@ def test_every_worker_reads_one_holder_per_model_and_answers_right(shared_server
     assert len(running) == 2
     for pid in running:
         assert sorted(how for p, how in lines if p == pid) == ["attached", "started by this worker"]
+    # each worker checked its held load against the artifact's own copy before serving
+    assert ts.log().count("answers equal to the own copy's") == 4
     for model in MODELS:
         answers_right(ts, model)
 

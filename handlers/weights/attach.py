@@ -53,8 +53,9 @@ class HeldWeights:
     """The tensors received from a holder, and the open connection that says it is alive. The
     tensors must outlive every model reading them: the worker keeps this object for its life."""
 
-    def __init__(self, conn, tensors: dict, holder_pid: int, started: bool):
-        self.conn, self.tensors, self.holder_pid, self.started = conn, tensors, holder_pid, started
+    def __init__(self, conn, sent: dict, started: bool):
+        self.conn, self.started = conn, started
+        self.tensors, self.holder_pid, self.check = sent["weights"], sent["pid"], sent["check"]
         self._lost = None  # why the holder is gone, once it is
         self._on_lost = None
         self._lock = threading.Lock()
@@ -83,6 +84,29 @@ class HeldWeights:
             self._lost, callback = reason, self._on_lost
         if callback:
             callback(reason)
+
+
+def verify(model, check: dict, device) -> str:
+    """The held load's answer to the holder's check request against the artifact's own copy's
+    (holder.reference); raises ShareError where they differ beyond float rounding (1e-3), so a
+    worker never serves a wrong answer from held weights. Returns what was found, for the load line."""
+    import torch
+
+    with torch.inference_mode():
+        got = model(*(t.to(device) for t in check["inputs"].values()))
+    exact = True
+    for name, want in check["outputs"].items():
+        have = got[name].cpu()
+        if have.shape != want.shape or have.dtype != want.dtype:
+            raise ShareError(f"output {name} is {have.dtype} {list(have.shape)} on the held weights, "
+                             f"{want.dtype} {list(want.shape)} on the artifact's own copy")
+        if not torch.equal(have, want):
+            exact = False
+            diff = (have.double() - want.double()).abs().max().item()
+            if not torch.allclose(have.double(), want.double(), rtol=1e-3, atol=1e-3):
+                raise ShareError(f"output {name} on the held weights differs from the artifact's own copy's "
+                                 f"by up to {diff:.3g}")
+    return "answers equal to the own copy's" if exact else "answers within 1e-3 of the own copy's"
 
 
 def _paths(root: str, spec, placement) -> dict:
@@ -184,8 +208,7 @@ def attached(root: str, spec, placement, hold_lock: bool):
             except NOT_THERE as e:
                 raise ShareError(f"the weights holder started (pid {holder}) but refused the connection: {e!r}") from e
         t0 = time.perf_counter()
-        sent = _receive(conn)
-        held = HeldWeights(conn, sent["weights"], sent["pid"], started)
+        held = HeldWeights(conn, _receive(conn), started)
         if not hold_lock:
             os.close(fd)
             fd = None

@@ -87,11 +87,12 @@ class Clients:
             return 0.0 if self._n else time.monotonic() - self._idle_since
 
 
-def serve_one(conn, weights: dict, clients: Clients) -> None:
-    """Sends the weights, then waits for the worker's end of the connection to close."""
+def serve_one(conn, sent: dict, clients: Clients) -> None:
+    """Sends the weights and the reference answer, then waits for the worker's end of the
+    connection to close."""
     clients.add(1)
     try:
-        conn.send({"pid": os.getpid(), "weights": weights})
+        conn.send(sent)
         while True:
             conn.recv_bytes()  # workers send nothing; this returns only by EOFError or OSError
     except (EOFError, OSError):
@@ -101,7 +102,7 @@ def serve_one(conn, weights: dict, clients: Clients) -> None:
         clients.add(-1)
 
 
-def accept_forever(listener, weights: dict, clients: Clients) -> None:
+def accept_forever(listener, sent: dict, clients: Clients) -> None:
     from multiprocessing import AuthenticationError
 
     while True:
@@ -110,7 +111,7 @@ def accept_forever(listener, weights: dict, clients: Clients) -> None:
         except (AuthenticationError, OSError, EOFError) as e:  # a client with the wrong key, or gone mid-handshake
             print(f"weights holder: refused a connection: {e!r}", file=sys.stderr, flush=True)
             continue
-        threading.Thread(target=serve_one, args=(conn, weights, clients), daemon=True).start()
+        threading.Thread(target=serve_one, args=(conn, sent, clients), daemon=True).start()
 
 
 def alive(pid: int) -> bool:
@@ -123,8 +124,43 @@ def alive(pid: int) -> bool:
     return True
 
 
+def check_inputs(spec, device) -> dict:
+    """The artifact's example request at its smallest batch with its float inputs drawn (seeded)
+    instead of zeros, so an answer depends on every weight: what each worker's held load is
+    checked on (attach.verify)."""
+    import torch
+
+    from handlers.artifact.metadata import is_mask
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, t in spec.example(spec.batch_min).items():
+        if t.is_floating_point() and not is_mask(name):
+            t = torch.randn(t.shape, generator=g).to(t.dtype)
+        out[name] = t
+    return out
+
+
+def reference(spec, placement) -> dict:
+    """{"inputs", "outputs"} (host tensors): the artifact's answer from its own copy, loaded as an
+    unshared worker loads it and freed before the weights are packed."""
+    import torch
+
+    from handlers.artifact.load import load_artifact
+
+    inputs = check_inputs(spec, None)
+    model = load_artifact(spec, placement)
+    with torch.inference_mode():
+        outputs = {k: v.cpu() for k, v in model(*(t.to(placement.torch_device) for t in inputs.values())).items()}
+    del model
+    if placement.kind == "cuda":
+        torch.cuda.empty_cache()
+    return {"inputs": inputs, "outputs": outputs}
+
+
 def load(variant_dir: str, kind: str, index: int) -> tuple:
-    """(the packed weights, their bytes) of the artifact in `variant_dir` on the device."""
+    """(what every worker is sent: the packed weights and the reference answer, their bytes) of
+    the artifact in `variant_dir` on the device."""
     import torch
     import torch.multiprocessing
 
@@ -137,10 +173,12 @@ def load(variant_dir: str, kind: str, index: int) -> tuple:
     spec = recognise(read_spec(variant_dir))  # its SHA-256 was checked by the worker that started us
     placement = Placement(kind, index if index >= 0 else None)
     use_device(placement)
+    check = reference(spec, placement)
     weights = kind_of(spec).held_weights(spec, placement, lambda source: pack(source, placement.torch_device))
     if kind == "cuda":
         torch.cuda.synchronize()
-    return weights, sum(t.numel() * t.element_size() for t in weights.values())
+    sent = {"pid": os.getpid(), "weights": weights, "check": check}
+    return sent, sum(t.numel() * t.element_size() for t in weights.values())
 
 
 def main(argv=None) -> None:
@@ -152,7 +190,7 @@ def main(argv=None) -> None:
     os.dup2(2, 1)  # whatever the libraries print goes to the log, not into the ready line
     t0 = time.perf_counter()
     try:
-        weights, nbytes = load(variant_dir, kind, int(index))
+        sent, nbytes = load(variant_dir, kind, int(index))
         if os.path.exists(path):
             os.unlink(path)  # a holder of this frontend that died: its socket file stays behind
         listener = Listener(path, family="AF_UNIX", authkey=key)
@@ -161,8 +199,8 @@ def main(argv=None) -> None:
         reply.close()
         sys.exit(1)
     clients = Clients()
-    threading.Thread(target=accept_forever, args=(listener, weights, clients), daemon=True).start()
-    reply.write(json.dumps({"pid": os.getpid(), "tensors": len(weights), "bytes": nbytes,
+    threading.Thread(target=accept_forever, args=(listener, sent, clients), daemon=True).start()
+    reply.write(json.dumps({"pid": os.getpid(), "tensors": len(sent["weights"]), "bytes": nbytes,
                             "load_s": round(time.perf_counter() - t0, 2)}) + "\n")
     reply.close()
     frontend = int(frontend)
