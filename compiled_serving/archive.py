@@ -73,7 +73,22 @@ def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_s
         gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
     except worker_sizing.SizingError as e:
         fail(str(e))
-    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap)
+    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap,
+                                shared=shares_weights(cuda_specs, handler_opts))
+
+
+def shares_weights(cuda_specs, handler_opts: dict) -> bool:
+    """Whether the CUDA workers will read one held copy: the worker's own decision
+    (handlers/weights/attach.py why_not) for every CUDA variant."""
+    from handlers.artifact.decoder import of as decoder_of
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import kind_of
+    from handlers.config import parse_config
+    from handlers.weights.attach import why_not
+
+    config = parse_config({"handler": handler_opts})  # as the worker reads them (YAML's bare off is False)
+    return all(why_not(config, s, Placement("cuda", 0), kind_of(s), decoder_of(s) is not None) is None
+               for s in cuda_specs)
 
 
 @dataclass(frozen=True)

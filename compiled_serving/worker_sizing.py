@@ -29,6 +29,10 @@ DEFAULT_GPU_GIB = 24.0
 # Memory kept free of the arithmetic: the allocator's fragmentation, a trial load's second
 # context while workers start (handlers/artifact/probe.py), whatever else shares the GPU.
 DEFAULT_HEADROOM = 0.10
+# A bare CUDA context (a process that made one tensor), measured on an H200 with torch 2.11
+# (docs/results/shared_weights_big_mlp_fp16_h200.json, cuda_context_mib): what the weights holder
+# costs beside its copy of the weights (handlers/weights).
+CONTEXT_MIB = 520
 
 
 class SizingError(ValueError):
@@ -68,10 +72,15 @@ class Sizing:
     gpu: GpuMemory
     headroom: float = DEFAULT_HEADROOM
     speed_cap: int = 6
+    # The workers read one copy held by the GPU's weights holder (handlers/weights): the GPU holds
+    # that copy and the holder's context once, each worker its overhead, and a worker's load its
+    # own copy for a moment (loads on one GPU take turns: handlers/weights/attach.py).
+    shared: bool = False
 
     @property
     def need_mib(self) -> int:
-        """One worker's GPU memory: its copy of the weights plus the overhead."""
+        """One worker's GPU memory while it loads: a copy of the weights plus the overhead (its
+        own for its life unshared; with shared weights, only until the held ones replace it)."""
         return math.ceil(self.weights_mib + self.overhead_mib)
 
     @property
@@ -79,8 +88,18 @@ class Sizing:
         return math.floor(self.gpu.mib * (1.0 - self.headroom))
 
     @property
+    def fixed_mib(self) -> int:
+        """What the GPU holds once whatever the worker count: shared, the holder's copy and context
+        plus the one copy a loading worker holds for a moment; unshared, nothing."""
+        return math.ceil(2 * self.weights_mib + CONTEXT_MIB) if self.shared else 0
+
+    @property
+    def per_worker_mib(self) -> int:
+        return math.ceil(self.overhead_mib) if self.shared else self.need_mib
+
+    @property
     def fitting(self) -> int:
-        return self.usable_mib // self.need_mib
+        return max(0, self.usable_mib - self.fixed_mib) // self.per_worker_mib
 
     @property
     def workers(self) -> int:
@@ -91,8 +110,13 @@ class Sizing:
 
     def arithmetic(self) -> str:
         g = self.gpu
-        return (f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
-                f"per worker {self.weights_mib:.1f} MiB weights ({self.weights_how}) + {self.overhead_mib:.0f} MiB "
+        head = f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
+        if self.shared:
+            return (head + f"shared weights: the holder's copy {self.weights_mib:.1f} MiB ({self.weights_how}) + its "
+                    f"context {CONTEXT_MIB} MiB + one loading worker's copy {self.weights_mib:.1f} MiB = {self.fixed_mib} "
+                    f"MiB once, then {self.overhead_mib:.0f} MiB per worker ({self.overhead_how}); "
+                    f"({self.usable_mib} - {self.fixed_mib}) // {self.per_worker_mib} = {self.fitting} fit")
+        return (head + f"per worker {self.weights_mib:.1f} MiB weights ({self.weights_how}) + {self.overhead_mib:.0f} MiB "
                 f"overhead ({self.overhead_how}) = {self.need_mib} MiB; {self.usable_mib} // {self.need_mib} = "
                 f"{self.fitting} fit")
 
@@ -105,16 +129,17 @@ class Sizing:
 
     def misfit(self, workers: int) -> str | None:
         """A warning where `workers` (chosen by hand) do not fit; None where they do."""
-        if workers * self.need_mib <= self.usable_mib:
+        total = self.fixed_mib + workers * self.per_worker_mib
+        if total <= self.usable_mib:
             return None
-        return (f"--workers {workers} need {workers} x {self.need_mib} = {workers * self.need_mib} MiB of GPU "
+        return (f"--workers {workers} need {self.fixed_mib} + {workers} x {self.per_worker_mib} = {total} MiB of GPU "
                 f"memory, more than the {self.usable_mib} MiB usable ({self.arithmetic()}): the last workers will "
                 f"refuse to load (503 with the reason). Pass --workers {max(1, self.fitting)} or less, or size for "
                 "the GPU that will serve it with --gpu-memory-gib")
 
     def refusal(self) -> str:
         return (f"not even one worker fits: {self.arithmetic()}. Fix: a GPU with at least "
-                f"{math.ceil(self.need_mib / (1.0 - self.headroom) / 1024)} GiB (--gpu-memory-gib if it is not this "
+                f"{math.ceil((self.fixed_mib + self.per_worker_mib) / (1.0 - self.headroom) / 1024)} GiB (--gpu-memory-gib if it is not this "
                 "machine's), a smaller model (fp16/bf16 weights, fewer layers), or a measured smaller "
                 "--worker-overhead-mib (e.g. with --handler-option cuda_graphs=off)")
 

@@ -153,8 +153,9 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda")
     ep = torch.export.load(str(art / "model.pt2"))
     weights = sum(t.numel() * t.element_size() for t in [*ep.state_dict.values(), *ep.constants.values()]) / 2**20
-    # a GPU small enough that memory, not the speed cap, decides
-    r = _archive(art, tmp_path, "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000")
+    # a GPU small enough that memory, not the speed cap, decides; each worker its own copy
+    r = _archive(art, tmp_path, "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000",
+                 "--handler-option", "shared_weights=off")
     assert r.returncode == 0, r.stderr
     need = math.ceil(weights + 1000)
     want = math.floor(4 * GIB * 0.9) // need
@@ -167,6 +168,27 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     assert cfg["minWorkers"] == cfg["maxWorkers"] == want
     assert cfg["handler"]["worker_gpu_mb"] == need and parse_config(cfg).worker_gpu_mb == need
     assert cfg["gpuSizing"]["gpuMiB"] == 4096
+    # the default: the workers read one held copy, so the GPU holds it (and the holder's context)
+    # once, plus one loading worker's copy, then the overhead per worker
+    r = _archive(art, tmp_path / "shared", "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000")
+    assert r.returncode == 0, r.stderr
+    fixed = math.ceil(2 * weights + worker_sizing.CONTEXT_MIB)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cs-archive: --workers"))
+    assert line.startswith(f"cs-archive: --workers {(math.floor(4 * GIB * 0.9) - fixed) // 1000} "), line
+    assert f"shared weights: the holder's copy" in line and f"= {fixed} MiB once" in line, line
+
+
+def test_shared_weights_fit_more_workers_of_a_large_model_on_a_24_gib_gpu():
+    """A 4 GiB fp16 model on a 24 GiB card: each worker its own copy, 4 workers fit; reading one
+    held copy, the speed cap's 6 (8 would fit)."""
+    gpu = worker_sizing.GpuMemory(24 * GIB, "--gpu-memory-gib 24")
+    own = worker_sizing.Sizing(4096, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu)
+    shared = worker_sizing.Sizing(4096, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu, shared=True)
+    assert own.workers == (math.floor(24 * GIB * 0.9)) // (4096 + worker_sizing.OVERHEAD_MIB) == 4
+    assert shared.fitting == (math.floor(24 * GIB * 0.9) - 2 * 4096 - worker_sizing.CONTEXT_MIB) // \
+        worker_sizing.OVERHEAD_MIB == 9 and shared.workers == 6
+    assert shared.misfit(9) is None and "Pass --workers 9 or less" in shared.misfit(10)
+    assert shared.need_mib == own.need_mib  # each worker's load still holds a copy for a moment
 
 
 @pytest.mark.server
