@@ -1,7 +1,10 @@
-"""How many CUDA workers of one model fit on its GPU: every worker holds its own copy of the weights
-plus a CUDA context, CUDA graph pools and activations, so memory, not speed, caps the count.
+"""How many CUDA workers of one model fit on its GPU: every worker holds a CUDA context, CUDA graph
+pools and activations, and its own copy of the weights unless they are shared (handlers/weights:
+then the GPU holds one copy and the holder's context, plus one loading worker's copy at a time),
+so memory, not speed, caps the count.
 
   count = min(speed cap, floor(GPU memory x (1 - headroom) / (weights + per-worker overhead)))
+  shared: min(speed cap, floor((GPU memory x (1 - headroom) - 2 x weights - context) / overhead))
 
 compiled_serving/archive.py prints the arithmetic in one line and writes the per-worker need into
 model-config.yaml (handler.worker_gpu_mb, checked by each worker before it loads:
