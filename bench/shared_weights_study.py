@@ -55,28 +55,15 @@ BENCH_BATCH = 16
 # ---------------------------------------------------------------- the model and its packages
 
 def build_model(layers: int, width: int, device: str, dtype):
-    """Linear layers with ReLU between, seeded; weights scaled by sqrt(6) so activations keep
-    a variance near 1 through the stack (uniform init has variance 1/(3 fan_in); ReLU halves it)
-    and fp16 answers are not all zeros, which would make the equality checks empty."""
+    """examples/models.py's BigMLP (Linear layers with ReLU between, scaled so fp16 answers are not
+    all zeros, which would make the equality checks empty), seeded, on `device` in `dtype`."""
     import torch
 
+    from examples.models import BigMLP
+
     torch.manual_seed(0)
-
-    class Stack(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(
-                torch.nn.Linear(width, width, device=device, dtype=dtype) for _ in range(layers))
-            with torch.no_grad():
-                for layer in self.layers:
-                    layer.weight.mul_(6 ** 0.5)
-
-        def forward(self, x):
-            for layer in self.layers[:-1]:
-                x = torch.relu(layer(x))
-            return self.layers[-1](x)
-
-    return Stack().eval()
+    with torch.device(device):
+        return BigMLP(layers, width).to(dtype).eval()
 
 
 PACKAGES = {"normal": {}, "code_only": {"aot_inductor.package_constants_in_so": False}}
