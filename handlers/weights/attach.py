@@ -66,6 +66,11 @@ class HeldWeights:
         return (f"weights held by pid {self.holder_pid} ({len(self.tensors)} tensors, {nbytes / 2**20:.0f} MiB, "
                 + ("started by this worker)" if self.started else "attached)"))
 
+    def close(self) -> None:
+        """Lets go of the holder (a load that will not use the held weights after all)."""
+        self.tensors = {}
+        self.conn.close()
+
     def on_lost(self, callback) -> None:
         """callback(reason) once the holder is gone (at once if it already is)."""
         with self._lock:
@@ -82,7 +87,7 @@ class HeldWeights:
         reason = f"the weights holder (pid {self.holder_pid}) is gone; this worker's model read its memory"
         with self._lock:
             self._lost, callback = reason, self._on_lost
-        if callback:
+        if callback and self.tensors:  # not after close(): nothing reads the holder's memory then
             callback(reason)
 
 
@@ -213,7 +218,11 @@ def attached(root: str, spec, placement, hold_lock: bool):
             os.close(fd)
             fd = None
         logger.info("received %d held tensors in %.2fs", len(held.tensors), time.perf_counter() - t0)
-        yield held
+        try:
+            yield held
+        except BaseException:  # the load on them failed: no connection left for the holder to count
+            held.close()
+            raise
     finally:
         if fd is not None:
             os.close(fd)

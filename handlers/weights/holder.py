@@ -186,6 +186,9 @@ def main(argv=None) -> None:
 
     variant_dir, kind, index, path, frontend = (argv or sys.argv[1:])[:5]
     key = os.environ.pop(KEY_ENV).encode()
+    frontend = int(frontend)
+    # from the first moment, not only once loaded: a load that hangs must not outlive TorchServe
+    threading.Thread(target=exit_with, args=(frontend, path), daemon=True).start()
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the libraries print goes to the log, not into the ready line
     t0 = time.perf_counter()
@@ -203,19 +206,26 @@ def main(argv=None) -> None:
     reply.write(json.dumps({"pid": os.getpid(), "tensors": len(sent["weights"]), "bytes": nbytes,
                             "load_s": round(time.perf_counter() - t0, 2)}) + "\n")
     reply.close()
-    frontend = int(frontend)
-    while True:
+    while clients.idle_s() <= IDLE_EXIT_S:
         time.sleep(POLL_S)
-        gone = frontend > 1 and not alive(frontend)
-        if gone or clients.idle_s() > IDLE_EXIT_S:
-            print(f"weights holder {os.getpid()} exits: " + ("its TorchServe frontend is gone" if gone else
-                  f"no worker connected for {IDLE_EXIT_S:.0f}s"), file=sys.stderr, flush=True)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            shutil.rmtree(os.environ.get("TMPDIR", ""), ignore_errors=True)  # its own (attach.py), never a worker's
-            os._exit(0)  # not sys.exit: the accept thread and torch's IPC bookkeeping need no cleanup
+    leave(f"no worker connected for {IDLE_EXIT_S:.0f}s", path)
+
+
+def exit_with(frontend: int, path: str) -> None:
+    """Ends the process once its TorchServe frontend is gone (pid 1 or less: not watched)."""
+    while frontend <= 1 or alive(frontend):
+        time.sleep(POLL_S)
+    leave("its TorchServe frontend is gone", path)
+
+
+def leave(why: str, path: str) -> None:
+    print(f"weights holder {os.getpid()} exits: {why}", file=sys.stderr, flush=True)
+    try:
+        os.unlink(path)
+    except OSError:  # not made yet (a load cut short), or gone
+        pass
+    shutil.rmtree(os.environ.get("TMPDIR", ""), ignore_errors=True)  # its own (attach.py), never a worker's
+    os._exit(0)  # not sys.exit: the accept thread and torch's IPC bookkeeping need no cleanup
 
 
 if __name__ == "__main__":
