@@ -37,6 +37,10 @@
 #   pod_wide_fp32_<tag>         one 64 MiB FP32 request by the pod's REST binary and gRPC routes, equal eager
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
 #                               restarts (bench/bench_start.py)
+#   shared_weights_big_mlp_fp16_<tag>  one copy of the weights per GPU (issue 49): examples/models.py:big_mlp
+#                               (2 GiB fp16) with shared weights, each worker's own, and one worker: GPU memory
+#                               per process, 64 clients, answers, kill -9 restarts, holders left after the stop
+#                               (bench/bench_shared.py; about 6 minutes with the compile)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (bench/profile_handle.py)
 #   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps,mps12}_<tag>  small models at 64 clients, ours
@@ -71,6 +75,7 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
 }
 case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*|*" heavy_r50 "*) need r50 $R50 ;; esac
 case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*|*" podtext "*) need text $TEXT --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" shared "*) need big --model examples/models.py:big_mlp --input x:4x8192:float32 --dynamic-batch 1:16 ;; esac
 case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*|*" heavy_mlp "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m bench.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
@@ -147,6 +152,7 @@ for part in $PARTS; do
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant block:cuda_sync=block ;;
+    shared) $PY -m bench.bench_shared --artifact "$W/big" --out "$RESULTS/shared_weights_big_mlp_fp16_$TAG" ;;
     start) for m in r50:resnet50 text:text_encoder; do
              $PY -m bench.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
