@@ -40,7 +40,7 @@
 #   shared_weights_big_mlp_fp16_<tag>  one copy of the weights per GPU (issue 49): examples/models.py:big_mlp
 #                               (2 GiB fp16) with shared weights, each worker's own, and one worker: GPU memory
 #                               per process, 64 clients, answers, kill -9 restarts, holders left after the stop
-#                               (bench/bench_shared.py; about 6 minutes with the compile)
+#                               (bench/bench_shared.py; about 10 minutes with the compile)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (bench/profile_handle.py)
 #   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps,mps12}_<tag>  small models at 64 clients, ours
