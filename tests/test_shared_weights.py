@@ -260,3 +260,49 @@ def test_verify_passes_equal_answers_and_refuses_a_held_load_that_answers_otherw
         verify(lambda x: {"y": torch.tensor([1.0, 3.0])}, check, cpu)
     with pytest.raises(ShareError, match="float16"):
         verify(lambda x: {"y": torch.tensor([1.0, 2.0]).half()}, check, cpu)
+
+
+@pytest.mark.server
+def test_attach_reuses_the_holder_lets_go_on_a_failed_load_and_reports_the_holders_death(artifacts, monkeypatch):
+    """attach.attached in this process (as a worker, this test its frontend): the first call starts
+    the holder, the next attaches to it; a load that fails inside the block lets go of it without
+    reporting a loss; a holder killed with SIGKILL is reported to whoever watches."""
+    import shutil
+    import tempfile
+
+    # short: on the CPU torch's shared-memory manager puts a unix socket (108 bytes at most) below
+    # the holder's TMPDIR, which lies under this root
+    root = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", root)
+    try:
+        _attach_reuse_release_loss(artifacts, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _attach_reuse_release_loss(artifacts, root: str) -> None:
+    import os
+    import signal
+    import time
+
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import recognise
+    from handlers.artifact.metadata import read_spec
+    from handlers.weights import attach
+
+    spec, cpu = recognise(read_spec(str(artifacts.get("two_aoti")))), Placement("cpu", None)
+    with pytest.raises(RuntimeError, match="the load failed"):
+        with attach.attached(root, spec, cpu, True) as first:
+            assert first.started and first.tensors
+            raise RuntimeError("the load failed")
+    lost = []
+    first.on_lost(lost.append)
+    with attach.attached(root, spec, cpu, True) as held:
+        pass
+    assert not held.started and held.holder_pid == first.holder_pid and not lost
+    held.on_lost(lost.append)
+    os.kill(held.holder_pid, signal.SIGKILL)
+    deadline = time.time() + 10
+    while not lost and time.time() < deadline:
+        time.sleep(0.05)
+    assert lost == [f"the weights holder (pid {held.holder_pid}) is gone; this worker's model read its memory"]

@@ -20,6 +20,7 @@ import os
 import secrets
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -67,15 +68,20 @@ class HeldWeights:
                 + ("started by this worker)" if self.started else "attached)"))
 
     def close(self) -> None:
-        """Lets go of the holder (a load that will not use the held weights after all)."""
+        """Lets go of the holder (a load that will not use the held weights after all). The
+        socket is shut down before it is closed: that ends the watch's blocked read (a close alone
+        would not wake it) and the holder sees this worker gone."""
         self.tensors = {}
+        with contextlib.suppress(OSError):
+            with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
         self.conn.close()
 
     def on_lost(self, callback) -> None:
         """callback(reason) once the holder is gone (at once if it already is)."""
         with self._lock:
             self._on_lost, lost = callback, self._lost
-        if lost:
+        if lost and self.tensors:  # after close() nothing reads the holder's memory
             callback(lost)
 
     def _watch(self) -> None:
