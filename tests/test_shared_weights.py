@@ -252,8 +252,11 @@ def test_a_worker_that_cannot_attach_loads_its_own_copy_and_says_why(artifacts, 
 def test_verify_passes_equal_answers_and_refuses_a_held_load_that_answers_otherwise():
     from handlers.weights.attach import ShareError, verify
 
-    check = {"inputs": {"x": torch.randn(2, 3)}, "outputs": {"y": torch.tensor([1.0, 2.0])}}
-    cpu = torch.device("cpu")
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"inputs": {"x": torch.randn(2, 3)}, "outputs": {"y": torch.tensor([1.0, 2.0])}}, buf)
+    check, cpu = buf.getvalue(), torch.device("cpu")
     assert verify(lambda x: {"y": torch.tensor([1.0, 2.0])}, check, cpu) == "answers equal to the own copy's"
     assert verify(lambda x: {"y": torch.tensor([1.0, 2.0005])}, check, cpu) == "answers within 1e-3 of the own copy's"
     with pytest.raises(ShareError, match="differs from the artifact's own copy's by up to 1"):

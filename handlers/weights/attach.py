@@ -97,12 +97,16 @@ class HeldWeights:
             callback(reason)
 
 
-def verify(model, check: dict, device) -> str:
+def verify(model, check: bytes, device) -> str:
     """The held load's answer to the holder's check request against the artifact's own copy's
-    (holder.reference); raises ShareError where they differ beyond float rounding (1e-3), so a
-    worker never serves a wrong answer from held weights. Returns what was found, for the load line."""
+    (holder.reference, saved by torch.save); raises ShareError where they differ beyond float
+    rounding (1e-3), so a worker never serves a wrong answer from held weights. Returns what was
+    found, for the load line."""
+    import io
+
     import torch
 
+    check = torch.load(io.BytesIO(check), weights_only=True)
     with torch.inference_mode():
         got = model(*(t.to(device) for t in check["inputs"].values()))
     exact = True

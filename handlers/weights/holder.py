@@ -141,9 +141,14 @@ def check_inputs(spec, device) -> dict:
     return out
 
 
-def reference(spec, placement) -> dict:
-    """{"inputs", "outputs"} (host tensors): the artifact's answer from its own copy, loaded as an
-    unshared worker loads it and freed before the weights are packed."""
+def reference(spec, placement) -> bytes:
+    """{"inputs", "outputs"} (host tensors) saved with torch.save: the artifact's answer from its
+    own copy, loaded as an unshared worker loads it and freed before the weights are packed.
+    Bytes, not tensors: torch's reductions send a host tensor as a file descriptor unless the
+    sharing strategy is file_system, and a descriptor needs a process tree the holder and its
+    workers do not share."""
+    import io
+
     import torch
 
     from handlers.artifact.load import load_artifact
@@ -155,7 +160,9 @@ def reference(spec, placement) -> dict:
     del model
     if placement.kind == "cuda":
         torch.cuda.empty_cache()
-    return {"inputs": inputs, "outputs": outputs}
+    buf = io.BytesIO()
+    torch.save({"inputs": inputs, "outputs": outputs}, buf)
+    return buf.getvalue()
 
 
 def load(variant_dir: str, kind: str, index: int) -> tuple:
