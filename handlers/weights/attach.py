@@ -19,10 +19,10 @@ import multiprocessing
 import os
 import secrets
 import select
-import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -68,14 +68,14 @@ class HeldWeights:
                 + ("started by this worker)" if self.started else "attached)"))
 
     def close(self) -> None:
-        """Lets go of the holder (a load that will not use the held weights after all). The
-        socket is shut down before it is closed: that ends the watch's blocked read (a close alone
-        would not wake it) and the holder sees this worker gone."""
+        """Lets go of the holder (a load that will not use the held weights after all). Only
+        shuts the socket down: that ends the watch's read with EOF and the holder sees this worker
+        gone. The watch closes the descriptor itself once its read has returned; closing it here
+        could hand its number to the next connection while the watch still reads from it."""
         self.tensors = {}
         with contextlib.suppress(OSError):
             with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as dup:
                 dup.shutdown(socket.SHUT_RDWR)
-        self.conn.close()
 
     def on_lost(self, callback) -> None:
         """callback(reason) once the holder is gone (at once if it already is)."""
@@ -90,6 +90,7 @@ class HeldWeights:
                 self.conn.recv_bytes()  # the holder sends nothing more: returns only when it is gone
         except (EOFError, OSError):
             pass
+        self.conn.close()
         reason = f"the weights holder (pid {self.holder_pid}) is gone; this worker's model read its memory"
         with self._lock:
             self._lost, callback = reason, self._on_lost
@@ -130,11 +131,7 @@ def _paths(root: str, spec, placement) -> dict:
     tag = hashlib.sha256(f"{os.path.realpath(spec.artifact_path)}|{placement}|{os.getppid()}".encode()).hexdigest()[:16]
     d = os.path.join(root, "weights")
     os.makedirs(d, mode=0o700, exist_ok=True)
-    paths = {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
-    # the holder's TMPDIR, short: on the CPU torch's shared-memory manager puts a unix socket
-    # (108 bytes at most) below it
-    paths["tmp"] = os.path.join(root, f"holder-{tag[:8]}")
-    return paths
+    return {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
 
 
 # a socket with nobody listening, no socket or key file, a stale key
@@ -149,7 +146,7 @@ def _connect(paths: dict):
     return Client(paths["sock"], family="AF_UNIX", authkey=key)
 
 
-def _start_holder(paths: dict, spec, placement) -> int:
+def _start_holder(paths: dict, root: str, spec, placement) -> int:
     """Starts the holder in its own session (it outlives the worker that started it) and waits
     for its ready line; returns its pid."""
     key = secrets.token_hex(32).encode()  # hex: it also travels in the environment
@@ -160,10 +157,11 @@ def _start_holder(paths: dict, spec, placement) -> int:
         f.write(key)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # A TMPDIR of its own: the worker's (scratch.py) is removed when that worker dies, with what
-    # the holder keeps there (its extracted library, torch's shared-memory manager socket on the CPU)
-    shutil.rmtree(paths["tmp"], ignore_errors=True)  # an earlier holder's, killed before it could remove it
-    os.makedirs(paths["tmp"], mode=0o700)
-    env = dict(os.environ, TMPDIR=paths["tmp"], **{KEY_ENV: key.decode()})
+    # the holder keeps there (on the CPU, torch's shared-memory manager's socket). Made beside the
+    # scratch root, private and uniquely named (mkdtemp), and short: that socket's path may not
+    # pass 107 bytes. The holder empties it once loaded and removes it when it exits.
+    tmp = tempfile.mkdtemp(prefix="cs-holder-", dir=os.path.dirname(root))
+    env = dict(os.environ, TMPDIR=tmp, **{KEY_ENV: key.decode()})
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     index = placement.index if placement.index is not None else -1
     cmd = [sys.executable, "-m", "handlers.weights.holder", spec.variant_dir, placement.kind, str(index),
@@ -217,7 +215,7 @@ def attached(root: str, spec, placement, hold_lock: bool):
         try:
             conn = _connect(paths)
         except NOT_THERE:
-            holder, started = _start_holder(paths, spec, placement), True
+            holder, started = _start_holder(paths, root, spec, placement), True
             try:
                 conn = _connect(paths)
             except NOT_THERE as e:

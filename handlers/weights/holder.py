@@ -201,6 +201,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     try:
         sent, nbytes = load(variant_dir, kind, int(index))
+        empty(os.environ.get("TMPDIR", ""))  # what the loads extracted is no longer read
         if os.path.exists(path):
             os.unlink(path)  # a holder of this frontend that died: its socket file stays behind
         listener = Listener(path, family="AF_UNIX", authkey=key)
@@ -216,6 +217,13 @@ def main(argv=None) -> None:
     while clients.idle_s() <= IDLE_EXIT_S:
         time.sleep(POLL_S)
     leave(f"no worker connected for {IDLE_EXIT_S:.0f}s", path)
+
+
+def empty(directory: str) -> None:
+    """Removes what `directory` holds, keeping the directory (its own TMPDIR: attach.py)."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        p = os.path.join(directory, name)
+        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
 
 
 def exit_with(frontend: int, path: str) -> None:
