@@ -124,7 +124,7 @@ def alive(pid: int) -> bool:
     return True
 
 
-def check_inputs(spec) -> dict:
+def check_request(spec) -> dict:
     """The artifact's example request (host tensors) at its smallest batch with its float inputs
     drawn (seeded) instead of zeros, so an answer depends on every weight: what each worker's held
     load is checked on (attach.verify)."""
@@ -153,7 +153,7 @@ def reference(spec, placement) -> bytes:
 
     from handlers.artifact.load import load_artifact
 
-    inputs = check_inputs(spec)
+    inputs = check_request(spec)
     model = load_artifact(spec, placement)
     with torch.inference_mode():
         outputs = {k: v.cpu() for k, v in model(*(t.to(placement.torch_device) for t in inputs.values())).items()}
