@@ -88,7 +88,24 @@ def test_routes_metadata_and_rest_v1_v2_equal_eager(door):
 
 
 def test_concurrent_requests_meet_in_one_batch_and_a_bad_one_fails_alone(door):
-    inputs = [two(1, seed=30 + i) for i in range(4)]
+    """Four requests at once, one malformed: the three good ones answer right and the bad one
+    alone gets 400, in every round; and in some round they met in one batch (the log's batch of
+    more than 1 with one rejection). Up to three rounds: on a loaded CI host the four may miss the
+    batch window (maxBatchDelay 300 ms) once."""
+    rounds = []
+    for attempt in range(3):
+        log_at = len(door["container"].log())
+        concurrent_round(door, seed=30 + 10 * attempt)
+        log = door["container"].log()[log_at:]
+        rounds.append([int(n) for n in re.findall(r"batch of (\d+): 1 of \d+ request\(s\) rejected", log)])
+        if rounds[-1] and max(rounds[-1]) > 1:
+            break
+    assert any(r and max(r) > 1 for r in rounds), rounds
+    assert "process died" not in door["container"].log("ts_log.log")
+
+
+def concurrent_round(door, seed: int) -> None:
+    inputs = [two(1, seed=seed + i) for i in range(4)]
     bad_at = 1
     barrier = threading.Barrier(len(inputs))
 
@@ -108,10 +125,6 @@ def test_concurrent_requests_meet_in_one_batch_and_a_bad_one_fails_alone(door):
         else:
             assert r.status_code == 200, r.text
             check(r.json()["outputs"], *inputs[i])
-    log = door["container"].log()
-    sizes = [int(n) for n in re.findall(r"batch of (\d+): 1 of \d+ request\(s\) rejected", log)]
-    assert sizes and max(sizes) > 1, log[-3000:]
-    assert "process died" not in door["container"].log("ts_log.log")
 
 
 GRPC_CLIENT = """
