@@ -114,14 +114,12 @@ def test_a_killed_holder_stops_its_workers_and_a_new_one_serves_them(shared_serv
     answers_right(ts, "sw_export", seed=2)
 
 
-def test_no_holder_outlives_the_frontend(artifacts, serve, tmp_path_factory):
+def test_no_holder_outlives_the_frontend(shared_server):
     """The frontend's SIGTERM (what `torchserve --stop` sends) ends it and its workers; each
-    holder sees its frontend gone and exits within a second."""
-    store = tmp_path_factory.mktemp("shared_stop_store")
-    mar = build_mar(artifacts.get("two_export"), "sw_stop", store, "--workers", "2",
-                    "--handler-option", "shared_weights=on")
-    ts = serve({"sw_stop": mar})
-    assert len(holders(ts)) == 1
+    holder sees its frontend gone and exits within a second. Last in this module: it stops the
+    module's server."""
+    ts = shared_server
+    assert len(holders(ts)) == 2
     ts.stop()
     deadline = time.time() + 5
     while holders(ts) and time.time() < deadline:
