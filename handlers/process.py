@@ -30,3 +30,15 @@ def age_s():
         return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists in this pid namespace (signal 0 only asks; a process of
+    another user exists too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

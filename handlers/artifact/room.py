@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from handlers import process
 from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def _entries(ledger):
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         try:
             entries = json.loads(ledger.read_text())
-            entries = {pid: mib for pid, mib in entries.items() if _alive(int(pid))}
+            entries = {pid: mib for pid, mib in entries.items() if process.alive(int(pid))}
         except (OSError, ValueError, TypeError, AttributeError):  # none yet, or not ours: start afresh
             entries = {}
         yield entries
@@ -120,16 +121,6 @@ def _entries(ledger):
             os.replace(tmp, ledger)
         except OSError as e:
             logger.warning("GPU memory ledger %s not written (%s)", ledger, e)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _device_key(index: int) -> str:

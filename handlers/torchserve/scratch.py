@@ -35,22 +35,12 @@ _entered = None
 _root = None  # the private root the worker directories live under (shared by this user's workers)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
-
-
 def sweep(root: str) -> list:
     """Remove worker-PID directories under root whose process is gone; returns their paths."""
     gone = []
     for name in os.listdir(root) if os.path.isdir(root) else ():
         pid = name.removeprefix("worker-")
-        if name.startswith("worker-") and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith("worker-") and pid.isdigit() and not process.alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             gone.append(name)
     return gone

@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from handlers import process
+
 KEY_ENV = "CS_WEIGHTS_KEY"
 IDLE_EXIT_S = 15.0  # longer than TorchServe's restart of a killed worker (about a second) plus its start
 POLL_S = 0.5
@@ -112,16 +114,6 @@ def accept_forever(listener, sent: dict, clients: Clients) -> None:
             print(f"weights holder: refused a connection: {e!r}", file=sys.stderr, flush=True)
             continue
         threading.Thread(target=serve_one, args=(conn, sent, clients), daemon=True).start()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_request(spec) -> dict:
@@ -228,7 +220,7 @@ def empty(directory: str) -> None:
 
 def exit_with(frontend: int, path: str) -> None:
     """Ends the process once its TorchServe frontend is gone (pid 1 or less: not watched)."""
-    while frontend <= 1 or alive(frontend):
+    while frontend <= 1 or process.alive(frontend):
         time.sleep(POLL_S)
     leave("its TorchServe frontend is gone", path)
 
