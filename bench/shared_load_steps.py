@@ -6,7 +6,7 @@ other, as TorchServe's workers of one GPU take turns on the holder's lock.
 
 Per worker: the attach (the first also starts the holder: its own load), the package's library
 extracted, the container runner built (its own copy filled), the held weights swapped in
-(update_constant_buffer, swap, free: each timed), the first call, and the device memory the
+and the own copy freed (aoti_runner.adopt, the handler's own call), the first call, and the device memory the
 process holds after (torch.cuda.mem_get_info). A stuck step prints every thread's stack to
 stderr every 30 s (faulthandler), so a hang names its place.
 """
@@ -57,13 +57,8 @@ def child(args) -> None:
             done("extract library")
             runner = aoti_runner.new_runner(so, placement, kernels)
             done("runner (own copy filled)")
-            names = runner.get_constant_names_to_original_fqns()
-            runner.update_constant_buffer({i: held.tensors[f] for i, f in names.items()}, True, True, True)
-            done("update_constant_buffer")
-            runner.swap_constant_buffer()
-            done("swap")
-            runner.free_inactive_constant_buffer()
-            done("free own copy")
+            aoti_runner.adopt(runner, held.tensors)
+            done("held weights in, own copy freed (aoti_runner.adopt)")
         model = runner.run
         x = [x]
     with torch.inference_mode():
