@@ -225,12 +225,29 @@ def write_markdown(path: Path, result: dict) -> None:
             lines.append(f"| {row['worker']} | " + " | ".join(str(round(row[k], 2)) if isinstance(row.get(k), float)
                                                            else str(row.get(k, "-")) for k in names) + " |")
         lines.append("")
+    lines += worker_memory_lines(result.get("worker_memory"))
     imports = result.get("imports")
     if imports:  # what a fresh worker process imports before the handler starts
         lines += ["## Imports of a fresh process", "", f"Command: `{imports['command']}` ({imports['note']}).", "",
                   "| import | wall s |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in imports["wall_s"].items()), ""]
     lines += [f"![memory and restarts]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines) + "\n")
+
+
+def worker_memory_lines(wm) -> list:
+    """bench/worker_memory.py's steps, run beside it: where one worker's device memory goes."""
+    if not wm:
+        return []
+    lines = ["## One worker's device memory, step by step (no server)", "", f"Command: `{wm['command']}` "
+             f"(revision {wm['revision']}). {wm['note']}.", "",
+             "| config | step | process MiB (smi) | allocator reserved | allocated | outside the allocator | "
+             "other processes |", "|---|---|---|---|---|---|---|"]
+    for name, c in wm["configs"].items():
+        setting = ", ".join(f"{k}={v}" for k, v in {**c["options"], **c["env"]}.items()) or "defaults"
+        for row in (r for r in c["steps"] if "step" in r):
+            lines.append(f"| {name} ({setting}) | {row['step']} | {row['smi_mib']} | {row['reserved_mib']} | "
+                         f"{row['allocated_mib']} | {row['outside_allocator_mib']} | {row['other_processes_mib']} |")
+    return lines + [""]
 
 
 def plot(path: Path, result: dict) -> None:
