@@ -122,6 +122,9 @@ def plan(context) -> StartPlan:
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
+    slow_imports = process.uncompiled_imports(torch)
+    if slow_imports:
+        logger.warning("slow worker starts: %s", slow_imports)
     return StartPlan(config, spec, placement, props["model_dir"])
 
 
@@ -175,8 +178,9 @@ def load_model(plan: StartPlan, config: HandlerConfig, steps: StartSteps) -> tup
     if why is None:
         try:
             with attach.attached(scratch.shared_root(), spec, placement, kind.load_copies_weights) as held:
-                model = load_artifact(spec, placement, config, held.tensors)
+                model = load_artifact(spec, placement, config, held)
                 checked = attach.verify(model, held.check, placement.torch_device)
+                attach.release_load_scratch(placement)
             steps.note("weights", f"{held.describe()}, {checked}")
             return model, held
         except (attach.ShareError, LoadError) as e:

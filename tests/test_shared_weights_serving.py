@@ -85,6 +85,19 @@ def test_every_worker_reads_one_holder_per_model_and_answers_right(shared_server
         answers_right(ts, model)
 
 
+def test_the_aoti_workers_map_the_library_their_holder_unpacked(shared_server):
+    """An AOTInductor package's library (its weights embedded) is unpacked once, by the holder,
+    and every worker loads that file instead of extracting a copy of its own (seconds per
+    worker for a large model: docs/results/shared_weights_big_mlp_fp16_h200)."""
+    ts = shared_server
+    for pid in pids(ts, "sw_aoti"):
+        with open(f"/proc/{pid}/maps") as f:
+            libraries = {line.split()[-1] for line in f if line.rstrip().endswith(".so")
+                         and "/data/aotinductor/" in line}
+        assert len(libraries) == 1, libraries
+        assert re.search(r"/cs-holder-[^/]+/library/", libraries.pop())
+
+
 def test_a_killed_worker_comes_back_on_the_same_holder(shared_server):
     ts = shared_server
     before = pids(ts, "sw_aoti")

@@ -1,5 +1,6 @@
 """A worker's start in process: precision, warm-up through the request path, the list of process-wide changes, the scratch root, the trial load's arguments."""
 
+import os
 import pytest
 import torch
 
@@ -349,3 +350,31 @@ def test_in_process_handlers_never_defer_work_between_batches():
     from handlers.torchserve import frontend_frames
 
     assert frontend_frames.runs_between_batches() is False
+
+
+def test_a_worker_that_compiles_torchs_sources_at_every_start_says_so_and_how_to_fix_it(tmp_path):
+    """process.uncompiled_imports: a module with no .pyc under an interpreter that writes none
+    (PYTHONDONTWRITEBYTECODE, as the GPU image sets it) is named with the compileall fix; once
+    compiled, or where the interpreter writes bytecode itself, nothing is said."""
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "slowmod.py").write_text("X = 1\n")
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import slowmod; from handlers import process; "
+             "print(process.uncompiled_imports(slowmod))")
+
+    def says(**env):
+        return subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                              check=True, env={**os.environ, **env}).stdout.strip()
+
+    text = says(PYTHONDONTWRITEBYTECODE="1")
+    assert "slowmod has no compiled bytecode" in text and "PYTHONDONTWRITEBYTECODE is set" in text
+    assert f"python -m compileall -q -j 0 {tmp_path.parent}" in text
+    assert not (tmp_path / "__pycache__").exists()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp_path)], check=True)
+    assert says(PYTHONDONTWRITEBYTECODE="1") == "None"
+    shutil.rmtree(tmp_path / "__pycache__")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                          check=True, env=env).stdout.strip() == "None"  # it writes them itself

@@ -38,6 +38,7 @@ POLL_S = 0.5
 # out blocks aligned to 512 bytes), as aligned as the library's own constants, which its kernels'
 # vectorised loads may assume
 ALIGN_BYTES = 256
+LIBRARY = "library"  # the subdirectory of the holder's TMPDIR with what shared_library unpacked
 
 
 def span(t) -> int:
@@ -173,10 +174,13 @@ def load(variant_dir: str, kind: str, index: int) -> tuple:
     placement = Placement(kind, index if index >= 0 else None)
     use_device(placement)
     check = reference(spec, placement)
-    weights = kind_of(spec).held_weights(spec, placement, lambda source: pack(source, placement.torch_device))
+    artifact_kind = kind_of(spec)
+    # unpacked once here, read by every worker's load (the holder's TMPDIR is private to this user)
+    library = artifact_kind.shared_library(spec, os.path.join(os.environ.get("TMPDIR", "."), LIBRARY))
+    weights = artifact_kind.held_weights(spec, placement, lambda source: pack(source, placement.torch_device), library)
     if kind == "cuda":
         torch.cuda.synchronize()
-    sent = {"pid": os.getpid(), "weights": weights, "check": check}
+    sent = {"pid": os.getpid(), "weights": weights, "check": check, "library": library}
     return sent, sum(t.numel() * t.element_size() for t in weights.values())
 
 
@@ -193,7 +197,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     try:
         sent, nbytes = load(variant_dir, kind, int(index))
-        empty(os.environ.get("TMPDIR", ""))  # what the loads extracted is no longer read
+        empty(os.environ.get("TMPDIR", ""), keep=LIBRARY)  # what the loads extracted, but the workers' library
         if os.path.exists(path):
             os.unlink(path)  # a holder of this frontend that died: its socket file stays behind
         listener = Listener(path, family="AF_UNIX", authkey=key)
@@ -211,9 +215,11 @@ def main(argv=None) -> None:
     leave(f"no worker connected for {IDLE_EXIT_S:.0f}s", path)
 
 
-def empty(directory: str) -> None:
-    """Removes what `directory` holds, keeping the directory (its own TMPDIR: attach.py)."""
+def empty(directory: str, keep: str = "") -> None:
+    """Removes what `directory` holds but `keep`, keeping the directory (its own TMPDIR: attach.py)."""
     for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        if name == keep:
+            continue
         p = os.path.join(directory, name)
         shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
 

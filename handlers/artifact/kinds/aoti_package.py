@@ -96,16 +96,17 @@ class AotiPackage(ArtifactKind):
         graphs = placement.kind == "cuda" and config is not None and config.cuda_graphs != "off"
         if weights is None:
             return load_aoti_package(spec, placement, "aoti_package", single_threaded=graphs)
-        runner, how = self._held(spec, placement, graphs, weights)
+        runner, how = self._held(spec, placement, graphs, weights.tensors, weights.library)
         return LoadedModel(runner.run, spec, placement.torch_device, how, flat_outputs=True)
 
-    def _held(self, spec, placement, graphs, weights) -> tuple:
+    def _held(self, spec, placement, graphs, weights, library=None) -> tuple:
         """(a runner reading `weights`, how it was loaded): the single-threaded runner where CUDA
         graphs want it, else (or where that one fails its first call) the container's threaded
-        run, whose graphs the capture check keeps or refuses on their answers (run/graphs.py)."""
+        run, whose graphs the capture check keeps or refuses on their answers (run/graphs.py).
+        `library`: the holder's unpacked library (shared_library), else this load unpacks its own."""
         errors = []
         for single in dict.fromkeys((graphs, False)):
-            runner = self._runner(spec, placement, single)
+            runner = self._runner(spec, placement, single, library)
             try:
                 aoti_runner.adopt(runner, weights)
                 aoti_runner.smoke(runner, spec, placement)
@@ -116,15 +117,20 @@ class AotiPackage(ArtifactKind):
                                                            f", threaded runner ({errors[-1]})")
         raise LoadError("; ".join(errors))
 
-    def held_weights(self, spec, placement, keep):
-        runner = self._runner(spec, placement)
+    def shared_library(self, spec, dest):
+        return aoti_runner.package_library(spec.artifact_path, dest)
+
+    def held_weights(self, spec, placement, keep, library=None):
+        runner = self._runner(spec, placement, library=library)
         return keep(aoti_runner.constants(runner))  # views of the runner's copy: kept before it is freed
 
     @staticmethod
-    def _runner(spec, placement, single_threaded=False):
-        """The package's library under the container runner, extracted into this process's
-        scratch directory (TMPDIR, removed when the process is gone: handlers/torchserve/scratch.py)."""
-        so, kernels = aoti_runner.package_library(spec.artifact_path, tempfile.mkdtemp(prefix="aoti-"))
+    def _runner(spec, placement, single_threaded=False, library=None):
+        """The package's library under the container runner: `library` ((wrapper .so, kernel
+        directory) the holder unpacked, read-only to this load), else extracted into this
+        process's scratch directory (TMPDIR, removed when the process is gone:
+        handlers/torchserve/scratch.py)."""
+        so, kernels = library or aoti_runner.package_library(spec.artifact_path, tempfile.mkdtemp(prefix="aoti-"))
         return aoti_runner.new_runner(so, placement, kernels, single_threaded)
 
     def compile(self, ep, inputs, path, options) -> dict:

@@ -27,12 +27,12 @@ class AotiSharedLibrary(ArtifactKind):
     def load(self, spec, placement, config=None, weights=None):
         runner = self._runner(spec, placement)
         if weights is not None:
-            aoti_runner.adopt(runner, weights)
+            aoti_runner.adopt(runner, weights.tensors)
             aoti_runner.smoke(runner, spec, placement)
         return LoadedModel(runner.run, spec, placement.torch_device,
                            "aoti_so" + (", held weights" if weights is not None else ""), flat_outputs=True)
 
-    def held_weights(self, spec, placement, keep):
+    def held_weights(self, spec, placement, keep, library=None):
         runner = self._runner(spec, placement)
         return keep(aoti_runner.constants(runner))  # views of the runner's copy: kept before it is freed
 

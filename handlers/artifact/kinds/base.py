@@ -81,14 +81,22 @@ class ArtifactKind:
         """Compatibility rules beyond the common ones (rules.py)."""
 
     def load(self, spec: ArtifactSpec, placement: Placement, config=None, weights=None) -> LoadedModel:
-        """The artifact loaded on `placement`; given `weights` ({name: tensor} from the holder,
-        as `held_weights` named them), the model reads those in place instead of its own copy."""
+        """The artifact loaded on `placement`; given `weights` (handlers/weights/attach.HeldWeights:
+        `.tensors`, {name: tensor} as `held_weights` named them, and `.library`, what
+        `shared_library` gave the holder), the model reads those in place instead of its own copy."""
         raise NotImplementedError
 
-    def held_weights(self, spec: ArtifactSpec, placement: Placement, keep) -> dict:
+    def shared_library(self, spec: ArtifactSpec, dest: str):
+        """Files the holder unpacks once into `dest` for every worker's held load (an AOTInductor
+        package's wrapper library: extracting its embedded weights takes each worker seconds),
+        or None where a load needs none."""
+        return None
+
+    def held_weights(self, spec: ArtifactSpec, placement: Placement, keep, library=None) -> dict:
         """keep({name: tensor}) of every weight the model reads and never writes, called while
         those tensors are alive: `keep` copies them onto the placement's device, into one
-        allocation per dtype, and returns the copies (what the holder serves)."""
+        allocation per dtype, and returns the copies (what the holder serves). `library`: what
+        `shared_library` unpacked, for the holder's own read of the weights."""
         raise NotImplementedError(f"{self.name} artifacts do not share weights: {self.not_shared}")
 
     def compile(self, ep, inputs, path: str, options) -> dict:

@@ -24,7 +24,7 @@ class ExportedProgram(ArtifactKind):
         # the graph itself says whether it writes state between calls (artifact/state.py)
         check_program(ep, spec.artifact, spec.extra.get("state"))
         if weights is not None:
-            adopt(ep, weights)  # already on the device: relocating them below moves nothing
+            adopt(ep, weights.tensors)  # already on the device: relocating them below moves nothing
         ep = relocate(ep, placement.torch_device)
         module, names = ep.module(), list(ep.graph_signature.user_inputs)
         if by_keyword(ep):
@@ -34,7 +34,7 @@ class ExportedProgram(ArtifactKind):
                                "exported_program")
         return LoadedModel(module, spec, placement.torch_device, "exported_program")
 
-    def held_weights(self, spec, placement, keep):
+    def held_weights(self, spec, placement, keep, library=None):
         return keep(read_only(self._program(spec)))  # copied from the host straight into the holder's allocation
 
     @staticmethod
