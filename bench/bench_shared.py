@@ -197,6 +197,8 @@ def summarize(points: dict, context: int) -> dict:
     hashes = {h for p in points.values() for h in p["answers_sha256"] + p["answers_sha256_after_kills"]}
     out["answers_bit_identical"] = len(hashes) == 1
     for m, p in points.items():
+        if p.get("run"):  # a point taken from another run (its "run" says which): its memory only
+            continue
         out[f"{m}_restart_to_ready_s"] = [r["kill_to_ready_s"] for r in p["restarts"]]
         out[f"{m}_kill_all_to_first_answer_s"] = p["kill_all"]["kill_to_first_answer_s"]
     return out
@@ -214,6 +216,18 @@ def write_markdown(path: Path, result: dict) -> None:
                      f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
                      f"{p['kill_all']['kill_to_first_answer_s']} | {p['holders_left_5s_after_stop']} |")
     lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), ""]
+    lines += [f"Mode {m}: from {p['run']}." for m, p in pts.items() if p.get("run")] + [""]
+    earlier = result.get("earlier_run")
+    if earlier:  # the same benchmark at an earlier revision, for before and after
+        lines += ["## The earlier run", "", f"Command: `{earlier['command']}`. Revision: {earlier['revision']}.", "",
+                  "| mode | device MiB | per worker MiB | holder MiB | req/s | kill -9 one: to READY s | "
+                  "kill all: first answer s |", "|---|---|---|---|---|---|---|"]
+        for m, p in earlier["points"].items():
+            lines.append(f"| {m} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib']))} | "
+                         f"{', '.join(map(str, p['holders_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
+                         f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
+                         f"{p['kill_all']['kill_to_first_answer_s']} |")
+        lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in earlier["summary"].items()), ""]
     if result.get("not_measured"):
         lines += [f"Not measured: {result['not_measured']}", ""]
     steps = result.get("load_steps")
@@ -300,7 +314,8 @@ def main(argv=None):
         for mode in args.modes.split(","):
             points[mode] = measure(args, mode, work / "store", work, body, safetensors_io.CONTENT_TYPE)
             print(json.dumps(points[mode]), flush=True)
-            result = {**header(torch.cuda.get_device_name(args.gpu) if args.gpu >= 0 else "cpu", argv),
+            result = {**header(torch.cuda.get_device_name(args.gpu) if args.gpu >= 0 else "cpu", argv,
+                                 env=("PYTHONPYCACHEPREFIX",)),
                       "artifact": f"{spec.backend} {', '.join(s.describe() for s in spec.inputs)}",
                       "summary": summarize(points, context), "points": points}
             write(Path(args.out), result)  # after every mode: a run cut short keeps what it measured

@@ -273,7 +273,8 @@ def main(argv=None):
         for i, n in enumerate(int(x) for x in args.workers.split(",")):
             points.append(measure(args, n, work / "store", work, body, safetensors_io.CONTENT_TYPE, i))
             print(json.dumps(points[-1]), flush=True)
-    result = {**header(device, argv), "artifact": f"{spec.backend} {', '.join(s.describe() for s in spec.inputs)}",
+    result = {**header(device, argv, env=("PYTHONPYCACHEPREFIX",)),
+              "artifact": f"{spec.backend} {', '.join(s.describe() for s in spec.inputs)}",
               "summary": summarize(points), "points": points}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
