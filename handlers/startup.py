@@ -118,7 +118,7 @@ def plan(context) -> StartPlan:
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     process.record("torch fp32 matmul precision", config.float32_matmul_precision)
     props = context.system_properties
-    spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config)
+    spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config, scratch.shared_root())
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)

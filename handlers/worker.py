@@ -39,12 +39,15 @@ class Worker:
         raising makes TorchServe restart the worker with back-off while requests wait unanswered
         (measured: none answered in 420 s). Raises the others, and where the archive says
         handler.answer_load_failure: false."""
+        # from here the start's steps are the handler's own: the process's age so far is its
+        # interpreter and imports; "variant" covers the choice and the artifact's integrity check
+        steps = startup.StartSteps()
         startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
         emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer
         try:
             plan = startup.plan(context)
             answer_failure = plan.config.answer_load_failure
-            self._load(plan, context, emit)
+            self._load(plan, context, emit, steps)
         except Exception as e:  # noqa: BLE001  (every cause, named: startup.load_failure)
             err = startup.load_failure(e)
             if not err.recurs or not answer_failure:
@@ -59,8 +62,7 @@ class Worker:
             emit("ModelLoadFailed", 1.0)
         self.profile = batch_profiler(self.name)  # after the warm-up: clients' batches only
 
-    def _load(self, plan: startup.StartPlan, context, emit) -> None:
-        steps = startup.StartSteps()
+    def _load(self, plan: startup.StartPlan, context, emit, steps: startup.StartSteps) -> None:
         with startup.gpu_room(plan):
             self.loaded = startup.load(plan, emit, steps)
             if self.loaded.weights is not None:  # its model reads the holder's memory: stop when it is gone

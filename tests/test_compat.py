@@ -474,8 +474,8 @@ def test_a_load_hashes_only_the_variant_it_serves(artifacts, tmp_path, monkeypat
         f.truncate(100)  # no longer matches its pinned SHA-256
     hashed = []
     real = variants.verify_integrity
-    monkeypatch.setattr(variants, "verify_integrity", lambda spec, zipped: (hashed.append(spec.variant_dir),
-                                                                            real(spec, zipped)))
+    monkeypatch.setattr(variants, "verify_integrity", lambda spec, zipped, root=None: (
+        hashed.append(spec.variant_dir), real(spec, zipped, root)))
     spec, placement, warn = variants.choose_variant(str(model_dir), None, parse_config({}))
     assert spec.variant_dir.endswith("00_export_cpu") and placement.kind == "cpu" and not warn
     assert [os.path.basename(d) for d in hashed] == ["00_export_cpu"]
@@ -499,7 +499,8 @@ def test_variant_choice_looks_past_a_warning_and_stops_at_an_exact_fit(monkeypat
     opened = []
     monkeypatch.setattr(variants, "_variant_dirs", lambda model_dir, config: list(facts))
     monkeypatch.setattr(variants, "read_spec", lambda d: types.SimpleNamespace(d=d, refined=False))
-    monkeypatch.setattr(variants, "open_variant", lambda d: (opened.append(d), types.SimpleNamespace(d=d, refined=True))[1])
+    monkeypatch.setattr(variants, "open_variant",
+                        lambda d, root=None: (opened.append(d), types.SimpleNamespace(d=d, refined=True))[1])
     monkeypatch.setattr(variants, "assess", lambda spec, *a: ("cpu", [], facts[spec.d][spec.refined]))
     spec, _, warn = variants.choose_variant("/m", None, parse_config({}))
     assert spec.d == "c" and not warn and opened == ["c"]  # the exact fit by artifact.json, alone

@@ -45,3 +45,36 @@ def test_without_a_private_root_every_load_runs_its_trial(artifacts):
     spec = open_variant(str(artifacts.get("cls_export")))
     for _ in range(2):
         assert probe.probe_once(spec, Placement("cpu", None), HandlerConfig())[1].startswith("trial load ")
+
+
+def test_a_matched_digest_is_kept_until_the_file_is_written_again(artifacts, private_root, tmp_path, monkeypatch):
+    """integrity.verify_integrity with a verdict root: the artifact is hashed once, a restart
+    with the file unchanged reads none of it, and a write that keeps its size and puts its mtime
+    back (its ctime still moves) is hashed again and refused."""
+    import shutil
+
+    from handlers.artifact import integrity
+    from handlers.errors import LoadError
+
+    d = tmp_path / "variant"
+    shutil.copytree(artifacts.get("cls_export"), d)
+    hashed = []
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p: (hashed.append(p), real(p))[1])
+    open_variant(str(d), str(private_root))
+    open_variant(str(d), str(private_root))
+    assert len(hashed) == 1
+    open_variant(str(d))  # no verdict root: hashed every time
+    assert len(hashed) == 2
+    model = d / "model.pt2"
+    st = os.stat(model)
+    time_before = st.st_ctime_ns
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of the zip's contents, size unchanged
+    while os.stat(model).st_ctime_ns == time_before:  # a coarse clock: the write must move ctime
+        model.write_bytes(bytes(data))
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(model).st_mtime_ns == st.st_mtime_ns and os.stat(model).st_size == st.st_size
+    with pytest.raises(LoadError, match="SHA-256"):
+        open_variant(str(d), str(private_root))
+    assert len(hashed) == 3

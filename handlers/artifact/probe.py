@@ -11,15 +11,13 @@ it with a signal.
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
 
+from handlers.artifact import verdicts
 from handlers.artifact.device import Placement
 from handlers.artifact.kinds import recognise
 from handlers.artifact.load import load_artifact
@@ -96,44 +94,13 @@ def _verdict_key(spec: ArtifactSpec, placement: Placement, config) -> dict:
             "machine": this_machine(placement).describe()}
 
 
-def _verdict_path(key: dict, root):
-    if root is None:
-        return None
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return os.path.join(root, VERDICTS, name + ".ok")
-
-
-def _trusted(path: str, key: dict) -> bool:
-    """A regular file of this user that no one else may write, holding exactly `key`."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return False
-        with open(path) as f:
-            return json.load(f) == key
-    except (OSError, ValueError):
-        return False
-
-
-def _record(path: str, key: dict) -> None:
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(key, f)
-        os.replace(tmp, path)
-    except OSError:  # a verdict not kept costs the next start a trial load, nothing else
-        pass
-
-
 def probe_once(spec: ArtifactSpec, placement: Placement, config, budget=None, verdict_root=None) -> tuple:
     """The crash-safe trial load, unless one already passed for the same artifact bytes,
     placement, torch build and machine (a verdict kept under `verdict_root`, this user's private
     scratch root, so a restarted worker and its siblings skip it; None: every load runs it).
     Returns (seconds, note for the load line)."""
     key = _verdict_key(spec, placement, config)
-    path = _verdict_path(key, verdict_root)
+    path = verdicts.path(key, verdict_root, VERDICTS)
     if path is None:
         secs = crash_safe_probe(spec, placement, config, budget)
         return secs, f"trial load {secs:.2f}s"
@@ -144,10 +111,10 @@ def probe_once(spec: ArtifactSpec, placement: Placement, config, budget=None, ve
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if _trusted(path, key):
+        if verdicts.trusted(path, key):
             return 0.0, f"trial load passed before (verdict reused; waited {time.perf_counter() - t0:.2f}s)"
         secs = crash_safe_probe(spec, placement, config, budget)
-        _record(path, key)
+        verdicts.record(path, key)
         return secs, f"trial load {secs:.2f}s"
     finally:
         os.close(fd)

@@ -22,11 +22,12 @@ from handlers.config import HandlerConfig
 from handlers.errors import IncompatibleArtifact, LoadError
 
 
-def open_variant(directory: str) -> ArtifactSpec:
+def open_variant(directory: str, verdict_root=None) -> ArtifactSpec:
     """artifact.json, checked against the artifact's SHA-256 before anything inside the
-    artifact is read, then recognised from what the artifact itself says it is."""
+    artifact is read (a match kept under `verdict_root`: integrity.py), then recognised from
+    what the artifact itself says it is."""
     spec = read_spec(directory)
-    verify_integrity(spec, kind_of(spec).zipped)
+    verify_integrity(spec, kind_of(spec).zipped, verdict_root)
     return recognise(spec)
 
 
@@ -67,8 +68,9 @@ def _variant_dirs(model_dir: str, config: HandlerConfig) -> list:
     return dirs
 
 
-def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
-    """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings)."""
+def choose_variant(model_dir: str, gpu_id, config: HandlerConfig, verdict_root=None):
+    """Pick the artifact variant that fits this worker. Returns (spec, placement, warnings).
+    `verdict_root`: where matched digests are kept (open_variant)."""
     refused, ranked = {}, []  # refused: variant dir -> why, as last judged
     for d in _variant_dirs(model_dir, config):
         spec = read_spec(d)
@@ -79,7 +81,7 @@ def choose_variant(model_dir: str, gpu_id, config: HandlerConfig):
     ranked.sort()  # by artifact.json: exact fits, then warnings, then archive order; refused last
     best = None
     for *_, d in ranked:
-        spec = open_variant(d)  # hashed and recognised: now its own files speak
+        spec = open_variant(d, verdict_root)  # hashed and recognised: now its own files speak
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
             refused[d] = _refusal(model_dir, d, spec, fatal)
