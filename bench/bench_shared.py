@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from types import SimpleNamespace
 
 from bench import bench_load
 from bench.bench_e2e import archive_ours
-from bench.bench_start import answered, ready, restart_once, start_steps, wait_until
+from bench.bench_start import answered, kill_all, ready, restart_once, start_steps, wait_until
 from bench.results_meta import header, page_head
 from compiled_serving.local_server import LocalTorchServe
 
@@ -107,18 +106,6 @@ def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12) -> list:
         with urllib.request.urlopen(req, timeout=60) as r:
             seen.add(hashlib.sha256(r.read()).hexdigest()[:16])
     return sorted(seen)
-
-
-def kill_all(server, name: str, n: int, body: bytes, ct: str, timeout: float) -> dict:
-    pids = [w.get("pid") for w in server.workers(name, timeout=5)]
-    pids = [p for p in pids if isinstance(p, int) and p > 1]
-    t0 = time.perf_counter()
-    for p in pids:
-        os.kill(p, signal.SIGKILL)
-    first = wait_until(lambda: answered(server, name, body, ct), timeout)
-    wait_until(lambda: ready(server, name, n, exclude=set(pids)), timeout)
-    return {"killed": len(pids), "kill_to_first_answer_s": round(first, 3),
-            "kill_to_all_ready_s": round(time.perf_counter() - t0, 3)}
 
 
 def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> dict:

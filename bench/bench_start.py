@@ -18,6 +18,7 @@ OUT.png beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -30,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.bench_e2e import archive_ours
+from bench.bench_e2e import archive_ours, imported
 from compiled_serving.local_server import LocalTorchServe
 from bench.results_meta import header, page_head
 
@@ -40,13 +41,21 @@ START_LINE = re.compile(r"started in ([0-9.]+)s(?: since the process began)? \((
 DEFERRED = "buckets after ready"
 GRAPHS_DONE = re.compile(r"CUDA graphs after ready: done in ([0-9.]+)s, (\d+) call\(s\) ran without a graph meanwhile(?:; ([^\n]*))?")
 POLL_S = 0.05
+# TorchServe 0.12's frontend logs this once for each worker whose connection ends, a kill -9
+# included (tests/test_bench_start.py); "Worker died", counted before, never followed a kill
+DISCONNECTED = "Worker disconnected."
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
+    p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py, or a "
+                   "user's .pt2 file (imported as cs-archive imports it)")
+    p.add_argument("--program", default=None, help="with a .pt2 package: the exported program it came from "
+                   "(the archive tries padding on it)")
     p.add_argument("--workers", default="1,6", help="worker counts to start, one server each")
     p.add_argument("--restarts", type=int, default=3, help="workers killed (SIGKILL) per server, one at a time")
+    p.add_argument("--kill-all", action="store_true", help="after the restarts, every worker killed at once: "
+                   "seconds to the first answer and to all READY")
     p.add_argument("--gpu", type=int, default=None, help="GPU id the workers use (default: 0 where CUDA is, else CPU)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batch-delay", type=int, default=1)
@@ -143,6 +152,20 @@ def restart_once(server, name: str, n: int, body: bytes, content_type: str, time
     return out
 
 
+def kill_all(server, name: str, n: int, body: bytes, ct: str, timeout: float) -> dict:
+    """Every worker of `name` killed with SIGKILL at once: seconds to the first answer 200 and
+    to all `n` READY again (none of the killed)."""
+    pids = [w.get("pid") for w in server.workers(name, timeout=5)]
+    pids = [p for p in pids if isinstance(p, int) and p > 1]
+    t0 = time.perf_counter()
+    for p in pids:
+        os.kill(p, signal.SIGKILL)
+    first = wait_until(lambda: answered(server, name, body, ct), timeout)
+    wait_until(lambda: ready(server, name, n, exclude=set(pids)), timeout)
+    return {"killed": len(pids), "kill_to_first_answer_s": round(first, 3),
+            "kill_to_all_ready_s": round(time.perf_counter() - t0, 3)}
+
+
 def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: str, index: int = 0) -> dict:
     device_ids = [args.gpu] if args.gpu is not None else []
     name = f"start{n}_{index}"  # a server of its own per entry of --workers (a count may repeat: cold starts)
@@ -161,10 +184,13 @@ def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: st
             raise SystemExit(f"{name}: a request was not answered 200: {server.log()[-3000:]}")
         for _ in range(args.restarts):
             point["restarts"].append(restart_once(server, name, n, body, content_type, args.timeout))
+        if args.kill_all:
+            point["kill_all"] = kill_all(server, name, n, body, content_type, args.timeout)
         # workers that died on their own (the restarts above kill one each on purpose), and
         # loads TorchServe reported as out of memory (its answer to any exception at load)
         logs = server.log("logs/ts_log.log") + server.log()
-        point["unplanned_worker_deaths"] = logs.count("Worker died") - len(point["restarts"])
+        planned = len(point["restarts"]) + point.get("kill_all", {}).get("killed", 0)
+        point["unplanned_worker_deaths"] = logs.count(DISCONNECTED) - planned
         point["load_reported_oom"] = logs.count("System out of memory")
         return point
     finally:
@@ -188,6 +214,7 @@ def summarize(points: list) -> dict:
             "median_restarted_worker_start_s": med([r["worker_start"]["total"] for r in rs]),
             "median_restarted_graphs_after_ready_s": med([r["graphs_after_ready_s"] for r in rs
                                                           if "graphs_after_ready_s" in r]),
+            "kill_all_to_first_answer_s": (p.get("kill_all") or {}).get("kill_to_first_answer_s"),
             "slowest_over_one_worker": (round(max(starts) / one["worker_start"][0]["total"], 3)
                                         if one and one["worker_start"] and starts else None),
         }
@@ -201,6 +228,7 @@ def write_markdown(path: Path, result: dict) -> None:
                "kill -9 to READY again (s, median) | kill -9 to an answer (s, median) | restarted worker's own start (s) | "
                "its CUDA graphs done, after ready (s) |"),
               "|---|---|---|---|---|---|---|---|"]
+    killed = [p for p in result["points"] if p.get("kill_all")]
     for n, s in result["summary"].items():
         p = next(p for p in result["points"] if str(p["workers"]) == n)
         lines.append(f"| {n} | {p['torchserve_start_to_all_ready_s']} | {s['slowest_worker_start_s']} | "
@@ -208,6 +236,9 @@ def write_markdown(path: Path, result: dict) -> None:
                      f"{s['median_kill_to_answer_s'] if s['median_kill_to_answer_s'] is not None else '-'} | "
                      f"{s['median_restarted_worker_start_s']} | "
                      f"{s['median_restarted_graphs_after_ready_s'] if s['median_restarted_graphs_after_ready_s'] is not None else '-'} |")
+    lines += [f"\nAll {p['workers']} workers killed at once: the first answer after "
+              f"{p['kill_all']['kill_to_first_answer_s']} s, all READY after {p['kill_all']['kill_to_all_ready_s']} s."
+              for p in killed]
     steps = _step_names(result)
     lines += ["", "Each worker's start, step by step (seconds; the load line's breakdown):", "",
               "| workers | worker | " + " | ".join(steps) + " | total |", "|---" * (len(steps) + 3) + "|"]
@@ -264,10 +295,11 @@ def main(argv=None):
     if args.gpu is None and torch.cuda.is_available():
         args.gpu = 0
     device = torch.cuda.get_device_name(args.gpu) if args.gpu is not None else "cpu"
-    spec = read_spec(args.artifact)
-    body = bytes(safetensors_io.dumps(spec.example(spec.batch_min)))
     points = []
-    with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
+        imported(args, stack)  # a user's .pt2 file: imported as the archive imports it
+        spec = read_spec(args.artifact)
+        body = bytes(safetensors_io.dumps(spec.example(spec.batch_min)))
         work = Path(tmp)
         (work / "store").mkdir()
         for i, n in enumerate(int(x) for x in args.workers.split(",")):

@@ -60,9 +60,9 @@ def uncompiled_imports(module) -> "str | None":
     cached = importlib.util.cache_from_source(source)
     if os.path.exists(cached):
         return None
-    writes = not sys.flags.dont_write_bytecode and os.access(os.path.dirname(os.path.dirname(cached)) or ".", os.W_OK)
-    if writes:
-        return None
+    if not sys.flags.dont_write_bytecode and (sys.pycache_prefix  # Python makes the prefix's directories
+                                              or os.access(os.path.dirname(os.path.dirname(cached)) or ".", os.W_OK)):
+        return None  # the first import writes them
     why = "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "its directory is read-only"
     site = os.path.dirname(os.path.dirname(source))
     return (f"{module.__name__} has no compiled bytecode ({cached} is missing) and this interpreter writes none "

@@ -36,7 +36,9 @@
 #                               loads them with wrk and h2load (LOADGEN or on PATH) instead of Python clients
 #   pod_wide_fp32_<tag>         one 64 MiB FP32 request by the pod's REST binary and gRPC routes, equal eager
 #   start_{resnet50,text_encoder}_fp16_<tag>  worker start step by step, 1 and 6 workers, and kill -9
-#                               restarts (bench/bench_start.py)
+#                               restarts of one worker, then of all at once (bench/bench_start.py --kill-all)
+#   start_hf_bert_fp16_<tag>    the same for the transformers BERT classifier, the user's .pt2 files as
+#                               the archive imports them, WORKERS workers (part start_bert)
 #   shared_weights_big_mlp_fp16_<tag>  one copy of the weights per GPU (issue 49): examples/models.py:big_mlp
 #                               (2 GiB fp16) with shared weights, each worker's own, and one worker: GPU memory
 #                               per process, 64 clients, answers, kill -9 restarts, holders left after the stop
@@ -62,6 +64,15 @@ RESULTS=${RESULTS:-docs/results}; TAG=${TAG:-gpu}; W=${WORK:-/tmp/gpu_e2e}
 PARTS=${PARTS:-main b1 cpu}; BATCH=${BATCH:-8}; WORKERS=${WORKERS:-6}; DELAY=${DELAY:-1}; GPUS=${GPUS:-1}
 PY=${PY:-python3}; export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$W"
+# The GPU machine's image ships torch without .pyc files and sets PYTHONDONTWRITEBYTECODE=1, so
+# every worker there compiles torch's sources at its start (import torch 4.1-4.9 s, 2.3-2.5 s
+# compiled: shared_weights_big_mlp_fp16_h200, imports). Compiled once into a prefix, as a pip
+# install writes them, and named in every results file's command; PYC=0 measures the image as is.
+if [ "${PYC:-1}" = 1 ]; then
+  export PYTHONPYCACHEPREFIX="$W/pyc"
+  $PY -m compileall -q -j 0 "$($PY -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')" \
+    "$($PY -c 'import os, ts; print(os.path.dirname(ts.__file__))')" handlers bench compiled_serving >/dev/null 2>&1 || true
+fi
 R50="--model examples/models.py:resnet50 --input image:8x3x224x224:float32 --dynamic-batch 1:64"
 TEXT="--model examples/text_encoder.py:text_encoder --input input_ids:8xS:int64 --input attention_mask:8xS:int64 --dim S=8:256"
 MLP="--model examples/mlp.py:mlp --input x:8x256:float32"
@@ -154,9 +165,14 @@ for part in $PARTS; do
            --variant block:cuda_sync=block ;;
     shared) $PY -m bench.bench_shared --artifact "$W/big" --out "$RESULTS/shared_weights_big_mlp_fp16_$TAG" ;;
     start) for m in r50:resnet50 text:text_encoder; do
-             $PY -m bench.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 \
+             $PY -m bench.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 --kill-all \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
            done ;;
+    start_bert) [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 \
+           --out "$W/hf_bert"
+         $PY -m bench.bench_start --artifact "$W/hf_bert/package.pt2" --program "$W/hf_bert/program.pt2" \
+           --workers "$WORKERS" --restarts 3 --kill-all --batch-size "$BATCH" --max-batch-delay "$DELAY" \
+           --out "$RESULTS/start_hf_bert_fp16_$TAG.json" ;;
     reader) # the worker's frame reader against TorchServe's, order-balanced rounds (where a small
             # model makes the worker's CPU the limit)
             $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --rounds 2 --artifact "$W/mlp" \
