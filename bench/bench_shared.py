@@ -239,8 +239,8 @@ def worker_memory_lines(wm) -> list:
     """bench/worker_memory.py's steps, run beside it: where one worker's device memory goes."""
     if not wm:
         return []
-    lines = ["## One worker's device memory, step by step (no server)", "", f"Command: `{wm['command']}` "
-             f"(revision {wm['revision']}). {wm['note']}.", "",
+    about = "".join(f" {x}." for x in (wm.get("revision") and f"Revision {wm['revision']}", wm.get("note")) if x)
+    lines = ["## One worker's device memory, step by step (no server)", "", f"Command: `{wm['command']}`.{about}", "",
              "| config | step | process MiB (smi) | allocator reserved | allocated | outside the allocator | "
              "other processes |", "|---|---|---|---|---|---|---|"]
     for name, c in wm["configs"].items():

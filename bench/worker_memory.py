@@ -108,7 +108,8 @@ def main(argv=None) -> None:
         import torch
 
         with open(args.out, "w") as f:
-            json.dump({**header(torch.cuda.get_device_name(0), argv), "configs": result}, f, indent=1)
+            json.dump({**header(torch.cuda.get_device_name(0), argv, env=("PYTHONPYCACHEPREFIX",)), "configs": result},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,12 @@ def uncompiled_imports(module) -> "str | None":
     if not sys.flags.dont_write_bytecode and (sys.pycache_prefix  # Python makes the prefix's directories
                                               or os.access(os.path.dirname(os.path.dirname(cached)) or ".", os.W_OK)):
         return None  # the first import writes them
-    why = "PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "its directory is read-only"
     site = os.path.dirname(os.path.dirname(source))
+    if sys.flags.dont_write_bytecode and os.access(os.path.dirname(source), os.W_OK):
+        why, fix = "PYTHONDONTWRITEBYTECODE is set", f"`python -m compileall -q -j 0 {site}`"
+    else:  # the bytecode cannot go beside the sources: a prefix the server's environment names
+        why = ("PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "its directory is read-only")
+        fix = (f"`PYTHONPYCACHEPREFIX=DIR python -m compileall -q -j 0 {site}` and PYTHONPYCACHEPREFIX=DIR in "
+               "TorchServe's environment")
     return (f"{module.__name__} has no compiled bytecode ({cached} is missing) and this interpreter writes none "
-            f"({why}), so every worker start, restarts included, compiles its sources again; compile them once: "
-            f"`python -m compileall -q -j 0 {site}`")
+            f"({why}), so every worker start, restarts included, compiles its sources again; compile them once: {fix}")

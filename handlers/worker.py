@@ -40,7 +40,8 @@ class Worker:
         (measured: none answered in 420 s). Raises the others, and where the archive says
         handler.answer_load_failure: false."""
         # from here the start's steps are the handler's own: the process's age so far is its
-        # interpreter and imports; "variant" covers the choice and the artifact's integrity check
+        # interpreter and imports; "variant" covers the settings, the variant's choice and its
+        # integrity check, the GPU room's wait and the thread budget (startup.load)
         steps = startup.StartSteps()
         startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
         emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer

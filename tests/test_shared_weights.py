@@ -309,3 +309,33 @@ def _attach_reuse_release_loss(artifacts, root: str) -> None:
     while not lost and time.time() < deadline:
         time.sleep(0.05)
     assert lost == [f"the weights holder (pid {held.holder_pid}) is gone; this worker's model read its memory"]
+
+
+def test_holder_directories_of_dead_holders_are_swept_and_live_ones_kept(tmp_path):
+    """attach.sweep_holder_dirs: a holder's directory keeps the library its workers load (as
+    large as the model); one whose holder died (its pid file names a dead process) or whose
+    starter died before writing the pid file (older than a holder's start) is removed; a live
+    holder's, a young one without a pid yet and anything not a holder's directory stay."""
+    import subprocess
+    import sys
+    import time
+
+    from handlers.weights import attach
+    from handlers.weights.holder import PID_FILE
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    dirs = {}
+    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("young", None), ("old", None)):
+        d = tmp_path / f"{attach.HOLDER_DIR_PREFIX}{name}"
+        (d / "library").mkdir(parents=True)
+        if pid is not None:
+            (d / PID_FILE).write_text(str(pid))
+        dirs[name] = d
+    old = time.time() - attach.HOLDER_START_S - 60
+    os.utime(dirs["old"], (old, old))
+    (tmp_path / "worker-1").mkdir()
+    gone = attach.sweep_holder_dirs(str(tmp_path))
+    assert sorted(gone) == sorted(f"{attach.HOLDER_DIR_PREFIX}{n}" for n in ("dead", "old"))
+    assert dirs["live"].exists() and dirs["young"].exists() and (tmp_path / "worker-1").exists()
+    assert not dirs["dead"].exists() and not dirs["old"].exists()

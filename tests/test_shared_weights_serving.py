@@ -33,6 +33,13 @@ def holders(ts) -> dict:
     return {int(line.split()[0]): line for line in out.splitlines() if tmp in line}
 
 
+def holder_dirs(ts, pid: int) -> list:
+    """The private directories (TMPDIR, with the unpacked library) of holder `pid`."""
+    from handlers.weights.holder import PID_FILE
+
+    return [p.parent for p in ts.workdir.rglob(f"cs-holder-*/{PID_FILE}") if p.read_text().strip() == str(pid)]
+
+
 def held_lines(ts, model=None) -> list:
     """(holder pid, started|attached) of every load line so far (of `model`), in order."""
     return [(int(m.group(2)), m.group(3)) for m in HELD.finditer(ts.log()) if model in (None, m.group(1))]
@@ -117,10 +124,12 @@ def test_a_killed_holder_stops_its_workers_and_a_new_one_serves_them(shared_serv
     workers, export_workers = pids(ts, "sw_aoti"), pids(ts, "sw_export")
     aoti_holder = held_lines(ts, "sw_aoti")[-1][0]
     assert aoti_holder in old
+    (its_dir,) = holder_dirs(ts, aoti_holder)  # its unpacked library lies there
     os.kill(aoti_holder, signal.SIGKILL)
     wait_back(ts, "sw_aoti", set(workers))
     new = set(holders(ts)) - old
     assert len(new) == 1, holders(ts)
+    assert not its_dir.exists() and len(holder_dirs(ts, next(iter(new)))) == 1  # swept by the new one's start
     assert {p for p, _ in held_lines(ts, "sw_aoti")[-2:]} == new  # both restarted workers read it
     assert pids(ts, "sw_export") == export_workers
     answers_right(ts, "sw_aoti", seed=2)

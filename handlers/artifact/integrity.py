@@ -24,7 +24,8 @@ def verify_integrity(spec: ArtifactSpec, zipped: bool, verdict_root=None) -> Non
     (handlers/artifact/verdicts.py) against the file's identity and change time, so a restarted
     worker does not read the whole artifact again (2 GiB took seconds of every restart); any
     write to the file since, even one that restores its size and mtime, changes its ctime, which
-    no user can set, and the digest is computed again. None: computed every time."""
+    no user can set, and the digest is computed again (on a local filesystem; a network one may
+    report cached attributes for a while). None: computed every time."""
     path = spec.artifact_path
     real = os.path.realpath(path)
     home = os.path.realpath(spec.variant_dir)

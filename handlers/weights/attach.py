@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import secrets
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,9 +27,11 @@ import tempfile
 import threading
 import time
 
-from handlers.weights.holder import KEY_ENV
+from handlers import process
+from handlers.weights.holder import KEY_ENV, PID_FILE
 
 logger = logging.getLogger(__name__)
+HOLDER_DIR_PREFIX = "cs-holder-"  # a holder's TMPDIR (its pid file in it: holder.PID_FILE)
 HOLDER_START_S = 600.0  # a holder loads the weights once, as a worker would: as long as a trial load may take
 RECEIVE_S = 120.0  # mapping the holder's allocations takes well under a second; a holder this slow is stuck
 
@@ -110,8 +113,11 @@ def verify(model, check: bytes, device) -> str:
     import torch
 
     check = torch.load(io.BytesIO(check), weights_only=True)
-    with torch.inference_mode():
-        got = model(*(t.to(device) for t in check["inputs"].values()))
+    try:
+        with torch.inference_mode():
+            got = model(*(t.to(device) for t in check["inputs"].values()))
+    except Exception as e:  # noqa: BLE001  (an exported program's first call on the held tensors: no smoke call)
+        raise ShareError(f"the answer check's call on the held weights failed: {type(e).__name__}: {e}") from e
     exact = True
     for name, want in check["outputs"].items():
         have = got[name].cpu()
@@ -146,7 +152,9 @@ def release_load_scratch(placement) -> None:
 def _paths(root: str, spec, placement) -> dict:
     # the frontend (this worker's parent) is part of the name: another TorchServe on the same
     # files gets its own holder, tied to its own lifetime
-    tag = hashlib.sha256(f"{os.path.realpath(spec.artifact_path)}|{placement}|{os.getppid()}".encode()).hexdigest()[:16]
+    # and so is the artifact's digest: a file changed in place gets a new holder, not the old weights
+    key = f"{os.path.realpath(spec.artifact_path)}|{spec.sha256}|{placement}|{os.getppid()}"
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     d = os.path.join(root, "weights")
     os.makedirs(d, mode=0o700, exist_ok=True)
     return {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "key", "lock", "log")}
@@ -177,8 +185,11 @@ def _start_holder(paths: dict, root: str, spec, placement) -> int:
     # A TMPDIR of its own: the worker's (scratch.py) is removed when that worker dies, with what
     # the holder keeps there (on the CPU, torch's shared-memory manager's socket). Made beside the
     # scratch root, private and uniquely named (mkdtemp), and short: that socket's path may not
-    # pass 107 bytes. The holder empties it once loaded and removes it when it exits.
-    tmp = tempfile.mkdtemp(prefix="cs-holder-", dir=os.path.dirname(root))
+    # pass 107 bytes. Once loaded the holder keeps only the library its workers load there
+    # (ArtifactKind.shared_library); it removes the directory when it exits, and a later start
+    # sweeps the directory of one that could not (killed, or failed to start).
+    sweep_holder_dirs(os.path.dirname(root))
+    tmp = tempfile.mkdtemp(prefix=HOLDER_DIR_PREFIX, dir=os.path.dirname(root))
     env = dict(os.environ, TMPDIR=tmp, **{KEY_ENV: key.decode()})
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     index = placement.index if placement.index is not None else -1
@@ -187,10 +198,35 @@ def _start_holder(paths: dict, root: str, spec, placement) -> int:
     with open(paths["log"], "ab") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=pkg_parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=log, start_new_session=True, close_fds=True)
+    with open(os.path.join(tmp, PID_FILE), "w") as f:
+        f.write(str(proc.pid))
     line = _ready_line(proc, paths)
     if "error" in line:
         raise ShareError(f"the weights holder failed to load: {line['error']}")
     return int(line["pid"])
+
+
+def sweep_holder_dirs(parent: str) -> list:
+    """Removes this user's holder directories under `parent` whose holder is gone (its pid file
+    names a dead process, or it has none and is older than a holder's start may take: its
+    starter died before writing it); returns their names. A holder's unpacked library is as
+    large as the model, and on a tmpfs it is memory."""
+    gone = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        d = os.path.join(parent, name)
+        try:
+            if not name.startswith(HOLDER_DIR_PREFIX) or os.lstat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, PID_FILE)) as f:
+                dead = not process.alive(int(f.read().strip() or 0))
+        except FileNotFoundError:
+            dead = time.time() - os.lstat(d).st_mtime > HOLDER_START_S
+        except (OSError, ValueError):
+            continue
+        if dead:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(name)
+    return gone
 
 
 def _ready_line(proc, paths: dict) -> dict:

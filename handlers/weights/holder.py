@@ -39,6 +39,7 @@ POLL_S = 0.5
 # vectorised loads may assume
 ALIGN_BYTES = 256
 LIBRARY = "library"  # the subdirectory of the holder's TMPDIR with what shared_library unpacked
+PID_FILE = "holder.pid"  # in the holder's TMPDIR, written by the worker that started it (attach.py)
 
 
 def span(t) -> int:
@@ -159,8 +160,9 @@ def reference(spec, placement) -> bytes:
 
 
 def load(variant_dir: str, kind: str, index: int) -> tuple:
-    """(what every worker is sent: the packed weights and the reference answer, their bytes) of
-    the artifact in `variant_dir` on the device."""
+    """(what every worker is sent: the packed weights, the reference answer and the library its
+    load reads (ArtifactKind.shared_library, or None), the weights' bytes) of the artifact in
+    `variant_dir` on the device."""
     import torch
     import torch.multiprocessing
 
@@ -197,7 +199,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     try:
         sent, nbytes = load(variant_dir, kind, int(index))
-        empty(os.environ.get("TMPDIR", ""), keep=LIBRARY)  # what the loads extracted, but the workers' library
+        empty(os.environ.get("TMPDIR", ""), keep=(LIBRARY, PID_FILE))  # what the loads extracted, but these
         if os.path.exists(path):
             os.unlink(path)  # a holder of this frontend that died: its socket file stays behind
         listener = Listener(path, family="AF_UNIX", authkey=key)
@@ -215,10 +217,11 @@ def main(argv=None) -> None:
     leave(f"no worker connected for {IDLE_EXIT_S:.0f}s", path)
 
 
-def empty(directory: str, keep: str = "") -> None:
-    """Removes what `directory` holds but `keep`, keeping the directory (its own TMPDIR: attach.py)."""
+def empty(directory: str, keep: tuple = ()) -> None:
+    """Removes what `directory` holds but the names in `keep`, keeping the directory (its own
+    TMPDIR: attach.py)."""
     for name in os.listdir(directory) if os.path.isdir(directory) else ():
-        if name == keep:
+        if name in keep:
             continue
         p = os.path.join(directory, name)
         shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
