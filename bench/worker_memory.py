@@ -62,24 +62,17 @@ def child(artifact: str, opts: dict) -> None:
     mark("24 requests of 1..16 rows")
     time.sleep(3)
     mark("3 s idle")
-    rows.append({"load_line": getattr(h, "load_line", None) or ""})
     print(json.dumps(rows), flush=True)
 
 
 def parse_config(text: str) -> tuple:
     name, _, rest = text.partition(":")
-    opts = {"shared_weights": "off"} if name.startswith("own") else {}
-    env = {}
-    parts = rest.split(":env:") if rest else [""]
-    if rest.startswith("env:"):
-        parts = ["", rest[4:]]
-    for kv in filter(None, parts[0].split(",")):
-        k, _, v = kv.partition("=")
-        opts[k] = v
-    for kv in filter(None, (parts[1] if len(parts) > 1 else "").split(",")):
-        k, _, v = kv.partition("=")
-        env[k] = v
-    return name, opts, env
+    options, _, env = (":" + rest).partition(":env:")  # the leading ":" lets "env:..." alone match
+
+    def pairs(s: str) -> dict:
+        return dict(kv.partition("=")[::2] for kv in s.split(",") if kv)
+
+    return name, {**({"shared_weights": "off"} if name.startswith("own") else {}), **pairs(options[1:])}, pairs(env)
 
 
 def main(argv=None) -> None:

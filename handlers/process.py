@@ -60,11 +60,11 @@ def uncompiled_imports(module) -> "str | None":
     cached = importlib.util.cache_from_source(source)
     if os.path.exists(cached):
         return None
-    if not sys.flags.dont_write_bytecode and (sys.pycache_prefix  # Python makes the prefix's directories
-                                              or os.access(os.path.dirname(os.path.dirname(cached)) or ".", os.W_OK)):
+    beside = os.access(os.path.dirname(source), os.W_OK)  # where __pycache__ goes without a prefix
+    if not sys.flags.dont_write_bytecode and (sys.pycache_prefix or beside):  # Python makes the prefix's directories
         return None  # the first import writes them
     site = os.path.dirname(os.path.dirname(source))
-    if sys.flags.dont_write_bytecode and os.access(os.path.dirname(source), os.W_OK):
+    if sys.flags.dont_write_bytecode and beside:
         why, fix = "PYTHONDONTWRITEBYTECODE is set", f"`python -m compileall -q -j 0 {site}`"
     else:  # the bytecode cannot go beside the sources: a prefix the server's environment names
         why = ("PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else "its directory is read-only")
