@@ -326,16 +326,17 @@ def test_holder_directories_of_dead_holders_are_swept_and_live_ones_kept(tmp_pat
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     dirs = {}
-    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("young", None), ("old", None)):
+    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("young", None), ("old", None), ("old_empty", "")):
         d = tmp_path / f"{attach.HOLDER_DIR_PREFIX}{name}"
         (d / "library").mkdir(parents=True)
         if pid is not None:
             (d / PID_FILE).write_text(str(pid))
         dirs[name] = d
     old = time.time() - attach.HOLDER_START_S - 60
-    os.utime(dirs["old"], (old, old))
+    for name in ("old", "old_empty"):  # no pid (or an empty pid file) and older than a start
+        os.utime(dirs[name], (old, old))
     (tmp_path / "worker-1").mkdir()
     gone = attach.sweep_holder_dirs(str(tmp_path))
-    assert sorted(gone) == sorted(f"{attach.HOLDER_DIR_PREFIX}{n}" for n in ("dead", "old"))
+    assert sorted(gone) == sorted(f"{attach.HOLDER_DIR_PREFIX}{n}" for n in ("dead", "old", "old_empty"))
     assert dirs["live"].exists() and dirs["young"].exists() and (tmp_path / "worker-1").exists()
     assert not dirs["dead"].exists() and not dirs["old"].exists()

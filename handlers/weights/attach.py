@@ -208,19 +208,22 @@ def _start_holder(paths: dict, root: str, spec, placement) -> int:
 
 def sweep_holder_dirs(parent: str) -> list:
     """Removes this user's holder directories under `parent` whose holder is gone (its pid file
-    names a dead process, or it has none and is older than a holder's start may take: its
-    starter died before writing it); returns their names. A holder's unpacked library is as
-    large as the model, and on a tmpfs it is memory."""
+    names a dead process, or it has none, or an empty one, and is older than a holder's start
+    may take: its starter died before writing it); returns their names. A holder's unpacked
+    library is as large as the model, and on a tmpfs it is memory."""
     gone = []
     for name in os.listdir(parent) if os.path.isdir(parent) else ():
         d = os.path.join(parent, name)
         try:
             if not name.startswith(HOLDER_DIR_PREFIX) or os.lstat(d).st_uid != os.getuid():
                 continue
-            with open(os.path.join(d, PID_FILE)) as f:
-                dead = not process.alive(int(f.read().strip() or 0))
-        except FileNotFoundError:
-            dead = time.time() - os.lstat(d).st_mtime > HOLDER_START_S
+            try:
+                with open(os.path.join(d, PID_FILE)) as f:
+                    pid = int(f.read().strip() or 0)
+            except FileNotFoundError:
+                pid = 0
+            # no pid: judged by age (signal 0 to pid 0 would ask about this process's own group)
+            dead = not process.alive(pid) if pid > 0 else time.time() - os.lstat(d).st_mtime > HOLDER_START_S
         except (OSError, ValueError):
             continue
         if dead:
