@@ -458,3 +458,27 @@ def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_pat
         assert out["again"]["tokens"] == want[:3], out
     finally:
         pod.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU machine)")
+def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alone():
+    """On a GPU: capture "on" raises unless every step and prompt graph (rows x length) equals the
+    plain call; then the engine, its budget measured on the device, gives the same greedy tokens
+    to a sequence alone and among 20 that join in one burst (batched prompt calls, padded steps)."""
+    program = slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8, device="cuda"))
+    h = Harness.__new__(Harness)
+    dec = recognise(program, program_state(program).mutated)
+    h.runner = SlotRunner(_Module(program), dec, torch.device("cuda"), SimpleNamespace(stream_priority=0))
+    note = h.runner.capture("on")
+    assert set(h.runner.prompt_graphs) == {(r, c) for r in (1, 2, 4, 8) for c in (16, 32, 64, 128)}, note
+    budget, _ = engines.measure_budget(h.runner)
+    h.done, h.cond = {}, threading.Condition()
+    h.engine = engines.Engine(h.runner, h._deliver, 64, budget).start()
+    prompt = [5, 9, 13, 2, 7, 7, 1] * 5
+    h.submit("alone", prompt, 24)
+    alone = h.wait(["alone"])["alone"]
+    for i in range(20):
+        h.submit(i, prompt if i % 2 else [(11 * i + k) % 256 for k in range(3 + 5 * i)], 24)
+    got = h.wait(list(range(20)))
+    assert all(got[i] == alone for i in range(1, 20, 2))
