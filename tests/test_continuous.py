@@ -165,7 +165,8 @@ def with_prompt_graphs(h, rows=(1, 2, 4, 8), lengths=(4, 8, 16)):
         for c in lengths:
             tok, pos = torch.zeros(n, c, dtype=torch.int64), torch.zeros(n, c, dtype=torch.int64)
             slots, last, logits = torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.empty(n, r.dec.vocab)
-            r.prompt_graphs[(n, c)] = (_PromptReplay(r, tok, pos, slots, last, logits), tok, pos, slots, last, logits)
+            r.prompt_graphs[(n, c)] = (_PromptReplay(r, tok, pos, slots, last, logits), tok, pos, slots, last, logits,
+                                       torch.arange(n))
     return h
 
 
@@ -219,7 +220,7 @@ def test_a_prompt_call_pads_rows_at_the_spare_places_and_splits_where_it_must(pr
     got = r.prefill_rows([3, 4, 5], chunks, starts, [(20, cap - 3)])
     assert calls == [(2, 8), (1, 8)]
     assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
-    _, tok, pos, rows, last, _ = r.prompt_graphs[(1, 8)]
+    _, tok, pos, rows, last, _, _ = r.prompt_graphs[(1, 8)]
     assert rows.tolist() == [5] and last.tolist() == [6] and pos[0].tolist() == list(range(8))
 
 

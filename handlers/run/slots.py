@@ -57,7 +57,9 @@ class SlotRunner:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
         self.graphs: dict = {}  # rows -> (graph, tokens [n, 1], positions [n, 1], slots [n], logits [n, vocab])
-        # (rows, length) -> (graph, tokens [r, c], positions [r, c], slots [r], last [r], logits [r, vocab])
+        # (rows, length) -> (graph, tokens [r, c], positions [r, c], slots [r], last [r], logits [r, vocab],
+        # rows [r]: each graph's every static tensor stays referenced here: a freed one's memory is
+        # reused, and the replay reads whatever is there then)
         self.prompt_graphs: dict = {}
         self.pool = None  # the graphs' one memory pool (capture)
         self.arange = torch.arange(decoder.cache_length, dtype=torch.int64, device=device)
@@ -106,6 +108,8 @@ class SlotRunner:
             rows = slice(i, i + take)
             out.append(self._prompt_call(key, slots[rows], chunks[rows], starts[rows], pad))
             i += take
+            if i < len(slots):  # a later replay of the same graph overwrites its output
+                out[-1] = out[-1].clone()
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _prompt_plan(self, chunks: list, starts: list, spare: list) -> tuple:
@@ -149,7 +153,7 @@ class SlotRunner:
             if not self.dec.all_positions:
                 return logits[:, -1]
             return logits[torch.arange(len(rows), device=self.device), both[:, 2 * c + 1]]
-        graph, tok, pos, row, idx, logits = self.prompt_graphs[key]
+        graph, tok, pos, row, idx, logits, _ = self.prompt_graphs[key]
         tok.copy_(both[:, :c])
         pos.copy_(both[:, c:2 * c])
         row.copy_(both[:, 2 * c])
@@ -276,7 +280,7 @@ class SlotRunner:
         chunks = [[(7 * i + k) % self.dec.vocab for k in range(c - 1 - i % 3)] for i in range(r)]
         starts = [0] * r
         plain = self._prompt_call((None, c), list(range(r)), chunks, starts, []).clone()
-        self.prompt_graphs[(r, c)] = (graph, tok, pos, row, last, logits)
+        self.prompt_graphs[(r, c)] = (graph, tok, pos, row, last, logits, each)
         graphed = self.prefill_rows(list(range(r)), chunks, starts).clone()
         self.stream.synchronize()
         if not torch.equal(plain, graphed):
