@@ -142,22 +142,31 @@ class SlotRunner:
         """One prompt call (`_prompt_plan`'s key): float[len(slots), vocab], each row's logits after
         its chunk (a graph's output: valid until that graph's next replay)."""
         r, c = key
-        tokens = [ch + [0] * (c - len(ch)) for ch in chunks] + [[0] * c for _ in pad]
-        positions = [list(range(s, s + c)) for s in starts + [p for _, p in pad]]
-        rows = slots + [s for s, _ in pad]
+        k = len(slots) + len(pad)
+        tokens = [t for ch in chunks for t in ch + [0] * (c - len(ch))] + [0] * (c * len(pad))
+        positions = [p for s in starts + [p for _, p in pad] for p in range(s, s + c)]
         last = [len(ch) - 1 for ch in chunks] + [0] * len(pad)
-        host = torch.tensor([t + p + [s, e] for t, p, s, e in zip(tokens, positions, rows, last)], dtype=torch.int64)
-        both = host.to(self.device, non_blocking=True)
+        # one copy in; each input a contiguous piece of it starting at a 16-byte boundary (an
+        # AOTInductor model reads its inputs as contiguous, and its kernels assume aligned
+        # inputs: strided views gave other logits and failed the graphs' check on an H200)
+        pieces = [tokens, positions, slots + [s for s, _ in pad], last]
+        at = [0]
+        for piece in pieces:
+            at.append(at[-1] + len(piece) + len(piece) % 2)
+        both = torch.tensor([v for piece in pieces for v in piece + [0] * (len(piece) % 2)], dtype=torch.int64)
+        both = both.to(self.device, non_blocking=True)
+        tok, pos, rows, ends = (both[at[i]:at[i] + len(pieces[i])] for i in range(4))
+        tok, pos = tok.view(k, c), pos.view(k, c)
         if r is None:
-            logits = self.model(both[:, :c], both[:, c:2 * c], both[:, 2 * c])[self.dec.logits]
+            logits = self.model(tok, pos, rows)[self.dec.logits]
             if not self.dec.all_positions:
                 return logits[:, -1]
-            return logits[torch.arange(len(rows), device=self.device), both[:, 2 * c + 1]]
-        graph, tok, pos, row, idx, logits, _ = self.prompt_graphs[key]
-        tok.copy_(both[:, :c])
-        pos.copy_(both[:, c:2 * c])
-        row.copy_(both[:, 2 * c])
-        idx.copy_(both[:, 2 * c + 1])
+            return logits[torch.arange(k, device=self.device), ends]
+        graph, tok_in, pos_in, row_in, idx_in, logits, _ = self.prompt_graphs[key]
+        tok_in.copy_(tok)
+        pos_in.copy_(pos)
+        row_in.copy_(rows)
+        idx_in.copy_(ends)
         graph.replay()
         return logits[:len(slots)]
 
