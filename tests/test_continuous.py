@@ -405,3 +405,32 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
         h.submit(i, prompt if i % 2 else [(11 * i + k) % 256 for k in range(3 + 5 * i)], 24)
     got = h.wait(list(range(20)))
     assert all(got[i] == alone for i in range(1, 20, 2))
+
+
+def test_an_aotinductor_package_answers_as_alone_in_a_crowd(program, tmp_path):
+    """The runner over the program packaged by AOTInductor (CPU), steps padded as graph replays
+    pad them, prompts filled 4 tokens a turn: 40 sequences on 32 slots (so padding rows also land
+    on prompts being filled), each equal to the one-sequence model."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    model = aoti_load_package(aoti_compile_and_package(program, package_path=str(tmp_path / "p.pt2")))
+
+    class Packaged:
+        loader = "aoti"
+
+        def __call__(self, tokens, positions, slots):
+            return {"logits": model(tokens, positions, slots)}
+
+    h = Harness(program, budget=4)
+    h.runner.model = Packaged()
+    h = with_step_graphs(h)
+    g = torch.Generator().manual_seed(3)
+    cases = {}
+    for i in range(40):
+        n = int(torch.randint(9, 40, (1,), generator=g))
+        cases[i] = (torch.randint(0, 256, (n,), generator=g).tolist(), 6 + i % 11)
+    for i, (p, n) in cases.items():
+        h.submit(i, p, n)
+    got = h.wait(list(cases))
+    wrong = [i for i in cases if got[i] != one_sequence_greedy(program, *cases[i])]
+    assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
