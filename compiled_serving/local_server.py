@@ -18,7 +18,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A loopback port free now, chosen below the kernel's ephemeral range where there is one:
+    a port of that range, released before the server binds it, can meanwhile become an outgoing
+    connection's source port (TorchServe then failed with "Address already in use"), while ports
+    below it are only ever taken by an explicit bind. Never the same port twice in a process."""
+    import random
+
+    low = _ephemeral_low()
+    for _ in range(200 if low > 11000 else 0):
+        port = random.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
