@@ -39,7 +39,8 @@ def verify_integrity(spec: ArtifactSpec, zipped: bool, verdict_root=None) -> Non
     key = {"artifact": real, "sha256": spec.sha256, "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
     where = verdicts.path(key, verdict_root, VERDICTS)
-    digest = spec.sha256 if verdicts.trusted(where, key) else sha256_file(real)
+    kept = verdicts.trusted(where, key)
+    digest = spec.sha256 if kept else sha256_file(real)
     if digest != spec.sha256:
         # artifact.json travels in the same archive as the artifact: a mismatch shows the two
         # disagree (corruption, truncation, a partial edit), never who changed what. A replaced
@@ -53,4 +54,5 @@ def verify_integrity(spec: ArtifactSpec, zipped: bool, verdict_root=None) -> Non
     if zipped and not zipfile.is_zipfile(real):
         raise LoadError(f"artifact {spec.artifact} is not a valid .pt2 archive (zip directory not "
                         "found; truncated?). Rebuild it with cs-compile.")
-    verdicts.record(where, key)
+    if not kept:
+        verdicts.record(where, key)
