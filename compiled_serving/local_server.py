@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -34,8 +35,6 @@ def free_port() -> int:
     a port of that range, released before the server binds it, can meanwhile become an outgoing
     connection's source port (TorchServe then failed with "Address already in use"), while ports
     below it are only ever taken by an explicit bind. Never the same port twice in a process."""
-    import random
-
     low = _ephemeral_low()
     for _ in range(200 if low > 11000 else 0):
         port = random.randrange(10000, low)

@@ -60,9 +60,11 @@ class _Module:
 class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
-    def __init__(self, program, queue_size=256, budget=16):
+    def __init__(self, program, queue_size=256, budget=16, runner=None):
+        """`runner`: one made (and its graphs captured) by the caller; else the CPU's."""
         dec = recognise(program, program_state(program).mutated)
-        self.runner = SlotRunner(_Module(program), dec, torch.device("cpu"), SimpleNamespace(stream_priority=0))
+        self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
+                                           SimpleNamespace(stream_priority=0))
         self.done, self.cond = {}, threading.Condition()
         self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget).start()
 
@@ -390,14 +392,11 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
     then the engine, its budget measured on the device, gives the same greedy tokens to a
     sequence alone and among 20 that join in one burst (padded steps, prompts over turns)."""
     program = slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8, device="cuda"))
-    h = Harness.__new__(Harness)
     dec = recognise(program, program_state(program).mutated)
-    h.runner = SlotRunner(_Module(program), dec, torch.device("cuda"), SimpleNamespace(stream_priority=0))
-    note = h.runner.capture("on")
-    assert set(h.runner.graphs) == {1, 2, 4, 8} and set(h.runner.prompt_graphs) == {16, 32, 64, 128}, note
-    budget, _ = engines.measure_budget(h.runner)
-    h.done, h.cond = {}, threading.Condition()
-    h.engine = engines.Engine(h.runner, h._deliver, 64, budget).start()
+    runner = SlotRunner(_Module(program), dec, torch.device("cuda"), SimpleNamespace(stream_priority=0))
+    note = runner.capture("on")
+    assert set(runner.graphs) == {1, 2, 4, 8} and set(runner.prompt_graphs) == {16, 32, 64, 128}, note
+    h = Harness(program, queue_size=64, budget=engines.measure_budget(runner)[0], runner=runner)
     prompt = [5, 9, 13, 2, 7, 7, 1] * 5
     h.submit("alone", prompt, 24)
     alone = h.wait(["alone"])["alone"]
