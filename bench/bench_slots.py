@@ -203,6 +203,10 @@ def served(args, program: Path, pkg: Path, work: Path, pool, counts: list) -> di
     ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
     try:
         ts.wait_ready(timeout=500)
+        # the load line now, not only in the page: a run cut off by its time limit still shows
+        # what the worker serves prompts with (graphs kept or not)
+        print(next((ln.split("MODEL_LOG - ", 1)[1] for ln in ts.log().splitlines() if "loaded aoti decoder" in ln),
+                   "no load line"), flush=True)
         port, token = ts.ports["inf"], ts.key()
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]

@@ -75,7 +75,7 @@ class Continuous:
         self.budget_note = ""
         self.sock = None
 
-    def start(self, budget: int, note: str, broken: Callable) -> None:
+    def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note
         self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken).start()
 

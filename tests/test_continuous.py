@@ -60,7 +60,7 @@ class _Module:
 class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
-    def __init__(self, program, queue_size=256, budget=16, runner=None):
+    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None):
         """`runner`: one made (and its graphs captured) by the caller; else the CPU's."""
         dec = recognise(program, program_state(program).mutated)
         self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
@@ -148,11 +148,38 @@ def with_step_graphs(h):
     return h
 
 
-def test_padded_steps_never_touch_a_prompt_being_filled(program):
-    """Steps replayed at a graph's size pad their rows onto slots outside the step: a prompt filled
-    over several turns (budget 4 tokens, prompts up to 40) holds a slot outside the step, and its
-    tokens must still be the one-sequence model's."""
-    h = with_step_graphs(Harness(program, budget=4))
+class _PromptReplay:
+    """A captured prompt graph on the CPU (as _Replay): each row's logits at its `last` position."""
+
+    def __init__(self, runner, tok, pos, rows, last, logits):
+        each = torch.arange(len(rows))
+        self.run = lambda: logits.copy_(runner.model(tok, pos, rows)["logits"][each, last])
+
+    def replay(self):
+        self.run()
+
+
+def with_prompt_graphs(h, rows=(1, 2, 4, 8), lengths=(4, 8, 16)):
+    """Prompt graphs 'captured' (_PromptReplay) for each rows x length, as SlotRunner.capture
+    leaves them on CUDA: chunks padded to a graph's length and rows padded to its rows."""
+    r = h.runner
+    for n in rows:
+        for c in lengths:
+            tok, pos = torch.zeros(n, c, dtype=torch.int64), torch.zeros(n, c, dtype=torch.int64)
+            slots, last, logits = torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.empty(n, r.dec.vocab)
+            r.prompt_graphs[(n, c)] = (_PromptReplay(r, tok, pos, slots, last, logits), tok, pos, slots, last, logits,
+                                       torch.arange(n))
+    return h
+
+
+@pytest.mark.parametrize("budget", [engines.Budget(1, 4), engines.Budget(4, 8)])
+def test_padded_steps_and_prompt_calls_never_touch_a_prompt_being_filled(program, budget):
+    """Steps and prompt calls replayed at a graph's size pad their rows onto places outside the
+    call, and chunks onto the slot's own later positions: prompts filled over several turns
+    (prompts up to 40 tokens, chunks of 4 or 8 of up to 4 sequences per turn) hold slots outside
+    the step, decoding sequences hold slots outside the prompt call, and every sequence's tokens
+    must still be the one-sequence model's."""
+    h = with_prompt_graphs(with_step_graphs(Harness(program, budget=budget)))
     g = torch.Generator().manual_seed(3)
     cases = {}
     for i in range(40):
@@ -174,6 +201,57 @@ def test_a_padded_step_writes_its_padding_rows_only_at_the_spare_places(program)
     assert rows.tolist() == [7, 2, 9, 4] and pos.view(-1).tolist() == [5, 0, 11, 0] and tok[0, 0] == 3
     with pytest.raises(RuntimeError, match="needs 3 spare places, got 1"):
         h.runner.step([7], torch.tensor([3]), [5], [(2, 0)])
+
+
+def test_a_prompt_call_pads_rows_at_the_spare_places_and_splits_where_it_must(program):
+    """Three chunks on the 4-row graph of length 8: the fourth row at the first spare place with
+    room for 8 positions; with no such place, a 2-row call then a 1-row call; a chunk whose
+    padded run would pass the cache's end goes alone, at its own length. Every row's logits equal
+    its sequence's own plain call."""
+    h = with_prompt_graphs(Harness(program), rows=(1, 2, 4), lengths=(8,))
+    r, cap = h.runner, h.runner.dec.cache_length
+    chunks, starts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 7], [0, 0, 0]
+    assert r._prompt_plan(chunks, starts, [(20, cap - 3), (21, 40), (22, 0)]) == (3, (4, 8), [(21, 40)])
+    assert r._prompt_plan(chunks, starts, [(20, cap - 3)]) == (2, (2, 8), [])
+    assert r._prompt_plan([[1, 2], [3, 4]], [cap - 2, 0], []) == (1, (None, 2), [])
+    calls = []
+    real = r._prompt_call
+    r._prompt_call = lambda key, *a: calls.append(key) or real(key, *a)
+    want = [r._prompt_call((None, len(c)), [s], [c], [0], [])[0].clone() for s, c in zip((3, 4, 5), chunks)]
+    calls.clear()
+    got = r.prefill_rows([3, 4, 5], chunks, starts, [(20, cap - 3)])
+    assert calls == [(2, 8), (1, 8)]
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
+    _, tok, pos, rows, last, _, _ = r.prompt_graphs[(1, 8)]
+    assert rows.tolist() == [5] and last.tolist() == [6] and pos[0].tolist() == list(range(8))
+
+
+def test_the_budget_is_the_biggest_prompt_call_no_longer_than_a_full_step():
+    """measure_budget on a runner whose calls take a known time (a clock the calls advance): the
+    longest chunk first, then the most sequences of such chunks, each within one full step."""
+    clock = [0.0]
+
+    class Timed:
+        dec = SimpleNamespace(slots=16, cache_length=256)
+        device, cuda, chunk_limit, prompt_rows = torch.device("cpu"), False, 128, 16
+
+        def stream_context(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def step(self, *a):
+            clock[0] += 5.0
+
+        def prefill_rows(self, slots, chunks, starts):
+            clock[0] += 1.0 + len(slots) * len(chunks[0]) / 128  # 1 + a unit per 128 tokens
+
+    import unittest.mock
+    with unittest.mock.patch.object(engines.time, "perf_counter", lambda: clock[0]):
+        budget, note = engines.measure_budget(Timed())
+    assert budget == engines.Budget(4, 128) and "up to 128 tokens of up to 4 sequences" in note
+    Timed.chunk_limit = 64  # 64-token chunks fit; 2 rows of them too (2.0), 4 (3.0), 8 (5.0), not 16
+    with unittest.mock.patch.object(engines.time, "perf_counter", lambda: clock[0]):
+        assert engines.measure_budget(Timed())[0] == engines.Budget(8, 64)
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(program):
@@ -388,14 +466,15 @@ def test_the_pods_generate_routes_on_the_slot_model(program, kserve_env, tmp_pat
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU machine)")
 def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alone():
-    """On a GPU: capture "on" raises unless every step and prompt graph equals the plain call;
-    then the engine, its budget measured on the device, gives the same greedy tokens to a
-    sequence alone and among 20 that join in one burst (padded steps, prompts over turns)."""
+    """On a GPU: capture "on" raises unless every step and prompt graph (rows x length) equals the
+    plain call; then the engine, its budget measured on the device, gives the same greedy tokens
+    to a sequence alone and among 20 that join in one burst (batched prompt calls, padded steps)."""
     program = slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8, device="cuda"))
     dec = recognise(program, program_state(program).mutated)
     runner = SlotRunner(_Module(program), dec, torch.device("cuda"), SimpleNamespace(stream_priority=0))
     note = runner.capture("on")
-    assert set(runner.graphs) == {1, 2, 4, 8} and set(runner.prompt_graphs) == {16, 32, 64, 128}, note
+    assert set(runner.graphs) == {1, 2, 4, 8}, note
+    assert set(runner.prompt_graphs) == {(r, c) for r in (1, 2, 4, 8) for c in (16, 32, 64, 128)}, note
     h = Harness(program, queue_size=64, budget=engines.measure_budget(runner)[0], runner=runner)
     prompt = [5, 9, 13, 2, 7, 7, 1] * 5
     h.submit("alone", prompt, 24)
@@ -406,10 +485,11 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
     assert all(got[i] == alone for i in range(1, 20, 2))
 
 
-def test_an_aotinductor_package_answers_as_alone_in_a_crowd(program, tmp_path):
-    """The runner over the program packaged by AOTInductor (CPU), steps padded as graph replays
-    pad them, prompts filled 4 tokens a turn: 40 sequences on 32 slots (so padding rows also land
-    on prompts being filled), each equal to the one-sequence model."""
+def test_an_aotinductor_package_answers_as_alone_with_prompts_of_several_sequences_per_call(program, tmp_path):
+    """The runner over the program packaged by AOTInductor (CPU), steps and prompt calls padded as
+    graph replays pad them, prompts of up to 4 sequences filled 4 tokens a turn: 40 sequences on
+    32 slots (so padding rows also land on prompts being filled), each equal to the one-sequence
+    model."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
     model = aoti_load_package(aoti_compile_and_package(program, package_path=str(tmp_path / "p.pt2")))
@@ -420,9 +500,9 @@ def test_an_aotinductor_package_answers_as_alone_in_a_crowd(program, tmp_path):
         def __call__(self, tokens, positions, slots):
             return {"logits": model(tokens, positions, slots)}
 
-    h = Harness(program, budget=4)
+    h = Harness(program, budget=engines.Budget(4, 4))
     h.runner.model = Packaged()
-    h = with_step_graphs(h)
+    h = with_step_graphs(with_prompt_graphs(h))
     g = torch.Generator().manual_seed(3)
     cases = {}
     for i in range(40):

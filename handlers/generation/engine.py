@@ -8,10 +8,12 @@ Each turn of the loop:
 2. one decode step for every sequence past its prompt, a row each, in one call, launched before
    the last step's tokens are read (its inputs are those tokens, still on the device), so the GPU
    runs a step while the host reads, sends and prepares the turn;
-3. one prompt chunk of the oldest sequence still filling its slot, of up to `budget` tokens,
-   the budget measured at load so that the chunk takes no longer than a decode step of every slot
-   (`measure_budget`): a newcomer's prompt delays the running sequences' next token by at most
-   about one step. With no sequence decoding, every waiting prompt goes in whole;
+3. one prompt call for the oldest sequences still filling their slots: a chunk of each of up to
+   `budget.rows` of them, of up to `budget.tokens` tokens each, in one call (a row per sequence,
+   the weights read once for all), the budget measured at load so that the call takes no longer
+   than a decode step of every slot (`measure_budget`): newcomers' prompts delay the running
+   sequences' next token by at most about one step. With no sequence decoding, every waiting
+   prompt goes in whole, as many sequences per call as the runner takes;
 4. the last turn's step's tokens read back (one copy and one wait for all rows, while this
    turn's step and prompt chunk run on the GPU), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
@@ -58,6 +60,14 @@ class Job:
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
 
 
+@dataclass(frozen=True)
+class Budget:
+    """The prompt work of one turn while sequences decode: a chunk of up to `tokens` tokens of
+    each of up to `rows` sequences, in one call."""
+    rows: int
+    tokens: int
+
+
 @dataclass
 class Step:
     """A launched decode step: its rows, their tokens' host copy and the event recorded after it."""
@@ -71,7 +81,7 @@ class Engine:
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
     failed."""
 
-    def __init__(self, runner, deliver: Callable, queue_size: int, budget: int, broken: Callable = None):
+    def __init__(self, runner, deliver: Callable, queue_size: int, budget: Budget, broken: Callable = None):
         self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
         self.broken = broken
         self.slots = runner.dec.slots
@@ -181,27 +191,40 @@ class Engine:
                 out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
         return out
 
-    def _fill(self, budget: Optional[int]) -> list:
+    def _fill(self, budget: Optional[Budget]) -> list:
         """Prompt chunks of the filling sequences, oldest first: with sequences decoding, one call
-        of up to `budget` tokens; else (None) every waiting prompt whole, in chunks of at most the
-        runner's `chunk_limit`. The sequences whose prompt is now whole, each with its first token
-        sampled, moved to `ready` (where a failure later in the turn still finds them)."""
-        started, dev, calls = [], self.runner.device, 0
-        for job in list(self.filling):
-            prompt = job.seq.plan.prompt
-            while job.filled < len(prompt) and (budget is None or calls == 0):
-                n = min(len(prompt) - job.filled, self.runner.chunk_limit, budget or len(prompt))
-                ids = torch.tensor([prompt[job.filled:job.filled + n]], dtype=torch.int64).to(dev, non_blocking=True)
-                logits = self.runner.prefill(job.slot, ids, job.filled)
-                job.filled, calls = job.filled + n, calls + 1
-            if job.filled < len(prompt):
+        within `budget`; else (None) every waiting prompt whole, in calls of as many sequences as
+        the runner takes, chunks of at most its `chunk_limit`. The sequences whose prompt is now
+        whole, each with its first token sampled, moved to `ready` (where a failure later in the
+        turn still finds them)."""
+        started, runner = [], self.runner
+        rows, tokens = (budget.rows, budget.tokens) if budget else (runner.prompt_rows, runner.chunk_limit)
+        while self.filling:
+            jobs = self.filling[:rows]
+            chunks = [j.seq.plan.prompt[j.filled:j.filled + tokens] for j in jobs]
+            logits = runner.prefill_rows([j.slot for j in jobs], chunks, [j.filled for j in jobs], self._spare(jobs))
+            for i, (job, chunk) in enumerate(zip(jobs, chunks)):
+                job.filled += len(chunk)
+                if job.filled == len(job.seq.plan.prompt):
+                    job.token = sampling.pick(logits[i], job.seq.params, job.gen).view(1)
+                    job.pos = job.filled
+                    self.filling.remove(job)
+                    started.append(job)
+                    self.ready.append(job)
+            if budget is not None:
                 break
-            job.token = sampling.pick(logits, job.seq.params, job.gen).view(1)
-            job.pos = len(prompt)
-            self.filling.remove(job)
-            started.append(job)
-            self.ready.append(job)
         return started
+
+    def _spare(self, jobs: list) -> list:
+        """Where a prompt call's padding rows may write (handlers/run/slots.py), outside `jobs`:
+        free slots from position 0, the other filling prompts from their next position, and the
+        sequences past their prompt from the position their next step writes (a step writes its
+        position before it attends, and attends no further)."""
+        inside = {j.slot for j in jobs}
+        decoding = (self.inflight.rows if self.inflight else []) + self.ready
+        return ([(s, 0) for s in sorted(self.free)]
+                + [(j.slot, j.filled) for j in self.filling if j.slot not in inside]
+                + [(j.slot, j.pos) for j in decoding if j.slot >= 0])
 
     def _take(self, jobs: list, tids: list) -> list:
         updates = []
@@ -270,11 +293,11 @@ class TurnStats:
 
 
 def measure_budget(runner, repeats: int = 3) -> tuple:
-    """(prompt tokens per turn, the note): the most prompt tokens of one chunk whose call takes no
-    longer than a decode step of every slot, timed on this device (powers of two up to the
-    runner's chunk limit, at least 1)."""
+    """(Budget, the note): the prompt call that takes no longer than a decode step of every slot,
+    timed on this device: the most tokens of one chunk (powers of two up to the runner's chunk
+    limit, at least 1), then, where the longest chunk fits, the most sequences of such chunks in
+    one call (powers of two up to the runner's `prompt_rows`)."""
     dec, dev = runner.dec, runner.device
-    slots = list(range(dec.slots))
 
     def timed(fn) -> float:
         fn()
@@ -289,14 +312,17 @@ def measure_budget(runner, repeats: int = 3) -> tuple:
             best = min(best, time.perf_counter() - t0)
         return best
 
+    def prompts(rows: int, n: int) -> float:
+        return timed(lambda: runner.prefill_rows(list(range(rows)), [[0] * n] * rows, [0] * rows))
+
     with torch.inference_mode(), runner.stream_context():
         tokens = torch.zeros(dec.slots, dtype=torch.int64, device=dev)
-        step = timed(lambda: runner.step(slots, tokens, [0] * dec.slots))
-        budget, n = 1, 1
-        while n <= min(runner.chunk_limit, dec.cache_length):
-            ids = torch.zeros(1, n, dtype=torch.int64, device=dev)
-            if timed(lambda: runner.prefill(0, ids, 0)) > step:
-                break
-            budget, n = n, n * 2
-    return budget, (f"prompt chunks of up to {budget} tokens per turn (a {dec.slots}-row decode step took "
-                    f"{step * 1e3:.2f} ms here)")
+        step = timed(lambda: runner.step(list(range(dec.slots)), tokens, [0] * dec.slots))
+        longest, budget, n = min(runner.chunk_limit, dec.cache_length), Budget(1, 1), 1
+        while n <= longest and prompts(1, n) <= step:
+            budget, n = Budget(1, n), n * 2
+        rows = 2
+        while n > longest and rows <= runner.prompt_rows and prompts(rows, budget.tokens) <= step:
+            budget, rows = Budget(rows, budget.tokens), rows * 2
+    return budget, (f"prompt chunks of up to {budget.tokens} tokens of up to {budget.rows} sequences per turn "
+                    f"(a {dec.slots}-row decode step took {step * 1e3:.2f} ms here)")
