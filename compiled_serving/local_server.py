@@ -16,6 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,6 +177,7 @@ def stop_server(proc, store, workdir=None) -> None:
     Python children of the Java frontend, found by the model store on their command line, and
     the frontend by its config file (it can outlive the `torchserve` launcher, whose exit
     would otherwise skip the group: seen as a frontend left running after the test suite)."""
+    kids = _descendants(proc.pid)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -187,3 +190,19 @@ def stop_server(proc, store, workdir=None) -> None:
     if workdir is not None:
         subprocess.run(["pkill", "-9", "-f", f"{workdir}/config.properties"], capture_output=True)
     subprocess.run(["pkill", "-9", "-f", f"model-store {store}"], capture_output=True)
+    _, alive = psutil.wait_procs(kids, timeout=10)
+    for p in alive:  # seen once on the GPU machine: a model worker holding 6 GiB outlived its server's stop
+        try:
+            print(f"stop_server: {p.pid} ({' '.join(p.cmdline()[:2])}) outlived its server by 10 s; killed",
+                  file=sys.stderr)
+            p.kill()
+        except psutil.Error:  # gone meanwhile
+            pass
+
+
+def _descendants(pid: int) -> list:
+    """The server's processes below its launcher (the frontend and its model workers)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []

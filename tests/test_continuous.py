@@ -7,10 +7,14 @@ cs-archive with no options: asyncCommunication, one worker, batchSize 1): many c
 each answered as alone, one line per token, the answer without streaming, a bad request's 400, a
 full queue's 503 with Retry-After, and the worker serving on after all of them."""
 import json
+import os
+import signal
 import subprocess
 import threading
+import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import requests
 import torch
@@ -419,6 +423,27 @@ def test_grpc_stream_predictions_and_a_unary_call_on_the_slot_model(program, slo
         assert json.loads(one.prediction)["token_ids"] == want
     r, lines = ask(ts, "lm", {"input_ids": [5, 17, 33, 2, 9], "parameters": {"max_tokens": 6}})
     assert lines[-1]["token_ids"] == want
+
+
+@pytest.mark.server
+def test_a_stopped_server_leaves_no_async_worker_alive(slot_server):
+    """SIGTERM to every process of the server (as systemd stops a service) ends the async worker
+    too, whose TorchServe reader threads are not daemons and whose SIGTERM handler (scratch.py)
+    raises SystemExit: a worker waiting on them would hold its cache for ever (on the GPU machine
+    one bench's 6 GiB worker outlived its server's stop; stop_server now kills such a survivor).
+    Last test of this module's server: it stops it."""
+    ts = slot_server.ts
+    r = requests.get(f"{ts.mgmt}/models/lm", headers=ts.auth("management"), timeout=10)
+    pids = [w["pid"] for w in r.json()[0]["workers"]]
+    assert pids and all(psutil.pid_exists(p) for p in pids), pids
+    os.killpg(ts.proc.pid, signal.SIGTERM)  # as systemd stops a service: every process of it gets SIGTERM
+    ts.proc.wait(60)
+    deadline = time.time() + 15
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"workers {left} outlived their server"
 
 
 @pytest.mark.server
