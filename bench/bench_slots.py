@@ -16,7 +16,14 @@ prompt and 256 new tokens (greedy, ignore_eos), read token by token over HTTP ch
 - before the server starts, the package's own decode step at each stream count in this process
   (the handler's runner and graphs, no server): the tokens/s limit the GPU sets at each count.
 
-  python -m bench.bench_slots --out docs/results/slots_llama05b_fp16_h100
+  python -m bench.bench_slots --out docs/results/slots_llama05b_fp16_h200
+
+With --baseline, an earlier run's .json is set beside this run's (the committed page: the engine
+before batched prefill, run first on the same machine and package, then this code):
+
+  mkdir base && git archive 8f5278f | tar -x -C base
+  (cd base && python -m bench.bench_slots --reuse /tmp/slotpkg --out /tmp/base_slots)
+  python -m bench.bench_slots --reuse /tmp/slotpkg --baseline /tmp/base_slots.json --out ...
 """
 from __future__ import annotations
 
@@ -66,7 +73,14 @@ def build_parser():
                                    "present (a second run on a machine still warm skips the compile)")
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
+    p.add_argument("--baseline", help="the .json of an earlier run of this bench (other code, same machine and "
+                                      "package): its points are set beside this run's")
     return p
+
+
+def first_difference(a: list, b: list):
+    """The first index where two token lists differ (None when equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def package(args, work: Path) -> tuple:
@@ -262,11 +276,32 @@ def page(report: dict) -> str:
     lines += ["", f"Targets at 32 streams: aggregate >= 12x one stream's ({t['aggregate_x']:.2f}x: "
                   f"{'met' if t['aggregate_x'] >= 12 else 'NOT met'}); inter-token p99 <= 3x one stream's "
                   f"({t['itl_p99_x']:.2f}x: {'met' if t['itl_p99_x'] <= 3 else 'NOT met'}).", "",
-              f"Greedy tokens of one stream alone and the same prompt among 32: {report['same_tokens']}.", "",
+              f"Greedy tokens of one stream alone and the same prompt among 32: {report['same_tokens']} "
+              f"(first index where they differ: {report.get('first_difference')}).", "",
               f"GPU memory: {report['memory']}.", "", "Archive (cs-archive, no options):", ""]
     lines += [f"    {ln}" for ln in report["archive"]]
     lines += ["", f"Worker's load line: {report['load_line']}", ""]
+    if "baseline" in report:
+        lines += baseline_table(report)
     return "\n".join(lines)
+
+
+def baseline_table(report: dict) -> list:
+    """This run's points beside an earlier run's (--baseline): the same streams, other code."""
+    b = report["baseline"]
+    mine = {p["streams"]: p for p in report["points"]}
+    lines = ["## Against the earlier code", "", f"Earlier run: `{b['command']}` ({b['date']}); its load line: "
+             f"{b['load_line']}", "", "| streams | tokens/s earlier | tokens/s now | now / earlier | TTFT p99 earlier "
+             "(ms) | TTFT p99 now | inter-token p99 earlier (ms) | inter-token p99 now |", "|---|---|---|---|---|---|---|---|"]
+    for p in b["points"]:
+        q = mine.get(p["streams"])
+        if q:
+            lines.append(f"| {p['streams']} | {p['aggregate_tok_s']:.0f} | {q['aggregate_tok_s']:.0f} | "
+                         f"{q['aggregate_tok_s'] / p['aggregate_tok_s']:.2f} | {p['ttft_ms_p99']:.1f} | "
+                         f"{q['ttft_ms_p99']:.1f} | {p['itl_ms_p99']:.2f} | {q['itl_ms_p99']:.2f} |")
+    t = b["targets"]
+    return lines + ["", f"Earlier targets at 32 streams: {t['aggregate_x']:.2f}x one stream's tokens/s, inter-token "
+                        f"p99 {t['itl_p99_x']:.2f}x one stream's.", ""]
 
 
 def plot(report: dict, path: str) -> None:
@@ -323,9 +358,16 @@ def main(argv=None) -> int:
                     "itl_p99_x": crowd["itl_ms_p99"] / pts[0]["itl_ms_p99"]},
         "step_limits": limits,
         "same_tokens": (pts[0]["tokens"][0] == crowd["tokens"][1]) if len(crowd["tokens"]) > 1 else None,
+        # where they part: alone against among 32, and the crowd's two streams of one prompt
+        "first_difference": ({"alone_vs_crowd": first_difference(pts[0]["tokens"][0], crowd["tokens"][1]),
+                              "crowd_0_vs_1": first_difference(crowd["tokens"][0], crowd["tokens"][1])}
+                             if len(crowd["tokens"]) > 1 else None),
         "memory": {"worker_mib": ours["gpu_mib"], "weights_mib": round(params * 2 / 2**20, 1),
                    "cache_mib": round(cache / 2**20, 1)},
         "archive": ours["archive"], "load_line": ours["load_line"]}
+    if args.baseline:
+        base = json.loads(Path(args.baseline).read_text())
+        report["baseline"] = {k: base[k] for k in ("command", "date", "points", "targets", "load_line")}
     write_pages(args.out + ".json", report, page(report))
     try:
         plot(report, args.out + ".png")

@@ -20,8 +20,8 @@ Each graph is kept only if its logits equal the plain call's (handler.cuda_graph
 one-sequence runner).
 
 Prompt chunks of up to PROMPT_SIZES tokens, PROMPT_ROWS sequences at a time, are also graph
-replays (a plain call of a 28-layer 0.5 B model costs about 4 ms in launches alone:
-docs/results/slots_llama05b_fp16_h100.md). Each row is padded to the graph's length with token 0
+replays (a plain call launches every kernel of every layer from the host, one by one; a replay
+is one launch). Each row is padded to the graph's length with token 0
 at the positions after its chunk: those are positions of the same slot that the sequence writes
 before any of its calls reads them (each call writes its keys before it attends, and attends only
 up to its own positions), so the padding never reaches an answer either. Rows past the call's
