@@ -378,3 +378,52 @@ def test_a_worker_that_compiles_torchs_sources_at_every_start_says_so_and_how_to
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     assert subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
                           check=True, env=env).stdout.strip() == "None"  # it writes them itself
+
+
+_HELD_BY_A_THREAD = """
+import atexit, signal, sys, threading
+from handlers.torchserve import scratch
+signal.signal(signal.SIGTERM, scratch._exit_on_sigterm)
+atexit.register(lambda: open(sys.argv[1], "w").write("atexit ran"))
+threading.Thread(target=threading.Event().wait).start()  # not a daemon, never ends (as TorchServe's async threads)
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def test_sigterm_ends_a_worker_that_threads_hold_and_runs_its_atexit_handlers(tmp_path):
+    """The worker's SIGTERM handler (scratch.py) ends the process even where threads that are not
+    daemons would hold interpreter shutdown for ever (TorchServe's async worker), after atexit's
+    handlers (the scratch directory's removal among them). With sys.exit it hung."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    marker = tmp_path / "marker"
+    p = subprocess.Popen([sys.executable, "-c", _HELD_BY_A_THREAD, str(marker)], cwd=ROOT, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 128 + signal.SIGTERM
+    finally:
+        p.kill()
+    assert marker.read_text() == "atexit ran"
+
+
+def test_the_frontend_watch_leaves_once_the_parent_is_gone():
+    """frontend_watch.watch returns through `leave` when this process's parent is no longer the
+    one it was given (a parent that dies hands its children to init), and not before."""
+    import threading
+
+    from handlers.torchserve import frontend_watch
+
+    left = []
+    t = threading.Thread(target=frontend_watch.watch, args=(os.getppid(), 0.01, left.append), daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not left
+    frontend_watch.watch(os.getppid() + 1 if os.getppid() != 1 else 2, 0.01, left.append)  # not the parent
+    assert left == [os.getppid() + 1 if os.getppid() != 1 else 2]

@@ -24,7 +24,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import tempfile
 
 from handlers import process
@@ -60,7 +59,11 @@ def _owned_root(root: str):
 
 
 def _exit_on_sigterm(signum, frame):
-    sys.exit(128 + signum)  # SystemExit runs atexit handlers; SIG_DFL would not
+    # atexit's handlers run (SIG_DFL would skip them), then the process ends at once: SystemExit
+    # would reach interpreter shutdown, which in TorchServe's async worker waits for ever for
+    # its threads that are not daemons (frontend_watch.py)
+    atexit._run_exitfuncs()
+    os._exit(128 + signum)
 
 
 def _start_reaper(pid: int, path: str) -> None:
@@ -97,7 +100,7 @@ def enter() -> str:
     try:
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
-            process.record("SIGTERM", "exits through sys.exit, so atexit runs")
+            process.record("SIGTERM", "runs the atexit handlers, then os._exit")
     except ValueError:  # not the main thread (tests calling initialize from a thread)
         pass
     global _root
