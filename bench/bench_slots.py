@@ -301,7 +301,8 @@ def baseline_table(report: dict) -> list:
                          f"{q['ttft_ms_p99']:.1f} | {p['itl_ms_p99']:.2f} | {q['itl_ms_p99']:.2f} |")
     t = b["targets"]
     return lines + ["", f"Earlier targets at 32 streams: {t['aggregate_x']:.2f}x one stream's tokens/s, inter-token "
-                        f"p99 {t['itl_p99_x']:.2f}x one stream's.", ""]
+                        f"p99 {t['itl_p99_x']:.2f}x one stream's; greedy tokens alone and among 32 the same: "
+                        f"{b.get('same_tokens')} (first difference: {b.get('first_difference')}).", ""]
 
 
 def plot(report: dict, path: str) -> None:
@@ -367,7 +368,8 @@ def main(argv=None) -> int:
         "archive": ours["archive"], "load_line": ours["load_line"]}
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())
-        report["baseline"] = {k: base[k] for k in ("command", "date", "points", "targets", "load_line")}
+        report["baseline"] = {k: base.get(k) for k in ("command", "date", "points", "targets", "load_line",
+                                                       "same_tokens", "first_difference")}
     write_pages(args.out + ".json", report, page(report))
     try:
         plot(report, args.out + ".png")
