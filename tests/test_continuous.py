@@ -18,6 +18,7 @@ import requests
 import torch
 import yaml
 from conftest import ROOT, cs_command, server_env
+from test_frontend_death import alive
 from test_generation import STREAM_CLIENT
 
 from compiled_serving import contract
@@ -437,12 +438,6 @@ def test_an_async_worker_whose_frontend_dies_exits(slot_server):
     frontend = [p for p in psutil.Process(ts.proc.pid).children(recursive=True) if "java" in p.name()]
     assert len(frontend) == 1, frontend
     frontend[0].kill()
-
-    def alive(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
     deadline = time.time() + 15
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)
