@@ -292,7 +292,8 @@ def baseline_table(report: dict) -> list:
     mine = {p["streams"]: p for p in report["points"]}
     lines = ["## Against the earlier code", "", f"Earlier run: `{b['command']}` ({b['date']}); its load line: "
              f"{b['load_line']}", "", "| streams | tokens/s earlier | tokens/s now | now / earlier | TTFT p99 earlier "
-             "(ms) | TTFT p99 now | inter-token p99 earlier (ms) | inter-token p99 now |", "|---|---|---|---|---|---|---|---|"]
+             "(ms) | TTFT p99 now | inter-token p99 earlier (ms) | inter-token p99 now |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in b["points"]:
         q = mine.get(p["streams"])
         if q:

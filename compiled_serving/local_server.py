@@ -191,10 +191,25 @@ def stop_server(proc, store, workdir=None) -> None:
         subprocess.run(["pkill", "-9", "-f", f"{workdir}/config.properties"], capture_output=True)
     subprocess.run(["pkill", "-9", "-f", f"model-store {store}"], capture_output=True)
     _, alive = psutil.wait_procs(kids, timeout=10)
-    for p in alive:  # seen once on the GPU machine: a model worker holding 6 GiB outlived its server's stop
+    # seen on the GPU machine: a model worker holding 6 GiB outlived its server's stop. Workers
+    # first; a worker's scratch reaper (handlers/torchserve/scratch.py, a shell that removes the
+    # worker's directory once it is gone) gets 3 s to do that before it is killed too
+    reapers = [p for p in alive if _is_shell(p)]
+    _kill([p for p in alive if p not in reapers])
+    _kill(psutil.wait_procs(reapers, timeout=3)[1])
+
+
+def _is_shell(p) -> bool:
+    try:
+        return p.name() in ("sh", "dash", "bash")
+    except psutil.Error:
+        return False
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
         try:
-            print(f"stop_server: {p.pid} ({' '.join(p.cmdline()[:2])}) outlived its server by 10 s; killed",
-                  file=sys.stderr)
+            print(f"stop_server: {p.pid} ({' '.join(p.cmdline()[:2])}) outlived its server; killed", file=sys.stderr)
             p.kill()
         except psutil.Error:  # gone meanwhile
             pass

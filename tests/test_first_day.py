@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import zipfile
 
@@ -226,3 +227,35 @@ def test_setup_for_the_pod_tests_says_what_to_do_when_apt_is_locked(tmp_path):
     assert "DPkg::Lock::Timeout=300" in (tmp_path / "apt.calls").read_text()  # it waited for the lock
     assert "installing nginx for the KServe pod's tests (nginx) with apt-get failed" in r.stderr, r.stderr
     assert "If another apt or dpkg is running, wait for it and run this again" in r.stderr, r.stderr
+
+
+_STUBBORN_SERVER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c",  # prints its pid once it ignores SIGTERM
+                           "import os, signal, time; signal.signal(signal.SIGTERM, lambda *a: None); "
+                           "print(os.getpid(), flush=True); time.sleep(1000)"])
+# as handlers/torchserve/scratch.py's reaper: its own session, it waits for the worker, then cleans up
+subprocess.Popen(["/bin/sh", "-c", f"while kill -0 {worker.pid} 2>/dev/null; do sleep 1; done; touch {sys.argv[1]}"],
+                 start_new_session=True)
+time.sleep(1000)
+"""
+
+
+def test_stop_server_kills_a_worker_that_outlives_the_stop_and_lets_its_reaper_finish(tmp_path):
+    """stop_server (the benchmarks' and tests' stop): a server process that ignores SIGTERM (as an
+    async TorchServe worker did on the GPU machine, holding its memory) is killed 10 s later, and
+    the scratch reaper waiting for it still removes what it must before it too is stopped."""
+    import psutil
+
+    from compiled_serving.local_server import stop_server
+
+    reaped = tmp_path / "reaped"
+    p = subprocess.Popen([sys.executable, "-c", _STUBBORN_SERVER, str(reaped)], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    worker = int(p.stdout.readline())
+    stop_server(p, tmp_path / "no-store")
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    deadline = time.time() + 5
+    while not reaped.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert reaped.exists()
