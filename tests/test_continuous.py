@@ -9,16 +9,14 @@ full queue's 503 with Retry-After, and the worker serving on after all of them."
 import json
 import subprocess
 import threading
-import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import requests
 import torch
 import yaml
 from conftest import ROOT, cs_command, server_env
-from test_frontend_death import alive
+from test_frontend_death import workers_left_after_the_frontend_dies
 from test_generation import STREAM_CLIENT
 
 from compiled_serving import contract
@@ -431,19 +429,7 @@ def test_an_async_worker_whose_frontend_dies_exits(slot_server):
     the reader ends and the process would wait for the others for ever, holding the GPU memory
     of its model (seen on the GPU machine: a 6 GiB continuous-batching worker outlived its
     server). The worker must notice and exit. Last test of this module's server: it kills it."""
-    ts = slot_server.ts
-    r = requests.get(f"{ts.mgmt}/models/lm", headers=ts.auth("management"), timeout=10)
-    pids = [w["pid"] for w in r.json()[0]["workers"]]
-    assert pids and all(psutil.pid_exists(p) for p in pids), pids
-    frontend = [p for p in psutil.Process(ts.proc.pid).children(recursive=True) if "java" in p.name()]
-    assert len(frontend) == 1, frontend
-    frontend[0].kill()
-    deadline = time.time() + 15
-    while any(alive(p) for p in pids) and time.time() < deadline:
-        time.sleep(0.2)
-    left = [p for p in pids if alive(p)]
-    for p in left:
-        psutil.Process(p).kill()
+    left = workers_left_after_the_frontend_dies(slot_server.ts, "lm")
     assert not left, f"workers {left} outlived their frontend by 15 s"
 
 

@@ -19,21 +19,28 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_worker_whose_frontend_is_killed_exits(artifacts, serve, tmp_path_factory):
-    store = tmp_path_factory.mktemp("frontend_death") / "store"
-    store.mkdir()
-    ts = serve({"two": build_mar(artifacts.get("two_export"), "two", store)})
-    r = requests.get(f"{ts.mgmt}/models/two", headers=ts.auth("management"), timeout=10)
+def workers_left_after_the_frontend_dies(ts, model: str, wait_s: float = 15) -> list:
+    """Kills the server's Java frontend with SIGKILL; the pids of `model`'s workers still alive
+    `wait_s` later (killed then, so that none outlives the test)."""
+    r = requests.get(f"{ts.mgmt}/models/{model}", headers=ts.auth("management"), timeout=10)
     pids = [w["pid"] for w in r.json()[0]["workers"]]
     assert pids and all(alive(p) for p in pids), pids
-    assert "buffered frame reader" in ts.log(), "the worker's load line names its frame reader"
     frontend = [p for p in psutil.Process(ts.proc.pid).children(recursive=True) if "java" in p.name()]
     assert len(frontend) == 1, frontend
     frontend[0].kill()
-    deadline = time.time() + 15
+    deadline = time.time() + wait_s
     while any(alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)
     left = [p for p in pids if alive(p)]
     for p in left:
         psutil.Process(p).kill()
+    return left
+
+
+def test_a_worker_whose_frontend_is_killed_exits(artifacts, serve, tmp_path_factory):
+    store = tmp_path_factory.mktemp("frontend_death") / "store"
+    store.mkdir()
+    ts = serve({"two": build_mar(artifacts.get("two_export"), "two", store)})
+    assert "buffered frame reader" in ts.log(), "the worker's load line names its frame reader"
+    left = workers_left_after_the_frontend_dies(ts, "two")
     assert not left, f"workers {left} outlived their frontend by 15 s"
