@@ -20,9 +20,16 @@ import urllib.request
 import zipfile
 
 READY, LOADING, FAILED = "ready", "loading", "failed"
+UNANSWERED = "management API: "  # the reason's start when the management API gave no answer
 SERVER_NAME = "compiled-torchserve"  # the OIP server metadata's name (REST and gRPC)
 PLATFORM = "pytorch_torchserve"  # the OIP model metadata's platform
 TIMEOUT_S = 3.0
+# How long a model keeps its last answered state (ready or failed) while the management API does
+# not answer in time: `?customized=true` goes through the model's worker, which answers late
+# when it runs a long batch or its host is short of CPU (seen: every poll of two models timed out
+# for a while in a CI run with a load test beside it). A worker that is restarting is listed at
+# once, without its worker's answer, so only a worker that stays silent this long reads "loading".
+HOLD_S = 30.0
 
 
 def v2_datatype(dtype: str) -> str:
@@ -84,7 +91,7 @@ def model_state(cfg, model, io_error, live: bool) -> tuple:
             return LOADING, "TorchServe has not registered it (yet); its ts_log.log says why if it never does"
         return LOADING, f"management API answered {e.code}"
     except (urllib.error.URLError, OSError, ValueError) as e:
-        return LOADING, f"management API: {e}"
+        return LOADING, f"{UNANSWERED}{e}"
     states = [handler_state(e) for e in entries] or [(LOADING, "not registered")]
     return next((s for s in states if s[0] != READY), states[0])
 
@@ -95,6 +102,7 @@ class Poller:
     def __init__(self, cfg):
         self.cfg = cfg
         self.io, self.io_error = {}, {}
+        self.answered = {}  # model -> (state, reason, time) of its last poll that TorchServe answered
         for m in cfg.models:
             try:
                 self.io[m.name] = archive_io(m.mar)
@@ -107,13 +115,27 @@ class Poller:
             live = True
         except (urllib.error.URLError, OSError, ValueError):
             live = False
-        models = {}
+        models, now = {}, time.time()
         for m in self.cfg.models:
-            state, reason = model_state(self.cfg, m, self.io_error.get(m.name), live)
+            state, reason = held(self.answered.get(m.name), model_state(self.cfg, m, self.io_error.get(m.name), live),
+                                 live, now)
+            if not (state == LOADING and reason.startswith(UNANSWERED)):
+                self.answered[m.name] = (state, reason, now)
             models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name]}
         snapshot = {"time": time.time(), "torchserve_live": live, "models": models}
         write_state(self.cfg.state_file, snapshot)
         return snapshot
+
+
+def held(last, now_state: tuple, live: bool, now: float) -> tuple:
+    """(state, reason): `now_state`, unless the management API gave no answer while the frontend
+    is live and the model's last answered state (`last`: state, reason, time) was ready or
+    failed less than HOLD_S ago: then that one."""
+    state, reason = now_state
+    if (live and state == LOADING and reason.startswith(UNANSWERED) and last is not None
+            and last[0] in (READY, FAILED) and now - last[2] < HOLD_S):
+        return last[0], last[1]
+    return now_state
 
 
 def write_state(path: str, snapshot: dict) -> None:
