@@ -27,8 +27,8 @@ TIMEOUT_S = 3.0
 # How long a model keeps its last answered state (ready or failed) while the management API does
 # not answer in time: `?customized=true` goes through the model's worker, which answers late
 # when it runs a long batch or its host is short of CPU (seen: every poll of two models timed out
-# for a while in a CI run with a load test beside it). A worker that is restarting is listed at
-# once, without its worker's answer, so only a worker that stays silent this long reads "loading".
+# for a while in a CI run with a load test beside it). A model whose worker stays silent longer
+# reads "loading", with the timeout as its reason.
 HOLD_S = 30.0
 
 
