@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from compiled_serving.server_logs import read_log
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -165,8 +167,7 @@ class LocalTorchServe:
         raise TimeoutError(f"models {list(names or self.models)} not ready after {timeout}s: {self.log()[-4000:]}")
 
     def log(self, rel: str = "logs/model_log.log") -> str:
-        p = self.workdir / rel
-        return p.read_text(errors="replace") if p.exists() else ""
+        return read_log(self.workdir / rel)
 
     def stop(self):
         stop_server(self.proc, self.store, self.workdir)

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from compiled_serving.local_server import ROOT, free_port, next_worker_port, server_env
+from compiled_serving.server_logs import read_log
 
 ENTRYPOINT = ROOT / "kserve" / "entrypoint.sh"
 RUNTIME_MANIFEST = ROOT / "kserve" / "servingruntime.yaml"
@@ -94,8 +95,7 @@ class LocalPod:
         return out
 
     def log(self, name: str = "model_log.log") -> str:
-        p = (self.root / name) if name == "stdout.log" else (self.root / "run" / "logs" / name)
-        return p.read_text(errors="replace") if p.exists() else ""
+        return read_log((self.root / name) if name == "stdout.log" else (self.root / "run" / "logs" / name))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

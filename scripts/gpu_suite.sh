@@ -58,14 +58,16 @@ cd "$W"
 sed "s#^model_store=.*#model_store=$W/store#" "$OLDPWD/config.properties" > config.properties
 torchserve --start --ncs --model-store "$W/store" --models "$models_arg" --ts-config config.properties
 cd "$OLDPWD"
+# the worker log with its rolled parts (log4j2.xml rolls it at midnight and at 100 MB)
+model_log() { ls -tr "$W"/logs/model_log.*.log.gz "$W"/logs/model_log.log 2>/dev/null | xargs -r zcat -f; }
 for i in $(seq 1 300); do
-  k=$(grep -c "loaded .* artifact" "$W/logs/model_log.log" 2>/dev/null || true)
+  k=$(model_log | grep -c "loaded .* artifact" || true)
   [ "${k:-0}" -ge "$n" ] && break; sleep 2
 done
-grep "loaded .* artifact" "$W/logs/model_log.log" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
+model_log | grep "loaded .* artifact" | sed 's/.*MODEL_LOG - //' | cut -c1-200 | tee "$RESULTS/worker_placement.txt" \
   || { tail -40 "$W/logs/ts_log.log" "$W/logs/model_log.log"; torchserve --stop; exit 1; }
 $PY -m bench.soak --key-file "$W/key_file.json" --concurrency 24 --requests ${SOAK_REQUESTS:-120} \
     "${soak_args[@]}" --out "$SOAK_OUT" || rc=$?
 torchserve --stop || true
-cp "$W/logs/model_log.log" "$RESULTS/soak_model_log.txt" 2>/dev/null || true
+model_log > "$RESULTS/soak_model_log.txt" || true
 exit ${rc:-0}

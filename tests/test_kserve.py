@@ -29,6 +29,7 @@ from conftest import PY, ROOT, build_mar, close, eager, image, two, cs_command
 from kserve_kit import STORAGE_URI, crd_schema, unknown_fields
 
 from compiled_serving.local_server import free_port, next_worker_port, server_env, tool
+from compiled_serving.server_logs import read_log
 
 # model name -> (artifact, archive.py arguments); "two" batches up to 4 requests.
 MODELS = {
@@ -522,8 +523,7 @@ class KServeTorchServe:
         raise TimeoutError(f"not ready: {self.log('ts_log.log')[-3000:]}\n{self.log()[-3000:]}")
 
     def log(self, name="model_log.log") -> str:
-        p = self.workdir / "logs" / name
-        return p.read_text(errors="replace") if p.exists() else ""
+        return read_log(self.workdir / "logs" / name)
 
     def assert_no_worker_restarts(self):
         text = self.log("ts_log.log")
