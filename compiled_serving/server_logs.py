@@ -4,7 +4,7 @@ The shipped log4j2.xml (like TorchServe's own) rolls each log at midnight and at
 current file starts empty and what was written before goes to `<stem>.<dd-MMM>.log.gz` beside
 it (log4j2 renames to the uncompressed name first and compresses after, so for a moment the
 same part can exist in both forms). A reader of only `model_log.log` loses the worker's load
-lines when a run crosses midnight (seen: a CI run started at 23:41 failed three log checks)."""
+lines when a run crosses midnight (seen: a CI run that crossed midnight failed three checks of the load lines)."""
 from __future__ import annotations
 
 import gzip
