@@ -90,10 +90,10 @@ def next_worker_port() -> int:
 class LocalTorchServe:
     """`torchserve --start --foreground` in its own directory (config, logs, temp files, keys),
     from the shipped config.properties with ports, the model store and the worker socket ports
-    changed, plus `extra_config` lines."""
+    changed, plus `extra_config` lines; the shipped log4j2.xml unless `log_config` gives another."""
 
     def __init__(self, workdir: Path, store: Path, models: dict, env: dict | None = None,
-                 extra_config: str = ""):
+                 extra_config: str = "", log_config: str | None = None):
         self.workdir, self.store, self.models = Path(workdir), Path(store), models
         self.ports = {k: free_port() for k in ("inf", "mgmt", "metrics", "grpc", "grpc_mgmt")}
         cfg = (ROOT / "config.properties").read_text()
@@ -106,8 +106,9 @@ class LocalTorchServe:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "tmp").mkdir(exist_ok=True)
         (self.workdir / "config.properties").write_text(cfg)
-        # config.properties names log4j2.xml relative to where TorchServe starts: here
-        shutil.copy2(ROOT / "log4j2.xml", self.workdir / "log4j2.xml")
+        # config.properties names log4j2.xml relative to where TorchServe starts: here (the
+        # shipped one, or the text `log_config`)
+        (self.workdir / "log4j2.xml").write_text(log_config or (ROOT / "log4j2.xml").read_text())
         run_env = server_env(env)
         run_env.update(LOG_LOCATION=str(self.workdir / "logs"), METRICS_LOCATION=str(self.workdir / "logs"),
                        TMPDIR=str(self.workdir / "tmp"))

@@ -1,10 +1,11 @@
 """Read one of TorchServe's logs whole, across its rollovers.
 
 The shipped log4j2.xml (like TorchServe's own) rolls each log at midnight and at 100 MB: the
-current file starts empty and what was written before goes to `<stem>.<dd-MMM>.log.gz` beside
-it (log4j2 renames to the uncompressed name first and compresses after, so for a moment the
-same part can exist in both forms). A reader of only `model_log.log` loses the worker's load
-lines when a run crosses midnight (seen: a CI run that crossed midnight failed three checks of the load lines)."""
+current file starts empty and what was written before goes to `<stem>.<YYYY-MM-DD>-<N>.log.gz`
+beside it (TorchServe's own file names it `<stem>.<dd-MMM>.log.gz`). log4j2 renames to the
+uncompressed name first and compresses after, so for a moment the same part can exist in both
+forms. A reader of only `model_log.log` loses the worker's load lines when a run crosses
+midnight (seen: a CI run that crossed midnight failed three checks of the load lines)."""
 from __future__ import annotations
 
 import gzip
