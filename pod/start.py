@@ -56,7 +56,8 @@ class Child:
         self.proc, self.starts = None, []
 
     def start(self) -> None:
-        self.starts = [t for t in self.starts if time.time() - t < RESTART_WINDOW_S] + [time.time()]
+        now = time.monotonic()  # the window's age, whatever the wall clock does
+        self.starts = [t for t in self.starts if now - t < RESTART_WINDOW_S] + [now]
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=SERVE_HOME)
 
     def check(self) -> bool:

@@ -102,7 +102,7 @@ class Poller:
     def __init__(self, cfg):
         self.cfg = cfg
         self.io, self.io_error = {}, {}
-        self.answered = {}  # model -> (state, reason, time) of its last poll that TorchServe answered
+        self.answered = {}  # model -> (state, reason, monotonic time) of its last poll that TorchServe answered
         for m in cfg.models:
             try:
                 self.io[m.name] = archive_io(m.mar)
@@ -115,7 +115,7 @@ class Poller:
             live = True
         except (urllib.error.URLError, OSError, ValueError):
             live = False
-        models, now = {}, time.time()
+        models, now = {}, time.monotonic()  # for the hold's age: a step of the wall clock (NTP) does not age it
         for m in self.cfg.models:
             state, reason = held(self.answered.get(m.name), model_state(self.cfg, m, self.io_error.get(m.name), live),
                                  live, now)

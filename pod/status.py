@@ -38,24 +38,29 @@ class Status:
 
     def __init__(self, cfg):
         self.cfg, self.poller = cfg, Poller(cfg)
-        self.snapshot, self.bridge_seen = None, 0.0
+        # time.monotonic() of the bridge's last answer (None: never): a step of the wall clock
+        # (NTP, a node's resync) must not make a live bridge look stale, which fails the liveness probe
+        self.snapshot, self.bridge_seen = None, None
 
     def refresh(self) -> None:
         self.snapshot = self.poller.poll()
         if bridge_live(self.cfg.grpc_port):
-            self.bridge_seen = time.time()
+            self.bridge_seen = time.monotonic()
+
+    def _bridge_stale(self) -> bool:
+        return self.bridge_seen is None or time.monotonic() - self.bridge_seen > BRIDGE_STALE_S
 
     def live(self) -> tuple:
         problems = []
         if not (self.snapshot and self.snapshot["torchserve_live"]):
             problems.append("TorchServe is not answering /ping")
-        if time.time() - self.bridge_seen > BRIDGE_STALE_S:
+        if self._bridge_stale():
             problems.append(f"the gRPC bridge has not answered ServerLive for {BRIDGE_STALE_S:.0f} s")
         return (200, {"live": True}) if not problems else (503, {"live": False, "reason": "; ".join(problems)})
 
     def ready(self) -> tuple:
         problem = server_problem(self.snapshot)
-        if problem is None and time.time() - self.bridge_seen > BRIDGE_STALE_S:
+        if problem is None and self._bridge_stale():
             problem = "the gRPC bridge is not answering"
         return (200, {"ready": True}) if problem is None else (503, {"ready": False, "reason": problem})
 

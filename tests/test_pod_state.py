@@ -18,3 +18,30 @@ def test_only_an_unanswered_poll_of_a_live_frontend_is_held():
     assert held(last, (LOADING, "the handler is loading"), True, 101.0) == (LOADING, "the handler is loading")
     assert held(None, LATE, True, 101.0) == LATE  # never answered yet
     assert held((LOADING, "the handler is loading", 100.0), LATE, True, 101.0) == LATE
+
+
+
+def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridge(monkeypatch, tmp_path):
+    """Durations are read from time.monotonic(): a node's clock set an hour ahead (NTP) must not
+    fail the liveness probe of a pod whose bridge answers, nor drop a held state."""
+    import time
+    from types import SimpleNamespace
+
+    from pod import state, status
+    model = SimpleNamespace(name="m", mar="m.mar", version="1")
+    cfg = SimpleNamespace(models=[model], grpc_port=0, state_file=str(tmp_path / "state.json"),
+                          url=lambda kind: "http://127.0.0.1:9")
+    answers = iter([(READY, None), LATE])
+    monkeypatch.setattr(state, "archive_io", lambda mar: {"inputs": [], "outputs": []})
+    monkeypatch.setattr(state, "get_json", lambda url: {})  # /ping answers
+    monkeypatch.setattr(state, "model_state", lambda *a: next(answers))
+    monkeypatch.setattr(status, "bridge_live", lambda port: True)
+    s = status.Status(cfg)
+    assert s.live()[0] == 503, "a bridge never seen is stale"
+    s.refresh()  # READY, the bridge answers
+    assert s.live() == (200, {"live": True})
+    wall = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: wall)  # the wall clock steps an hour ahead
+    monkeypatch.setattr(status, "bridge_live", lambda port: False)
+    assert s.live() == (200, {"live": True}), "the bridge answered a moment ago"
+    assert s.poller.poll()["models"]["m"]["state"] == READY, "the management API is late a moment after ready"
