@@ -49,7 +49,7 @@ class Model:
     mar: str  # path of the archive in the model store
 
 
-def _int_env(env: dict, key: str, default: int) -> int:
+def _int_env(env: dict, key: str, default: int, low: int = 1) -> int:
     raw = env.get(key)
     if raw in (None, ""):
         return default
@@ -57,8 +57,8 @@ def _int_env(env: dict, key: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise PodConfigError(f"{key}={raw!r} is not an integer") from None
-    if value < 1:
-        raise PodConfigError(f"{key}={value} must be at least 1")
+    if value < low:
+        raise PodConfigError(f"{key}={value} must be at least {low}")
     return value
 
 
@@ -81,11 +81,17 @@ class PodConfig:
     response_timeout_s: int
     bridge_processes: int
     nginx_workers: int
+    stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
 
     @property
     def state_file(self) -> str:
         """pod.status writes every model's state here; the bridge and probes read it."""
         return os.path.join(self.runtime_dir, "pod_state.json")
+
+    @property
+    def stopping_file(self) -> str:
+        """pod.start writes this on SIGTERM; pod.status then reports the pod not ready."""
+        return os.path.join(self.runtime_dir, "pod_stopping")
 
     def url(self, which: str) -> str:
         host, port = getattr(self, which)
@@ -129,4 +135,9 @@ def load(properties: str, env=None) -> PodConfig:
         # pod, so one bridge process (status calls; ModelInfer of several-model pods) suffices;
         # two nginx workers kept the pod's routes at direct TorchServe's throughput
         bridge_processes=_int_env(env, "GRPC_BRIDGE_PROCESSES", 1),
-        nginx_workers=_int_env(env, "NGINX_WORKERS", min(2, nproc)))
+        nginx_workers=_int_env(env, "NGINX_WORKERS", min(2, nproc)),
+        # Kubernetes sends SIGTERM while it removes the pod from the Service's endpoints, and
+        # kube-proxy and ingresses drop it only some seconds later: connections keep arriving
+        # meanwhile, and a pod that closed its ports at once refused them. (Under Knative, the
+        # queue-proxy's preStop hook has drained the pod before SIGTERM: the wait costs only time.)
+        stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0))

@@ -6,7 +6,11 @@ status process; kept running until SIGTERM (kserve/entrypoint.sh runs this):
 Environment (the image sets the defaults): MODEL_ROOT (/mnt/models: the storage KServe mounts,
 config/config.properties and model-store/ as `python -m compiled_serving.kserve` wrote them), RUNTIME_DIR
 (/tmp/torchserve: every file the pod writes), HTTP_PORT (8080), GRPC_PORT (8081), METRICS_PORT
-(8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS (pod/config.py says the measured defaults).
+(8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS, STOP_DRAIN_S (pod/config.py says the defaults and why).
+
+On SIGTERM the readiness probe fails within a second (the status process's next poll) and the pod
+serves on for STOP_DRAIN_S (5 s), the time the cluster takes to stop sending to it, then stops its
+processes in order.
 
 A process of the pod that exits is started again (at most RESTARTS times in RESTART_WINDOW_S,
 then the pod exits and the kubelet restarts the container); the liveness route checks that
@@ -77,6 +81,24 @@ class Child:
             self.proc.send_signal(sig)
 
 
+def mark_stopping(cfg) -> None:
+    """From now the readiness probe fails: pod.status reports the pod stopping while this file exists."""
+    with open(cfg.stopping_file, "w") as f:
+        f.write("SIGTERM\n")
+    log(f"SIGTERM: not ready from now; serving on for {cfg.stop_drain_s} s while the endpoints drop this pod")
+
+
+def drain(cfg, procs: list) -> bool:
+    """After SIGTERM (mark_stopping): every port keeps serving for cfg.stop_drain_s, the time the
+    cluster takes to stop sending; False if a process died too often meanwhile."""
+    deadline = time.monotonic() + cfg.stop_drain_s
+    while time.monotonic() < deadline:
+        if not all(c.check() for c in procs):
+            return False
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    return True
+
+
 def children(cfg, conf: str, env: dict) -> list:
     py = [sys.executable, "-m"]
     out = [Child("status", py + ["pod.status", "--config", conf], env)]
@@ -98,18 +120,28 @@ def main() -> int:
     # TorchServe's pid file, worker sockets and logs/ go under the runtime directory (the
     # pod's root filesystem may be read-only)
     env["TMPDIR"] = os.path.join(cfg.runtime_dir, "tmp")
+    if os.path.exists(cfg.stopping_file):  # an earlier start's (RUNTIME_DIR may outlive the container)
+        os.remove(cfg.stopping_file)
     if torchserve(["--start", "--ncs", f"--model-store={cfg.model_store}", f"--ts-config={conf}"], env, cfg):
         raise SystemExit("pod: error: torchserve --start failed; its logs are in RUNTIME_DIR/logs")
     procs = children(cfg, conf, env)
     for c in procs:
         c.start()
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+
+    def stop(*_):  # the stopping file at once: pod.status's next poll (each second) reads it
+        if not stopping:
+            mark_stopping(cfg)
+        stopping.append(True)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     ok = True
     while not stopping and ok:
         time.sleep(1.0)
         ok = all(c.check() for c in procs)
+    if ok:
+        ok = drain(cfg, procs)
     # in order: the fronts finish what they hold (nginx: SIGQUIT is its graceful stop), then
     # TorchServe stops its workers
     for c in procs:

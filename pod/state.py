@@ -122,7 +122,8 @@ class Poller:
             if not (state == LOADING and reason.startswith(UNANSWERED)):
                 self.answered[m.name] = (state, reason, now)
             models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name]}
-        snapshot = {"time": time.time(), "torchserve_live": live, "models": models}
+        snapshot = {"time": time.time(), "torchserve_live": live, "models": models,
+                    "stopping": os.path.exists(self.cfg.stopping_file)}
         write_state(self.cfg.state_file, snapshot)
         return snapshot
 
@@ -166,6 +167,8 @@ def server_problem(snapshot) -> str | None:
     """None when every model serves; else why the pod is not ready."""
     if snapshot is None:
         return "the pod's status process has not written its first state yet"
+    if snapshot.get("stopping"):
+        return "the pod is stopping (SIGTERM): it serves what still reaches it, and takes no new traffic"
     if not snapshot.get("torchserve_live"):
         return "TorchServe is not answering /ping"
     bad = [f"{n}: {m['state']}: {m['reason']}" for n, m in snapshot["models"].items() if m["state"] != READY]

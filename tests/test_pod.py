@@ -551,8 +551,8 @@ def test_bodies_over_the_limit_are_refused_at_the_door_and_the_pods_memory_stays
 def test_a_worker_killed_mid_request_is_a_retryable_503_and_unavailable(door):
     """Every worker of the model stopped, one REST and one gRPC request sent to them, then the
     workers killed: the requests in flight get 503 / UNAVAILABLE (retry), not 500 or
-    INVALID_ARGUMENT; the pod is ready again once TorchServe has restarted them. Runs last in
-    this module: the workers are new afterwards."""
+    INVALID_ARGUMENT; the pod is ready again once TorchServe has restarted them. Runs after the
+    others but the stop: the workers are new afterwards."""
     c = door["container"]
     workers = [p for p in c.processes() if "model_service_worker" in " ".join(p.cmdline())]
     assert workers
@@ -578,3 +578,30 @@ def test_a_worker_killed_mid_request_is_a_retryable_503_and_unavailable(door):
         assert g.result() == grpc.StatusCode.UNAVAILABLE
     c.wait("ready", timeout=240)
     assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
+
+
+def test_sigterm_fails_readiness_and_the_pod_serves_on_while_the_cluster_stops_sending(door):
+    """As the kubelet stops a container: SIGTERM to its first process (the entrypoint, which execs
+    pod.start). Kubernetes removes the pod from the endpoints while it sends SIGTERM, so requests
+    keep arriving for a few seconds: readiness fails within about a second, REST and gRPC requests
+    sent in the next 3 s are answered right (STOP_DRAIN_S is 5), then the pod exits 0. Runs last:
+    it stops the module's pod."""
+    c = door["container"]
+    f, m = two(2, seed=17)
+    c.proc.send_signal(signal.SIGTERM)
+    t0, answered, not_ready_at = time.monotonic(), 0, None
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        while time.monotonic() - t0 < 3.0:
+            r = requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=30)
+            assert r.status_code == 200, r.text
+            check(r.json()["outputs"], f, m)
+            ch.unary_unary(OIP + "ModelInfer")(raw_two(f, m), timeout=30)
+            answered += 1
+            if not_ready_at is None and c.probe("ready").returncode != 0:
+                not_ready_at = time.monotonic() - t0
+                assert "stopping" in c.probe("ready").stdout
+            time.sleep(0.1)
+    assert not_ready_at is not None and not_ready_at < 2.5, f"readiness still passed {not_ready_at} s after SIGTERM"
+    assert c.probe("live").returncode == 0, "liveness must hold while the pod drains (else the kubelet kills it)"
+    assert c.proc.wait(timeout=90) == 0
+    assert answered >= 5

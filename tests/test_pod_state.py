@@ -30,6 +30,7 @@ def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridg
     from pod import state, status
     model = SimpleNamespace(name="m", mar="m.mar", version="1")
     cfg = SimpleNamespace(models=[model], grpc_port=0, state_file=str(tmp_path / "state.json"),
+                          stopping_file=str(tmp_path / "pod_stopping"),
                           url=lambda kind: "http://127.0.0.1:9")
     answers = iter([(READY, None), LATE])
     monkeypatch.setattr(state, "archive_io", lambda mar: {"inputs": [], "outputs": []})
@@ -45,3 +46,23 @@ def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridg
     monkeypatch.setattr(status, "bridge_live", lambda port: False)
     assert s.live() == (200, {"live": True}), "the bridge answered a moment ago"
     assert s.poller.poll()["models"]["m"]["state"] == READY, "the management API is late a moment after ready"
+
+
+def test_the_drain_after_sigterm_is_five_seconds_unless_set_and_a_bad_value_is_named(tmp_path):
+    import json
+
+    import pytest
+
+    from pod import config
+    props = tmp_path / "config.properties"
+    snap = {"models": {"m": {"1.0": {"marName": "m.mar"}}}}
+    props.write_text("\n".join(f"{k}_address=http://127.0.0.1:{p}" for k, p in
+                               (("inference", 1), ("management", 2), ("metrics", 3)))
+                     + f"\nmodel_snapshot={json.dumps(snap)}\n")
+    assert config.load(str(props), {}).stop_drain_s == 5
+    assert config.load(str(props), {"STOP_DRAIN_S": "0"}).stop_drain_s == 0
+    cfg = config.load(str(props), {"RUNTIME_DIR": str(tmp_path)})
+    assert cfg.stopping_file.startswith(str(tmp_path))
+    for bad, why in (("-1", "must be at least 0"), ("soon", "is not an integer")):
+        with pytest.raises(config.PodConfigError, match=f"STOP_DRAIN_S.*{why}"):
+            config.load(str(props), {"STOP_DRAIN_S": bad})
