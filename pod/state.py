@@ -62,6 +62,21 @@ def get_json(url: str):
         return json.loads(r.read())
 
 
+def frontend_answers(ping_url: str) -> bool:
+    """Whether TorchServe's frontend answers /ping, whatever it says: TorchServe 0.12 answers 500
+    "Unhealthy" once any model has fewer healthy workers than its minimum
+    (InferenceRequestHandler, ApiUtils.isModelHealthy), and one model that cannot start must not
+    fail the pod's liveness and restart the models that serve; each model's own state says
+    whether it serves."""
+    try:
+        get_json(ping_url)
+    except urllib.error.HTTPError:
+        return True  # an answer, with a status: the frontend is up
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return True
+
+
 def handler_state(entry: dict) -> tuple:
     """(state, reason) of one management API entry."""
     if not any(w.get("status") == "READY" for w in entry.get("workers", [])):
@@ -110,11 +125,7 @@ class Poller:
                 self.io[m.name], self.io_error[m.name] = {"inputs": [], "outputs": []}, str(e)
 
     def poll(self) -> dict:
-        try:
-            get_json(f"{self.cfg.url('inference')}/ping")
-            live = True
-        except (urllib.error.URLError, OSError, ValueError):
-            live = False
+        live = frontend_answers(f"{self.cfg.url('inference')}/ping")
         models, now = {}, time.monotonic()  # for the hold's age: a step of the wall clock (NTP) does not age it
         for m in self.cfg.models:
             state, reason = held(self.answered.get(m.name), model_state(self.cfg, m, self.io_error.get(m.name), live),

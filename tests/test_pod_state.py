@@ -66,3 +66,26 @@ def test_the_drain_after_sigterm_is_five_seconds_unless_set_and_a_bad_value_is_n
     for bad, why in (("-1", "must be at least 0"), ("soon", "is not an integer")):
         with pytest.raises(config.PodConfigError, match=f"STOP_DRAIN_S.*{why}"):
             config.load(str(props), {"STOP_DRAIN_S": bad})
+
+
+def test_a_frontend_answering_ping_500_unhealthy_is_live_and_its_models_say_the_rest(monkeypatch):
+    """TorchServe 0.12 answers /ping 500 "Unhealthy" once one model lacks healthy workers: the
+    frontend is up (liveness holds, so the kubelet does not restart the models that serve); a
+    refused connection is not."""
+    import io
+    import urllib.error
+
+    from pod import state
+
+    def unhealthy(url):
+        raise urllib.error.HTTPError(url, 500, "Internal Server Error", {}, io.BytesIO(b'{"status": "Unhealthy"}'))
+
+    def refused(url):
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(state, "get_json", unhealthy)
+    assert state.frontend_answers("http://127.0.0.1:9/ping") is True
+    monkeypatch.setattr(state, "get_json", refused)
+    assert state.frontend_answers("http://127.0.0.1:9/ping") is False
+    monkeypatch.setattr(state, "get_json", lambda url: {"status": "Healthy"})
+    assert state.frontend_answers("http://127.0.0.1:9/ping") is True
