@@ -74,7 +74,7 @@ def server_env(env: dict | None = None) -> dict:
 
 
 # TorchServe numbers its workers from initial_worker_port up: the port names each worker's socket
-# (java.io.tmpdir/.ts.sock.<port>, under the server's own TMPDIR here) and its threads in the
+# (java.io.tmpdir/.ts.sock.<port>, under the server's own TEMP here) and its threads in the
 # logs (W-<port>-<model>). Each server of this process gets its own block of 100 and processes
 # start apart by their pid, so worker names stay unique across the servers of a run, and
 # sockets stay apart even where two servers share a temp directory.
@@ -111,7 +111,7 @@ class LocalTorchServe:
         (self.workdir / "log4j2.xml").write_text(log_config or (ROOT / "log4j2.xml").read_text())
         run_env = server_env(env)
         run_env.update(LOG_LOCATION=str(self.workdir / "logs"), METRICS_LOCATION=str(self.workdir / "logs"),
-                       TMPDIR=str(self.workdir / "tmp"))
+                       TMPDIR=str(self.workdir / "tmp"), TEMP=str(self.workdir / "tmp"))
         spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
         self.proc = subprocess.Popen(
             [tool("torchserve"), "--start", "--foreground", "--ncs", "--model-store", str(self.store),

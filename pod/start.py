@@ -19,6 +19,7 @@ TorchServe and the bridge answer, so a hung one is restarted too.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,11 @@ def main() -> int:
     # TorchServe's pid file, worker sockets and logs/ go under the runtime directory (the
     # pod's root filesystem may be read-only)
     env["TMPDIR"] = os.path.join(cfg.runtime_dir, "tmp")
+    # the frontend's java.io.tmpdir (TorchServe's launcher passes TEMP, not TMPDIR, on): where it
+    # unpacks every archive into models/<uuid>, never removed, and puts the workers' sockets;
+    # /tmp otherwise, which a read-only root filesystem refuses. The last start's copies go first.
+    env["TEMP"] = env["TMPDIR"]
+    shutil.rmtree(os.path.join(env["TEMP"], "models"), ignore_errors=True)
     if os.path.exists(cfg.stopping_file):  # an earlier start's (RUNTIME_DIR may outlive the container)
         os.remove(cfg.stopping_file)
     if torchserve(["--start", "--ncs", f"--model-store={cfg.model_store}", f"--ts-config={conf}"], env, cfg):

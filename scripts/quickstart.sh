@@ -12,9 +12,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # `torchserve --stop` stops the server whose pid file is in the temp directory: with a temp
 # directory of the quickstart's own, it finds only the server the quickstart started, never
-# another TorchServe on the machine.
+# another TorchServe on the machine. TEMP is the frontend's (its java.io.tmpdir, where it unpacks
+# every archive into models/<uuid> and never removes it, and puts the workers' sockets): the
+# quickstart's own too, emptied of the last start's copies before each start.
 STATE=${QUICKSTART_STATE:-$PWD/logs/quickstart}
 mkdir -p "$STATE/tmp"
+export TEMP="$STATE/tmp"
+fresh_temp() { rm -rf "$STATE/tmp/models"; }
 stop_ours() {
   if [ -x .venv/bin/torchserve ] && [ -f "$STATE/tmp/.model_server.pid" ]; then
     TMPDIR="$STATE/tmp" .venv/bin/torchserve --stop && sleep 2
@@ -42,6 +46,7 @@ if [ "${1:-}" = "--serve" ]; then
     models="classifier=classifier.mar,$models"
   fi
   stop_ours
+  fresh_temp
   mkdir -p logs
   TMPDIR="$STATE/tmp" .venv/bin/torchserve --start --ncs --model-store model_store --models "$models" \
       --ts-config config.properties > logs/torchserve_console.log 2>&1
@@ -62,6 +67,7 @@ echo "== archiving model_store/classifier.mar"
 # workers: the archive picks them from the artifact's device and this machine's cores, and says so
 .venv/bin/cs-archive --artifact "$ART" --name classifier
 stop_ours
+fresh_temp
 mkdir -p logs
 echo "== starting TorchServe (config.properties: 127.0.0.1 only, token authorization on)"
 TMPDIR="$STATE/tmp" torchserve --start --ncs --model-store model_store \

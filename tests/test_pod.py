@@ -587,6 +587,9 @@ def test_sigterm_fails_readiness_and_the_pod_serves_on_while_the_cluster_stops_s
     sent in the next 3 s are answered right (STOP_DRAIN_S is 5), then the pod exits 0. Runs last:
     it stops the module's pod."""
     c = door["container"]
+    # the frontend's temp files (each archive unpacked, the workers' sockets) under RUNTIME_DIR,
+    # not in /tmp, which a read-only root filesystem refuses
+    assert any((c.root / "run" / "tmp" / "models").iterdir())
     f, m = two(2, seed=17)
     c.proc.send_signal(signal.SIGTERM)
     t0, answered, not_ready_at = time.monotonic(), 0, None

@@ -198,6 +198,16 @@ def test_json_request_binary_answer(main_server):
     close(safetensors_io.loads(r.content), eager("classifier", x))
 
 
+def test_the_frontends_temp_files_stay_in_the_servers_own_directory(main_server):
+    """TorchServe's frontend unpacks every archive into java.io.tmpdir/models/<uuid> (and never
+    removes it) and puts the workers' sockets there: the launchers set TEMP, which TorchServe's
+    launcher passes on as java.io.tmpdir (TMPDIR alone left them all in /tmp)."""
+    tmp = main_server.workdir / "tmp"
+    unpacked = [d for d in (tmp / "models").iterdir() if (d / "MAR-INF" / "MANIFEST.json").is_file()]
+    assert len(unpacked) >= len(main_server.models), sorted(p.name for p in (tmp / "models").iterdir())
+    assert list(tmp.glob(".ts.sock.*")), sorted(p.name for p in tmp.iterdir())
+
+
 def test_load_reports_in_log_and_metrics(main_server):
     log = main_server.log()
     assert "loaded aoti artifact model.pt2 (aoti_package) on cpu" in log
