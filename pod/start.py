@@ -60,9 +60,13 @@ class Child:
         self.name, self.argv, self.env = name, argv, env
         self.proc, self.starts = None, []
 
+    def _recent_starts(self) -> list:
+        """The starts within the last RESTART_WINDOW_S (monotonic: whatever the wall clock does)."""
+        now = time.monotonic()
+        return [t for t in self.starts if now - t < RESTART_WINDOW_S]
+
     def start(self) -> None:
-        now = time.monotonic()  # the window's age, whatever the wall clock does
-        self.starts = [t for t in self.starts if now - t < RESTART_WINDOW_S] + [now]
+        self.starts = self._recent_starts() + [time.monotonic()]
         self.proc = subprocess.Popen(self.argv, env=self.env, cwd=SERVE_HOME)
 
     def check(self) -> bool:
@@ -70,6 +74,7 @@ class Child:
         code = self.proc.poll()
         if code is None:
             return True
+        self.starts = self._recent_starts()  # starts long ago do not count against this exit
         if len(self.starts) >= RESTARTS:
             log(f"{self.name} exited ({code}) {RESTARTS} times in {RESTART_WINDOW_S:.0f} s; stopping the pod")
             return False

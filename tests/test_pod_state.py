@@ -89,3 +89,30 @@ def test_a_frontend_answering_ping_500_unhealthy_is_live_and_its_models_say_the_
     assert state.frontend_answers("http://127.0.0.1:9/ping") is False
     monkeypatch.setattr(state, "get_json", lambda url: {"status": "Healthy"})
     assert state.frontend_answers("http://127.0.0.1:9/ping") is True
+
+
+def test_a_process_restarted_often_long_ago_is_restarted_again(monkeypatch):
+    """pod.start gives up on a process only after RESTARTS exits within RESTART_WINDOW_S: four
+    quick restarts at start, then an exit a day later, is restarted (it stopped the pod before)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from pod import start
+    clock = [1000.0]
+    monkeypatch.setattr(start.time, "monotonic", lambda: clock[0])
+    exits = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: SimpleNamespace(poll=lambda: exits[-1] if exits else None))
+    child = start.Child("bridge", ["true"], {})
+    child.start()
+    for _ in range(start.RESTARTS - 1):  # exits at once, restarted each time
+        exits.append(1)
+        assert child.check()
+    exits.append(None)
+    assert child.check()  # up
+    clock[0] += 86400.0
+    exits.append(0)
+    assert child.check(), "one exit a day after its early restarts must be restarted"
+    for _ in range(start.RESTARTS - 1):
+        exits.append(1)
+        child.check()
+    assert not child.check(), "RESTARTS exits within the window stop the pod"
