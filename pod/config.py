@@ -78,7 +78,7 @@ class PodConfig:
     status_port: int  # pod.status, loopback: health, ready and metadata
     max_request_bytes: int
     max_response_bytes: int
-    response_timeout_s: int
+    response_timeout_s: int  # longest_response_timeout
     bridge_processes: int
     nginx_workers: int
     stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
@@ -114,6 +114,17 @@ def snapshot_models(props: dict, store: str) -> tuple:
     return tuple(models)
 
 
+def longest_response_timeout(props: dict) -> int:
+    """Seconds the fronts (nginx, the bridge) wait for TorchServe's answer, before their own 5 s:
+    the longest responseTimeout of any model (its model-config.yaml, in model_snapshot), at
+    least default_response_timeout; one model archived with --response-timeout 600 would
+    otherwise be cut at the default by the fronts while its worker still computes."""
+    snap = json.loads(props.get("model_snapshot", "{}") or "{}").get("models", {})
+    per_model = [int(entry["responseTimeout"]) for versions in snap.values() for entry in versions.values()
+                 if isinstance(entry, dict) and "responseTimeout" in entry]
+    return max([int(props.get("default_response_timeout", 120))] + per_model)
+
+
 def load(properties: str, env=None) -> PodConfig:
     env = os.environ if env is None else env
     props = read_properties(properties)
@@ -130,7 +141,7 @@ def load(properties: str, env=None) -> PodConfig:
         metrics_port=_int_env(env, "METRICS_PORT", 8082), status_port=_int_env(env, "STATUS_PORT", 8087),
         max_request_bytes=int(props.get("max_request_size", 6553500)),
         max_response_bytes=int(props.get("max_response_size", 6553500)),
-        response_timeout_s=int(props.get("default_response_timeout", 120)),
+        response_timeout_s=longest_response_timeout(props),
         # measured defaults (docs/kserve.md): nginx carries every ModelInfer call of a one-model
         # pod, so one bridge process (status calls; ModelInfer of several-model pods) suffices;
         # two nginx workers kept the pod's routes at direct TorchServe's throughput
