@@ -87,6 +87,17 @@ FRONTS_CPU = 1
 GRPC_PORT = 8081
 # KServe's built-in runtime serves gRPC on TorchServe's own port (grpc_inference_port).
 BUILTIN_GRPC_PORT = 7070
+# A grpc-v2 InferenceService on our runtime has two container ports once KServe merges it with
+# the runtime's container (a strategic merge keyed by containerPort: the runtime's 8080 http1 and
+# its own 8081 h2c). Knative (KServe's Serverless mode) refuses a revision with more than one
+# port ("more than one container port is set", knative/serving k8s_validation.go), and it would
+# move the kubelet's HTTP/1.1 liveness probe onto the h2c port, which nginx serves as HTTP/2
+# only. So these go as KServe's plain Deployment and Service, whose Service exposes every
+# container port (the first as port 80, the others under their own numbers; KServe's
+# service_reconciler.go). "RawDeployment" is also read by KServe releases that call the mode
+# "Standard".
+DEPLOYMENT_MODE_ANNOTATION = "serving.kserve.io/deploymentMode"
+RAW_DEPLOYMENT = "RawDeployment"
 # model-config.yaml key -> model_snapshot key, and TorchServe's default when absent
 SNAPSHOT_FIELDS = {"minWorkers": 1, "maxWorkers": 1, "batchSize": 1, "maxBatchDelay": 100,
                    "responseTimeout": 120}
@@ -280,16 +291,20 @@ def manifest(name, namespace, protocol, storage_uri, resources, runtime, gpu_mem
         "storageUri": storage_uri,
         "resources": resources,
     }
+    meta, annotations = {"name": name}, {}
     if protocol == "grpc-v2":
         port = BUILTIN_GRPC_PORT if runtime == BUILTIN_RUNTIME else GRPC_PORT
         model["ports"] = [{"name": "h2c", "containerPort": port, "protocol": "TCP"}]
-    meta = {"name": name}
+        if runtime != BUILTIN_RUNTIME:
+            annotations[DEPLOYMENT_MODE_ANNOTATION] = RAW_DEPLOYMENT
     if namespace:
         meta["namespace"] = namespace
     predictor = {"model": model}
     if gpu_memory:
-        meta["annotations"] = {SIZING_ANNOTATION: f"each GPU needs {gpu_memory[0]} MiB: {gpu_memory[1]}"}
+        annotations[SIZING_ANNOTATION] = f"each GPU needs {gpu_memory[0]} MiB: {gpu_memory[1]}"
         predictor["affinity"] = gpu_memory_affinity(gpu_memory[0])
+    if annotations:
+        meta["annotations"] = annotations
     return {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService", "metadata": meta,
             "spec": {"predictor": predictor}}
 

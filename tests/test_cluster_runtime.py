@@ -74,6 +74,12 @@ def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layo
         # gRPC goes to the bridge's port, over h2c; REST to the container's http1 port
         want_ports = [{"name": "h2c", "containerPort": 8081, "protocol": "TCP"}] if "grpc" in f.name else None
         assert model.get("ports") == want_ports, f.name
+        # KServe merges the runtime's container into the model's by containerPort; Knative takes
+        # one port only, so a service with more goes as a plain Deployment (RawDeployment)
+        rt_ports = yaml.safe_load((Path(ROOT) / "kserve" / "servingruntime.yaml").read_text())["spec"]["containers"][0]["ports"]
+        merged = {p["containerPort"] for p in rt_ports + (model.get("ports") or [])}
+        mode = doc["metadata"].get("annotations", {}).get("serving.kserve.io/deploymentMode")
+        assert (mode == "RawDeployment") == (len(merged) > 1), (f.name, merged, mode)
         res = model["resources"]
         assert res["requests"] == res["limits"] == {"cpu": str(CLUSTER_WORKERS + kserve_script.FRONTS_CPU), "memory": mem}
     runtimes = list(yaml.safe_load_all((out / "manifests" / "servingruntime.yaml").read_text()))
