@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 from urllib.parse import quote
 
 from pod.config import PodConfig
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kserve", "nginx.conf")
-PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
+PLACEHOLDER = re.compile(r"\$\{([a-z][a-z0-9_]*)\}")
 
 
 def values(cfg: PodConfig) -> dict:
@@ -24,7 +25,33 @@ def values(cfg: PodConfig) -> dict:
             # its workers to `nobody`, who cannot write the temporary directories made here
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
             "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
-            "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none"}
+            "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none",
+            **ipv6_listens(cfg, ipv6_available())}
+
+
+def ipv6_available() -> bool:
+    """Whether this host can listen on IPv6: on an IPv6-only cluster the kubelet's probes and the
+    Service's traffic reach the pod's IPv6 address, which an IPv4 listener refuses; on a host
+    without IPv6, nginx fails to start on an IPv6 listener."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::", 0))
+        return True
+    except OSError:
+        return False
+
+
+def ipv6_listens(cfg: PodConfig, available: bool) -> dict:
+    """Each public port's IPv6 listen line (ipv6only: its IPv4 listener stays as it is), or a
+    comment where the host has no IPv6."""
+    out = {}
+    for key, port, extra in (("http_port_v6", cfg.http_port, " reuseport backlog=4096"),
+                             ("grpc_port_v6", cfg.grpc_port, " http2 reuseport backlog=4096"),
+                             ("public_metrics_port_v6", cfg.metrics_port, "")):
+        out[key] = f"listen [::]:{port} ipv6only=on{extra};" if available else "# no IPv6 on this host"
+    return out
 
 
 # TorchServe's model names and versions are of these characters; a model named otherwise gets no

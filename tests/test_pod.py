@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import psutil
@@ -578,6 +579,26 @@ def test_a_worker_killed_mid_request_is_a_retryable_503_and_unavailable(door):
         assert g.result() == grpc.StatusCode.UNAVAILABLE
     c.wait("ready", timeout=240)
     assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
+
+
+def test_the_pods_ports_answer_on_ipv6_where_the_host_has_it(door):
+    """On an IPv6-only cluster the probes and the Service's traffic reach the pod's IPv6 address:
+    nginx listens there too where the host can (pod/nginx.py), and not at all where it cannot
+    (an IPv6 listener would stop nginx from starting)."""
+    from pod import nginx
+    if not nginx.ipv6_available():
+        pytest.skip("this host cannot listen on IPv6")
+    c = door["container"]
+    r = requests.get(f"http://[::1]:{c.http}/v2/health/live", timeout=5)
+    assert r.status_code == 200 and r.json() == {"live": True}, r.text
+    f, m = two(1, seed=19)
+    r = requests.post(f"http://[::1]:{c.http}/v2/models/two/infer", json=v2_body(f, m), timeout=60)
+    assert r.status_code == 200, r.text
+    check(r.json()["outputs"], f, m)
+    with grpc.insecure_channel(f"[::1]:{c.grpc}") as ch:
+        ch.unary_unary(OIP + "ModelInfer")(raw_two(f, m), timeout=30)
+    off = nginx.ipv6_listens(SimpleNamespace(http_port=1, grpc_port=2, metrics_port=3), False)
+    assert all(v.startswith("#") for v in off.values())
 
 
 def test_sigterm_fails_readiness_and_the_pod_serves_on_while_the_cluster_stops_sending(door):
