@@ -125,7 +125,8 @@ def test_the_fronts_wait_as_long_as_the_slowest_models_response_timeout(tmp_path
     props = tmp_path / "config.properties"
     snap = {"models": {"fast": {"1.0": {"marName": "fast.mar", "responseTimeout": 30}},
                        "slow": {"1.0": {"marName": "slow.mar", "responseTimeout": 600}}}}
-    head = "\n".join(f"{k}_address=http://127.0.0.1:{p}" for k, p in (("inference", 1), ("management", 2), ("metrics", 3)))
+    head = "\n".join(f"{k}_address=http://127.0.0.1:{p}"
+                     for k, p in (("inference", 1), ("management", 2), ("metrics", 3)))
     props.write_text(f"{head}\ndefault_response_timeout=120\nmodel_snapshot={json.dumps(snap)}\n")
     assert config.load(str(props), {}).response_timeout_s == 600
     del snap["models"]["slow"]
