@@ -5,6 +5,18 @@ from pod.state import FAILED, HOLD_S, LOADING, READY, UNANSWERED, held
 LATE = (LOADING, f"{UNANSWERED}timed out")
 
 
+def _properties(tmp_path, models: dict, extra: str = ""):
+    """A pod's config.properties: TorchServe's loopback addresses and a model_snapshot of `models`
+    (name -> its snapshot entry)."""
+    import json
+    path = tmp_path / "config.properties"
+    head = "\n".join(f"{k}_address=http://127.0.0.1:{port}"
+                     for k, port in (("inference", 1), ("management", 2), ("metrics", 3)))
+    snap = {"models": {name: {"1.0": entry} for name, entry in models.items()}}
+    path.write_text(f"{head}\n{extra}model_snapshot={json.dumps(snap)}\n")
+    return str(path)
+
+
 def test_a_late_answer_keeps_the_last_ready_or_failed_state_for_a_while():
     for last in ((READY, None, 100.0), (FAILED, "bad: its artifact does not match", 100.0)):
         assert held(last, LATE, True, 100.0 + HOLD_S - 1) == last[:2]
@@ -49,23 +61,17 @@ def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridg
 
 
 def test_the_drain_after_sigterm_is_five_seconds_unless_set_and_a_bad_value_is_named(tmp_path):
-    import json
-
     import pytest
 
     from pod import config
-    props = tmp_path / "config.properties"
-    snap = {"models": {"m": {"1.0": {"marName": "m.mar"}}}}
-    props.write_text("\n".join(f"{k}_address=http://127.0.0.1:{p}" for k, p in
-                               (("inference", 1), ("management", 2), ("metrics", 3)))
-                     + f"\nmodel_snapshot={json.dumps(snap)}\n")
-    assert config.load(str(props), {}).stop_drain_s == 5
-    assert config.load(str(props), {"STOP_DRAIN_S": "0"}).stop_drain_s == 0
-    cfg = config.load(str(props), {"RUNTIME_DIR": str(tmp_path)})
+    props = _properties(tmp_path, {"m": {"marName": "m.mar"}})
+    assert config.load(props, {}).stop_drain_s == 5
+    assert config.load(props, {"STOP_DRAIN_S": "0"}).stop_drain_s == 0
+    cfg = config.load(props, {"RUNTIME_DIR": str(tmp_path)})
     assert cfg.stopping_file.startswith(str(tmp_path))
     for bad, why in (("-1", "must be at least 0"), ("soon", "is not an integer")):
         with pytest.raises(config.PodConfigError, match=f"STOP_DRAIN_S.*{why}"):
-            config.load(str(props), {"STOP_DRAIN_S": bad})
+            config.load(props, {"STOP_DRAIN_S": bad})
 
 
 def test_a_frontend_answering_ping_500_unhealthy_is_live_and_its_models_say_the_rest(monkeypatch):
@@ -119,16 +125,8 @@ def test_a_process_restarted_often_long_ago_is_restarted_again(monkeypatch):
 
 
 def test_the_fronts_wait_as_long_as_the_slowest_models_response_timeout(tmp_path):
-    import json
-
     from pod import config
-    props = tmp_path / "config.properties"
-    snap = {"models": {"fast": {"1.0": {"marName": "fast.mar", "responseTimeout": 30}},
-                       "slow": {"1.0": {"marName": "slow.mar", "responseTimeout": 600}}}}
-    head = "\n".join(f"{k}_address=http://127.0.0.1:{p}"
-                     for k, p in (("inference", 1), ("management", 2), ("metrics", 3)))
-    props.write_text(f"{head}\ndefault_response_timeout=120\nmodel_snapshot={json.dumps(snap)}\n")
-    assert config.load(str(props), {}).response_timeout_s == 600
-    del snap["models"]["slow"]
-    props.write_text(f"{head}\ndefault_response_timeout=120\nmodel_snapshot={json.dumps(snap)}\n")
-    assert config.load(str(props), {}).response_timeout_s == 120
+    fast, slow = {"marName": "fast.mar", "responseTimeout": 30}, {"marName": "slow.mar", "responseTimeout": 600}
+    timeout = "default_response_timeout=120\n"
+    assert config.load(_properties(tmp_path, {"fast": fast, "slow": slow}, timeout), {}).response_timeout_s == 600
+    assert config.load(_properties(tmp_path, {"fast": fast}, timeout), {}).response_timeout_s == 120
