@@ -47,7 +47,7 @@ ARTIFACT = "model.pt2"
 
 class CompileError(SystemExit):
     def __init__(self, msg):
-        super().__init__(f"compile.py: error: {msg}")
+        super().__init__(f"cs-compile: error: {msg}")
 
 
 def pick_compiler(explicit=None) -> str:
@@ -206,6 +206,8 @@ def dynamic_batch(text, inputs):
 def parse_args(argv=None):
     """The arguments, checked: `dims`, `inputs` (TensorSpecs) and `dyn` (the batch range) added."""
     args = build_parser().parse_args(argv)
+    # absolute: the trial load runs in a child process started in the package's directory
+    args.out = os.path.abspath(args.out)
     args.dims = parse_dims(args.dim)
     args.inputs = [parse_input(t, args.dims) for t in args.raw_inputs]
     unused = set(args.dims) - {d for s in args.inputs for d in s.shape[1:]}
@@ -235,10 +237,7 @@ def model_and_inputs(args):
     if not isinstance(module, torch.nn.Module):
         raise CompileError("FACTORY must return a torch.nn.Module")
     module = module.eval().to(device)
-    params = list(inspect.signature(module.forward).parameters)
-    names = [s.name for s in args.inputs]
-    if params[:len(names)] != names:
-        raise CompileError(f"--input names {names} must match forward()'s parameters {params}, in order")
+    check_input_names(module, [s.name for s in args.inputs])
     sizes = {n: example_size(lo, hi) for n, (lo, hi) in args.dims.items()}
     inputs = example_inputs([TensorSpec(s.name, s.dtype, s.concrete(s.shape[0], sizes)) for s in args.inputs],
                             device)
@@ -248,6 +247,18 @@ def model_and_inputs(args):
         args.inputs = [TensorSpec(s.name, "float16" if s.dtype.startswith("float") else s.dtype, s.shape)
                        for s in args.inputs]
     return module, inputs
+
+
+def check_input_names(module, names: list) -> None:
+    """--input names are forward()'s parameters, in order, every one without a default included."""
+    sig = inspect.signature(module.forward).parameters.values()
+    params = [p.name for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in sig if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if params[:len(names)] != names:
+        raise CompileError(f"--input names {names} must match forward()'s parameters {params}, in order")
+    if len(names) < len(required):
+        missing = required[len(names):]
+        raise CompileError(f"forward() also needs {missing}: add --input NAME:SHAPE:DTYPE for each, in order")
 
 
 def export_program(module, inputs, args):
@@ -362,9 +373,14 @@ def main(argv=None):
     extra = {**kind.compile(ep, inputs, path, args), "state": found.state}
     compile_s = time.perf_counter() - t0
     spec = artifact_spec(args, path, found, values, structure, compiler, extra)
-    write_spec(spec, args.out)
-    # Check the artifact against eager before anyone serves it.
-    worst = check_against_eager(spec, inputs, named, args, compiler)
+    spec_path = write_spec(spec, args.out)
+    # Check the artifact against eager before anyone serves it; one that fails keeps no
+    # artifact.json, so neither cs-inspect nor cs-archive takes it for a checked one.
+    try:
+        worst = check_against_eager(spec, inputs, named, args, compiler)
+    except BaseException:
+        os.remove(spec_path)
+        raise
     if args.bare_so:
         from compiled_serving.bare_so import extract_bare_so
 

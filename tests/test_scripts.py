@@ -26,6 +26,23 @@ def test_compile_rejects_bad_arguments(tmp_path):
     assert r.returncode != 0 and "torch_tensorrt" in r.stderr
 
 
+def test_compile_into_a_relative_directory_from_anywhere_and_name_a_missing_input(tmp_path):
+    """A newcomer runs cs-compile in a folder of their own with `--out artifacts/NAME`: the trial
+    load (a child started in the package's directory) reads the same directory, not one relative
+    to the package (it reported "no artifact.json" and left an artifact.json that cs-inspect and
+    cs-archive took for a checked one). A forward() input left out is named."""
+    model = f"{ROOT}/examples/models.py:two_input"
+    base = ["-m", "compiled_serving.compile", "--model", model, "--backend", "export", "--device", "cpu"]
+    r = subprocess.run([PY, *base, "--input", "features:4x16:float32", "--input", "mask:4x16:bool",
+                        "--out", "artifacts/two"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "artifacts" / "two" / "artifact.json").is_file()
+    r = subprocess.run([PY, *base, "--input", "features:4x16:float32", "--out", "artifacts/one"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "cs-compile: error: forward() also needs ['mask']" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.server
 def test_archive_warns_when_batch_exceeds_artifact(artifacts, tmp_path):
     r = run("compiled_serving/archive.py", "--artifact", str(artifacts.get("two_export_2to4")), "--name", "w",

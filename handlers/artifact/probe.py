@@ -52,7 +52,8 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
     # the directory holding the `handlers` package (this file is handlers/artifact/probe.py)
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The child loads the artifact as the worker will (cuda_graphs decides how AOTI loads).
-    cmd = [sys.executable, "-m", "handlers.artifact.probe", spec.variant_dir, placement.kind,
+    # the child starts in pkg_parent: a relative directory would be read from there
+    cmd = [sys.executable, "-m", "handlers.artifact.probe", os.path.abspath(spec.variant_dir), placement.kind,
            str(placement.index if placement.index is not None else -1), config.cuda_graphs]
     try:
         r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
