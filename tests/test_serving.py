@@ -1,5 +1,7 @@
 """End to end through real TorchServe: compiled artifacts served over REST, equal to eager."""
 
+import json
+
 import pytest
 import torch
 from conftest import close, eager, image, two
@@ -112,6 +114,12 @@ def test_unsupported_media_type(main_server):
     assert r.status_code == 415
     assert r.json()["type"] == "UnsupportedMediaType"
     assert "application/x-safetensors" in r.json()["message"]
+    # a JSON body sent as curl -d sends it (a form, which TorchServe's frontend decodes into no
+    # parameter at all): the media type is named with the fix, not "empty request"
+    body = json.dumps({"inputs": {"image": [[[[0.0] * 32] * 32] * 3]}}).encode()
+    for form in (body, b"a=b"):
+        r = main_server.predict("cls_export", form, content_type="application/x-www-form-urlencoded")
+        assert r.status_code == 415 and "-H 'Content-Type: application/json'" in r.json()["message"], r.text
 
 
 def test_oversize_body_and_too_many_rows_get_413(main_server):

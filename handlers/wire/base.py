@@ -14,6 +14,7 @@ from enum import Enum
 from typing import NamedTuple, Optional
 
 JSON_MEDIA = "application/json"
+FORM_MEDIA = "application/x-www-form-urlencoded"  # what curl -d sends when not told otherwise
 
 
 class WireName(str, Enum):

@@ -17,7 +17,7 @@ from typing import Optional
 
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
 from handlers.wire import registry, strict_json
-from handlers.wire.base import JSON_MEDIA, Encoded, Failed, Parsed, WireFormat, WireName
+from handlers.wire.base import FORM_MEDIA, JSON_MEDIA, Encoded, Failed, Parsed, WireFormat, WireName
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ def read(request, headers, limits) -> Request:
 def read_arrived(req: Request, request, headers, limits) -> Request:
     """`read` for a request whose `arrival` is known."""
     try:
+        if not request and headers.content_type:
+            # TorchServe's frontend decodes a form's body into parameters, and a JSON body sent
+            # as a form (curl -d without a Content-Type) arrives as none: the media type is the fault
+            binary_format(b"", headers.content_type, None)
         payload = payload_of(request)
         check_size(payload, limits)
         if req.errors_as.transport:  # its transport's format reads and answers it, whatever its headers say
@@ -177,7 +181,9 @@ def binary_format(payload, content_type, v2_header_length=None) -> Optional[Wire
             if f.binary and f.matches_bytes(payload):
                 return f
     if ct and ct != JSON_MEDIA and not ct.startswith("text/") and ct != "application/octet-stream":
-        raise UnsupportedMediaType(f"Content-Type {ct!r} is not supported; send {JSON_MEDIA} "
+        hint = (" (curl -d sends this unless told otherwise: add -H 'Content-Type: application/json')"
+                if ct == FORM_MEDIA else "")
+        raise UnsupportedMediaType(f"Content-Type {ct!r} is not supported{hint}; send {JSON_MEDIA} "
                                    "(our JSON, KServe v1 or v2) or "
                                    + " or ".join(f.media_type for f in registry.FORMATS.values() if f.binary))
     return None
