@@ -40,6 +40,9 @@ def post(url: str, body: bytes, content_type: str, key: str, timeout=60):
 
 def find_key_file(explicit):
     """The key file to read, or None (with a hint on stderr)."""
+    if explicit and not os.path.exists(explicit):  # named, so meant: never send without its token
+        raise SystemExit(f"client: error: --key-file {explicit}: no such file. TorchServe writes key_file.json "
+                         "into the directory it was started from")
     candidates = [explicit] if explicit else ["key_file.json", os.path.join(ROOT, "key_file.json")]
     for c in candidates:
         if os.path.exists(c):
@@ -92,7 +95,7 @@ def read_inputs(items) -> dict:
             if name:
                 out[name] = _tensor(name, value)
             elif isinstance(value, dict):
-                out.update({k: _tensor(k, v) for k, v in value.items()})
+                out.update({k: _tensor(k, v) for k, v in _named_arrays(value).items()})
             else:
                 raise ValueError(f"--input {item}: a JSON file without NAME= must hold an object "
                                  "{name: array}; for one array write --input NAME=FILE.json")
@@ -102,6 +105,18 @@ def read_inputs(items) -> dict:
             raise ValueError(f"--input {item!r}: expected NAME=FILE.npy, NAME=FILE.json, FILE.json "
                              "or FILE.safetensors")
     return out
+
+
+def _named_arrays(value: dict) -> dict:
+    """{name: array} of a JSON file: the object itself, or the inputs of a request body in our
+    JSON ({"inputs": {name: array}}), the form the README's request.json has."""
+    inputs = value.get("inputs")
+    if len(value) == 1 and isinstance(inputs, dict):
+        return inputs
+    if len(value) == 1 and isinstance(inputs, list):
+        raise ValueError("a KServe v2 request body ({\"inputs\": [...]}): send it with curl, or write "
+                         "{name: array} for --input")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -79,6 +79,9 @@ def main(argv=None):
 
     tmp = None
     root = args.path
+    if not os.path.exists(root):
+        print(f"{args.path}: no such file or directory")
+        return 2
     if os.path.isfile(root) and zipfile.is_zipfile(root):
         tmp = tempfile.TemporaryDirectory()
         with zipfile.ZipFile(root) as z:
@@ -86,7 +89,8 @@ def main(argv=None):
         root = tmp.name
     variants = find_variants(root)
     if not variants:
-        print(f"{args.path}: no artifact.json found (not built by cs-compile / cs-archive)")
+        print(f"{args.path}: no artifact.json found (not built by cs-compile / cs-archive; a .pt2 "
+              "file of your own: cs-import it into an artifact directory first)")
         return 2
     gpu_id = args.gpu_id if args.gpu_id is not None else (0 if torch.cuda.is_available() else None)
     runnable = 0

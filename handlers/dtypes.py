@@ -36,6 +36,11 @@ BY_TORCH = {d.torch: d for d in TABLE}
 BY_V2 = {d.v2: d for d in TABLE}
 
 
+def cast_hint(name: str) -> str:
+    """How a client sends `name`: NumPy's cast where NumPy has the type (it has no bfloat16)."""
+    return f"send {name} (numpy: .astype(np.{name}))" if name != "bfloat16" else f"send {name}"
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in BY_NAME:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {', '.join(NAMES)}")

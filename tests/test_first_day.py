@@ -96,6 +96,23 @@ def test_read_inputs_from_npy_json_and_safetensors(tmp_path):
     (tmp_path / "ragged.json").write_text("[[1, 2], [3]]")
     with pytest.raises(ValueError, match="input 'r': not a rectangular numeric array"):
         read_inputs([f"r={tmp_path / 'ragged.json'}"])
+    # the README's request.json (a request body in our JSON) gives its inputs
+    (tmp_path / "request.json").write_text(json.dumps({"inputs": {"x": [[1.0, 2.0]], "y": [[3]]}}))
+    got = read_inputs([str(tmp_path / "request.json")])
+    assert sorted(got) == ["x", "y"] and got["x"].tolist() == [[1.0, 2.0]]
+    (tmp_path / "v2.json").write_text(json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                                              "data": [1.0]}]}))
+    with pytest.raises(ValueError, match="KServe v2 request body"):
+        read_inputs([str(tmp_path / "v2.json")])
+
+
+def test_a_named_key_file_that_is_missing_stops_the_client_and_inspect_names_a_missing_path(tmp_path, capsys):
+    from compiled_serving.client import find_key_file
+    from compiled_serving.inspect_artifact import main as inspect_main
+    with pytest.raises(SystemExit, match="--key-file .*nope.json: no such file"):
+        find_key_file(str(tmp_path / "nope.json"))
+    assert inspect_main([str(tmp_path / "absent")]) == 2
+    assert "absent: no such file or directory" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,21 @@ def test_decode_media_type():
     assert d.wire.name == WireName.SAFETENSORS
 
 
+def test_a_form_body_and_a_float64_array_are_refused_with_the_fix():
+    """curl -d without a Content-Type sends a form, which TorchServe's frontend decodes into no
+    parameter: a 415 naming the header to add, not "empty request". A NumPy float64 array (its
+    default) for a float32 input: the cast to make."""
+    with pytest.raises(UnsupportedMediaType, match="add -H 'Content-Type: application/json'") as e:
+        decode({}, make_spec(), content_type="application/x-www-form-urlencoded")
+    assert e.value.status == 415
+    with pytest.raises(RequestError, match="empty request"):
+        decode({}, make_spec())
+    body = safetensors_io.dumps({"x": torch.ones(1, 4, dtype=torch.float64)})
+    cast = r"send float32 \(numpy: \.astype\(np\.float32\)\)"
+    with pytest.raises(RequestError, match=r"dtype float64 does not match .*" + cast):
+        decode({"body": body}, make_spec(), content_type="application/x-safetensors")
+
+
 def test_response_format_follows_accept():
     st = safetensors_io.dumps({"x": torch.ones(1, 4)})
     ours = {"body": {"inputs": {"x": [[1.0] * 4]}}}

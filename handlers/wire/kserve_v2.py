@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from handlers.dtypes import BY_NAME, BY_TORCH, BY_V2
+from handlers.dtypes import BY_NAME, BY_TORCH, BY_V2, cast_hint
 from handlers.errors import RequestError
 from handlers.wire import v2_binary
 from handlers.wire.base import JSON_MEDIA, Encoded, Parsed, WireFormat, WireName, dump_json
@@ -42,7 +42,8 @@ def check_item(i: int, item, spec):
     if not isinstance(got, str) or got not in BY_V2:  # a list or dict is not hashable
         raise RequestError(f"{where}: unknown v2 datatype {got!r}; expected {want}")
     if got != want and not (got == "FP32" and want in HALF):
-        raise RequestError(f"{where}: datatype {got} does not match the artifact's {want} ({s.describe()})")
+        raise RequestError(f"{where}: datatype {got} does not match the artifact's {want} ({s.describe()}); "
+                           f"{cast_hint(s.dtype)}")
     shape = item["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise RequestError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec
-from handlers.dtypes import BY_NAME
+from handlers.dtypes import BY_NAME, cast_hint
 from handlers.errors import RequestError
 
 try:  # numpy builds arrays from nested lists ~5x faster than torch.tensor
@@ -121,7 +121,7 @@ def check_tensor(spec: TensorSpec, t: torch.Tensor, where: str, dims: dict = {},
     want = BY_NAME[spec.dtype].torch
     if t.dtype != want:
         raise RequestError(f"{where}: dtype {str(t.dtype).replace('torch.', '')} does not match the "
-                           f"artifact's {spec.describe()}")
+                           f"artifact's {spec.describe()}; {cast_hint(spec.dtype)}")
     if t.dim() != spec.rank:
         raise RequestError(f"{where}: shape {list(t.shape)} has rank {t.dim()}, expected rank "
                            f"{spec.rank} ({spec.describe()}, batch first)")
