@@ -3,7 +3,7 @@
 with their artifact.json, and a model-config.yaml. A stock TorchServe with torch serves it;
 nothing is pip-installed per model.
 
-  python -m compiled_serving.archive --artifact DIR --name NAME [--out model_store]
+  python -m compiled_serving.archive --artifact DIR --name NAME [--out STORE]  (default: ROOT/model_store)
       [--artifact DIR2 ...]            # several variants (one per compute capability / CPU ISA)
   python -m compiled_serving.archive --artifact PROGRAM.pt2 --name NAME          # torch.export.save output
   python -m compiled_serving.archive --artifact PACKAGE.pt2 --program PROGRAM.pt2 --name NAME  # AOTInductor
@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
                    help="with a .pt2 file: valid values of an integer input (INPUT[COL]: of one column)")
     p.add_argument("--name", required=True)
-    p.add_argument("--out", default=os.path.join(ROOT, "model_store"))
+    p.add_argument("--out", default=os.path.join(ROOT, "model_store"),
+                   help="the model store to write NAME.mar into (default: this checkout's model_store/)")
     p.add_argument("--version", default="1.0")
     # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
     # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.

@@ -55,9 +55,37 @@ def is_aoti_package(path: str) -> bool:
                            "torch.export.save or torch._inductor.aoti_compile_and_package") from None
 
 
+def not_a_program(path: str):
+    """What a file that is no torch.export program is, with the way to one, or None: a
+    TorchScript archive (torch.jit.save: code/ and constants.pkl) or a torch.save checkpoint (a
+    pickled module or state_dict: data.pkl and no models/) is the file a user most often has."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None
+    if any("/aotinductor/" in n for n in names):
+        return (f"{path} is an AOTInductor package, not a torch.export program: pass it as --artifact, and "
+                "the program it was compiled from as --program")
+    if any("/models/" in n for n in names):
+        return None
+    how = ("export it: ep = torch.export.export(model.eval(), example_inputs); "
+           "torch.export.save(ep, 'model.pt2'), or let cs-compile --model FILE.py:FACTORY do it "
+           "(docs/serve-your-own-model.md)")
+    if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+        return f"{path} is a TorchScript module (torch.jit.save), not a torch.export program: {how}"
+    if any(n.endswith("/data.pkl") for n in names):
+        return (f"{path} is a torch.save checkpoint (a pickled module or a state_dict), not a torch.export "
+                f"program: build the model, load its weights, then {how}")
+    return None
+
+
 def load_program(path: str):
     import torch
 
+    other = not_a_program(path)
+    if other:
+        raise ImportError_(other)
     try:
         return torch.export.load(path)
     except Exception as e:  # torch raises several types for a file of another kind or version

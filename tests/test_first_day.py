@@ -77,6 +77,23 @@ def test_archive_says_which_artifact_it_could_not_read(tmp_path):
     assert r.returncode != 0 and "no artifact.json in" in r.stderr, r.stderr
 
 
+def test_a_torchscript_or_torch_save_file_is_named_with_the_way_to_a_program(tmp_path):
+    """The model file a user most often has: torch.jit.save or torch.save, named as such, with the
+    export that makes a program (it was torch's 'checkpoint is corrupted' after a wall of warnings)."""
+    from compiled_serving.import_artifact import ImportError_, load_program
+    m = torch.nn.Linear(2, 2)
+    torch.jit.save(torch.jit.script(m), tmp_path / "scripted.pt")
+    torch.save(m, tmp_path / "pickled.pt")
+    torch.save(m.state_dict(), tmp_path / "weights.pt")
+    for name, kind in (("scripted.pt", "TorchScript module"), ("pickled.pt", "torch.save checkpoint"),
+                       ("weights.pt", "torch.save checkpoint")):
+        with pytest.raises(ImportError_, match=f"{kind} .*torch.export.export"):
+            load_program(str(tmp_path / name))
+    ep = torch.export.export(m, (torch.ones(1, 2),))
+    torch.export.save(ep, tmp_path / "program.pt2")
+    assert load_program(str(tmp_path / "program.pt2")) is not None
+
+
 # -- client values from a file
 
 def test_read_inputs_from_npy_json_and_safetensors(tmp_path):
