@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -74,7 +75,7 @@ def server_env(env: dict | None = None) -> dict:
 
 
 # TorchServe numbers its workers from initial_worker_port up: the port names each worker's socket
-# (java.io.tmpdir/.ts.sock.<port>, under the server's own TEMP here) and its threads in the
+# (java.io.tmpdir/.ts.sock.<port>, in the server's own TEMP here) and its threads in the
 # logs (W-<port>-<model>). Each server of this process gets its own block of 100 and processes
 # start apart by their pid, so worker names stay unique across the servers of a run, and
 # sockets stay apart even where two servers share a temp directory.
@@ -110,8 +111,13 @@ class LocalTorchServe:
         # shipped one, or the text `log_config`)
         (self.workdir / "log4j2.xml").write_text(log_config or (ROOT / "log4j2.xml").read_text())
         run_env = server_env(env)
+        # TEMP: the frontend's java.io.tmpdir, where it unpacks every archive (never removed) and
+        # puts the workers' Unix sockets, whose paths must fit 107 bytes: a short directory of
+        # this server's own, removed by stop(), not the workdir (118 bytes under a test's
+        # temporary directory stopped every worker from starting)
+        self.java_tmp = tempfile.mkdtemp(prefix="ts-", dir="/tmp")
         run_env.update(LOG_LOCATION=str(self.workdir / "logs"), METRICS_LOCATION=str(self.workdir / "logs"),
-                       TMPDIR=str(self.workdir / "tmp"), TEMP=str(self.workdir / "tmp"))
+                       TMPDIR=str(self.workdir / "tmp"), TEMP=self.java_tmp)
         spec = ",".join(f"{n}={Path(m).name}" for n, m in models.items())
         self.proc = subprocess.Popen(
             [tool("torchserve"), "--start", "--foreground", "--ncs", "--model-store", str(self.store),
@@ -172,6 +178,7 @@ class LocalTorchServe:
 
     def stop(self):
         stop_server(self.proc, self.store, self.workdir)
+        shutil.rmtree(self.java_tmp, ignore_errors=True)
 
 
 def stop_server(proc, store, workdir=None) -> None:

@@ -30,6 +30,7 @@ from pod import nginx
 
 SERVE_HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
+UNIX_PATH_MAX = 107  # a Unix socket's path, its terminating NUL aside (Linux sockaddr_un.sun_path)
 
 
 def log(msg: str) -> None:
@@ -130,6 +131,10 @@ def main() -> int:
     # unpacks every archive into models/<uuid>, never removed, and puts the workers' sockets;
     # /tmp otherwise, which a read-only root filesystem refuses. The last start's copies go first.
     env["TEMP"] = env["TMPDIR"]
+    if len(os.path.join(env["TEMP"], ".ts.sock.65535").encode()) > UNIX_PATH_MAX:
+        raise SystemExit(f"pod: error: RUNTIME_DIR={cfg.runtime_dir} is too long: TorchServe's worker sockets "
+                         f"(RUNTIME_DIR/tmp/.ts.sock.PORT) must fit a Unix socket path ({UNIX_PATH_MAX} bytes); "
+                         "set a shorter RUNTIME_DIR (default /tmp/torchserve)")
     shutil.rmtree(os.path.join(env["TEMP"], "models"), ignore_errors=True)
     if os.path.exists(cfg.stopping_file):  # an earlier start's (RUNTIME_DIR may outlive the container)
         os.remove(cfg.stopping_file)

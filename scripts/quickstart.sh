@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 # quickstart's own too, emptied of the last start's copies before each start.
 STATE=${QUICKSTART_STATE:-$PWD/logs/quickstart}
 mkdir -p "$STATE/tmp"
-export TEMP="$STATE/tmp"
+# (its workers' socket paths must fit 107 bytes: from a deep checkout TorchServe keeps its /tmp)
+if [ $(( ${#STATE} + 20 )) -le 107 ]; then export TEMP="$STATE/tmp"; fi
 fresh_temp() { rm -rf "$STATE/tmp/models"; }
 stop_ours() {
   if [ -x .venv/bin/torchserve ] && [ -f "$STATE/tmp/.model_server.pid" ]; then

@@ -42,8 +42,9 @@ def cs_command(module: str) -> list:
 
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2`) each worker is a process of its own. TorchServe
-# names its workers' unix sockets /tmp/.ts.sock.<port> from initial_worker_port whatever TMPDIR
-# says, and compiled_serving.local_server gives each server of a process a block of 100 ports counted from
+# names its workers' unix sockets java.io.tmpdir/.ts.sock.<port> from initial_worker_port (a
+# server started otherwise than by LocalTorchServe, which gives each its own, has /tmp), and
+# compiled_serving.local_server gives each server of a process a block of 100 ports counted from
 # the process id, so two workers' blocks could meet: each xdist worker counts from a range of its own.
 _XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST.startswith("gw"):

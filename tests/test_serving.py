@@ -209,8 +209,11 @@ def test_json_request_binary_answer(main_server):
 def test_the_frontends_temp_files_stay_in_the_servers_own_directory(main_server):
     """TorchServe's frontend unpacks every archive into java.io.tmpdir/models/<uuid> (and never
     removes it) and puts the workers' sockets there: the launchers set TEMP, which TorchServe's
-    launcher passes on as java.io.tmpdir (TMPDIR alone left them all in /tmp)."""
-    tmp = main_server.workdir / "tmp"
+    launcher passes on as java.io.tmpdir (TMPDIR alone left them all in /tmp), to a directory of
+    the server's own whose socket paths fit 107 bytes."""
+    from pathlib import Path
+    tmp = Path(main_server.java_tmp)
+    assert len(str(tmp / ".ts.sock.65535")) <= 107
     unpacked = [d for d in (tmp / "models").iterdir() if (d / "MAR-INF" / "MANIFEST.json").is_file()]
     assert len(unpacked) >= len(main_server.models), sorted(p.name for p in (tmp / "models").iterdir())
     assert list(tmp.glob(".ts.sock.*")), sorted(p.name for p in tmp.iterdir())
