@@ -1,6 +1,7 @@
 """What a newcomer runs: the README's serve-and-call commands agree with each other and with the
 quickstart, compile on a CPU-only machine, and compiled_serving.client (the README's and the quickstart's
 client) checks every format against eager and explains a missing token, run from elsewhere."""
+import json
 import re
 import shlex
 import subprocess
@@ -66,10 +67,17 @@ def test_client_checks_every_format_against_eager(main_server, tmp_path, fmt):
 
 @pytest.mark.server
 def test_client_from_another_directory_says_where_the_token_comes_from(main_server, tmp_path):
-    r = subprocess.run([*cs_command("client"), "--model", "cls_export", "--url", main_server.base,
-                        "--key-file", str(tmp_path / "nowhere.json"), "--example", "image:1x3x32x32:float32"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    """A --key-file that does not exist stops the client before it sends anything; a key file of
+    another server's gets the server's refusal and says which file the token came from."""
+    def client(key_file):
+        return subprocess.run([*cs_command("client"), "--model", "cls_export", "--url", main_server.base,
+                               "--key-file", str(key_file), "--example", "image:1x3x32x32:float32"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    r = client(tmp_path / "nowhere.json")
+    assert r.returncode == 1 and "--key-file" in r.stderr and "no such file" in r.stderr, r.stderr
+    stale = tmp_path / "stale_key_file.json"
+    stale.write_text(json.dumps({"inference": {"key": "not-this-servers-key"}}))
+    r = client(stale)
     assert r.returncode == 1
-    assert "no key file at" in r.stderr and "--key-file" in r.stderr, r.stderr
-    assert "token" in r.stderr and "refused" in r.stderr, r.stderr
+    assert "stale_key_file.json was refused" in r.stderr and "--key-file" in r.stderr, r.stderr
