@@ -128,10 +128,10 @@ class Poller:
         live = frontend_answers(f"{self.cfg.url('inference')}/ping")
         models, now = {}, time.monotonic()  # for the hold's age: a step of the wall clock (NTP) does not age it
         for m in self.cfg.models:
-            state, reason = held(self.answered.get(m.name), model_state(self.cfg, m, self.io_error.get(m.name), live),
-                                 live, now)
-            if not (state == LOADING and reason.startswith(UNANSWERED)):
-                self.answered[m.name] = (state, reason, now)
+            answer = model_state(self.cfg, m, self.io_error.get(m.name), live)
+            state, reason = held(self.answered.get(m.name), answer, live, now)
+            if not unanswered(answer):  # a held state is no answer: it must not renew its own age
+                self.answered[m.name] = (*answer, now)
             models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name]}
         snapshot = {"time": time.time(), "torchserve_live": live, "models": models,
                     "stopping": os.path.exists(self.cfg.stopping_file)}
@@ -143,11 +143,14 @@ def held(last, now_state: tuple, live: bool, now: float) -> tuple:
     """(state, reason): `now_state`, unless the management API gave no answer while the frontend
     is live and the model's last answered state (`last`: state, reason, time) was ready or
     failed less than HOLD_S ago: then that one."""
-    state, reason = now_state
-    if (live and state == LOADING and reason.startswith(UNANSWERED) and last is not None
-            and last[0] in (READY, FAILED) and now - last[2] < HOLD_S):
+    if live and unanswered(now_state) and last is not None and last[0] in (READY, FAILED) and now - last[2] < HOLD_S:
         return last[0], last[1]
     return now_state
+
+
+def unanswered(state: tuple) -> bool:
+    """Whether (state, reason) says the management API gave no answer."""
+    return state[0] == LOADING and state[1].startswith(UNANSWERED)
 
 
 def write_state(path: str, snapshot: dict) -> None:

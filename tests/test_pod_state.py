@@ -130,3 +130,25 @@ def test_the_fronts_wait_as_long_as_the_slowest_models_response_timeout(tmp_path
     timeout = "default_response_timeout=120\n"
     assert config.load(_properties(tmp_path, {"fast": fast, "slow": slow}, timeout), {}).response_timeout_s == 600
     assert config.load(_properties(tmp_path, {"fast": fast}, timeout), {}).response_timeout_s == 120
+
+
+def test_a_held_state_ages_while_the_management_api_stays_silent(monkeypatch, tmp_path):
+    """The hold lasts HOLD_S from the last answer, however many silent polls come between: a held
+    state is no answer and does not renew itself (it did: a ready model stayed ready for ever)."""
+    from types import SimpleNamespace
+
+    from pod import state
+    model = SimpleNamespace(name="m", mar="m.mar", version="1")
+    cfg = SimpleNamespace(models=[model], state_file=str(tmp_path / "state.json"),
+                          stopping_file=str(tmp_path / "pod_stopping"), url=lambda kind: "http://127.0.0.1:9")
+    clock, answers = [100.0], iter([(READY, None)] + [LATE] * 10)
+    monkeypatch.setattr(state.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(state, "archive_io", lambda mar: {"inputs": [], "outputs": []})
+    monkeypatch.setattr(state, "get_json", lambda url: {})
+    monkeypatch.setattr(state, "model_state", lambda *a: next(answers))
+    poller = state.Poller(cfg)
+    seen = []
+    for _ in range(5):  # one answer, then silent polls every HOLD_S / 3
+        seen.append(poller.poll()["models"]["m"]["state"])
+        clock[0] += HOLD_S / 3
+    assert seen == [READY, READY, READY, LOADING, LOADING], seen
