@@ -22,7 +22,14 @@ def _rolled_parts(path: Path) -> list[Path]:
         key = p.name[: -len(".gz")] if p.name.endswith(".gz") else p.name
         if key not in parts or not p.name.endswith(".gz"):
             parts[key] = p
-    return sorted(parts.values(), key=lambda p: p.stat().st_mtime)
+    return sorted(parts.values(), key=_mtime)
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:  # removed since the glob (log4j2's compression, or its Delete): read as oldest
+        return 0.0
 
 
 def _read_part(p: Path) -> str:
