@@ -81,28 +81,45 @@ def not_a_program(path: str):
 
 
 def load_program(path: str):
+    """The program with its tensors on the CPU, and the device it was exported on
+    (handlers/artifact/program_file.py: a program saved from cuda:1 reads where there is none)."""
     import torch
+
+    from handlers.artifact.program_file import load_on_cpu
 
     other = not_a_program(path)
     if other:
         raise ImportError_(other)
     try:
-        return torch.export.load(path)
+        return load_on_cpu(path)
     except Exception as e:  # torch raises several types for a file of another kind or version
         raise ImportError_(f"{path} could not be read as a torch.export program ({type(e).__name__}: "
                            f"{str(e)[:300]}); expected a file written by torch.export.save(ep, path) "
                            f"with this torch ({torch.__version__})") from None
 
 
-def program_device(ep) -> str:
-    for t in list(ep.state_dict.values()) + list(ep.constants.values()):
-        if hasattr(t, "device"):
-            return t.device.type
-    for node in ep.graph.nodes:
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if val is not None and hasattr(val, "device"):
-            return val.device.type
-    return "cpu"
+def check_device(exported_on, needs_gpu: bool, asked=None):
+    """Where the import's checks run (one device for all of them). A CPU program or package: the
+    CPU. Otherwise `asked` (--device-index) where given, else the GPU the program was exported on
+    where this machine has it, else GPU 0, else (a program, which relocates) the CPU; a CUDA
+    package (`needs_gpu`) on a machine without a GPU is refused, naming the fix."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if exported_on.type == "cpu" and not needs_gpu:
+        return torch.device("cpu")
+    if asked is not None:
+        if asked >= gpus:
+            raise ImportError_(f"--device-index {asked}: this machine has {gpus} GPU(s)")
+        return torch.device("cuda", asked)
+    if exported_on.type == "cuda" and exported_on.index is not None and exported_on.index < gpus:
+        return exported_on
+    if gpus:
+        return torch.device("cuda", 0)
+    if needs_gpu:
+        raise ImportError_("the AOTInductor package was compiled for CUDA and this machine has no GPU: import it on "
+                           "a machine with one (the import runs it once to compare it with the program)")
+    return torch.device("cpu")
 
 
 def example_inputs(found: contract.Contract, device, low: bool = False) -> list:
@@ -151,7 +168,7 @@ def _compat_facts(kind: str, path: str, device: str) -> dict:
     return facts
 
 
-def import_artifact(path: str, out: str, program: str | None = None, input_ranges=(), device_index: int = 0,
+def import_artifact(path: str, out: str, program: str | None = None, input_ranges=(), device_index: int | None = None,
                     find_pad: bool = True) -> str:
     """Writes DIR/model.pt2 and DIR/artifact.json (with the padding finding where `find_pad` and
     an input has a dynamic length); returns DIR."""
@@ -166,22 +183,23 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
                            "it was built for but not its inputs' names, shapes and ranges. Pass the program "
                            "it was compiled from: --program PROGRAM.pt2 (torch.export.save(ep, "
                            "'PROGRAM.pt2') before torch._inductor.aoti_compile_and_package(ep, ...))")
-    ep = load_program(program or path)
+    ep, saved = load_program(program or path)
     try:
         structure, names = contract.output_layout(ep)
         found = contract.read(ep, names)
         values = contract.tighten(found.values, contract.parse_ranges(input_ranges), found.inputs)
     except contract.ContractError as e:
         raise ImportError_(str(e)) from None
-    device = program_device(ep)
+    device = saved.device.type
     kind = "aoti" if aoti else "export"
     if aoti:
         from handlers.artifact.kinds.aoti_package import package_metadata
 
         device = package_metadata(path).get("AOTI_DEVICE_KEY", device) or device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ImportError_(f"{path} runs on CUDA; import it on a machine with a GPU (the import runs it "
-                           "once to compare it with the program)")
+    on = check_device(saved.device, aoti and device == "cuda", device_index)
+    print(f"cs-import: the checks run on {on} (the program was exported on {saved.device}; "
+          f"this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s))")
+    ep = relocate_program(ep, on)
     os.makedirs(out, exist_ok=True)
     dest = os.path.join(out, ARTIFACT)
     shutil.copy2(path, dest)
@@ -194,21 +212,33 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
         platform=sys.platform, machine=platform.machine(), variant_dir=out,
         extra={"imported_from": os.path.basename(path), "state": found.state}, **_compat_facts(kind, dest, device))
     write_spec(spec, out)
-    worst = check(spec, ep, found, device_index)
+    worst = check(spec, ep, found, on)
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "
           f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
           + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
     if find_pad and found.dims and "decoder" not in found.state:
         from compiled_serving import find_padding
 
-        finding = find_padding.search(ep.module(), spec, program_device(ep))
+        finding = find_padding.search(ep.module(), spec, on)
         write_spec(type(spec)(**{**spec.__dict__, "extra": {**spec.extra, "padding": finding.record()}}), out)
     return out
 
 
-def check(spec, ep, found, device_index: int) -> float:
+def relocate_program(ep, device):
+    """The program on the checks' device, its graph's device arguments too
+    (handlers/artifact/relocate.py); ImportError_ naming what could not move."""
+    from handlers.artifact.relocate import relocate
+    from handlers.errors import LoadError
+
+    try:
+        return relocate(ep, device)
+    except LoadError as e:
+        raise ImportError_(str(e)) from None
+
+
+def check(spec, ep, found, on) -> float:
     """Trial load in a child process, then the artifact against the program on example inputs
-    (at the dimensions' minimum and at their example sizes)."""
+    (at the dimensions' minimum and at their example sizes), all on the device `on`."""
     import torch
 
     from handlers.artifact.device import Placement
@@ -218,7 +248,7 @@ def check(spec, ep, found, device_index: int) -> float:
     from handlers.errors import LoadError
     from handlers.run.padding import first_difference
 
-    placement = Placement(spec.device, device_index if spec.device == "cuda" else None)
+    placement = Placement(on.type, on.index if on.type == "cuda" else None)
     try:
         crash_safe_probe(spec, placement, HandlerConfig())
     except LoadError as e:
@@ -293,7 +323,9 @@ def main(argv=None) -> int:
     p.add_argument("--input-range", action="append", default=[], metavar="INPUT[COL]=LO:HI",
                    help="valid values of an integer input, or of one position along its column dimension "
                         "(INPUT[COL]); adds a bound or narrows the graph's, never widens it (refused)")
-    p.add_argument("--device-index", type=int, default=0, help="CUDA device for the checks")
+    p.add_argument("--device-index", type=int, default=None,
+                   help="the GPU the checks run on (default: the one the program was exported on where this "
+                        "machine has it, else GPU 0)")
     p.add_argument("--pad", choices=("auto", "none"), default="auto",
                    help="auto: with a dynamic length, try padding on the program and record what is safe "
                         "(compiled_serving/find_padding.py); none: do not try")

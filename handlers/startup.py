@@ -13,6 +13,7 @@ import torch
 
 from handlers import process
 from handlers.admission import Limits
+from handlers.artifact import confine
 from handlers.artifact.decoder import of as decoder_of
 from handlers.artifact.device import Placement
 from handlers.artifact.kinds import kind_of
@@ -107,6 +108,7 @@ class StartPlan:
     spec: ArtifactSpec
     placement: Placement
     model_dir: str  # the archive's files (a decoder's tokenizer.json)
+    host_gpus: int = -1  # the GPUs the worker saw before it was confined to one (-1: unknown)
 
 
 def plan(context) -> StartPlan:
@@ -119,14 +121,33 @@ def plan(context) -> StartPlan:
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     process.record("torch fp32 matmul precision", config.float32_matmul_precision)
     props = context.system_properties
-    spec, placement, notes = choose_variant(props["model_dir"], props.get("gpu_id"), config, scratch.shared_root())
+    gpu_id, confined = confine_worker(props.get("gpu_id"))
+    spec, placement, notes = choose_variant(props["model_dir"], gpu_id, config, scratch.shared_root())
+    if placement.kind == "cuda" and confined.entry is not None:
+        placement = dataclasses.replace(placement, gpu=confined.entry, note=placement.note.replace(
+            "TorchServe gpu_id 0", f"TorchServe gpu_id {props.get('gpu_id')} (host GPU {confined.entry})"))
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
     slow_imports = process.uncompiled_imports(torch)
     if slow_imports:
         logger.warning("slow worker starts: %s", slow_imports)
-    return StartPlan(config, spec, placement, props["model_dir"])
+    return StartPlan(config, spec, placement, props["model_dir"], confined.host_gpus)
+
+
+def confine_worker(gpu_id) -> tuple:
+    """(the gpu_id to place by, what confine.confine did): a worker given a GPU sees that GPU alone
+    from before CUDA starts (handlers/artifact/confine.py), so it and every process it starts
+    place by index 0; recorded for the load line, and a warning where it could not be done."""
+    confined = confine.confine(gpu_id)
+    if confined.entry is not None:
+        process.record(confine.VAR, f"{confined.entry} (TorchServe gpu_id {gpu_id}: this worker and the processes "
+                                    "it starts see that GPU alone, as cuda:0)")
+        return 0, confined
+    if gpu_id is not None and confined.host_gpus != 0:
+        logger.warning("this worker is not confined to its GPU (%s): a thread or library that uses CUDA without "
+                       "naming a device may use another GPU", confined.why_not)
+    return gpu_id, confined
 
 
 def gpu_room(plan: StartPlan):
@@ -142,7 +163,8 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, config.workers, threads.usable_cores()))
     steps.note("threads", budget.describe())
     if placement.kind == "cuda":
-        gpus = len(config.device_ids) or torch.cuda.device_count()
+        # the host's GPUs, not the one a confined worker sees: workers spread over all of them
+        gpus = len(config.device_ids) or (plan.host_gpus if plan.host_gpus > 0 else torch.cuda.device_count())
         sync, why = threads.cuda_wait(config.cuda_sync, config.workers, gpus)
         config = dataclasses.replace(config, cuda_sync=sync)
         steps.note("sync", why)
@@ -202,7 +224,7 @@ def log_decoder(loaded: Loaded, placement: Placement, steps: StartSteps, reader:
     """A decoder's load line: what serves it and how, and how long each step took."""
     spec = loaded.spec
     logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; %s; CPU threads: %s; %s",
-                spec.backend, spec.artifact, loaded.model.loader, placement, placement.note, steps.describe(),
+                spec.backend, spec.artifact, loaded.model.loader, placement.where, placement.note, steps.describe(),
                 steps.notes.get("trial load", ""), steps.notes.get("weights", ""), loaded.generation.describe(),
                 steps.notes.get("threads", ""), reader)
     logger.info("process-wide changes: %s", process.describe())
@@ -218,7 +240,7 @@ def log_loaded(loaded: Loaded, placement: Placement, steps: StartSteps, reader: 
         "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; started in %s; %s; %s; "
         "inputs %s; batch range [%d, %d]; "
         "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
-        spec.backend, spec.artifact, loaded.model.loader, placement, placement.note, cc or "n/a",
+        spec.backend, spec.artifact, loaded.model.loader, placement.where, placement.note, cc or "n/a",
         steps.describe(), notes.get("trial load", ""), notes.get("weights", ""),
         ", ".join(s.describe() for s in spec.inputs),
         spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), notes.get("threads", ""),

@@ -252,7 +252,7 @@ def test_no_check_on_a_cpu_worker_or_without_a_need(monkeypatch):
 # -- siblings starting together: the GPU's ledger of reservations
 
 def _ledger(monkeypatch, tmp_path):
-    monkeypatch.setattr(room, "_device_key", lambda index: f"test{index}")
+    monkeypatch.setattr(room, "gpu_identity", lambda placement: f"test{placement.index}")
     return tmp_path / "gpu-room-test0.json"
 
 

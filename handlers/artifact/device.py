@@ -18,6 +18,9 @@ class Placement:
     kind: str  # device kind: "cpu" or "cuda"
     index: Optional[int]  # logical CUDA index in this process, None on CPU
     note: str = ""  # why, for the load log
+    # the GPU as the host names it (a CUDA_VISIBLE_DEVICES entry: an index or a UUID) where this
+    # process was confined to it (confine()); None: the index is the host's own numbering
+    gpu: Optional[str] = None
 
     @property
     def torch_device(self):
@@ -25,8 +28,14 @@ class Placement:
 
         return torch.device(self.kind if self.index is None else f"{self.kind}:{self.index}")
 
-    def __str__(self):
+    def __str__(self):  # a torch device string: runners and loaders take it as it is
         return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+    @property
+    def where(self) -> str:
+        """For logs and messages: the device in this process and, where the process is confined
+        to one GPU, that GPU's host number (nvidia-smi's)."""
+        return str(self) + (f" (host GPU {self.gpu})" if self.gpu is not None else "")
 
 
 def _logical_index(gpu_id: int, device_count: int, visible: Optional[str]) -> int:
@@ -116,3 +125,15 @@ def use_device(placement: Placement) -> None:
         import torch
 
         torch.cuda.set_device(placement.index)
+
+
+def gpu_identity(placement: Placement) -> str:
+    """The device's identity across processes, whatever each one's numbering (a worker confined
+    to its GPU calls it cuda:0, confine.py): a GPU's UUID where torch reports one, else its host
+    entry or index; "cpu" for the CPU."""
+    if placement.kind != "cuda":
+        return placement.kind
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(placement.index), "uuid", None)
+    return str(uuid) if uuid else f"index{placement.gpu if placement.gpu is not None else placement.index}"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from handlers.artifact import verdicts
+from handlers.artifact import confine, verdicts
 from handlers.artifact.device import Placement
 from handlers.artifact.kinds import recognise
 from handlers.artifact.load import load_artifact
@@ -53,10 +53,12 @@ def crash_safe_probe(spec: ArtifactSpec, placement: Placement, config, budget=No
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The child loads the artifact as the worker will (cuda_graphs decides how AOTI loads).
     # the child starts in pkg_parent: a relative directory would be read from there
+    # the child sees the placement's GPU alone (confine.py): its context lands on no other GPU
+    env, index = confine.child_env(child_env(pkg_parent, budget), placement.kind, placement.index)
     cmd = [sys.executable, "-m", "handlers.artifact.probe", os.path.abspath(spec.variant_dir), placement.kind,
-           str(placement.index if placement.index is not None else -1), config.cuda_graphs]
+           str(index if index is not None else -1), config.cuda_graphs]
     try:
-        r = subprocess.run(cmd, env=child_env(pkg_parent, budget), cwd=pkg_parent, capture_output=True,
+        r = subprocess.run(cmd, env=env, cwd=pkg_parent, capture_output=True,
                            text=True, timeout=config.crash_safe_timeout_s)
     except subprocess.TimeoutExpired:
         err = LoadError(f"trial load of {spec.artifact} on {placement} did not finish within "

@@ -61,7 +61,11 @@ def leftovers(ep, device: torch.device) -> list:
 def relocate(ep, device: torch.device):
     from torch.export.passes import move_to_device_pass
 
-    moved = move_to_device_pass(ep, device)
+    # without autograd: the pass moves the graph's recorded (fake) values too, and a parameter's
+    # with requires_grad would make a gradient edge on their device, which a torch without that
+    # device's support aborts on (a CPU build relocating a program saved from cuda:1)
+    with torch.no_grad():
+        moved = move_to_device_pass(ep, device)
     left = leftovers(moved, device)
     if left:
         shown = "; ".join(left[:10]) + (f"; and {len(left) - 10} more" if len(left) > 10 else "")

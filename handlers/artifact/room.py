@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from handlers import process
+from handlers.artifact.device import gpu_identity
 from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def check(need_mb: float, placement, workers: int | None, wait_s: float = WAIT_S
         return _nothing
     import torch
 
-    ledger = Path(ledger_dir) / f"gpu-room-{_device_key(placement.index)}.json" if ledger_dir else None
+    ledger = Path(ledger_dir) / f"gpu-room-{gpu_identity(placement)}.json" if ledger_dir else None
     started = time.monotonic()
     while True:
         # cudaMemGetInfo: free and total bytes of the device, all processes counted
@@ -121,15 +122,6 @@ def _entries(ledger):
             os.replace(tmp, ledger)
         except OSError as e:
             logger.warning("GPU memory ledger %s not written (%s)", ledger, e)
-
-
-def _device_key(index: int) -> str:
-    """The GPU's identity across processes (each worker may see its own device numbering): its
-    UUID where torch reports one, else its index."""
-    import torch
-
-    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return str(uuid) if uuid else f"index{index}"
 
 
 def shortfall_message(need_mb, free_total_mb: tuple, placement, workers, wait_s) -> str:

@@ -28,12 +28,16 @@ import threading
 import time
 
 from handlers import process
+from handlers.artifact.device import gpu_identity
 from handlers.weights.holder import KEY_ENV, PID_FILE
 
 logger = logging.getLogger(__name__)
 HOLDER_DIR_PREFIX = "cs-holder-"  # a holder's TMPDIR (its pid file in it: holder.PID_FILE)
 HOLDER_START_S = 600.0  # a holder loads the weights once, as a worker would: as long as a trial load may take
 RECEIVE_S = 120.0  # mapping the holder's allocations takes well under a second; a holder this slow is stuck
+# a sibling keeps the holder's lock while it starts the holder and, for some kinds, while it loads
+# on the held weights: longer than both may take means it is stuck, and this worker loads its own
+LOCK_WAIT_S = HOLDER_START_S + RECEIVE_S
 
 
 class ShareError(Exception):
@@ -153,7 +157,8 @@ def _paths(root: str, spec, placement) -> dict:
     # the frontend (this worker's parent) is part of the name: another TorchServe on the same
     # files gets its own holder, tied to its own lifetime
     # and so is the artifact's digest: a file changed in place gets a new holder, not the old weights
-    key = f"{os.path.realpath(spec.artifact_path)}|{spec.sha256}|{placement}|{os.getppid()}"
+    # and the GPU by its identity: every confined worker calls its own GPU cuda:0 (confine.py)
+    key = f"{os.path.realpath(spec.artifact_path)}|{spec.sha256}|{gpu_identity(placement)}|{os.getppid()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     d = os.path.join(root, "weights")
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -255,6 +260,22 @@ def _receive(conn) -> dict:
         raise ShareError(f"receiving the held weights failed: {type(e).__name__}: {e}") from e
 
 
+def take_lock(fd: int, path: str, wait_s: float) -> None:
+    """The holder's lock within `wait_s`; ShareError naming the lock and the wait where a sibling
+    keeps it longer (a worker's readiness never waits on a stuck sibling)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise ShareError(f"waited {wait_s:.0f}s for the weights holder's lock {path}, which a sibling "
+                                 "worker keeps while it starts the holder or loads on it; its log is beside "
+                                 "the lock (.log)") from None
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def attached(root: str, spec, placement, hold_lock: bool):
     """Yields HeldWeights from the holder of this artifact on this device, starting it when none
@@ -267,7 +288,7 @@ def attached(root: str, spec, placement, hold_lock: bool):
     paths = _paths(root, spec, placement)
     fd = os.open(paths["lock"], os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        take_lock(fd, paths["lock"], LOCK_WAIT_S)
         started = False
         try:
             conn = _connect(paths)

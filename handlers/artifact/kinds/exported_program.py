@@ -6,6 +6,7 @@ import torch
 
 from handlers.artifact.decoder import by_keyword
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
+from handlers.artifact.program_file import load_on_cpu
 from handlers.artifact.relocate import relocate
 from handlers.artifact.state import check_program
 from handlers.errors import LoadError
@@ -39,8 +40,10 @@ class ExportedProgram(ArtifactKind):
 
     @staticmethod
     def _program(spec):
+        """The program with its tensors on the CPU, whatever device it was exported on (the
+        worker relocates it: program_file.py)."""
         try:
-            return torch.export.load(spec.artifact_path)
+            return load_on_cpu(spec.artifact_path)[0]
         except Exception as e:
             raise LoadError(f"torch.export.load failed for {spec.artifact}: {e}. The file may be "
                             f"corrupt or saved by an incompatible torch (built with {spec.torch_version}, "
