@@ -201,3 +201,40 @@ def big_mlp() -> nn.Module:
     with torch.random.fork_rng():  # torch's own init, seeded (_seeded's N(0, 0.2) would overflow fp16 here)
         torch.manual_seed(7)
         return BigMLP().eval()
+
+
+class DevicesNamed(nn.Module):
+    """Every kind of state an export lifts and devices named in forward (issue 62): a conv and a
+    BatchNorm (parameters, running statistics), a registered buffer, a plain tensor attribute
+    (a lifted constant), a tensor made on the input's device and one made on a device named by
+    string (`named`, moved to the input's: a graph node with device=`named`)."""
+
+    def __init__(self, named: str = "cpu"):
+        super().__init__()
+        self.named = named
+        self.conv = nn.Conv1d(2, 3, 1)
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("shift", torch.linspace(0, 1, 3))
+        self.scale = torch.tensor([2.0, 3.0, 4.0])
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the plain attribute too, as users write it
+        self.scale = fn(self.scale)
+        return super()._apply(fn, recurse)
+
+    def forward(self, x, mask):
+        y = self.bn(self.conv(x)).mean(-1) * self.scale + self.shift
+        return (y + torch.arange(3, device=x.device) + torch.ones(3, device=self.named).to(x.device)) * mask
+
+
+def devices_named(named: str = "cpu") -> nn.Module:
+    m = DevicesNamed(named)
+    _seeded(m, 11)
+    with torch.no_grad():  # running statistics that are not the identity, so BatchNorm matters
+        m.bn.running_mean.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        m.bn.running_var.copy_(torch.tensor([1.5, 0.5, 2.0]))
+    return m
+
+
+def devices_named_inputs(rows: int, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 2, 5, generator=g), (torch.rand(rows, 3, generator=g) > 0.3).float()

@@ -137,6 +137,33 @@ def test_wrong_compute_capability_refused(gpu_artifacts, tmp_path):
     assert f"compute capability {wrong}" in msg and f"{major}.{minor}" in msg and "Fix" in msg
 
 
+def host_gpu(load_line: str) -> str:
+    """The GPU a load line names: "on cuda:0 (host GPU 1)" in a worker confined to GPU 1
+    (handlers/artifact/confine.py), "on cuda:1" in one that is not."""
+    where = load_line.split(" on ", 1)[1]
+    if where.startswith("cuda:0 (host GPU "):
+        return "cuda:" + where.split("(host GPU ", 1)[1].split(")")[0]
+    return where.split(" ")[0]
+
+
+def stray_contexts(ts, models) -> list:
+    """Each worker of `models` and each weights holder of the server that holds memory on more
+    than one GPU (nvidia-smi --query-compute-apps): [{pid, gpus}]."""
+    import subprocess
+
+    def smi(q):
+        out = subprocess.run(["nvidia-smi", q, "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+        return [[c.strip() for c in ln.split(",")] for ln in out.strip().splitlines() if ln.strip()]
+
+    index = {uuid: int(i) for i, uuid in smi("--query-gpu=index,uuid")}
+    gpus: dict = {}
+    for pid, uuid in smi("--query-compute-apps=pid,gpu_uuid"):
+        gpus.setdefault(int(pid), set()).add(index.get(uuid, -1))
+    holders = subprocess.run(["pgrep", "-f", "handlers.weights.holder"], capture_output=True, text=True).stdout.split()
+    pids = [w.get("pid") for m in models for w in ts.workers(m)] + [int(p) for p in holders]
+    return [{"pid": p, "gpus": sorted(gpus[p])} for p in pids if len(gpus.get(p, ())) > 1]
+
+
 @multigpu
 def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("gpu_store")
@@ -149,10 +176,12 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
     ts = serve({"two_gpu": mar, "wrong_cc": bad_mar}, ready=False)
     ts.wait_ready(["two_gpu"], timeout=600)
     log = ts.log()
-    placed = [ln.split(" on ")[1].split(" ")[0] for ln in log.splitlines() if "loaded aoti artifact" in ln]
+    placed = [host_gpu(ln) for ln in log.splitlines() if "loaded aoti artifact" in ln]
+    strays = stray_contexts(ts, ["two_gpu"])
     RESULTS["torchserve"] = {"workers": len(placed), "gpus": torch.cuda.device_count(),
-                             "worker_devices": sorted(placed)}
+                             "worker_devices": sorted(placed), "stray_contexts": strays}
     assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
+    assert strays == [], strays  # no worker or holder holds memory on a GPU it was not given
 
     # In this process first: the same requests through the CUDA runner on each GPU, so a
     # TorchServe-only failure can be told apart from a handler one.
