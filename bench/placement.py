@@ -231,8 +231,9 @@ def serve_and_check(cases: dict, store: Path, work: Path, timeout: float) -> tup
             c.update(ask(ts, n, refs[c["model"]]))
             c.update(placement_of(ts, n, on_gpu))
         holders = {pid: on_gpu.get(pid, {}) for pid in holder_pids(ts)}
+        # this process made the decoders' eager reference on the first GPU
         return holders, sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])}
-                               - set(holders))
+                               - set(holders) - {os.getpid()})
     finally:
         ts.stop()
 
@@ -252,7 +253,7 @@ def run(args) -> dict:
             if "error" in paths:
                 cases[name].update(archived=False, said=[paths["error"][-600:]])
     todo = [n for n, c in cases.items() if "archived" not in c]
-    with cf.ThreadPoolExecutor(4) as pool:
+    with cf.ThreadPoolExecutor(9) as pool:
         for n, res in zip(todo, pool.map(lambda n: archive(n, made[(cases[n]["model"], cases[n]["exported_on"])],
                                                            cases[n]["form"], cases[n]["model"], store, gpus), todo)):
             cases[n].update(res)

@@ -1,4 +1,4 @@
-"""A `torch.export.save` file read onto the CPU, whatever device its tensors were saved from.
+"""A `torch.export.save` file read onto the CPU, whatever device its tensors and graph name.
 
 `torch.export.load` puts each tensor back on the device it was saved from: a program exported on
 cuda:1 fails to load where there is no cuda:1 (a host of one GPU, a worker confined to its GPU:
@@ -8,6 +8,9 @@ onto the CPU and the caller relocates the program (relocate.py). Facts it relies
 2.11-2.13, torch/export/pt2_archive/_package.py and torch/_export/serde/serialize.py):
 - the weights and constants are built by `_build_file_map`, which reads each record into a CPU
   tensor and moves it to `deserialize_device(tensor_meta.device)` (that module's own name for it);
+- the graph's recorded values and device arguments are read through serialize.py's own
+  `deserialize_device` (a fake tensor on cuda:1 fails to deserialize where the process sees one GPU:
+  seen on two H200s in a worker confined to its GPU);
 - the example inputs are a torch.save payload read by serialize.py's `deserialize_torch_artifact`.
 Where a torch lacks either name, the load is torch's own (tensors go back where they were saved).
 """
@@ -41,13 +44,9 @@ def _onto_cpu(saved: Saved):
     package = _module("torch.export.pt2_archive._package")
     serialize = _module("torch._export.serde.serialize")
     patches = []
-    if package is not None and hasattr(package, "deserialize_device"):
-        real = package.deserialize_device
-
-        def to_cpu(d):
-            saved.saw(real(d))
-            return torch.device("cpu")
-        patches.append((package, "deserialize_device", real, to_cpu))
+    for mod in (package, serialize):  # the weights' and constants' devices; the graph's (values, arguments)
+        if mod is not None and hasattr(mod, "deserialize_device"):
+            patches.append((mod, "deserialize_device", mod.deserialize_device, _to_cpu(mod.deserialize_device, saved)))
     if serialize is not None and hasattr(serialize, "deserialize_torch_artifact"):
         real_artifact = serialize.deserialize_torch_artifact
 
@@ -70,6 +69,13 @@ def _onto_cpu(saved: Saved):
     finally:
         for mod, name, old, _ in patches:
             setattr(mod, name, old)
+
+
+def _to_cpu(real, saved: Saved):
+    def to_cpu(d):
+        saved.saw(real(d))
+        return torch.device("cpu")
+    return to_cpu
 
 
 def _module(name: str):
