@@ -280,9 +280,18 @@ def summarize(args, cases: dict, holders: dict, others: list, gpus: int) -> dict
 
 
 def throughput(scaling: dict) -> dict:
-    """The scaling file's ResNet-50 figures as they are, and the two-GPU to one-GPU ratios."""
-    out = {"from": scaling.get("command"), "figures": scaling.get("summary", scaling.get("results"))}
-    return out
+    """A bench_e2e --gpus 1,all file's figures (ours and echo req/s per GPU count) and the ratios the
+    issue asks for: ours on all GPUs over ours on one, and over echo on all (what TorchServe's own
+    transport allows there)."""
+    rows = [{k: p.get(k) for k in ("handler", "gpus", "clients", "req_s", "p50_ms", "p99_ms")}
+            for p in scaling.get("points", []) if p.get("handler") in ("ours", "echo")]
+    by = {(r["handler"], r["gpus"]): r["req_s"] for r in rows}
+    most = max((r["gpus"] for r in rows), default=1)
+    ours1, ours_n, echo_n = by.get(("ours", 1)), by.get(("ours", most)), by.get(("echo", most))
+    return {"from": scaling.get("command"), "points": rows,
+            "ours_speedup": round(ours_n / ours1, 2) if ours1 and ours_n else None,
+            "ours_vs_echo_all_gpus": round(ours_n / echo_n, 2) if echo_n and ours_n else None,
+            "echo_speedup": round(echo_n / by[("echo", 1)], 2) if echo_n and by.get(("echo", 1)) else None}
 
 
 def page(report: dict) -> str:
