@@ -287,6 +287,80 @@ def test_a_failed_turn_fails_the_sequences_in_the_cache_and_the_engine_serves_on
     assert h.wait(["b"])["b"] == one_sequence_greedy(program, [1, 2, 3], 10)
 
 
+def test_a_failed_turn_frees_every_slot_it_held(program):
+    """All 32 slots in the cache when a step fails: each sequence is told, every slot is free again
+    once the failure is delivered, and a next crowd of 32 is answered (a slot kept by a failed
+    turn would leave the worker admitting nothing after 32 failures)."""
+    h = Harness(program)
+    real, calls = h.runner.step, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device said no")
+        return real(*args)
+    h.runner.step = fails_once
+    with h.engine.cond:  # every sequence admitted in one turn: all 32 fill their prompts before the first step
+        for i in range(SLOTS):
+            h.submit(("failed", i), [1, 2, 3 + i], 6)
+    got = h.wait([("failed", i) for i in range(SLOTS)])
+    assert all(isinstance(e, ServingError) and "device said no" in e.message for e in got.values())
+    with h.engine.cond:  # _fail_all frees the slots before it delivers the errors
+        assert sorted(h.engine.free) == list(range(SLOTS)), f"{SLOTS - len(h.engine.free)} slots still held"
+    for i in range(SLOTS):
+        h.submit(("next", i), [1, 2, 3 + i], 6)
+    again = h.wait([("next", i) for i in range(SLOTS)])
+    assert again[("next", 5)] == one_sequence_greedy(program, [1, 2, 8], 6)
+
+
+def continuous_worker(program, step, monkeypatch):
+    """A worker serving the program by continuous batching (handlers/continuous.py) in process, its
+    runner's step replaced by `step(real_step, *args)`, a frontend that takes the streams' chunks;
+    (worker, the chunks sent: (request id, Encoded))."""
+    from handlers import continuous
+    from handlers.config import parse_config
+    from worker_kit import make_spec, make_worker
+
+    dec = recognise(program, program_state(program).mutated)
+    runner = SlotRunner(_Module(program), dec, torch.device("cpu"), SimpleNamespace(stream_priority=0))
+    real = runner.step
+    runner.step = lambda *a: step(real, *a)
+    config = parse_config({})
+    worker = make_worker(make_spec(1, 1), runner, config=config)
+    cont = continuous.Continuous(runner, None, config, 1 << 20)
+    worker.loaded.generation = cont
+    cont.start(engines.Budget(4, 16), "", worker.broken)
+    chunks = []
+    cont.sock = object()  # what handle_async sets from the context: chunks go out to it
+    monkeypatch.setattr(continuous.replies, "send_chunks", lambda sock, lock, sent: chunks.extend(sent))
+    return worker, chunks
+
+
+def test_a_stream_that_fails_after_its_first_token_ends_with_the_error_object(program, monkeypatch):
+    """The continuous worker's failure path of a running stream: tokens went out as chunks, so the
+    last frame is the route's error object (finish_reason error, the reason), not a final
+    answer and not an empty one; the worker serves on."""
+    from handlers.torchserve.headers import RequestHeaders
+
+    calls = []
+
+    def third_call_fails(real, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the model's kernel failed")
+        return real(*args)
+    worker, frames = continuous_worker(program, third_call_fails, monkeypatch)
+    body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
+    last = worker.serve([{"body": body}], [RequestHeaders("application/json")])[0]
+    streamed = [json.loads(e.body) for _, e in frames]
+    assert 1 <= len(streamed) <= 3 and all("token_ids" in t for t in streamed), streamed
+    answer = json.loads(last.body)
+    assert answer["finish_reason"] == "error" and "the model's kernel failed" in answer["error"], answer
+    assert worker.health.refusal() is None
+    again = json.loads(worker.serve([{"body": body}], [RequestHeaders("application/json")])[0].body)
+    assert again["token_ids"] == one_sequence_greedy(program, [5, 17, 33], 8)
+
+
 def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
     h = Harness(program, queue_size=2)
     with h.engine.cond:  # the engine cannot admit while the test holds its lock: the slots stay free
