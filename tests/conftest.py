@@ -7,8 +7,10 @@ with only ports and paths changed, so the security settings under test are the s
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,21 +146,47 @@ def file_lock(path: Path):
 # marked `server` where it is written: `pytestmark = pytest.mark.server` in its module, or
 # `@pytest.mark.server` on the test. `pytest -m "not server"` runs the in-process rest
 # (docs/testing.md). The fixtures below that compile or start servers are SERVER_FIXTURES; a test
-# that reaches one of them without the marker fails the collection (the `gpu` suite, run apart
-# with -m gpu on the GPU machine, is exempt).
+# that reaches one of them, or whose source or fixtures' source makes one of the SERVER_CALLS,
+# without the marker fails the collection (the `gpu` suite, run apart with -m gpu on the GPU
+# machine, is exempt).
 SERVER_FIXTURES = {"artifacts", "serve", "main_server", "hf_bert"}
+# What a test (or a fixture it reaches) does that makes it a `server` test, found in its source:
+# starts TorchServe or the pod, compiles with AOTInductor or cs-compile, archives with cs-archive,
+# runs one of the project's scripts.
+SERVER_CALLS = re.compile(r"\b(?:LocalTorchServe|TorchServe|Container)\(|aoti_compile_and_package\("
+                          r"|cs_command\(\"(?:compile|archive)\"\)|\bbuild_mar\(|\[\s*\"(?:ba)?sh\",\s*\"scripts/")
+
+
+def server_calls(item) -> set:
+    """The SERVER_CALLS in the source of `item`'s test function and of every fixture it reaches."""
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        funcs += [d.func for d in defs]
+    found = set()
+    for f in funcs:
+        try:
+            found |= {m.group(0) for m in SERVER_CALLS.finditer(inspect.getsource(f))}
+        except (OSError, TypeError):  # a built-in fixture (tmp_path, monkeypatch): pytest's own
+            continue
+    return found
 
 
 def pytest_collection_modifyitems(config, items):
-    unmarked = sorted(item.nodeid for item in items
-                      if SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
-                      and not item.get_closest_marker("server") and not item.get_closest_marker("gpu"))
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("server") or item.get_closest_marker("gpu"):
+            continue
+        why = sorted(SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))) + sorted(server_calls(item))
+        if why:
+            unmarked.append(f"{item.nodeid} ({', '.join(why)})")
     if unmarked:
         raise pytest.UsageError(
-            "these tests use a fixture that compiles or starts TorchServe (" + ", ".join(sorted(SERVER_FIXTURES))
-            + ") but are not marked `server`: add `pytestmark = pytest.mark.server` to the module (or "
+            "these tests compile, start TorchServe or run the project's scripts (a fixture of "
+            + ", ".join(sorted(SERVER_FIXTURES)) + ", or a call in their own or their fixtures' source) "
+            "but are not marked `server`: add `pytestmark = pytest.mark.server` to the module (or "
             "`@pytest.mark.server` to the test) so that `pytest -m \"not server\"` stays in process:\n  "
-            + "\n  ".join(unmarked))
+            + "\n  ".join(sorted(unmarked)))
 
 
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).

@@ -571,6 +571,7 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
     assert all(got[i] == alone for i in range(1, 20, 2))
 
 
+@pytest.mark.server
 def test_an_aotinductor_package_answers_as_alone_with_prompts_of_several_sequences_per_call(program, tmp_path):
     """The runner over the program packaged by AOTInductor (CPU), steps and prompt calls padded as
     graph replays pad them, prompts of up to 4 sequences filled 4 tokens a turn: 40 sequences on
