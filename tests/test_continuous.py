@@ -61,13 +61,22 @@ class _Module:
 class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
-    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None):
-        """`runner`: one made (and its graphs captured) by the caller; else the CPU's."""
+    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None, start=True):
+        """`runner`: one made (and its graphs captured) by the caller; else the CPU's. `start`
+        False: the engine's thread is not started, the test runs its turns (`turn`)."""
         dec = recognise(program, program_state(program).mutated)
         self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
                                            SimpleNamespace(stream_priority=0))
         self.done, self.cond = {}, threading.Condition()
-        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget).start()
+        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget)
+        if start:
+            self.engine.start()
+
+    def turn(self):
+        """One turn of the engine on the test's thread, as its loop runs it (engine._run)."""
+        with torch.inference_mode():
+            self.engine._admit()
+            self.engine.deliver(self.engine._turn())
 
     def _deliver(self, updates):
         with self.cond:
@@ -190,6 +199,42 @@ def test_padded_steps_and_prompt_calls_never_touch_a_prompt_being_filled(program
     got = h.wait(list(cases))
     wrong = [i for i in cases if got[i] != one_sequence_greedy(program, *cases[i])]
     assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
+
+
+def test_padding_lands_on_decoding_sequences_and_a_prompt_being_filled_and_changes_no_token(program):
+    """The layouts the padding rules are for, built turn by turn on the test's thread: 31
+    sequences decode while a 32nd fills its 30-token prompt 4 tokens a turn, so no slot is free:
+    each prompt call (one row on the 4-row graph) pads 3 rows onto decoding sequences, from the
+    position their next step writes, and each step (31 rows on the 32-row graph) pads its row
+    onto the prompt being filled, at its next prompt position. Every sequence's tokens are the
+    one-sequence model's."""
+    h = with_prompt_graphs(with_step_graphs(Harness(program, budget=engines.Budget(1, 4), start=False)),
+                           rows=(4,), lengths=(4, 16))
+    r, prompt_pads, step_pads = h.runner, [], []
+    real_call, real_step = r._prompt_call, r.step
+    r._prompt_call = lambda key, slots, chunks, starts, pad: (
+        prompt_pads.append((list(slots), list(pad))) or real_call(key, slots, chunks, starts, pad))
+    r.step = lambda slots, tokens, positions, spare=(): (
+        step_pads.append(list(spare[:32 - len(slots)])) or real_step(slots, tokens, positions, spare))
+    g = torch.Generator().manual_seed(5)
+    cases = {i: (torch.randint(0, 256, (5 + i % 12,), generator=g).tolist(), 10 + i % 7) for i in range(SLOTS - 1)}
+    for i, (p, n) in cases.items():
+        h.submit(i, p, n)
+    h.turn()  # no sequence decodes yet: every prompt whole, 4 per call
+    assert len(h.engine.ready) == SLOTS - 1
+    cases["late"] = (torch.randint(0, 256, (30,), generator=g).tolist(), 6)
+    h.submit("late", *cases["late"])
+    prompt_pads.clear()
+    for _ in range(200):
+        if not h.engine._busy():
+            break
+        h.turn()
+    wrong = [i for i in cases if h.done.get(i) != one_sequence_greedy(program, *cases[i])]
+    assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
+    late = 31  # the one slot left: the layouts above occurred
+    over_decoding = [pad for slots, pad in prompt_pads if slots == [late]]
+    assert len(over_decoding) == 8 and all(len(p) == 3 and late not in dict(p) for p in over_decoding)
+    assert any(pad == [(late, f)] for pad in step_pads for f in range(4, 30, 4)), "no step padded onto the prompt"
 
 
 def test_a_padded_step_writes_its_padding_rows_only_at_the_spare_places(program):
