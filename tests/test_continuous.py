@@ -76,7 +76,10 @@ class Harness:
         """One turn of the engine on the test's thread, as its loop runs it (engine._run)."""
         with torch.inference_mode():
             self.engine._admit()
-            self.engine.deliver(self.engine._turn())
+            try:
+                self.engine.deliver(self.engine._turn())
+            except Exception as e:  # noqa: BLE001  (as engine._run: the sequences in the cache fail)
+                self.engine._fail_all(e)
 
     def _deliver(self, updates):
         with self.cond:
@@ -406,6 +409,58 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_the_error_object(pr
     assert again["token_ids"] == one_sequence_greedy(program, [5, 17, 33], 8)
 
 
+class _Event:
+    """torch.cuda.Event on the CPU: its record() and synchronize() logged with its buffer's index."""
+
+    def __init__(self, log, k):
+        self.log, self.k = log, k
+
+    def record(self):
+        self.log.append(("record", self.k))
+
+    def synchronize(self):
+        self.log.append(("wait", self.k))
+
+
+def test_the_engines_device_path_reads_each_step_after_its_wait_through_two_buffers(program):
+    """The engine's CUDA path (runner.cuda): each step's tokens copied into one of two host
+    buffers taken in turn and an event recorded; the next turn waits on that event before reading
+    them, and a buffer is written again only after the step that last wrote it was waited on.
+    Turns run on the test's thread with sequences joining and leaving; every sequence's tokens are
+    the one-sequence model's; a failed turn synchronizes the stream before the errors go out."""
+    h = Harness(program, budget=engines.Budget(2, 8), start=False)
+    log = []
+    h.engine.events = [_Event(log, 0), _Event(log, 1)]
+    h.runner.cuda = True
+    h.runner.stream = SimpleNamespace(synchronize=lambda: log.append(("stream", None)))
+    cases = {i: ([(5 * i + k) % 256 for k in range(3 + 4 * i)], 5 + 3 * i) for i in range(6)}
+    for turn in range(200):
+        if turn % 3 == 0 and turn // 3 in cases:  # one joins every third turn
+            h.submit(turn // 3, *cases[turn // 3])
+        elif not h.engine._busy():
+            break
+        h.turn()
+    assert {i: h.done[i] for i in cases} == {i: one_sequence_greedy(program, *c) for i, c in cases.items()}
+    records = [k for what, k in log if what == "record"]
+    assert records == [i % 2 for i in range(len(records))] and len(records) > 20
+    for i, (what, k) in enumerate(log):
+        if what == "record":  # the buffer's last step (if any) was waited on since its record
+            before = [e for e in log[:i] if e[1] == k]
+            assert not before or before[-1] == ("wait", k), (i, log[max(0, i - 6):i + 1])
+    real = h.runner.step
+
+    def fails_with_a_step_in_flight(*args):
+        if h.engine.inflight is not None:
+            raise RuntimeError("device said no")
+        return real(*args)
+    h.runner.step = fails_with_a_step_in_flight
+    h.submit("failed", [1, 2, 3], 6)
+    log.clear()
+    while h.engine._busy():
+        h.turn()
+    assert isinstance(h.done["failed"], ServingError) and ("stream", None) in log
+
+
 def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
     h = Harness(program, queue_size=2)
     with h.engine.cond:  # the engine cannot admit while the test holds its lock: the slots stay free
@@ -614,6 +669,100 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
         h.submit(i, prompt if i % 2 else [(11 * i + k) % 256 for k in range(3 + 5 * i)], 24)
     got = h.wait(list(range(20)))
     assert all(got[i] == alone for i in range(1, 20, 2))
+
+
+class RecordedGraph:
+    """A torch.cuda.CUDAGraph on the CPU: its capture records every aten op run inside it (with
+    the tensors it read and wrote), and replay() runs them again over the same tensors, writing
+    each result into the tensor the capture produced, as a graph's kernels rerun over the memory
+    they were captured with. A `skew` added to every floating result of a replay stands for a
+    graph that computes otherwise than the plain call."""
+
+    skew = 0.0
+
+    def __init__(self):
+        self.ops = []
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            again = func(*args, **kwargs)
+            for o, a in zip(*(x if isinstance(x, (tuple, list)) else (x,) for x in (out, again))):
+                if isinstance(o, torch.Tensor) and o is not a:
+                    o.copy_(a + self.skew if a.is_floating_point() else a)
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.graph.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def on_recorded_graphs(monkeypatch, runner):
+    """`runner` as on a CUDA device whose graphs are RecordedGraphs: SlotRunner.capture's own code
+    captures, verifies and keeps them."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        with _Recording(g):
+            yield
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner.cuda, runner.stream = True, SimpleNamespace(synchronize=lambda: None)
+    runner.stream_context = contextlib.nullcontext
+    return runner
+
+
+@pytest.fixture(scope="module")
+def program8():
+    return slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8))
+
+
+def test_capture_verifies_and_keeps_every_graph_and_their_replays_answer_as_alone(program8, monkeypatch):
+    """The CPU's run of the GPU test below: SlotRunner.capture("on") over RecordedGraphs captures
+    and verifies a step graph of each size and a prompt graph of each rows x length, and the
+    engine over them gives a sequence the same tokens alone and in a crowd of 20."""
+    dec = recognise(program8, program_state(program8).mutated)
+    runner = on_recorded_graphs(monkeypatch, SlotRunner(_Module(program8), dec, torch.device("cpu"),
+                                                        SimpleNamespace(stream_priority=0)))
+    note = runner.capture("on")
+    assert set(runner.graphs) == {1, 2, 4, 8}, note
+    assert set(runner.prompt_graphs) == {(r, c) for r in (1, 2, 4, 8) for c in (16, 32, 64, 128)}, note
+    assert "each verified equal to the plain call" in note
+    runner.cuda, runner.stream_context = False, SlotRunner.stream_context.__get__(runner)  # the engine's CPU path
+    h = Harness(program8, queue_size=64, budget=engines.Budget(2, 16), runner=runner)
+    prompt = [5, 9, 13, 2, 7, 7, 1] * 5
+    h.submit("alone", prompt, 12)
+    alone = h.wait(["alone"])["alone"]
+    assert alone == one_sequence_greedy(program8, prompt, 12)
+    for i in range(20):
+        h.submit(i, prompt if i % 2 else [(11 * i + k) % 256 for k in range(3 + 5 * i)], 12)
+    got = h.wait(list(range(20)))
+    assert all(got[i] == alone for i in range(1, 20, 2))
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_a_graph_that_computes_otherwise_is_refused(program8, monkeypatch, mode):
+    """Replays that add 1e-3 to every floating result: "on" raises naming the difference; any
+    other mode keeps no graph and says the steps run as plain calls."""
+    dec = recognise(program8, program_state(program8).mutated)
+    runner = on_recorded_graphs(monkeypatch, SlotRunner(_Module(program8), dec, torch.device("cpu"),
+                                                        SimpleNamespace(stream_priority=0)))
+    monkeypatch.setattr(RecordedGraph, "skew", 1e-3)
+    if mode == "on":
+        with pytest.raises(RuntimeError, match="the 1-row graph's logits differ from the plain call's by"):
+            runner.capture(mode)
+        return
+    note = runner.capture(mode)
+    assert runner.graphs == {} and runner.prompt_graphs == {}
+    assert note.startswith("plain step calls: the steps' CUDA graphs were not kept") and "differ" in note, note
 
 
 @pytest.mark.server
