@@ -551,9 +551,8 @@ def test_an_answer_without_streaming_and_a_bad_request(program, slot_server):
     assert lines[-1]["token_ids"] == one_sequence_greedy(program, [5, 6, 7], 5)
 
 
-@pytest.mark.server
-def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
-    ts = slot_server.ts
+def crowd_on_a_queue_of_none(ts) -> list:
+    """(status, Retry-After, body) of 96 requests of 120 tokens sent at once to lm_q0 (no queue)."""
     long = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 120, "ignore_eos": True}}
     statuses, lock = [], threading.Lock()
 
@@ -566,9 +565,23 @@ def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_serv
         t.start()
     for t in threads:
         t.join()
-    busy = [s for s in statuses if s[0] == 503]
-    assert busy and all(s[1] == "1" and "slots are busy" in s[2] for s in busy), statuses[:3]
-    assert sum(s[0] == 200 for s in statuses) >= SLOTS
+    return statuses
+
+
+@pytest.mark.server
+def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
+    """No condition says when every slot is busy from outside the worker (a sequence's 120
+    tokens take a fraction of a second), so the crowd is sent up to three times until some of it
+    is refused; every round's refusals carry the retry hint and at least a slot's worth is served."""
+    ts = slot_server.ts
+    for _ in range(3):
+        statuses = crowd_on_a_queue_of_none(ts)
+        busy = [s for s in statuses if s[0] == 503]
+        assert all(s[1] == "1" and "slots are busy" in s[2] for s in busy), busy[:3]
+        assert sum(s[0] == 200 for s in statuses) >= SLOTS and len(statuses) == SLOTS * 3
+        if busy:
+            break
+    assert busy, "96 requests at once were never refused in three rounds"
     r, lines = ask(ts, "lm_q0", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}})
     assert r.status_code == 200 and len(lines) == 4
 
