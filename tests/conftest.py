@@ -7,8 +7,10 @@ with only ports and paths changed, so the security settings under test are the s
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +64,39 @@ def pytest_unconfigure(config):
     shutil.rmtree(_RUN_TMP, ignore_errors=True)
 
 
+# A worker that runs in this process (tests/worker_kit.py) and meets a sticky device fault asks
+# handlers/torchserve/restart.py to os._exit(70): in the pytest process that would end the run with
+# no report. Its exit is replaced here, for the whole session (its timer can fire after the test
+# that started it), by one that records the code; a child forked from here (tests/test_frames.py)
+# exits as the worker does. The fixture below fails the test whose worker asked for the exit.
+_PYTEST_PID = os.getpid()
+EXITS_ASKED: list = []
+
+
+def _exit_unless_pytest(code: int) -> None:
+    if os.getpid() != _PYTEST_PID:
+        os._exit(code)
+    EXITS_ASKED.append(code)
+
+
+def pytest_configure(config):
+    from handlers.torchserve import restart
+
+    restart._exit = _exit_unless_pytest
+
+
+@pytest.fixture(autouse=True)
+def no_worker_exit_in_the_test_process():
+    """Fails a test after which an in-process worker has an exit pending (restart.exit_soon: a
+    sticky device fault), and clears it so the next test starts with none."""
+    from handlers.torchserve import restart
+
+    yield
+    reason, restart._exit_reason = restart._exit_reason, None
+    if reason is not None:
+        pytest.fail(f"an in-process worker asked to exit the test process (os._exit(70)): {reason}", pytrace=False)
+
+
 # The modules whose tests use main_server: under `-n N --dist loadfile` one xdist worker runs them
 # all, so main_server (11 archives, one TorchServe) starts once. A module missing here still
 # passes; it only starts a main_server of its own on another worker.
@@ -111,21 +146,47 @@ def file_lock(path: Path):
 # marked `server` where it is written: `pytestmark = pytest.mark.server` in its module, or
 # `@pytest.mark.server` on the test. `pytest -m "not server"` runs the in-process rest
 # (docs/testing.md). The fixtures below that compile or start servers are SERVER_FIXTURES; a test
-# that reaches one of them without the marker fails the collection (the `gpu` suite, run apart
-# with -m gpu on the GPU machine, is exempt).
+# that reaches one of them, or whose source or fixtures' source makes one of the SERVER_CALLS,
+# without the marker fails the collection (the `gpu` suite, run apart with -m gpu on the GPU
+# machine, is exempt).
 SERVER_FIXTURES = {"artifacts", "serve", "main_server", "hf_bert"}
+# What a test (or a fixture it reaches) does that makes it a `server` test, found in its source:
+# starts TorchServe or the pod, compiles with AOTInductor or cs-compile, archives with cs-archive,
+# runs one of the project's scripts.
+SERVER_CALLS = re.compile(r"\b(?:LocalTorchServe|TorchServe|Container)\(|aoti_compile_and_package\("
+                          r"|cs_command\(\"(?:compile|archive)\"\)|\bbuild_mar\(|\[\s*\"(?:ba)?sh\",\s*\"scripts/")
+
+
+def server_calls(item) -> set:
+    """The SERVER_CALLS in the source of `item`'s test function and of every fixture it reaches."""
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        funcs += [d.func for d in defs]
+    found = set()
+    for f in funcs:
+        try:
+            found |= {m.group(0) for m in SERVER_CALLS.finditer(inspect.getsource(f))}
+        except (OSError, TypeError):  # a built-in fixture (tmp_path, monkeypatch): pytest's own
+            continue
+    return found
 
 
 def pytest_collection_modifyitems(config, items):
-    unmarked = sorted(item.nodeid for item in items
-                      if SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
-                      and not item.get_closest_marker("server") and not item.get_closest_marker("gpu"))
+    unmarked = []
+    for item in items:
+        if item.get_closest_marker("server") or item.get_closest_marker("gpu"):
+            continue
+        why = sorted(SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))) + sorted(server_calls(item))
+        if why:
+            unmarked.append(f"{item.nodeid} ({', '.join(why)})")
     if unmarked:
         raise pytest.UsageError(
-            "these tests use a fixture that compiles or starts TorchServe (" + ", ".join(sorted(SERVER_FIXTURES))
-            + ") but are not marked `server`: add `pytestmark = pytest.mark.server` to the module (or "
+            "these tests compile, start TorchServe or run the project's scripts (a fixture of "
+            + ", ".join(sorted(SERVER_FIXTURES)) + ", or a call in their own or their fixtures' source) "
+            "but are not marked `server`: add `pytestmark = pytest.mark.server` to the module (or "
             "`@pytest.mark.server` to the test) so that `pytest -m \"not server\"` stays in process:\n  "
-            + "\n  ".join(unmarked))
+            + "\n  ".join(sorted(unmarked)))
 
 
 # name -> compile.py arguments. Example batches sit inside the dynamic range (not 1).
@@ -468,6 +529,14 @@ def stubs(tmp_path_factory):
     return inference_pb2, inference_pb2_grpc
 
 
+def skip_or_fail_in_ci(reason: str) -> None:
+    """Skips the test, or under CI=true (.ci/run's machine, where everything the suite needs is
+    installed) fails it: a test that cannot run there is a failure to see, not a skip to miss."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and this test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def kserve_env():
     """The Python of .venv-kserve (the kserve SDK and tritonclient), installed on first use."""
@@ -475,5 +544,6 @@ def kserve_env():
         r = subprocess.run(["sh", "scripts/setup_kserve_env.sh"], cwd=ROOT, capture_output=True, text=True,
                            timeout=900)
         if r.returncode != 0:
-            pytest.skip(f"scripts/setup_kserve_env.sh could not install the kserve SDK: {r.stderr[-500:]}")
+            skip_or_fail_in_ci("scripts/setup_kserve_env.sh could not install .venv-kserve (the kserve SDK and "
+                               f"tritonclient) that the pod's and tritonclient's tests run: {r.stderr[-500:]}")
     return Path(ROOT) / ".venv-kserve" / "bin" / "python"

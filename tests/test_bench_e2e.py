@@ -11,9 +11,6 @@ import sys
 import pytest
 from conftest import ROOT
 
-# a child process that keeps one core busy for 2.5 s (the core-accounting tests' load)
-SPIN_2_5_S = "import time\nt = time.time() + 2.5\nwhile time.time() < t: pass"
-
 
 @pytest.mark.server
 def test_bench_e2e_smoke(artifacts, tmp_path):
@@ -96,25 +93,35 @@ def test_ts_config_lines_must_be_key_value():
 
 @pytest.mark.server
 def test_cpu_usage_counts_a_busy_child_as_load_generator():
-    """A child of this process spinning on one core for the whole window shows as about one
-    core of load generator, inside the host's busy cores."""
+    """Two children of this process spinning: load generator is the CPU time their own
+    /proc/PID/stat gives over the same window (the baseline, read just before and just after each
+    snapshot, so the snapshot's reading lies between; a loaded host gives them less than two
+    cores and both see that), and the busiest single process is one of them, not the sum."""
+    import os
     import time
 
     from bench import cpu_usage
 
-    children = [subprocess.Popen([sys.executable, "-c", SPIN_2_5_S]) for _ in range(2)]
+    tick = os.sysconf("SC_CLK_TCK")
+    children = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+
+    def own():
+        return [cpu_usage._jiffies(cpu_usage.read_stat(f"/proc/{c.pid}/stat")[1]) for c in children]
     try:
-        time.sleep(0.5)
-        before = cpu_usage.snapshot()
-        time.sleep(1.5)
-        got = cpu_usage.usage(before, cpu_usage.snapshot())
+        b0, before, b1 = own(), cpu_usage.snapshot(), own()
+        deadline = time.monotonic() + 120
+        while sum(own()) - sum(b1) < tick and time.monotonic() < deadline:
+            time.sleep(0.1)  # until they have had a second of CPU together, however loaded the host
+        a0, after, a1 = own(), cpu_usage.snapshot(), own()
     finally:
         for child in children:
+            child.kill()
             child.wait()
-    # two spinning children: up to two cores together (fewer on a busy host), and the busiest
-    # single process is one of them, about half of that, not the sum of both
-    assert 0.7 <= got["load_generator"] <= 2.2, got
-    assert 0.3 <= got["busiest"]["load_generator"] <= min(1.1, 0.8 * got["load_generator"]), got
+    got, per_s = cpu_usage.usage(before, after), 1 / tick / (after["t"] - before["t"])
+    low, high = [a - b for a, b in zip(a0, b1)], [a - b for a, b in zip(a1, b0)]
+    assert sum(low) >= tick, f"the children had {sum(low)} jiffies"
+    assert sum(low) * per_s - 0.01 <= got["load_generator"] <= sum(high) * per_s + 0.01, (got, low, high)
+    assert max(low) * per_s - 0.01 <= got["busiest"]["load_generator"] <= max(high) * per_s + 0.01, (got, low, high)
     assert got["host_busy"] >= got["load_generator"] - 0.15 and got["host_cores"] >= 1 and got["irq"] >= 0, got
     assert cpu_usage.usage(None, before) is None
 
@@ -147,24 +154,35 @@ def test_py_spy_started_by_the_benchmark_is_not_load():
 
 @pytest.mark.server
 def test_cores_by_key_of_a_busy_process():
-    """A spinning child's threads add up to about one core, all under the name of its main
-    thread with the digits written as #, and its busiest thread is that one core."""
+    """A spinning child's threads add up to the cores its process used in the same window (its
+    /proc/PID/stat, the baseline: a loaded host gives the child less than a core, and both
+    readings see that), all under the name of its main thread with the digits written as #, and
+    its busiest thread is that main thread."""
     import os
     import time
 
-    from bench.cpu_usage import _cores_by_key, _threads
+    from bench.cpu_usage import _cores_by_key, _jiffies, _threads, read_stat
 
-    child = subprocess.Popen([sys.executable, "-c", SPIN_2_5_S])
+    tick = os.sysconf("SC_CLK_TCK")
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(0.5)
-        before = _threads(str(child.pid))
-        time.sleep(1.5)
-        after = _threads(str(child.pid))
+        def snap():
+            threads, (_, fields) = _threads(str(child.pid)), read_stat(f"/proc/{child.pid}/stat")
+            return threads, _jiffies(fields), time.monotonic()
+        before = snap()
+        deadline = time.monotonic() + 120
+        while (after := snap())[1] - before[1] < tick // 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the child has had half a second of CPU, however loaded the host
     finally:
+        child.kill()
         child.wait()
-    total, top = _cores_by_key(before, after, os.sysconf("SC_CLK_TCK"), 1.5)
-    assert 0.7 <= sum(total.values()) <= 1.1, total
-    assert 0.7 <= max(top.values()) <= 1.1 and all(top[k] <= total[k] + 1e-9 for k in total), (top, total)
+    seconds = after[2] - before[2]
+    process = (after[1] - before[1]) / tick / seconds
+    assert after[1] - before[1] >= tick // 2, f"the child had {after[1] - before[1]} jiffies in {seconds:.0f} s"
+    total, top = _cores_by_key(before[0], after[0], tick, seconds)
+    slack = 3 / tick / seconds  # a tick of the spinning thread may fall between the two files' reads, at each end
+    assert abs(sum(total.values()) - process) <= slack, (total, process)
+    assert max(top.values()) >= process - slack and all(top[k] <= total[k] + 1e-9 for k in total), (top, total)
     assert all(not any(ch.isdigit() for ch in k) for k in total), total
     assert _threads("999999999") == {}
     # two threads of one kind: the kind adds them up, the busiest is the larger; a new thread counts from 0

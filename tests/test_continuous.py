@@ -61,13 +61,25 @@ class _Module:
 class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
-    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None):
-        """`runner`: one made (and its graphs captured) by the caller; else the CPU's."""
+    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None, start=True):
+        """`runner`: one made (and its graphs captured) by the caller; else the CPU's. `start`
+        False: the engine's thread is not started, the test runs its turns (`turn`)."""
         dec = recognise(program, program_state(program).mutated)
         self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
                                            SimpleNamespace(stream_priority=0))
         self.done, self.cond = {}, threading.Condition()
-        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget).start()
+        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget)
+        if start:
+            self.engine.start()
+
+    def turn(self):
+        """One turn of the engine on the test's thread, as its loop runs it (engine._run)."""
+        with torch.inference_mode():
+            self.engine._admit()
+            try:
+                self.engine.deliver(self.engine._turn())
+            except Exception as e:  # noqa: BLE001  (as engine._run: the sequences in the cache fail)
+                self.engine._fail_all(e)
 
     def _deliver(self, updates):
         with self.cond:
@@ -192,6 +204,42 @@ def test_padded_steps_and_prompt_calls_never_touch_a_prompt_being_filled(program
     assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
 
 
+def test_padding_lands_on_decoding_sequences_and_a_prompt_being_filled_and_changes_no_token(program):
+    """The layouts the padding rules are for, built turn by turn on the test's thread: 31
+    sequences decode while a 32nd fills its 30-token prompt 4 tokens a turn, so no slot is free:
+    each prompt call (one row on the 4-row graph) pads 3 rows onto decoding sequences, from the
+    position their next step writes, and each step (31 rows on the 32-row graph) pads its row
+    onto the prompt being filled, at its next prompt position. Every sequence's tokens are the
+    one-sequence model's."""
+    h = with_prompt_graphs(with_step_graphs(Harness(program, budget=engines.Budget(1, 4), start=False)),
+                           rows=(4,), lengths=(4, 16))
+    r, prompt_pads, step_pads = h.runner, [], []
+    real_call, real_step = r._prompt_call, r.step
+    r._prompt_call = lambda key, slots, chunks, starts, pad: (
+        prompt_pads.append((list(slots), list(pad))) or real_call(key, slots, chunks, starts, pad))
+    r.step = lambda slots, tokens, positions, spare=(): (
+        step_pads.append(list(spare[:32 - len(slots)])) or real_step(slots, tokens, positions, spare))
+    g = torch.Generator().manual_seed(5)
+    cases = {i: (torch.randint(0, 256, (5 + i % 12,), generator=g).tolist(), 10 + i % 7) for i in range(SLOTS - 1)}
+    for i, (p, n) in cases.items():
+        h.submit(i, p, n)
+    h.turn()  # no sequence decodes yet: every prompt whole, 4 per call
+    assert len(h.engine.ready) == SLOTS - 1
+    cases["late"] = (torch.randint(0, 256, (30,), generator=g).tolist(), 6)
+    h.submit("late", *cases["late"])
+    prompt_pads.clear()
+    for _ in range(200):
+        if not h.engine._busy():
+            break
+        h.turn()
+    wrong = [i for i in cases if h.done.get(i) != one_sequence_greedy(program, *cases[i])]
+    assert not wrong, f"sequences {wrong} answered other tokens than the one-sequence model's"
+    late = 31  # the one slot left: the layouts above occurred
+    over_decoding = [pad for slots, pad in prompt_pads if slots == [late]]
+    assert len(over_decoding) == 8 and all(len(p) == 3 and late not in dict(p) for p in over_decoding)
+    assert any(pad == [(late, f)] for pad in step_pads for f in range(4, 30, 4)), "no step padded onto the prompt"
+
+
 def test_a_padded_step_writes_its_padding_rows_only_at_the_spare_places(program):
     """The rows a graph's size adds go to the (slot, position) places the caller names, in order;
     too few places is an error, not a guess."""
@@ -287,6 +335,132 @@ def test_a_failed_turn_fails_the_sequences_in_the_cache_and_the_engine_serves_on
     assert h.wait(["b"])["b"] == one_sequence_greedy(program, [1, 2, 3], 10)
 
 
+def test_a_failed_turn_frees_every_slot_it_held(program):
+    """All 32 slots in the cache when a step fails: each sequence is told, every slot is free again
+    once the failure is delivered, and a next crowd of 32 is answered (a slot kept by a failed
+    turn would leave the worker admitting nothing after 32 failures)."""
+    h = Harness(program)
+    real, calls = h.runner.step, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device said no")
+        return real(*args)
+    h.runner.step = fails_once
+    with h.engine.cond:  # every sequence admitted in one turn: all 32 fill their prompts before the first step
+        for i in range(SLOTS):
+            h.submit(("failed", i), [1, 2, 3 + i], 6)
+    got = h.wait([("failed", i) for i in range(SLOTS)])
+    assert all(isinstance(e, ServingError) and "device said no" in e.message for e in got.values())
+    with h.engine.cond:  # _fail_all frees the slots before it delivers the errors
+        assert sorted(h.engine.free) == list(range(SLOTS)), f"{SLOTS - len(h.engine.free)} slots still held"
+    for i in range(SLOTS):
+        h.submit(("next", i), [1, 2, 3 + i], 6)
+    again = h.wait([("next", i) for i in range(SLOTS)])
+    assert again[("next", 5)] == one_sequence_greedy(program, [1, 2, 8], 6)
+
+
+def continuous_worker(program, step, monkeypatch):
+    """A worker serving the program by continuous batching (handlers/continuous.py) in process, its
+    runner's step replaced by `step(real_step, *args)`, a frontend that takes the streams' chunks;
+    (worker, the chunks sent: (request id, Encoded))."""
+    from handlers import continuous
+    from handlers.config import parse_config
+    from worker_kit import make_spec, make_worker
+
+    dec = recognise(program, program_state(program).mutated)
+    runner = SlotRunner(_Module(program), dec, torch.device("cpu"), SimpleNamespace(stream_priority=0))
+    real = runner.step
+    runner.step = lambda *a: step(real, *a)
+    config = parse_config({})
+    worker = make_worker(make_spec(1, 1), runner, config=config)
+    cont = continuous.Continuous(runner, None, config, 1 << 20)
+    worker.loaded.generation = cont
+    cont.start(engines.Budget(4, 16), "", worker.broken)
+    chunks = []
+    cont.sock = object()  # what handle_async sets from the context: chunks go out to it
+    monkeypatch.setattr(continuous.replies, "send_chunks", lambda sock, lock, sent: chunks.extend(sent))
+    return worker, chunks
+
+
+def test_a_stream_that_fails_after_its_first_token_ends_with_the_error_object(program, monkeypatch):
+    """The continuous worker's failure path of a running stream: tokens went out as chunks, so the
+    last frame is the route's error object (finish_reason error, the reason), not a final
+    answer and not an empty one; the worker serves on."""
+    from handlers.torchserve.headers import RequestHeaders
+
+    calls = []
+
+    def third_call_fails(real, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the model's kernel failed")
+        return real(*args)
+    worker, frames = continuous_worker(program, third_call_fails, monkeypatch)
+    body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
+    last = worker.serve([{"body": body}], [RequestHeaders("application/json")])[0]
+    streamed = [json.loads(e.body) for _, e in frames]
+    assert 1 <= len(streamed) <= 3 and all("token_ids" in t for t in streamed), streamed
+    answer = json.loads(last.body)
+    assert answer["finish_reason"] == "error" and "the model's kernel failed" in answer["error"], answer
+    assert worker.health.refusal() is None
+    again = json.loads(worker.serve([{"body": body}], [RequestHeaders("application/json")])[0].body)
+    assert again["token_ids"] == one_sequence_greedy(program, [5, 17, 33], 8)
+
+
+class _Event:
+    """torch.cuda.Event on the CPU: its record() and synchronize() logged with its buffer's index."""
+
+    def __init__(self, log, k):
+        self.log, self.k = log, k
+
+    def record(self):
+        self.log.append(("record", self.k))
+
+    def synchronize(self):
+        self.log.append(("wait", self.k))
+
+
+def test_the_engines_device_path_reads_each_step_after_its_wait_through_two_buffers(program):
+    """The engine's CUDA path (runner.cuda): each step's tokens copied into one of two host
+    buffers taken in turn and an event recorded; the next turn waits on that event before reading
+    them, and a buffer is written again only after the step that last wrote it was waited on.
+    Turns run on the test's thread with sequences joining and leaving; every sequence's tokens are
+    the one-sequence model's; a failed turn synchronizes the stream before the errors go out."""
+    h = Harness(program, budget=engines.Budget(2, 8), start=False)
+    log = []
+    h.engine.events = [_Event(log, 0), _Event(log, 1)]
+    h.runner.cuda = True
+    h.runner.stream = SimpleNamespace(synchronize=lambda: log.append(("stream", None)))
+    cases = {i: ([(5 * i + k) % 256 for k in range(3 + 4 * i)], 5 + 3 * i) for i in range(6)}
+    for turn in range(200):
+        if turn % 3 == 0 and turn // 3 in cases:  # one joins every third turn
+            h.submit(turn // 3, *cases[turn // 3])
+        elif not h.engine._busy():
+            break
+        h.turn()
+    assert {i: h.done[i] for i in cases} == {i: one_sequence_greedy(program, *c) for i, c in cases.items()}
+    records = [k for what, k in log if what == "record"]
+    assert records == [i % 2 for i in range(len(records))] and len(records) > 20
+    for i, (what, k) in enumerate(log):
+        if what == "record":  # the buffer's last step (if any) was waited on since its record
+            before = [e for e in log[:i] if e[1] == k]
+            assert not before or before[-1] == ("wait", k), (i, log[max(0, i - 6):i + 1])
+    real = h.runner.step
+
+    def fails_with_a_step_in_flight(*args):
+        if h.engine.inflight is not None:
+            raise RuntimeError("device said no")
+        return real(*args)
+    h.runner.step = fails_with_a_step_in_flight
+    h.submit("failed", [1, 2, 3], 6)
+    log.clear()
+    while h.engine._busy():
+        h.turn()
+    assert isinstance(h.done["failed"], ServingError) and ("stream", None) in log
+
+
 def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
     h = Harness(program, queue_size=2)
     with h.engine.cond:  # the engine cannot admit while the test holds its lock: the slots stay free
@@ -377,9 +551,8 @@ def test_an_answer_without_streaming_and_a_bad_request(program, slot_server):
     assert lines[-1]["token_ids"] == one_sequence_greedy(program, [5, 6, 7], 5)
 
 
-@pytest.mark.server
-def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
-    ts = slot_server.ts
+def crowd_on_a_queue_of_none(ts) -> list:
+    """(status, Retry-After, body) of 96 requests of 120 tokens sent at once to lm_q0 (no queue)."""
     long = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 120, "ignore_eos": True}}
     statuses, lock = [], threading.Lock()
 
@@ -392,9 +565,23 @@ def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_serv
         t.start()
     for t in threads:
         t.join()
-    busy = [s for s in statuses if s[0] == 503]
-    assert busy and all(s[1] == "1" and "slots are busy" in s[2] for s in busy), statuses[:3]
-    assert sum(s[0] == 200 for s in statuses) >= SLOTS
+    return statuses
+
+
+@pytest.mark.server
+def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
+    """No condition says when every slot is busy from outside the worker (a sequence's 120
+    tokens take a fraction of a second), so the crowd is sent up to three times until some of it
+    is refused; every round's refusals carry the retry hint and at least a slot's worth is served."""
+    ts = slot_server.ts
+    for _ in range(3):
+        statuses = crowd_on_a_queue_of_none(ts)
+        busy = [s for s in statuses if s[0] == 503]
+        assert all(s[1] == "1" and "slots are busy" in s[2] for s in busy), busy[:3]
+        assert sum(s[0] == 200 for s in statuses) >= SLOTS and len(statuses) == SLOTS * 3
+        if busy:
+            break
+    assert busy, "96 requests at once were never refused in three rounds"
     r, lines = ask(ts, "lm_q0", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}})
     assert r.status_code == 200 and len(lines) == 4
 
@@ -497,6 +684,101 @@ def test_on_cuda_every_graph_is_captured_and_verified_and_a_crowd_answers_as_alo
     assert all(got[i] == alone for i in range(1, 20, 2))
 
 
+class RecordedGraph:
+    """A torch.cuda.CUDAGraph on the CPU: its capture records every aten op run inside it (with
+    the tensors it read and wrote), and replay() runs them again over the same tensors, writing
+    each result into the tensor the capture produced, as a graph's kernels rerun over the memory
+    they were captured with. A `skew` added to every floating result of a replay stands for a
+    graph that computes otherwise than the plain call."""
+
+    skew = 0.0
+
+    def __init__(self):
+        self.ops = []
+
+    def replay(self):
+        for func, args, kwargs, out in self.ops:
+            again = func(*args, **kwargs)
+            for o, a in zip(*(x if isinstance(x, (tuple, list)) else (x,) for x in (out, again))):
+                if isinstance(o, torch.Tensor) and o is not a:
+                    o.copy_(a + self.skew if a.is_floating_point() else a)
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.graph.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def on_recorded_graphs(monkeypatch, runner):
+    """`runner` as on a CUDA device whose graphs are RecordedGraphs: SlotRunner.capture's own code
+    captures, verifies and keeps them."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        with _Recording(g):
+            yield
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    runner.cuda, runner.stream = True, SimpleNamespace(synchronize=lambda: None)
+    runner.stream_context = contextlib.nullcontext
+    return runner
+
+
+@pytest.fixture(scope="module")
+def program8():
+    return slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8))
+
+
+def test_capture_verifies_and_keeps_every_graph_and_their_replays_answer_as_alone(program8, monkeypatch):
+    """The CPU's run of the GPU test below: SlotRunner.capture("on") over RecordedGraphs captures
+    and verifies a step graph of each size and a prompt graph of each rows x length, and the
+    engine over them gives a sequence the same tokens alone and in a crowd of 20."""
+    dec = recognise(program8, program_state(program8).mutated)
+    runner = on_recorded_graphs(monkeypatch, SlotRunner(_Module(program8), dec, torch.device("cpu"),
+                                                        SimpleNamespace(stream_priority=0)))
+    note = runner.capture("on")
+    assert set(runner.graphs) == {1, 2, 4, 8}, note
+    assert set(runner.prompt_graphs) == {(r, c) for r in (1, 2, 4, 8) for c in (16, 32, 64, 128)}, note
+    assert "each verified equal to the plain call" in note
+    runner.cuda, runner.stream_context = False, SlotRunner.stream_context.__get__(runner)  # the engine's CPU path
+    h = Harness(program8, queue_size=64, budget=engines.Budget(2, 16), runner=runner)
+    prompt = [5, 9, 13, 2, 7, 7, 1] * 5
+    h.submit("alone", prompt, 12)
+    alone = h.wait(["alone"])["alone"]
+    assert alone == one_sequence_greedy(program8, prompt, 12)
+    for i in range(20):
+        h.submit(i, prompt if i % 2 else [(11 * i + k) % 256 for k in range(3 + 5 * i)], 12)
+    got = h.wait(list(range(20)))
+    assert all(got[i] == alone for i in range(1, 20, 2))
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_a_graph_that_computes_otherwise_is_refused(program8, monkeypatch, mode):
+    """Replays that add 1e-3 to every floating result: "on" raises naming the difference; any
+    other mode keeps no graph and says the steps run as plain calls."""
+    dec = recognise(program8, program_state(program8).mutated)
+    runner = on_recorded_graphs(monkeypatch, SlotRunner(_Module(program8), dec, torch.device("cpu"),
+                                                        SimpleNamespace(stream_priority=0)))
+    monkeypatch.setattr(RecordedGraph, "skew", 1e-3)
+    if mode == "on":
+        with pytest.raises(RuntimeError, match="the 1-row graph's logits differ from the plain call's by"):
+            runner.capture(mode)
+        return
+    note = runner.capture(mode)
+    assert runner.graphs == {} and runner.prompt_graphs == {}
+    assert note.startswith("plain step calls: the steps' CUDA graphs were not kept") and "differ" in note, note
+
+
+@pytest.mark.server
 def test_an_aotinductor_package_answers_as_alone_with_prompts_of_several_sequences_per_call(program, tmp_path):
     """The runner over the program packaged by AOTInductor (CPU), steps and prompt calls padded as
     graph replays pad them, prompts of up to 4 sequences filled 4 tokens a turn: 40 sequences on

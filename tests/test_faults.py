@@ -197,7 +197,9 @@ def test_slow_client_does_not_hold_up_others(fault_server):
     s.settimeout(60)
     reply = b""
     while b"\r\n\r\n" not in reply:
-        reply += s.recv(65536)
+        got = s.recv(65536)
+        assert got, f"the server closed the connection before its answer's head: {reply!r}"
+        reply += got
     s.close()
     RESULTS["slow_client"] = {"trickle_s": 5.0, "others_max_s": round(max(lat), 3),
                               "slow_client_status": int(reply.split()[1])}

@@ -217,6 +217,7 @@ def test_stopping_a_server_whose_launcher_died_stops_its_frontend(tmp_path):
 
 # -- the quickstart's --serve takes several names; the setup installs nginx only for the tests
 
+@pytest.mark.server
 @pytest.mark.parametrize("args", [["qs_probe_a", "qs_probe_b"], ["qs_probe_a,qs_probe_b"]])
 def test_quickstart_serve_looks_for_every_name(args):
     """`--serve a b` once served a alone, silently, and `--serve a,b` looked for a,b.mar: with a's
@@ -242,6 +243,7 @@ def fake_apt(tmp_path, says: str):
     return dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", NGINX=str(tmp_path / "no" / "nginx"))
 
 
+@pytest.mark.server
 def test_setup_without_nginx_never_asks_apt_for_it(tmp_path):
     """The quickstart's setup needs no nginx: on a machine without one it does not call apt."""
     env = fake_apt(tmp_path, "E: Could not get lock /var/lib/dpkg/lock-frontend")
@@ -250,6 +252,7 @@ def test_setup_without_nginx_never_asks_apt_for_it(tmp_path):
     assert not (tmp_path / "apt.calls").exists(), (tmp_path / "apt.calls").read_text()
 
 
+@pytest.mark.server
 def test_setup_for_the_pod_tests_says_what_to_do_when_apt_is_locked(tmp_path):
     env = fake_apt(tmp_path, "E: Could not get lock /var/lib/dpkg/lock-frontend")
     r = subprocess.run(["bash", "scripts/setup_env.sh", "--pod-tests"], cwd=ROOT, capture_output=True, text=True,

@@ -17,11 +17,11 @@ from worker_kit import make_spec, make_worker
 
 
 class FailingStep(DecoderRunner):
-    """The real runner over the exported program, raising on step `fail_at` of each sequence."""
+    """The real runner over the exported program, raising `message` on step `fail_at` of each sequence."""
 
-    def __init__(self, *args, fail_at: int):
+    def __init__(self, *args, fail_at: int, message: str = "the model's kernel failed"):
         super().__init__(*args)
-        self.fail_at, self.steps = fail_at, 0
+        self.fail_at, self.steps, self.message = fail_at, 0, message
 
     def prefill(self, ids):
         self.steps = 0
@@ -30,7 +30,7 @@ class FailingStep(DecoderRunner):
     def step(self, token, position):
         self.steps += 1
         if self.steps == self.fail_at:
-            raise RuntimeError("the model's kernel failed")
+            raise RuntimeError(self.message)
         return super().step(token, position)
 
 
@@ -53,6 +53,37 @@ def test_an_error_after_the_first_token_ends_the_stream_and_the_worker_serves_on
     runner.fail_at = 0
     answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
     assert json.loads(answers[0].body)["completion_tokens"] == 8
+
+
+def test_a_sticky_fault_breaks_the_worker_and_its_exit_never_ends_the_test_process():
+    """A device-side assert is sticky (handlers/faults.py): the stream ends with the error, every
+    later request is refused, and the worker asks for its exit (restart.exit_soon), which in this
+    process is recorded by tests/conftest.py instead of ending pytest (os._exit(70))."""
+    import time
+
+    import conftest
+    from handlers.torchserve import restart
+
+    ep = tiny_decoder.export(tiny_decoder.build(), "torchchat")
+    dec = recognise(ep, program_state(ep).mutated)
+    module = ep.module()
+    config = parse_config({})
+    runner = FailingStep(lambda t, p: {"logits": module(t, p)}, dec, torch.device("cpu"), config, fail_at=2,
+                         message="CUDA error: device-side assert triggered")
+    worker = make_worker(make_spec(1, 1), runner, config=config)
+    worker.loaded.generation = Generation(runner, None, config, 1 << 20)
+    body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
+    asked = len(conftest.EXITS_ASKED)
+    try:
+        answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
+        assert "device-side assert" in json.loads(answers[0].body)["error"]
+        assert worker.health.refusal() is not None and restart.exiting()
+        deadline = time.monotonic() + 30  # the exit's timer fires after restart.EXIT_DELAY_S
+        while len(conftest.EXITS_ASKED) == asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert conftest.EXITS_ASKED[asked:] == [70]
+    finally:
+        restart._exit_reason = None  # expected here: the exit conftest.py fails every other test on
 
 
 def test_text_held_for_a_stop_sequence_is_released_when_an_end_of_sequence_id_ends_it(tmp_path):

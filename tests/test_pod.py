@@ -604,8 +604,9 @@ def test_the_pods_ports_answer_on_ipv6_where_the_host_has_it(door):
 def test_sigterm_fails_readiness_and_the_pod_serves_on_while_the_cluster_stops_sending(door):
     """As the kubelet stops a container: SIGTERM to its first process (the entrypoint, which execs
     pod.start). Kubernetes removes the pod from the endpoints while it sends SIGTERM, so requests
-    keep arriving for a few seconds: readiness fails within about a second, REST and gRPC requests
-    sent in the next 3 s are answered right (STOP_DRAIN_S is 5), then the pod exits 0. Runs last:
+    keep arriving for a few seconds: readiness fails while the pod serves on, REST and gRPC
+    requests sent in the next 3 s (and after readiness failed) are answered right (STOP_DRAIN_S
+    is 5), then the pod exits 0. Runs last:
     it stops the module's pod."""
     c = door["container"]
     # the frontend's temp files (each archive unpacked, the workers' sockets) under RUNTIME_DIR,
@@ -613,19 +614,23 @@ def test_sigterm_fails_readiness_and_the_pod_serves_on_while_the_cluster_stops_s
     assert any((c.root / "run" / "tmp" / "models").iterdir())
     f, m = two(2, seed=17)
     c.proc.send_signal(signal.SIGTERM)
-    t0, answered, not_ready_at = time.monotonic(), 0, None
+    t0, answered, not_ready_after = time.monotonic(), 0, None
     with grpc.insecure_channel(door["grpc"]) as ch:
-        while time.monotonic() - t0 < 3.0:
+        # for 3 s, and on until readiness has failed (a loaded host's probe may take longer), but
+        # no later than a second before the drain ends (pod/config.py STOP_DRAIN_S, 5 s)
+        while time.monotonic() - t0 < 3.0 or not_ready_after is None and time.monotonic() - t0 < 4.0:
             r = requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=30)
             assert r.status_code == 200, r.text
             check(r.json()["outputs"], f, m)
             ch.unary_unary(OIP + "ModelInfer")(raw_two(f, m), timeout=30)
             answered += 1
-            if not_ready_at is None and c.probe("ready").returncode != 0:
-                not_ready_at = time.monotonic() - t0
+            if not_ready_after is None and c.probe("ready").returncode != 0:
+                not_ready_after = answered
                 assert "stopping" in c.probe("ready").stdout
             time.sleep(0.1)
-    assert not_ready_at is not None and not_ready_at < 2.5, f"readiness still passed {not_ready_at} s after SIGTERM"
+    # what Kubernetes needs: readiness failed while the pod still answered, and it answered after
+    assert not_ready_after is not None, f"readiness still passed {time.monotonic() - t0:.1f} s after SIGTERM"
+    assert answered > not_ready_after, f"no request answered after readiness failed ({answered} in all)"
     assert c.probe("live").returncode == 0, "liveness must hold while the pod drains (else the kubelet kills it)"
     assert c.proc.wait(timeout=90) == 0
     assert answered >= 5

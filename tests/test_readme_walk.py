@@ -82,6 +82,7 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.server
+@pytest.mark.timeout(3600)  # its walk alone may take 1800 s (below), above the ini's per-test limit
 def test_walk_the_readme_in_a_fresh_clone(tmp_path):
     """Long (it compiles the example with AOTInductor): what a newcomer does on day one."""
     if os.environ.get("README_WALK") != "1":

@@ -25,3 +25,34 @@ def test_a_part_being_compressed_is_read_once_and_a_missing_log_is_empty(tmp_pat
     _write(tmp_path / "model_log.log", "request line\n", 200)
     assert read_log(tmp_path / "model_log.log") == "load line\nrequest line\n"
     assert read_log(tmp_path / "absent.log") == ""
+
+
+def test_parts_are_read_by_age_not_by_name(tmp_path):
+    """log4j2's fileIndex nomax numbers a day's parts -1, -2, ... -10, -11: by name -10 comes
+    before -2; the parts are read oldest first."""
+    for i in (1, 2, 3, 10, 11):
+        _write(tmp_path / f"model_log.2026-11-28-{i}.log.gz", f"part {i}\n", 1000 + i, gz=True)
+    _write(tmp_path / "model_log.log", "current\n", 2000)
+    names = sorted(p.name for p in tmp_path.glob("model_log.*.log.gz"))
+    assert names[1] == "model_log.2026-11-28-10.log.gz"  # the order a name sort gives
+    assert read_log(tmp_path / "model_log.log") == "part 1\npart 2\npart 3\npart 10\npart 11\ncurrent\n"
+
+
+def test_a_part_removed_between_the_glob_and_the_sort_is_skipped(tmp_path, monkeypatch):
+    """log4j2's Delete (or its compression, which removes the uncompressed part) can remove a part
+    the reader has just listed: the reader reads the others, in order, and does not raise."""
+    from pathlib import Path
+
+    for i in (1, 2, 3):
+        _write(tmp_path / f"model_log.2026-11-28-{i}.log.gz", f"part {i}\n", 1000 + i, gz=True)
+    _write(tmp_path / "model_log.log", "current\n", 2000)
+    real_glob, removed = Path.glob, []
+
+    def glob_then_delete(self, pattern, **kw):
+        found = sorted(real_glob(self, pattern, **kw))
+        yield from found
+        removed.append(found[0].name)
+        found[0].unlink()  # gone once listed, before the reader asks its age
+    monkeypatch.setattr(Path, "glob", glob_then_delete)
+    assert read_log(tmp_path / "model_log.log") == "part 2\npart 3\ncurrent\n"
+    assert removed == ["model_log.2026-11-28-1.log.gz"]

@@ -56,6 +56,7 @@ def eager(built, weights, x):
         return m(x)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("package", ["normal", "code_only"])
 def test_user_managed_constants_are_read_in_place(built, package):
     compiled = torch._inductor.aoti_load_package(built[package])
@@ -76,6 +77,7 @@ def test_user_managed_constants_are_read_in_place(built, package):
     assert torch.allclose(after, eager(built, weights, x), atol=1e-5)  # the model read our memory
 
 
+@pytest.mark.server
 def test_runner_swaps_to_user_constants_and_frees_its_own(built, tmp_path):
     """The normal package through the container runner: the package's weights are loaded,
     user-managed ones go into the inactive buffer, swap, free the inactive (the package's copy).
@@ -138,6 +140,7 @@ def test_pack_keeps_values_shapes_strides_in_one_aligned_allocation_per_dtype():
     assert all(a[1] <= b[0] for a, b in zip(ptrs, ptrs[1:]))  # no two overlap
 
 
+@pytest.mark.server
 def test_exported_program_reads_held_tensors_in_place_and_refuses_a_wrong_one(built, tmp_path):
     """The export kind's adopt: the module's parameters are the held tensors themselves (same
     memory), answers equal the program's own; a held tensor of another shape fails the load."""
@@ -161,6 +164,7 @@ def test_exported_program_reads_held_tensors_in_place_and_refuses_a_wrong_one(bu
         adopt(torch.export.load(tmp_path / "p.pt2"), bad)
 
 
+@pytest.mark.server
 def test_aoti_adopt_frees_its_own_copy_and_names_a_missing_constant(built, tmp_path):
     from handlers.artifact.device import Placement
     from handlers.artifact.kinds import aoti_runner
@@ -184,6 +188,7 @@ def test_aoti_adopt_frees_its_own_copy_and_names_a_missing_constant(built, tmp_p
         aoti_runner.adopt(aoti_runner.new_runner(so2, cpu, kernels2), partial)
 
 
+@pytest.mark.server
 def test_a_runner_that_fails_its_first_call_on_held_weights_falls_back_to_the_threaded_one(built, monkeypatch, tmp_path):
     """AotiPackage._held: the single-threaded runner (CUDA graphs) is tried first; one whose
     first call fails is replaced by the threaded runner, and the load says so; both failing

@@ -185,8 +185,9 @@ def test_interleaved_clients_never_get_an_answer_from_another_clients_cache(prog
             return None
 
     deadline = time.time() + 180  # until the worker has tried its load and answers
-    while (first := ask([5], [0])) is None or first.status_code == 404 and time.time() < deadline:
+    while ((first := ask([5], [0])) is None or first.status_code == 404) and time.time() < deadline:
         time.sleep(1)
+    assert first is not None, f"no answer within 180 s: {ts.log()[-3000:]}"
     a, b = [5, 17, 33, 2, 9], [7, 1, 200, 45, 3, 3, 90, 11, 4]
     answers = [first, ask(a, list(range(5))), ask(b, list(range(9))), ask([12], [5])]
     for r in answers:

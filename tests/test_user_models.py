@@ -252,6 +252,7 @@ class HalfMLP(nn.Module):
         return {"y": self.b(h)}
 
 
+@pytest.mark.server
 def test_bf16_program_and_package_import_with_their_dtypes_tolerance(tmp_path):
     """A half-precision import is compared with the bound of its outputs' own dtype (1e-2 for
     fp16/bf16): the fused package differs from the program by rounding alone, which the float32

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import skip_or_fail_in_ci
 
 from bench import worker_spy
 
@@ -85,7 +86,7 @@ def test_samples_a_real_process(monkeypatch):
     try:
         exe = worker_spy.executable()
     except SystemExit:
-        pytest.skip("py-spy is not installed")
+        skip_or_fail_in_ci("py-spy is not installed (pyproject.toml's test dependencies name it)")
     code = textwrap.dedent("""
         import time
         def admit_all():
