@@ -128,7 +128,7 @@ OPTIONS = (
            "sleeps, in microseconds", low=0),
     # Every emission is a stdout line TorchServe's frontend parses; three per batch took about
     # 0.3 ms of worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against
-    # 2.28 at the same rate, docs/results/e2e_resnet50_fp16_scaling_h200x2.md).
+    # 2.28 at the same rate, `git show 8cb3939:docs/results/e2e_resnet50_fp16_scaling_h200x2.md`).
     Option("stage_metrics_s", float, 1.0, "seconds between emissions of the stage timings (means); 0 "
            "emits after every batch", low=0),
     # A batch of eight 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
