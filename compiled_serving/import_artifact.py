@@ -212,7 +212,7 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
         platform=sys.platform, machine=platform.machine(), variant_dir=out,
         extra={"imported_from": os.path.basename(path), "state": found.state}, **_compat_facts(kind, dest, device))
     write_spec(spec, out)
-    worst = check(spec, ep, found, on)
+    worst = check(spec, ep, found, on, saved.device)
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "
           f"{worst:.2e}; inputs {'; '.join(s.describe() for s in spec.inputs)}"
           + (f"; dims {', '.join(f'{k} {a}..{b}' for k, (a, b) in found.dims.items())}" if found.dims else ""))
@@ -236,7 +236,19 @@ def relocate_program(ep, device):
         raise ImportError_(str(e)) from None
 
 
-def check(spec, ep, found, on) -> float:
+def moved_hint(spec, exported_on, on) -> str:
+    """The fix where a package built on one GPU failed to load on another: AOTInductor packages
+    loaded on another index of the same kind of GPU on two H200s (docs/results/placement_2gpu_h200x2),
+    but a package's kernels are built for its compile device, and where that cannot move, the
+    package must be built where it serves."""
+    if spec.backend != "aoti" or exported_on is None or exported_on == on:
+        return ""
+    return (f". The package was compiled on {exported_on} and checked on {on}: check it on its own GPU "
+            f"(--device-index {exported_on.index}) on a machine that has it, or compile it again on the GPU "
+            "type it will serve on (cs-compile --device cuda)")
+
+
+def check(spec, ep, found, on, exported_on=None) -> float:
     """Trial load in a child process, then the artifact against the program on example inputs
     (at the dimensions' minimum and at their example sizes), all on the device `on`."""
     import torch
@@ -252,7 +264,7 @@ def check(spec, ep, found, on) -> float:
     try:
         crash_safe_probe(spec, placement, HandlerConfig())
     except LoadError as e:
-        raise ImportError_(f"the artifact fails to load here ({e})") from None
+        raise ImportError_(f"the artifact fails to load on {on} ({e}){moved_hint(spec, exported_on, on)}") from None
     loaded = load_artifact(spec, placement)
     if "decoder" in found.state:
         return check_decoder(found.state["decoder"], ep, loaded, placement.torch_device)

@@ -216,3 +216,12 @@ def test_held_weights_read_from_a_program_saved_on_cuda_1(programs, tmp_path):
     theirs = read_only(torch.export.load(cpu))
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert {t.device for t in mine.values()} == {CPU}
+
+
+def test_a_package_that_fails_on_another_gpu_names_the_fix():
+    aoti = type("S", (), {"backend": "aoti"})()
+    cuda = torch.device
+    hint = ia.moved_hint(aoti, cuda("cuda", 1), cuda("cuda", 0))
+    assert "compiled on cuda:1 and checked on cuda:0" in hint and "--device-index 1" in hint
+    assert ia.moved_hint(aoti, cuda("cuda", 0), cuda("cuda", 0)) == ""  # failed where it was built: no move
+    assert ia.moved_hint(type("S", (), {"backend": "export"})(), cuda("cuda", 1), cuda("cuda", 0)) == ""
