@@ -55,22 +55,56 @@ def export(model, max_cache: int = 64):
             dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=False)
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load(path: str, dtype: str):
+    """(model, its tokenizers.Tokenizer) from a transformers checkpoint directory (or hub id), in
+    the checkpoint's dtype (`auto`) or the one named. Refuses a checkpoint whose tokenizer files are
+    missing or do not cover the model (transformers then gives a tokenizer of one or a few tokens,
+    which would turn every text into unknown ids)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else DTYPES[dtype]).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path).backend_tokenizer
+    except (OSError, ValueError, AttributeError) as e:
+        raise SystemExit(f"transformers_decoder: {path} has no usable tokenizer ({type(e).__name__}: {e}); "
+                         "save it beside the model: AutoTokenizer.from_pretrained(SOURCE).save_pretrained(DIR)")
+    have, want = tokenizer.get_vocab_size(), model.config.vocab_size
+    if have < 2 or have > want:
+        raise SystemExit(f"transformers_decoder: {path}'s tokenizer holds {have} token(s), the model's vocabulary "
+                         f"{want}: the tokenizer files are missing or belong to another model; save the model's "
+                         "own tokenizer beside it (AutoTokenizer.from_pretrained(SOURCE).save_pretrained(DIR))")
+    return model, tokenizer
+
+
+def check_cache(model, max_cache: int) -> None:
+    """--max-cache within the positions the model was trained for (GPT-2 has 1024, its position
+    table has no row past it: the export ran, then the archive failed with 'index out of range')."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and max_cache > positions:
+        raise SystemExit(f"transformers_decoder: --max-cache {max_cache} is more than the {positions} positions "
+                         f"this model has (config.max_position_embeddings): use --max-cache {positions} or less")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a transformers causal LM (path or hub id); default: a tiny random Llama")
     p.add_argument("--out", required=True, help="where to torch.export.save the program")
     p.add_argument("--tokenizer-out", help="where to write its tokenizer.json")
     p.add_argument("--max-cache", type=int, default=64, help="KV cache positions (prompt and generated tokens)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="the weights' dtype in the export (auto: the checkpoint's own)")
     args = p.parse_args(argv)
     if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model).backend_tokenizer
+        model, tokenizer = load(args.model, args.dtype)
     else:
         model, tokenizer = tiny_llama(), tiny_tokenizer()
+        model = model.to(DTYPES[args.dtype]) if args.dtype != "auto" else model
+    check_cache(model, args.max_cache)
     torch.export.save(export(model, args.max_cache), args.out)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} ({next(model.parameters()).dtype}, cache of {args.max_cache} positions)")
     if args.tokenizer_out:
         tokenizer.save(args.tokenizer_out)
         print(f"wrote {args.tokenizer_out}")

@@ -357,3 +357,23 @@ def test_the_bridge_reads_a_stream_request_with_typed_or_raw_contents():
     assert body == {"text_input": "héllo", "parameters": {"stop": ["x"]}}
     with pytest.raises(stream_infer.BadRequest, match="input_ids is FP32"):
         stream_infer.generation_body(request([("input_ids", "FP32", [1], None)], raw=[b"\0" * 4]))
+
+
+def test_the_exporter_refuses_a_cache_past_the_models_positions_and_a_missing_tokenizer(tmp_path):
+    """A newcomer's checkpoint: --max-cache past max_position_embeddings was exported and then
+    failed in the archive ("index out of range in self"); a directory without tokenizer files gave
+    a one-token tokenizer that was accepted. Both stop the export, naming the fix."""
+    model = transformers_decoder.tiny_llama()
+    model.save_pretrained(tmp_path / "ckpt")  # no tokenizer files
+    with pytest.raises(SystemExit, match="--max-cache 512 is more than the 256 positions"):
+        transformers_decoder.main(["--out", str(tmp_path / "a.pt2"), "--max-cache", "512"])
+    with pytest.raises(SystemExit, match="tokenizer"):
+        transformers_decoder.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b.pt2")])
+    assert not (tmp_path / "a.pt2").exists() and not (tmp_path / "b.pt2").exists()
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=transformers_decoder.tiny_tokenizer()).save_pretrained(tmp_path / "ckpt")
+    transformers_decoder.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "c.pt2"), "--dtype",
+                               "bfloat16"])
+    ep = torch.export.load(tmp_path / "c.pt2")
+    assert {t.dtype for t in ep.state_dict.values() if t.is_floating_point()} == {torch.bfloat16}
