@@ -486,7 +486,12 @@ def main(argv=None) -> int:
     except (ArchiveError, LoadError) as e:
         print(f"cs-archive: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {mar} ({len(specs)} variant(s); batchSize {cfg['batchSize']}, workers {cfg['minWorkers']})")
+    from handlers.artifact.decoder import of as decoder_of
+
+    decoder = decoder_of(specs[0])
+    kind = (f"recognised as a {decoder.describe()}, served with streamed tokens"
+            + (" by continuous batching" if decoder.slotted else "") if decoder else "a stateless model")
+    print(f"wrote {mar} ({len(specs)} variant(s); {kind}; batchSize {cfg['batchSize']}, workers {cfg['minWorkers']})")
     return 0
 
 

@@ -38,6 +38,12 @@ def describe(label, spec) -> None:
           f"batch {spec.batch_min}..{spec.batch_max}"
           + "".join(f"; {k} {lo}..{hi}" for k, (lo, hi) in spec.dims.items()))
     print(f"[{label}] outputs        {'; '.join(s.describe() for s in spec.outputs)}")
+    from handlers.artifact.decoder import of as decoder_of
+
+    decoder = decoder_of(spec)
+    how = "continuous batching" if decoder and decoder.slotted else "one sequence at a time"
+    print(f"[{label}] serves as      " + (f"a generative {decoder.describe()} ({how}, streamed tokens)" if decoder
+                                         else "a stateless model (one answer per request, batched)"))
     unchecked = [s.name for s in spec.inputs if s.values and s.values.get("checked") is False]
     if unchecked:
         print(f"[{label}] values         UNCHECKED: {', '.join(unchecked)} reach an indexing operation "

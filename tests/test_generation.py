@@ -377,3 +377,16 @@ def test_the_exporter_refuses_a_cache_past_the_models_positions_and_a_missing_to
                                "bfloat16"])
     ep = torch.export.load(tmp_path / "c.pt2")
     assert {t.dtype for t in ep.state_dict.values() if t.is_floating_point()} == {torch.bfloat16}
+
+
+@pytest.mark.server
+def test_the_archive_and_inspect_say_a_decoder_was_recognised(exported, tmp_path, capsys):
+    from compiled_serving import archive, inspect_artifact
+
+    torch.export.save(exported["torchchat"], tmp_path / "lm.pt2")
+    assert archive.main(["--artifact", str(tmp_path / "lm.pt2"), "--name", "lm", "--out", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert "recognised as a decoder: vocabulary 256, KV cache of 64 positions" in said, said
+    inspect_artifact.main([str(tmp_path / "lm.mar")])
+    said = capsys.readouterr().out
+    assert "serves as      a generative decoder: vocabulary 256" in said and "one sequence at a time" in said, said
