@@ -196,6 +196,10 @@ OPTIONS = (
            "this many ids (400)", low=0),
     Option("queue_size", int, 256, "a slot-form decoder's sequences that wait while every slot is busy "
            "(handlers/generation/engine.py); one more is refused at once with 503 and Retry-After", low=0),
+    # TorchServe 0.12 never tells a worker that a client went (docs/generation.md, abandoned
+    # requests), so a sequence whose client left before it started would still take a slot.
+    Option("queue_timeout_s", float, 30.0, "a slot-form decoder's sequence that waited longer for a slot is "
+           "answered 503 with Retry-After and never started; 0: no limit", low=0),
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),
 )
