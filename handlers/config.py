@@ -187,8 +187,19 @@ OPTIONS = (
            "max_tokens (fewer where the KV cache ends)", low=1),
     Option("eos_token_ids", tuple, (), "a decoder's end-of-sequence token ids; empty: the archive's "
            "tokenizer's end-of-sequence tokens (handlers/generation/text.py)", low=0),
+    # A stop string costs worker time on every token (handlers/generation/text.StopText); 500,000
+    # of them (6 MB) took ~0.35 s per token (issue 63).
+    Option("max_stop_sequences", int, 16, "a decoder request's parameters.stop may hold at most this many "
+           "strings (400)", low=0),
+    Option("max_stop_chars", int, 256, "each stop string may be at most this many characters (400)", low=1),
+    Option("max_stop_token_ids", int, 256, "a decoder request's parameters.stop_token_ids may hold at most "
+           "this many ids (400)", low=0),
     Option("queue_size", int, 256, "a slot-form decoder's sequences that wait while every slot is busy "
            "(handlers/generation/engine.py); one more is refused at once with 503 and Retry-After", low=0),
+    # TorchServe 0.12 never tells a worker that a client went (docs/generation.md, abandoned
+    # requests), so a sequence whose client left before it started would still take a slot.
+    Option("queue_timeout_s", float, 30.0, "a slot-form decoder's sequence that waited longer for a slot is "
+           "answered 503 with Retry-After and never started; 0: no limit", low=0),
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),
 )

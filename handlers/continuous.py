@@ -77,7 +77,8 @@ class Continuous:
 
     def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note
-        self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken).start()
+        self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken,
+                                     self.config.queue_timeout_s).start()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "

@@ -6,6 +6,7 @@ queue refused at once with 503 and a retry hint; and through real TorchServe (an
 cs-archive with no options: asyncCommunication, one worker, batchSize 1): many concurrent streams
 each answered as alone, one line per token, the answer without streaming, a bad request's 400, a
 full queue's 503 with Retry-After, and the worker serving on after all of them."""
+import dataclasses
 import json
 import subprocess
 import threading
@@ -24,6 +25,7 @@ from examples import slot_decoder, tiny_decoder
 from examples.tiny_decoder import Config
 from handlers.artifact.decoder import recognise
 from handlers.artifact.state import program_state
+from handlers.config import parse_config
 from handlers.errors import ServingError
 from handlers.generation import engine as engines
 from handlers.generation import loop
@@ -61,23 +63,25 @@ class _Module:
 class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
-    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None, start=True):
+    def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None, start=True,
+                 queue_timeout_s=0.0):
         """`runner`: one made (and its graphs captured) by the caller; else the CPU's. `start`
         False: the engine's thread is not started, the test runs its turns (`turn`)."""
         dec = recognise(program, program_state(program).mutated)
         self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
                                            SimpleNamespace(stream_priority=0))
         self.done, self.cond = {}, threading.Condition()
-        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget)
+        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget, queue_timeout_s=queue_timeout_s)
         if start:
             self.engine.start()
 
     def turn(self):
         """One turn of the engine on the test's thread, as its loop runs it (engine._run)."""
         with torch.inference_mode():
+            expired = self.engine._expire()
             self.engine._admit()
             try:
-                self.engine.deliver(self.engine._turn())
+                self.engine.deliver(expired + (self.engine._turn() if self.engine._busy() else []))
             except Exception as e:  # noqa: BLE001  (as engine._run: the sequences in the cache fail)
                 self.engine._fail_all(e)
 
@@ -94,7 +98,7 @@ class Harness:
     def submit(self, tag, prompt, n, **params):
         dec = self.runner.dec
         req = GenerateRequest(None, prompt, Params(max_tokens=n, ignore_eos=True, **params))
-        cfg = SimpleNamespace(eos_token_ids=(), max_new_tokens=n)
+        cfg = dataclasses.replace(parse_config(None), max_new_tokens=n)
         self.engine.submit(engines.Job(loop.Sequence(req, loop.plan(req, None, dec.vocab, dec.cache_length, cfg), None), tag))
 
     def wait(self, tags):
@@ -470,6 +474,27 @@ def test_a_full_queue_is_refused_at_once_with_a_retry_hint(program):
             h.submit("over", [1, 2], 4)
         assert e.value.status == 503 and "retry after 1 s" in e.value.message
         h.engine.waiting.clear()
+
+
+def test_a_sequence_that_waited_past_the_queue_timeout_is_dropped_before_it_starts(program):
+    """Issue 63: TorchServe never tells the worker that a client went, so 8 abandoned requests
+    held every slot and the queue behind them. A waiting sequence older than
+    handler.queue_timeout_s is answered 503 (Busy) and never takes a slot; the running go on."""
+    h = Harness(program, start=False, queue_timeout_s=0.2)
+    for i in range(SLOTS):
+        h.submit(i, [1, 2, 3], 8)
+    h.turn()  # every slot taken
+    h.submit("late", [1, 2], 4)
+    h.turn()
+    assert "late" not in h.done and list(h.engine.waiting)[0].tag == "late"  # not yet past its deadline
+    h.engine.waiting[0].queued -= 1.0
+    h.turn()
+    err = h.done["late"]
+    assert isinstance(err, engines.Busy) and err.status == 503 and "handler.queue_timeout_s 0.2" in err.message
+    assert not h.engine.waiting and not h.engine.free
+    for _ in range(20):
+        h.turn()
+    assert all(h.done[i] and len(h.done[i]) == 8 for i in range(SLOTS))  # the running sequences finished
 
 
 # --- through real TorchServe -------------------------------------------------------------------

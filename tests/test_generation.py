@@ -19,8 +19,9 @@ from examples import tiny_decoder, transformers_decoder
 from handlers.artifact.decoder import recognise
 from handlers.artifact.state import program_state
 from handlers.errors import RequestError
-from handlers.generation import sampling
-from handlers.generation.request import Params, parse
+from handlers.config import parse_config
+from handlers.generation import loop, sampling
+from handlers.generation.request import GenerateRequest, Params, parse
 from handlers.generation.text import Detokenizer, StopText, Text
 
 
@@ -99,6 +100,71 @@ def test_bad_requests_name_what_is_wrong(body, words):
     with pytest.raises(RequestError) as e:
         parse({"body": body}, "application/json", 1 << 20)
     assert words in e.value.message and e.value.status == 400
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    transformers_decoder.tiny_tokenizer().save(str(path))
+    return Text(str(path))
+
+
+def test_a_text_too_long_for_the_cache_is_refused_by_its_bytes_before_tokenizing(text, monkeypatch):
+    """Issue 63: one 8 MB text_input took 1.5 GB and 5.3 s in the tokenizer before the cache check."""
+    config = parse_config(None)
+    most = 64 * text.max_token_bytes
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # the bound is sound: no text that fits is longer than it
+        ids = torch.randint(1, 300, (63,), generator=g).tolist()
+        assert len(text.decode(ids).encode()) <= most
+    tokenized = []
+    monkeypatch.setattr(text, "encode", lambda s: tokenized.append(s) or [1])
+    with pytest.raises(RequestError) as e:
+        loop.plan(GenerateRequest("x" * (8 << 20), None), text, 300, 64, config)
+    assert "text_input is 8388608 bytes" in e.value.message and f"more than {most} bytes" in e.value.message
+    assert tokenized == []
+
+
+def test_text_that_is_no_unicode_is_a_400_naming_the_field(text):
+    """A lone surrogate (JSON "\\ud800") made the tokenizer raise TypeError: a 503 "queue is full"."""
+    for body, name in ((b'{"text_input": "ab\\ud800cd"}', "text_input"),
+                       (b'{"input_ids": [1], "parameters": {"stop": ["a", "\\udfff"]}}', "parameters.stop[1]")):
+        with pytest.raises(RequestError) as e:
+            parse({"body": body}, "application/json", 1 << 20)
+        assert e.value.message.startswith(f"{name} holds a lone surrogate"), e.value.message
+    with pytest.raises(RequestError) as e:  # whatever else the tokenizer refuses is the client's text too
+        loop.plan(GenerateRequest("ab\ud800cd", None), text, 300, 64, parse_config(None))
+    assert e.value.message.startswith("text_input could not be tokenized")
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"stop": ["x"] * 17}, "parameters.stop holds 17 strings; this model takes at most 16 (handler.max_stop_sequences)"),
+    ({"stop": ["x" * 257]}, "parameters.stop holds a string of 257 characters; each may be at most 256"),
+    ({"stop_token_ids": [1] * 257}, "parameters.stop_token_ids holds 257 ids; this model takes at most 256"),
+    ({"stop_token_ids": [5, 300]}, "parameters.stop_token_ids holds 1 id(s) outside the vocabulary (first: 300)"),
+    ({"stop_token_ids": [-1]}, "outside the vocabulary (first: -1)"),
+])
+def test_stop_lists_are_bounded_and_inside_the_vocabulary(text, params, words):
+    """500,000 stop strings (6 MB) were taken, ~0.35 s of worker time per token."""
+    req = parse({"body": json.dumps({"text_input": "the fox", "parameters": params}).encode()}, "application/json",
+                8 << 20)
+    with pytest.raises(RequestError) as e:
+        loop.plan(req, text, 300, 64, parse_config(None))
+    assert words in e.value.message and e.value.status == 400
+
+
+def test_no_temperature_or_top_p_makes_sampling_fail():
+    """temperature 1e-300 divided the logits into inf, softmax made NaN, multinomial raised: the
+    worker died (503); top_p 1e-300 reads as 0 in float32 and dropped every token."""
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 30
+    best = int(logits.argmax())
+    tiny = parse({"body": b'{"input_ids": [1], "parameters": {"temperature": 1e-300, "seed": 1}}'},
+                 "application/json", 1 << 20).params
+    assert tiny.temperature == 0.0  # below MIN_TEMPERATURE: greedy
+    for p in (tiny, Params(temperature=1e-300, seed=1), Params(temperature=1e-5, seed=1),
+              Params(temperature=1.0, top_p=1e-300, seed=1), Params(temperature=100.0, top_k=2**62, seed=1)):
+        got = int(sampling.pick(logits, p, sampling.generator(p, torch.device("cpu"))))
+        assert 0 <= got < 300 and (got == best or p.temperature == 100.0), p
 
 
 # --- through real TorchServe -------------------------------------------------------------------
@@ -217,6 +283,10 @@ def test_stop_conditions_and_reasons(lm_server):
     ("lm_torchchat", {"input_ids": [1], "parameters": {"temperature": -0.5}}, "parameters.temperature"),
     ("lm_torchchat", {"text_input": "hello"}, "carries no tokenizer"),
     ("lm_hf", {"text_input": ""}, "non-empty string"),
+    ("lm_hf", {"text_input": "ab\ud800cd"}, "text_input holds a lone surrogate"),
+    ("lm_hf", {"text_input": "x" * 100_000}, "cannot fit"),
+    ("lm_hf", {"text_input": "a", "parameters": {"stop": ["x"] * 17}}, "handler.max_stop_sequences"),
+    ("lm_torchchat", {"input_ids": [1], "parameters": {"stop_token_ids": [256]}}, "outside the vocabulary"),
 ])
 def test_bad_requests_are_400_before_any_token_and_the_worker_serves_on(lm_server, model, body, words):
     r, _ = ask(lm_server, model, body, stream=False)

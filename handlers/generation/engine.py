@@ -58,6 +58,7 @@ class Job:
     filled: int = 0  # prompt tokens in the cache
     pos: int = 0  # the position the next decode step writes
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
+    queued: float = 0.0  # time.monotonic() at submit
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ class Engine:
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
     failed."""
 
-    def __init__(self, runner, deliver: Callable, queue_size: int, budget: Budget, broken: Callable = None):
+    def __init__(self, runner, deliver: Callable, queue_size: int, budget: Budget, broken: Callable = None,
+                 queue_timeout_s: float = 0.0):
         self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
+        self.queue_timeout_s = queue_timeout_s
         self.broken = broken
         self.slots = runner.dec.slots
         self.free = list(range(self.slots))
@@ -107,6 +110,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queues `job`; raises Busy when every slot is busy and the queue is full."""
         job.gen = sampling.generator(job.seq.params, self.runner.device)
+        job.queued = time.monotonic()
         with self.cond:
             if len(self.waiting) - len(self.free) >= self.queue_size:  # every slot taken, and the queue
                 raise Busy(f"all {self.slots} sequence slots are busy and {len(self.waiting)} sequences wait "
@@ -124,9 +128,10 @@ class Engine:
                         self.stats.log_and_reset()
                     while not self._busy():
                         self.cond.wait()
+                    expired = self._expire()
                     self._admit()
                 try:
-                    updates = self._turn()
+                    updates = expired + (self._turn() if self._busy() else [])
                     t = time.perf_counter()
                     self.deliver(updates)
                     self.stats.lap("deliver", t)
@@ -135,6 +140,20 @@ class Engine:
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.filling or self.ready or self.inflight)
+
+    def _expire(self) -> list:
+        """Failed updates for the waiting sequences that waited past queue_timeout_s, taken out
+        of the queue before they start: TorchServe never says whether their clients are still
+        there (docs/generation.md), and a client that went would still cost a slot's time."""
+        if not self.queue_timeout_s:
+            return []
+        now, out = time.monotonic(), []
+        while self.waiting and now - self.waiting[0].queued > self.queue_timeout_s:
+            job = self.waiting.popleft()
+            out.append((job, [], Busy(f"the sequence waited {now - job.queued:.1f} s for one of the {self.slots} "
+                                      f"slots, longer than handler.queue_timeout_s {self.queue_timeout_s:g}, "
+                                      f"and was not started; retry after {RETRY_AFTER_S} s")))
+        return out
 
     def _admit(self) -> None:
         self.free.sort()

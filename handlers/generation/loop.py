@@ -57,7 +57,8 @@ def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: i
     if req.params.stop and text is None:
         raise RequestError("parameters.stop needs the archive's tokenizer (tokenizer.json); use "
                            "parameters.stop_token_ids with token ids")
-    ids = req.ids if req.ids is not None else text.encode(req.text)
+    _check_stops(req.params, vocab, config)
+    ids = req.ids if req.ids is not None else _encode(req.text, text, cache_length)
     if not ids:
         raise RequestError("the prompt encodes to no tokens")
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -75,6 +76,39 @@ def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: i
     eos = () if req.params.ignore_eos else eos_ids(config, text)
     return Plan(list(ids), asked if asked is not None else min(room, config.max_new_tokens),
                 frozenset(eos) | frozenset(req.params.stop_token_ids))
+
+
+def _check_stops(params, vocab: int, config) -> None:
+    """parameters.stop and stop_token_ids within the worker's limits and the vocabulary (400)."""
+    limits = (("stop", params.stop, config.max_stop_sequences, "max_stop_sequences", "strings"),
+              ("stop_token_ids", params.stop_token_ids, config.max_stop_token_ids, "max_stop_token_ids", "ids"))
+    for name, values, most, option, what in limits:
+        if len(values) > most:
+            raise RequestError(f"parameters.{name} holds {len(values)} {what}; this model takes at most {most} "
+                               f"(handler.{option})")
+    long = [s for s in params.stop if len(s) > config.max_stop_chars]
+    if long:
+        raise RequestError(f"parameters.stop holds a string of {len(long[0])} characters; each may be at most "
+                           f"{config.max_stop_chars} (handler.max_stop_chars)")
+    bad = [i for i in params.stop_token_ids if not 0 <= i < vocab]
+    if bad:
+        raise RequestError(f"parameters.stop_token_ids holds {len(bad)} id(s) outside the vocabulary (first: "
+                           f"{bad[0]}); token ids are 0..{vocab - 1}")
+
+
+def _encode(prompt: str, text: Text, cache_length: int) -> list:
+    """The prompt's ids; a text too long to fit in the cache is refused by its UTF-8 length first,
+    before the tokenizer spends memory and time on it (handlers/generation/text.max_token_bytes)."""
+    most = cache_length * text.max_token_bytes
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > most:
+        raise RequestError(f"text_input is {size} bytes of UTF-8; this model's KV cache holds {cache_length} "
+                           f"positions and one token stands for at most {text.max_token_bytes} bytes, so a "
+                           f"text of more than {most} bytes cannot fit: shorten the prompt")
+    try:
+        return text.encode(prompt)
+    except Exception as e:  # noqa: BLE001  (whatever the tokenizer cannot take is the client's text)
+        raise RequestError(f"text_input could not be tokenized: {type(e).__name__}: {e}") from None
 
 
 class _HostToken:

@@ -18,10 +18,14 @@ from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
 from handlers.wire import strict_json
 from handlers.wire.request import payload_of
 
+# Below it sampling is greedy (as vLLM's _SAMPLING_EPS): logits divided by 1e-300 overflow to inf
+# and softmax turns them into NaN, which torch.multinomial refuses (on a GPU, a device-side assert).
+MIN_TEMPERATURE = 1e-5
 # name -> (type, meaning); the only parameters taken (an unknown one is a 400, never ignored)
 PARAMETERS = {
     "max_tokens": (int, "the most tokens to generate"),
-    "temperature": (float, "0 picks the most likely token (greedy); above 0 samples"),
+    "temperature": (float, f"0 picks the most likely token (greedy), as does any value below {MIN_TEMPERATURE:g}; "
+                           "above it samples"),
     "top_k": (int, "sample among the k most likely tokens; 0: all"),
     "top_p": (float, "sample among the most likely tokens whose probabilities add up to p; 1: all"),
     "seed": (int, "the sampling's random seed: the same seed, prompt and parameters give the same tokens"),
@@ -80,13 +84,27 @@ def _params(raw) -> Params:
     if "stop" in v:
         if not all(isinstance(s, str) and s for s in v["stop"]):
             raise RequestError("parameters.stop must be a list of non-empty strings")
+        for i, s in enumerate(v["stop"]):
+            unicode(f"parameters.stop[{i}]", s)
         v["stop"] = tuple(v["stop"])
     if "stop_token_ids" in v:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in v["stop_token_ids"]):
             raise RequestError("parameters.stop_token_ids must be a list of integers")
         v["stop_token_ids"] = tuple(v["stop_token_ids"])
     _ranges(v)
+    if 0 < v.get("temperature", 0) < MIN_TEMPERATURE:
+        v["temperature"] = 0.0
     return Params(**v)
+
+
+def unicode(name: str, text: str) -> None:
+    """RequestError where `text` is no Unicode text: JSON's \\ud800 escapes reach Python as lone
+    surrogates, which UTF-8 (and the tokenizer: a TypeError) cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{name} holds a lone surrogate ({text[e.start]!a}) at character {e.start}: "
+                           "it is not Unicode text; send each character as itself or as a surrogate pair") from None
 
 
 def _ranges(v: dict) -> None:
@@ -125,6 +143,8 @@ def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
         raise RequestError("send exactly one prompt: \"text_input\" (a string) or \"input_ids\" (a list of token ids)")
     if text is not None and (not isinstance(text, str) or not text):
         raise RequestError("text_input must be a non-empty string")
+    if text is not None:
+        unicode("text_input", text)
     if ids is not None and (not isinstance(ids, list) or not ids
                             or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
         raise RequestError("input_ids must be a non-empty list of integer token ids")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from handlers.generation.request import Params
+from handlers.generation.request import MIN_TEMPERATURE, Params
 
 
 def generator(params: Params, device: torch.device):
@@ -25,7 +25,11 @@ def pick(logits: torch.Tensor, params: Params, gen) -> torch.Tensor:
     """int64[1, 1]: the next token for `logits` (float[vocab])."""
     if params.temperature == 0:
         return logits.argmax(-1).view(1, 1)
-    x = logits.float() / params.temperature
+    # shifted so that the best is 0 before the division: a small temperature sends the others to
+    # -inf, never the best to inf (whose softmax is NaN, refused by multinomial)
+    x = logits.float()
+    # (not below MIN_TEMPERATURE, which request.py reads as greedy: float32 holds no 1e-300, and 0/0 is NaN)
+    x = (x - x.max()) / max(params.temperature, MIN_TEMPERATURE)
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -34,6 +38,7 @@ def pick(logits: torch.Tensor, params: Params, gen) -> torch.Tensor:
         probs = torch.softmax(sorted_x, -1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop = (torch.cumsum(probs, -1) - probs) >= params.top_p
+        drop[0] = False  # a top_p below float32's smallest (1e-300 reads as 0) would drop the first too
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
     probs = torch.softmax(x, -1)
     return torch.multinomial(probs, 1, generator=gen).view(1, 1)

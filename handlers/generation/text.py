@@ -24,6 +24,7 @@ class Text:
 
         self.tokenizer = Tokenizer.from_file(path)
         self.eos_ids = tuple(i for i in (self.tokenizer.token_to_id(n) for n in EOS_NAMES) if i is not None)
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
 
     @classmethod
     def in_dir(cls, model_dir: str) -> Optional["Text"]:
@@ -35,6 +36,17 @@ class Text:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token can stand for, read from the vocabulary once: the
+    longest token string. A token string is never shorter than the text it covers in byte-level
+    BPE (each byte is one character of at most two bytes), SentencePiece (a space becomes the
+    three-byte U+2581, a byte-fallback token <0xNN> is six) and WordPiece ("##" marks); so a text
+    of more than cache_length times this many bytes cannot fit in the cache (a normalizer that
+    deletes characters, or an unknown-word token, is the exception: such a text is refused too)."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
 class Detokenizer:
