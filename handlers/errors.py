@@ -73,3 +73,42 @@ class StatefulArtifact(LoadError):
 
 class ConfigError(LoadError):
     error_type = "ConfigError"
+
+
+class EngineUnavailable(ServingError):
+    """The GPU engine (engine/) could not take or finish this request for a reason of the
+    moment, not of the request: the same request sent again may succeed (503, retryable)."""
+
+    status = 503
+    error_type = "EngineUnavailable"
+    retryable = True
+
+
+class ArenaFull(EngineUnavailable):
+    """A worker's shared-memory arena (engine/arena.py) has no free block this size now: the
+    blocks of requests in flight come back as they are answered and released."""
+
+    error_type = "ArenaFull"
+
+
+class EngineDead(EngineUnavailable):
+    """The engine process is gone (its socket closed) or reported a fault that ends it; every
+    request in flight on it gets this, and the worker reconnects to the engine's successor."""
+
+    error_type = "EngineDead"
+
+
+class EngineTimeout(ServingError):
+    """The engine did not answer within the request's deadline; the request was aborted."""
+
+    status = 504
+    error_type = "EngineTimeout"
+    retryable = True
+
+
+class ProtocolError(ServingError):
+    """A frame on the engine's socket that is not a message of engine/protocol.py (a peer of
+    another version, a corrupt or oversized frame): the connection is closed."""
+
+    status = 500
+    error_type = "ProtocolError"

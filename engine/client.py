@@ -1,0 +1,283 @@
+"""The worker's side of the engine: submit tensors, wait for their rows, release them.
+
+Two clients with one API (`Client`): `InProcessEngine` calls an `engine.core.Engine` of this
+process directly (unit tests: no sockets, no second process), `EngineClient` talks to an engine
+process (`python -m engine.serve`) over its Unix socket. Both write inputs once into the
+worker's arena (engine/arena.py) and send offsets; a Result's outputs are views of the arena
+until `Reply.release()`.
+
+Every wait has a deadline. A request past it is aborted (the engine answers it 499 later, and
+its arena blocks are freed then) and raises EngineTimeout (504). The engine's socket closing
+with requests in flight (the engine died: SIGKILL, a crash) or an EngineDead message fails
+every one of them with EngineDead (503, retryable) at once, and every later call too.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine import protocol as p
+from engine.arena import Arena
+from engine.core import Engine, Session
+from handlers import errors
+from handlers.faults import OutOfDeviceMemory
+
+DEFAULT_ARENA = 64 << 20  # bytes of each half of a worker's arena
+
+
+@dataclass(eq=False)
+class _Pending:
+    refs: tuple  # the inputs' blocks, freed when the one answer arrives
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: object = None  # Result, Failed or State; an exception where the engine died
+    abandoned: bool = False  # timed out: nobody reads the answer
+
+
+class Reply:
+    """A Result's outputs as views of the worker's arena; release() hands the blocks back to
+    the engine (once; also on leaving a `with`)."""
+
+    def __init__(self, client: "Client", result: p.Result):
+        self._client, self.id = client, result.id
+        self.outputs = {r.name: client.arena.view(r) for r in result.outputs}
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.outputs = {}
+            self._client._send_quiet(p.Release(self.id))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Client:
+    """What the two clients share: the arena, the requests in flight, the answers' dispatch."""
+
+    def __init__(self, arena: Arena, name: str):
+        self.arena, self.name = arena, name
+        self._ids = itertools.count(1)
+        self._pending = {}
+        self._lock = threading.Lock()
+        self.dead: Optional[str] = None
+
+    def _send(self, msg: p.Message) -> None:
+        raise NotImplementedError
+
+    def _send_quiet(self, msg: p.Message) -> None:
+        """Sends where a dead engine changes nothing (Release, Abort)."""
+        try:
+            self._send(msg)
+        except (OSError, errors.EngineUnavailable):
+            pass
+
+    def submit(self, inputs: dict) -> int:
+        """Writes `inputs` ({name: tensor}) into the arena and sends the Infer; returns its id.
+        ArenaFull (503) where the arena has no room now; EngineDead where the engine is gone."""
+        self._check_alive()
+        refs = []
+        try:
+            for name, t in inputs.items():
+                refs.append(self.arena.put(name, t))
+        except BaseException:
+            for ref in refs:
+                self.arena.release(ref)
+            raise
+        job_id = self._track(tuple(refs))
+        self._send_or_fail(job_id, p.Infer(job_id, tuple(refs)))
+        return job_id
+
+    def wait(self, job_id: int, timeout: float) -> Reply:
+        """The job's Reply; raises its typed error (Failed's status), EngineDead, or
+        EngineTimeout after `timeout` seconds (the job is then aborted)."""
+        answer = self._answer(job_id, timeout)
+        if isinstance(answer, p.Result):
+            return Reply(self, answer)
+        raise remote_error(answer)
+
+    def infer(self, inputs: dict, timeout: float = 30.0) -> dict:
+        """submit + wait, the outputs copied out of the arena and released."""
+        with self.wait(self.submit(inputs), timeout) as reply:
+            return {k: v.clone() for k, v in reply.outputs.items()}
+
+    def state(self, timeout: float = 5.0) -> p.State:
+        self._check_alive()
+        job_id = self._track(())
+        self._send_or_fail(job_id, p.State(job_id))
+        return self._answer(job_id, timeout)
+
+    def _track(self, refs: tuple) -> int:
+        with self._lock:
+            job_id = next(self._ids)
+            self._pending[job_id] = _Pending(refs)
+        return job_id
+
+    def _send_or_fail(self, job_id: int, msg: p.Message) -> None:
+        try:
+            self._send(msg)
+        except OSError as e:
+            self.engine_dead(f"sending to the engine failed: {e}")
+
+    def _answer(self, job_id: int, timeout: float):
+        pending = self._pending[job_id]
+        if not pending.done.wait(timeout):
+            with self._lock:
+                pending.abandoned = not pending.done.is_set()
+            if pending.abandoned:  # its answer, when it comes, frees the inputs (on_message)
+                self._send_quiet(p.Abort(job_id))
+                raise errors.EngineTimeout(f"the engine did not answer within {timeout:g} s; request aborted")
+        with self._lock:
+            self._pending.pop(job_id, None)
+        if isinstance(pending.answer, BaseException):
+            raise pending.answer
+        return pending.answer
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise errors.EngineDead(f"the engine is gone: {self.dead}")
+
+    def on_message(self, msg: p.Message) -> None:
+        """An answer from the engine (its thread, or this client's reader thread); the waiter
+        takes it (_answer), or nobody where the wait timed out."""
+        if isinstance(msg, p.EngineDead):
+            self.engine_dead(msg.reason)
+            return
+        with self._lock:
+            pending = self._pending.get(msg.id)
+            if pending is None or pending.done.is_set():
+                return
+            self._settle(pending, msg)
+            if pending.abandoned:
+                del self._pending[msg.id]
+        if pending.abandoned and isinstance(msg, p.Result):
+            self._send_quiet(p.Release(msg.id))
+
+    def _settle(self, pending: _Pending, answer) -> None:
+        """The one answer of a request (self._lock held): the engine is done reading its
+        inputs, so their blocks are free again."""
+        for ref in pending.refs:
+            self.arena.release(ref)
+        pending.answer = answer
+        pending.done.set()
+
+    def engine_dead(self, reason: str) -> None:
+        """Every request in flight fails with EngineDead (nobody reads their inputs any more)."""
+        with self._lock:
+            self.dead = self.dead or reason
+            for job_id, pending in list(self._pending.items()):
+                if not pending.done.is_set():
+                    self._settle(pending, errors.EngineDead(f"the engine is gone: {reason}"))
+                if pending.abandoned:
+                    del self._pending[job_id]
+
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered."""
+        with self._lock:
+            return sum(not pend.done.is_set() for pend in self._pending.values())
+
+
+_ERRORS = {c.error_type: c for c in (
+    errors.RequestError, errors.PayloadTooLarge, errors.ServingError, errors.EngineUnavailable,
+    errors.ArenaFull, errors.EngineDead, OutOfDeviceMemory)}
+
+
+def remote_error(f: p.Failed) -> errors.ServingError:
+    """The typed error a Failed stands for: its class where known, else a ServingError with
+    the engine's status and type."""
+    cls = _ERRORS.get(f.error_type)
+    e = cls(f.message) if cls is not None and cls.status == f.status else errors.ServingError(f.message)
+    e.status, e.error_type, e.retryable = f.status, f.error_type, f.retryable
+    return e
+
+
+class InProcessEngine(Client):
+    """The worker's side of an Engine running in this process: messages are method calls (the
+    engine answers from its loop's thread), the arena is the same memfd both sides map."""
+
+    def __init__(self, engine: Engine, name: str = "worker", worker_bytes: int = DEFAULT_ARENA,
+                 engine_bytes: int = DEFAULT_ARENA):
+        super().__init__(Arena.create(worker_bytes, engine_bytes, f"cs-arena-{name}"), name)
+        self.engine = engine
+        theirs = Arena.attach(os.dup(self.arena.fd), worker_bytes, engine_bytes)
+        self.session = Session(name, theirs, self.on_message)
+        engine.connect(self.session)
+
+    def _send(self, msg: p.Message) -> None:
+        self._check_alive()
+        self.engine.on_message(self.session, msg)
+
+    def close(self) -> None:
+        self.engine.disconnect(self.session)
+        self.engine_dead("the client closed")
+        self.arena.close()
+
+
+class EngineClient(Client):
+    """The worker's side of an engine process, over its Unix socket."""
+
+    def __init__(self, path: str, name: str = "worker", worker_bytes: int = DEFAULT_ARENA,
+                 engine_bytes: int = DEFAULT_ARENA, connect_timeout: float = 10.0):
+        super().__init__(Arena.create(worker_bytes, engine_bytes, f"cs-arena-{name}"), name)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(connect_timeout)
+            sock.connect(path)
+            self.conn = p.Connection(sock)
+            self.conn.send(p.Hello(name, os.getpid(), worker_bytes, engine_bytes), fds=(self.arena.fd,))
+            self.ready = self._handshake(connect_timeout)
+            sock.settimeout(None)  # the reader blocks; every wait has its own deadline
+        except BaseException:
+            sock.close()
+            self.arena.close()
+            raise
+        self._reader = threading.Thread(target=self._read, name=f"{name}-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _handshake(self, timeout: float) -> p.Ready:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msgs, _ = self.conn.recv()
+            except socket.timeout:
+                break
+            if not msgs:
+                raise errors.EngineDead("the engine closed the socket before Ready")
+            if isinstance(msgs[0], p.EngineDead):
+                raise errors.EngineDead(f"the engine refused: {msgs[0].reason}")
+            if isinstance(msgs[0], p.Ready):
+                return msgs[0]
+            raise errors.ProtocolError(f"expected Ready, got {type(msgs[0]).__name__}")
+        raise errors.EngineTimeout(f"the engine did not answer Hello within {timeout:g} s")
+
+    def _read(self) -> None:
+        reason = "the engine's socket closed"
+        try:
+            while True:
+                msgs, _ = self.conn.recv()
+                if not msgs:
+                    break
+                for msg in msgs:
+                    self.on_message(msg)
+        except (OSError, errors.ProtocolError) as e:
+            reason = f"the engine's socket failed: {e}"
+        self.engine_dead(reason)
+
+    def _send(self, msg: p.Message) -> None:
+        self._check_alive()
+        self.conn.send(msg)
+
+    def close(self) -> None:
+        self.conn.close()
+        self._reader.join(5.0)
+        self.engine_dead("the client closed")
+        self.arena.close()
+

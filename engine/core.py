@@ -1,0 +1,281 @@
+"""The engine: one queue of Infer jobs from every connected worker, one loop running them.
+
+Whenever the loop is free it takes every queued job, oldest first, while their rows add up to
+at most `max_rows` (the largest batch the runner makes one call of: the spec's batch_max, the
+largest graph bucket on a GPU), and runs them as one `Runner.run` call; there is no timer, so a
+lone request runs at once and a burst that arrived while the GPU was busy runs together. The
+runner groups the jobs as the model can run them (equal shapes, chunks of batch_max rows) and
+gives each job exactly its own rows, which are copied into that worker's arena (the engine's
+half) before the next call reuses the runner's buffers. A failed call is run again one job at a
+time, so only the job that fails alone gets Failed, with the status of its error; a fault that
+leaves the device unusable (handlers/faults.is_sticky) ends the engine: every worker gets
+EngineDead.
+
+Threads: `on_message` and `connect`/`disconnect` are called from any thread (the socket
+readers of engine/serve.py, or the worker's own thread in-process); the loop (`step`,
+`serve_forever`) runs on one thread, the only one that calls the model. `Session.reply` is
+called from both, and must be thread-safe (protocol.Connection.send is).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from engine import protocol as p
+from engine.arena import Arena
+from handlers.errors import EngineUnavailable, RequestError, ServingError
+from handlers.faults import OutOfDeviceMemory, client_fault, is_oom, is_sticky, plain_message
+
+logger = logging.getLogger(__name__)
+ABORTED = 499  # the worker gave up on the request (nginx's "client closed request")
+
+
+@dataclass(eq=False)
+class Session:
+    """One worker as the engine sees it: its arena (the engine's mapping), how to answer it,
+    its Results not released yet (id -> output refs) and the ids it aborted while they ran."""
+
+    name: str
+    arena: Arena
+    reply: Callable[[p.Message], None]
+    held: dict = field(default_factory=dict)
+    running: set = field(default_factory=set)
+    aborted: set = field(default_factory=set)
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class Job:
+    session: Session
+    id: int
+    inputs: dict  # name -> tensor viewing the worker's arena
+    rows: int
+
+
+class Engine:
+    def __init__(self, runner, max_rows: Optional[int] = None, name: str = "engine"):
+        self.runner = runner
+        self.spec = runner.spec
+        self.max_rows = max_rows or self.spec.batch_max
+        self.name = name
+        self.queue = collections.deque()
+        self.cv = threading.Condition()
+        self.sessions = set()
+        self.calls = 0  # Runner.run calls (each one or more model calls: chunks, shape groups)
+        self.rows = 0
+        self.dead: Optional[str] = None
+
+    # --- any thread ---
+
+    def connect(self, session: Session) -> None:
+        with self.cv:
+            if self.dead:
+                raise EngineUnavailable(f"the engine is dead: {self.dead}")
+            self.sessions.add(session)
+
+    def disconnect(self, session: Session) -> None:
+        """The worker is gone (its socket closed, or it closed in-process): its queued jobs are
+        dropped, its held Results freed and its arena unmapped (a running job's views keep the
+        mapping until the call ends: engine/arena.py Arena.close)."""
+        with self.cv:
+            self.sessions.discard(session)
+            mine = [j for j in self.queue if j.session is session]
+            for j in mine:
+                self.queue.remove(j)
+        with session.lock:
+            session.closed = True
+            session.held.clear()
+            session.arena.close()
+        logger.info("%s: worker %s gone; %d queued job(s) dropped", self.name, session.name, len(mine))
+
+    def on_message(self, session: Session, msg: p.Message) -> None:
+        if isinstance(msg, p.Infer):
+            self.submit(session, msg)
+        elif isinstance(msg, p.Release):
+            self._release(session, msg.id)
+        elif isinstance(msg, p.Abort):
+            self._abort(session, msg.id)
+        elif isinstance(msg, p.State):
+            with self.cv:
+                queued, clients = len(self.queue), len(self.sessions)
+            session.reply(p.State(msg.id, queued, clients, self.calls, self.rows, len(session.held)))
+        else:
+            raise RequestError(f"the engine takes no {type(msg).__name__} here")
+
+    def submit(self, session: Session, msg: p.Infer) -> None:
+        """Queues the job, or answers Failed at once (a ref the arena does not hold, inputs that
+        are not the model's: 400; a dead engine: 503)."""
+        try:
+            job = self._job(session, msg)
+        except ServingError as e:
+            session.reply(_failed(msg.id, e))
+            return
+        with self.cv:
+            if self.dead:
+                session.reply(_failed(msg.id, EngineUnavailable(f"the engine is dead: {self.dead}")))
+                return
+            self.queue.append(job)
+            self.cv.notify()
+
+    def _job(self, session: Session, msg: p.Infer) -> Job:
+        names = [r.name for r in msg.inputs]
+        if sorted(names) != sorted(self.spec.input_names):
+            raise RequestError(f"inputs {names} are not the model's {self.spec.input_names}")
+        try:
+            inputs = {r.name: session.arena.view(r) for r in msg.inputs}
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"an input is not in the arena: {e}") from None
+        rows = {t.shape[0] if t.dim() else -1 for t in inputs.values()}
+        if len(rows) != 1 or min(rows) < 1:
+            raise RequestError(f"inputs must share one batch dimension of at least one row, not {sorted(rows)}")
+        return Job(session, msg.id, inputs, rows.pop())
+
+    def _release(self, session: Session, job_id: int) -> None:
+        with session.lock:
+            for ref in session.held.pop(job_id, ()):
+                session.arena.release(ref)
+
+    def _abort(self, session: Session, job_id: int) -> None:
+        """A queued job is dropped and answered 499; a running one is answered 499 when its call
+        ends; a held Result is released (the worker will not)."""
+        with self.cv:
+            queued = next((j for j in self.queue if j.session is session and j.id == job_id), None)
+            if queued is not None:
+                self.queue.remove(queued)
+        if queued is not None:
+            session.reply(p.Failed(job_id, ABORTED, "Aborted", "the worker aborted the request"))
+            return
+        with session.lock:
+            if job_id in session.running:
+                session.aborted.add(job_id)
+        self._release(session, job_id)
+
+    # --- the loop's thread ---
+
+    def take(self, timeout: float = 0.0) -> list:
+        """Every queued job, oldest first, while the rows add up to max_rows (the first job
+        always: the runner cuts one larger than max_rows into chunks); waits up to `timeout`
+        for the first."""
+        with self.cv:
+            if not self.queue and timeout > 0:
+                self.cv.wait(timeout)
+            jobs, rows = [], 0
+            while self.queue and (not jobs or rows + self.queue[0].rows <= self.max_rows):
+                job = self.queue.popleft()
+                jobs.append(job)
+                rows += job.rows
+            for job in jobs:
+                job.session.running.add(job.id)
+            return jobs
+
+    def step(self, timeout: float = 0.0) -> int:
+        """Takes and runs one batch; returns how many jobs it ran."""
+        jobs = self.take(timeout)
+        if jobs:
+            self.run(jobs)
+        return len(jobs)
+
+    def serve_forever(self, stop: threading.Event, poll: float = 0.1) -> None:
+        """Runs batches until `stop` is set or the engine dies (`poll`: how often it looks)."""
+        while not stop.is_set() and not self.dead:
+            self.step(poll)
+
+    def run(self, jobs: list) -> None:
+        """One call for all the jobs; after a failure, one call per job (retry) so only the
+        job that fails alone is answered Failed."""
+        try:
+            outs = self.runner.run([j.inputs for j in jobs])
+        except Exception as e:  # noqa: BLE001 - every failure is answered, typed
+            if is_sticky(e):
+                self.die(f"a device fault that poisons the process: {plain_message(str(e))}", jobs)
+            elif len(jobs) == 1:
+                self._answer_failed(jobs[0], self.failure(e))
+            else:
+                logger.info("%s: a call of %d jobs failed (%s); retrying one at a time", self.name, len(jobs), e)
+                for job in jobs:
+                    self.run([job])
+            return
+        self.calls += 1
+        self.rows += sum(j.rows for j in jobs)
+        for job, out in zip(jobs, outs):
+            self._answer(job, out)
+
+    def failure(self, e: BaseException) -> ServingError:
+        """The typed error one job's failed run is answered with."""
+        if isinstance(e, ServingError):
+            return e
+        fault = client_fault(e, self.spec)
+        if fault is not None:
+            return fault
+        if is_oom(e):
+            return OutOfDeviceMemory(f"the device ran out of memory for this request: {plain_message(str(e))}")
+        return ServingError(f"the model failed on this request: {type(e).__name__}: {plain_message(str(e))}")
+
+    def _answer(self, job: Job, out: dict) -> None:
+        """Copies the job's rows into its worker's arena and answers Result (or Failed where the
+        worker aborted it meanwhile or its arena is full)."""
+        s = job.session
+        with s.lock:
+            s.running.discard(job.id)
+            if s.closed:
+                return
+            if job.id in s.aborted:
+                s.aborted.discard(job.id)
+                msg = p.Failed(job.id, ABORTED, "Aborted", "the worker aborted the request")
+            else:
+                msg = self._write(s, job.id, out)
+        s.reply(msg)
+
+    def _write(self, s: Session, job_id: int, out: dict) -> p.Message:
+        refs = []
+        try:
+            for name, t in out.items():
+                refs.append(s.arena.put(name, t))
+        except EngineUnavailable as e:  # ArenaFull: this worker's Results not released yet
+            for ref in refs:
+                s.arena.release(ref)
+            return _failed(job_id, e)
+        s.held[job_id] = tuple(refs)
+        return p.Result(job_id, tuple(refs))
+
+    def _answer_failed(self, job: Job, e: ServingError) -> None:
+        s = job.session
+        with s.lock:
+            s.running.discard(job.id)
+            s.aborted.discard(job.id)
+            if s.closed:
+                return
+        s.reply(_failed(job.id, e))
+
+    def die(self, reason: str, jobs: list = ()) -> None:
+        """The engine cannot serve again: the jobs at hand get 500 with the reason, queued ones
+        and every worker EngineDead (they reconnect to the engine's successor)."""
+        logger.error("%s: dead: %s", self.name, reason)
+        for job in jobs:
+            self._answer_failed(job, ServingError(reason))
+        with self.cv:
+            self.dead = reason
+            queued, self.queue = list(self.queue), collections.deque()
+            sessions = list(self.sessions)
+        for job in queued:
+            self._answer_failed(job, EngineUnavailable(f"the engine is dead: {reason}"))
+        for s in sessions:
+            s.reply(p.EngineDead(reason))
+
+
+def _failed(job_id: int, e: ServingError) -> p.Failed:
+    return p.Failed(job_id, e.status, e.error_type, e.message, bool(getattr(e, "retryable", False)))
+
+
+def start(engine: Engine) -> tuple:
+    """The engine's loop on a daemon thread: (thread, stop event). Tests' and the in-process
+    engine's way to run it; engine/serve.py runs it on its main thread."""
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.serve_forever, args=(stop,), name=f"{engine.name}-loop", daemon=True)
+    thread.start()
+    return thread, stop
+

@@ -1,0 +1,237 @@
+"""engine/core.py and engine/client.py: batching across workers, per-request failure, aborts,
+and the engine as a process (python -m engine.serve): SIGKILL of the engine mid-request, SIGKILL
+of a worker. Every wait has a deadline: a hang fails the test instead of holding the run."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import engine_kit as kit
+from conftest import ROOT
+from engine.client import EngineClient, InProcessEngine
+from engine.core import Engine, start
+from handlers import errors
+
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+
+
+def check(model, req, outputs):
+    want = kit.expected(model, req)
+    assert set(outputs) == set(want)
+    for name, t in want.items():
+        assert outputs[name].shape == t.shape and torch.allclose(outputs[name], t, atol=1e-5), name
+
+
+@pytest.fixture
+def three():
+    model = kit.Recorder()
+    engine = Engine(kit.runner(model))
+    clients = [InProcessEngine(engine, f"w{i}", 1 << 16, 1 << 16) for i in range(3)]
+    yield model, engine, clients
+    for c in clients:
+        c.close()
+
+
+def test_three_workers_requests_run_as_one_call_each_getting_its_rows(three):
+    model, engine, clients = three
+    reqs = [kit.request(rows, seed) for rows, seed in ((1, 0), (2, 1), (3, 2))]
+    ids = [c.submit(r) for c, r in zip(clients, reqs)]
+    assert engine.step() == 3
+    assert model.calls == [6]  # one call of the summed batch
+    for c, job_id, req in zip(clients, ids, reqs):
+        with c.wait(job_id, timeout=5) as reply:
+            check(model, req, reply.outputs)
+            assert c.session.held  # the engine holds the rows until Release
+        assert not c.session.held and c.session.arena.allocator.in_use() == 0
+        assert c.arena.allocator.in_use() == 0  # the inputs were freed on the answer
+
+
+def test_a_batch_takes_jobs_up_to_max_rows_oldest_first():
+    model = kit.Recorder()
+    engine = Engine(kit.runner(model), max_rows=5)
+    c = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
+    reqs = [kit.request(2, s) for s in range(4)] + [kit.request(7, 9)]
+    ids = [c.submit(r) for r in reqs]
+    while engine.step():
+        pass
+    # 2+2, 2+2, then the 7-row job alone (a job over max_rows is the runner's to cut: batch_max 64)
+    assert model.calls == [4, 4, 7]
+    for job_id, req in zip(ids, reqs):
+        check(model, req, c.wait(job_id, 5).outputs)
+    c.close()
+
+
+def test_a_bad_request_in_a_batch_fails_alone_with_its_status(three):
+    model, engine, clients = three
+    reqs = [kit.request(1, 0), kit.request(2, 1, bad=True), kit.request(3, 2)]
+    ids = [c.submit(r) for c, r in zip(clients, reqs)]
+    engine.step()
+    assert model.calls == [6, 1, 2, 3]  # the call of all, then one per job
+    check(model, reqs[0], clients[0].wait(ids[0], 5).outputs)
+    check(model, reqs[2], clients[2].wait(ids[2], 5).outputs)
+    with pytest.raises(errors.RequestError) as e:
+        clients[1].wait(ids[1], 5)
+    assert e.value.status == 400 and "index" in e.value.message
+    assert clients[1].arena.allocator.in_use() == 0
+
+
+def test_inputs_that_are_not_the_models_fail_before_any_call(three):
+    model, engine, clients = three
+    job_id = clients[0].submit({"x": torch.zeros(2, 4)})  # no ids
+    assert engine.step() == 0 and model.calls == []
+    with pytest.raises(errors.RequestError, match="not the model's"):
+        clients[0].wait(job_id, 5)
+
+
+def test_a_full_engine_half_is_a_retryable_503_for_that_request_only():
+    model = kit.Recorder()
+    engine = Engine(kit.runner(model))
+    small = InProcessEngine(engine, "small", 1 << 16, 128)  # room for one 1-row answer's y
+    roomy = InProcessEngine(engine, "roomy", 1 << 16, 1 << 16)
+    a, b = small.submit(kit.request(8, 0)), roomy.submit(kit.request(8, 1))
+    engine.step()
+    with pytest.raises(errors.ArenaFull) as e:
+        small.wait(a, 5)
+    assert e.value.status == 503 and e.value.retryable
+    assert small.session.arena.allocator.in_use() == 0  # the part written was freed
+    roomy.wait(b, 5).release()
+    small.close(), roomy.close()
+
+
+def test_a_wait_past_its_deadline_aborts_and_frees_everything(three):
+    model, engine, clients = three
+    c = clients[0]
+    job_id = c.submit(kit.request(2, 0))
+    t = time.monotonic()
+    with pytest.raises(errors.EngineTimeout) as e:
+        c.wait(job_id, timeout=0.2)  # no loop runs: the job stays queued
+    assert e.value.status == 504 and time.monotonic() - t < 2
+    assert engine.step() == 0 and model.calls == []  # dropped from the queue, never run
+    assert c.arena.allocator.in_use() == 0 and c.in_flight() == 0
+
+
+def test_many_threads_through_the_running_loop(three):
+    model, engine, clients = three
+    thread, stop = start(engine)
+    failures = []
+
+    def worker(c, seed):
+        for i in range(20):
+            req = kit.request(1 + (seed + i) % 4, seed * 100 + i)
+            try:
+                check(model, req, c.infer(req, timeout=10))
+            except Exception as e:  # noqa: BLE001 - collected for the assert
+                failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(c, s)) for s, c in enumerate(clients)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    stop.set()
+    thread.join(5)
+    assert not failures and sum(model.calls) == sum(1 + (s + i) % 4 for s in range(3) for i in range(20))
+
+
+def test_the_engine_imports_nothing_of_torchserve():
+    code = ("import sys, engine.serve, engine.client; "
+            "bad = [m for m in sys.modules if m.startswith(('ts.', 'handlers.torchserve')) or m == 'ts']; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    run = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- the engine as a process ---
+
+@pytest.fixture
+def engine_process(tmp_path):
+    def launch(slow=0.0):
+        sock = str(tmp_path / "engine.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "engine.serve", sock, "--factory", "engine_kit:slow_runner"],
+                                env={**ENV, "ENGINE_KIT_SLOW": str(slow)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no socket"
+            time.sleep(0.05)
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+        return proc, sock
+
+    procs = []
+    yield launch
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_a_client_over_the_socket_gets_its_rows_and_the_state(engine_process):
+    proc, sock = engine_process()
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    assert c.ready.max_rows == 64 and c.ready.pid == proc.pid
+    model = kit.Recorder()  # the same seeded weights as the engine's
+    for rows in (1, 3):
+        req = kit.request(rows, rows)
+        check(model, req, c.infer(req, timeout=10))
+    state = c.state()
+    assert (state.clients, state.calls, state.rows, state.held) == (1, 2, 4, 0)
+    c.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0 and not os.path.exists(sock)
+
+
+def test_an_engine_killed_mid_request_is_engine_dead_not_a_hang(engine_process):
+    proc, sock = engine_process(slow=5.0)
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    job_id = c.submit(kit.request(2, 0))
+    time.sleep(0.5)  # the engine is in its 5-second call
+    proc.send_signal(signal.SIGKILL)
+    t = time.monotonic()
+    with pytest.raises(errors.EngineDead) as e:
+        c.wait(job_id, timeout=30)
+    assert time.monotonic() - t < 3 and e.value.status == 503 and e.value.retryable
+    with pytest.raises(errors.EngineDead):
+        c.submit(kit.request(1, 1))
+    assert c.arena.allocator.in_use() == 0
+    c.close()
+
+
+VICTIM = """
+import sys, time
+import engine_kit as kit
+from engine.client import EngineClient
+c = EngineClient(sys.argv[1], "victim", 1 << 16, 1 << 16)
+c.submit(kit.request(3, 0))
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+def engine_maps(pid):
+    return open(f"/proc/{pid}/maps").read()
+
+
+def test_a_killed_worker_is_released_and_the_others_go_on(engine_process):
+    proc, sock = engine_process(slow=0.5)
+    other = EngineClient(sock, "other", 1 << 16, 1 << 16)
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, sock], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout.readline().strip() == "sent"
+        assert "cs-arena-victim" in engine_maps(proc.pid) and other.state().clients == 2
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        deadline = time.monotonic() + 10
+        while "cs-arena-victim" in engine_maps(proc.pid) or other.state().clients != 1:
+            assert time.monotonic() < deadline, "the engine kept the dead worker's arena"
+            time.sleep(0.1)
+        req = kit.request(2, 5)
+        check(kit.Recorder(), req, other.infer(req, timeout=10))
+        assert "cs-arena-other" in engine_maps(proc.pid)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        other.close()
