@@ -499,6 +499,38 @@ def test_client_errors_over_grpc_are_invalid_argument(door):
         assert protowire.first_string(out, 1) == "two"
 
 
+def test_a_model_stream_outlives_the_body_limit_and_a_malformed_tensor_is_an_error_message(door):
+    """One ModelStreamInfer call (tritonclient's start_stream) carrying requests that add up to
+    more than the pod's body limit (twelve of 1 MiB against LIMIT, 8.5 MiB), with an INT64 raw
+    content of 7 bytes among them: every request is answered on the stream with its own
+    error_message (the pod's model is no decoder, so no request here generates), and the call
+    stays open to the last. Before, nginx counted the call's whole body against
+    client_max_body_size and reset it past LIMIT, and the 7-byte raw content ended the call with
+    the bridge's struct.error."""
+    import queue
+
+    pad = grpc_infer_request("two", [("padding", "FP32", [1 << 18], None)], [b"\0" * (1 << 20)])
+    bad = grpc_infer_request("two", [("input_ids", "INT64", [1], None)], [b"\1" * 7])
+    sends = [pad] * 6 + [bad] + [pad] * 6 + [bad]
+    assert sum(map(len, sends)) > LIMIT
+    outbox = queue.Queue()
+
+    def requests_():
+        while (item := outbox.get(timeout=60)) is not None:
+            yield item
+    errors = []
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        replies = ch.stream_stream(OIP + "ModelStreamInfer")(requests_(), timeout=120)
+        for req in sends:  # one at a time: each answered before the next goes
+            outbox.put(req)
+            errors.append(protowire.first_string(next(replies), 1))
+        outbox.put(None)
+        assert list(replies) == []  # the call ended as the client ended it, not reset
+    assert all("unknown input 'padding'" in e for e in errors[:6] + errors[7:13]), errors
+    for e in (errors[6], errors[13]):
+        assert "raw INT64 content of 7 bytes" in e, errors
+
+
 def rss_mib(pids) -> float:
     return sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
 
