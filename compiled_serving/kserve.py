@@ -85,6 +85,10 @@ FRONTS_CPU = 1
 # The pod's gRPC port (pod/grpc_bridge.py, GRPC_PORT of kserve/Dockerfile): a grpc-v2
 # InferenceService names it as its h2c port, so KServe routes gRPC there.
 GRPC_PORT = 8081
+# The kubelet's probes: pod.status's own listener (PROBE_PORT of kserve/Dockerfile, pod/config.py),
+# off nginx's connections, which a client's flood of half-sent headers can hold
+PROBE_PORT = 8083
+PROBES = ("livenessProbe", "readinessProbe")
 # KServe's built-in runtime serves gRPC on TorchServe's own port (grpc_inference_port).
 BUILTIN_GRPC_PORT = 7070
 # A grpc-v2 InferenceService on our runtime has two container ports once KServe merges it with
@@ -320,6 +324,8 @@ def runtime_docs(repo: str, torch_mm: str, devices: list) -> list:
         if device == "gpu":
             doc["metadata"]["name"] = f"{RUNTIME}-gpu"
         doc["spec"]["containers"][0]["image"] = image_tag(repo, torch_mm, device)
+        for probe in PROBES:  # the port that serves them, whatever the template says
+            doc["spec"]["containers"][0][probe]["httpGet"]["port"] = PROBE_PORT
         docs.append(doc)
     return docs
 

@@ -76,6 +76,7 @@ class PodConfig:
     bridge_port: int  # pod.grpc_bridge, loopback: status calls, and ModelInfer with several models
     metrics_port: int  # GET /metrics only, proxied to TorchServe's loopback metrics
     status_port: int  # pod.status, loopback: health, ready and metadata
+    probe_port: int  # pod.status, every address: the kubelet's probes alone, off nginx's connections
     max_request_bytes: int
     max_response_bytes: int
     response_timeout_s: int  # longest_response_timeout
@@ -139,6 +140,9 @@ def load(properties: str, env=None) -> PodConfig:
         http_port=_int_env(env, "HTTP_PORT", 8080), grpc_port=_int_env(env, "GRPC_PORT", 8081),
         bridge_port=_int_env(env, "GRPC_BRIDGE_PORT", 8089),
         metrics_port=_int_env(env, "METRICS_PORT", 8082), status_port=_int_env(env, "STATUS_PORT", 8087),
+        # the probes' own listener, in pod.status: a flood of connections on the public ports
+        # (which share nginx's worker_connections) cannot fail the liveness probe
+        probe_port=_int_env(env, "PROBE_PORT", 8083),
         max_request_bytes=int(props.get("max_request_size", 6553500)),
         max_response_bytes=int(props.get("max_response_size", 6553500)),
         response_timeout_s=longest_response_timeout(props),

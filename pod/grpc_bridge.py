@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import signal
+import struct
 from urllib.parse import quote
 
 import grpc
@@ -152,7 +153,7 @@ class Bridge:
         async for request in requests:
             try:
                 name, version, rid, body = stream_infer.generation_body(request)
-            except (RequestError, protowire.ProtoError, UnicodeDecodeError, ValueError) as e:
+            except (RequestError, protowire.ProtoError, UnicodeDecodeError, ValueError, struct.error) as e:
                 yield stream_infer.error(f"the request is malformed: {e}")
                 continue
             async for reply in self._generate(name, version, rid, body):

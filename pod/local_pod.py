@@ -40,11 +40,12 @@ class LocalPod:
             text = "\n".join(f"{key}={value}" if ln.startswith(f"{key}=") else ln for ln in text.splitlines())
         cfg.write_text(text + f"\ninitial_worker_port={next_worker_port()}\n")
         self.http, self.grpc, self.public_metrics, self.status = free_port(), free_port(), free_port(), free_port()
-        self.bridge = free_port()
+        self.bridge, self.probe_port = free_port(), free_port()
         self.env = server_env()
         self.env.update(MODEL_ROOT=str(mnt), RUNTIME_DIR=str(self.root / "run"), HTTP_PORT=str(self.http),
                         GRPC_PORT=str(self.grpc), METRICS_PORT=str(self.public_metrics),
-                        STATUS_PORT=str(self.status), GRPC_BRIDGE_PORT=str(self.bridge), POD_PYTHON=sys.executable,
+                        STATUS_PORT=str(self.status), GRPC_BRIDGE_PORT=str(self.bridge), PROBE_PORT=str(self.probe_port),
+                        POD_PYTHON=sys.executable,
                         **(env or {}))
         self.out = open(self.root / "stdout.log", "w")
         self.proc = subprocess.Popen([str(ENTRYPOINT)], env=self.env, stdout=self.out,
@@ -54,17 +55,19 @@ class LocalPod:
         self.direct = f"http://127.0.0.1:{self.ports['inference']}"  # TorchServe itself, loopback
 
     def probe(self, kind: str) -> tuple:
-        """The runtime's declared probe as the kubelet runs it: GET its path on the container
-        port (8080 = this pod's HTTP_PORT), within its timeoutSeconds. (passed, body)."""
+        """The runtime's declared probe as the kubelet runs it: GET its path on the port it names
+        (the image's PROBE_PORT 8083 = this pod's probe_port; HTTP_PORT 8080 = its http port),
+        within its timeoutSeconds. (passed, body)."""
         import requests
 
         rt = yaml.safe_load(RUNTIME_MANIFEST.read_text())
         spec = rt["spec"]["containers"][0][{"live": "livenessProbe", "ready": "readinessProbe"}[kind]]
         get = spec["httpGet"]
-        if get["port"] != 8080:
-            raise ValueError(f"{RUNTIME_MANIFEST}: the {kind} probe names port {get['port']}, not the container's 8080")
+        ports = {8083: self.probe_port, 8080: self.http}  # kserve/Dockerfile's PROBE_PORT, HTTP_PORT
+        if get["port"] not in ports:
+            raise ValueError(f"{RUNTIME_MANIFEST}: the {kind} probe names port {get['port']}, which the image does not serve")
         try:
-            r = requests.get(f"{self.base}{get['path']}", timeout=spec["timeoutSeconds"])
+            r = requests.get(f"http://127.0.0.1:{ports[get['port']]}{get['path']}", timeout=spec["timeoutSeconds"])
         except requests.RequestException as e:
             return False, f"{kind}: {e}"
         return r.status_code < 400, r.text

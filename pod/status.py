@@ -12,13 +12,20 @@ Open Inference Protocol REST routes (KServe v2) and KServe v1's model status:
   GET /v2/models/NAME[/versions/V]          model metadata (inputs, outputs from the archive)
   GET /v2/models/NAME[/versions/V]/ready    200 ready / 503 with the reason / 404 unknown
   GET /v1/models, /v1/models/NAME KServe v1 list and model status
-Listens on loopback only; nothing here changes the server.
+Listens on loopback for nginx; nothing here changes the server.
+
+The kubelet's probes have their own listener, PROBE_PORT (8083) on every address, serving
+GET /v2/health/live and /v2/health/ready only: a flood of connections on the public ports (9,000
+half-sent headers exhaust nginx's worker_connections, shared by all its ports) must not fail the
+liveness probe and have the kubelet restart a pod that serves. A connection here that has not sent
+its request within PROBE_HEADER_TIMEOUT_S is closed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +36,8 @@ from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, server_p
 
 PERIOD_S = 1.0
 BRIDGE_STALE_S = 30.0  # liveness fails when the gRPC bridge has not answered for this long
+PROBE_HEADER_TIMEOUT_S = 5.0  # the probe listener closes a connection silent this long
+PROBE_ROUTES = ("/v2/health/live", "/v2/health/ready")
 MODEL_ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready)?$")
 V1_ROUTE = re.compile(r"^/v1/models/([^/:]+)$")
 
@@ -44,7 +53,7 @@ class Status:
 
     def refresh(self) -> None:
         self.snapshot = self.poller.poll()
-        if bridge_live(self.cfg.grpc_port):
+        if bridge_live(self.cfg.bridge_port):
             self.bridge_seen = time.monotonic()
 
     def _bridge_stale(self) -> bool:
@@ -97,8 +106,9 @@ class Status:
 
 
 def bridge_live(port: int) -> bool:
-    """One ServerLive call through nginx's gRPC port to the bridge: an empty request; the reply
-    is live when its field 1 (bool live) is set."""
+    """One ServerLive call to the bridge on its loopback port (not through nginx, whose
+    connections a client's flood may hold: liveness would fail on a pod that serves): an empty
+    request; the reply is live when its field 1 (bool live) is set."""
     import grpc
 
     try:
@@ -109,12 +119,17 @@ def bridge_live(port: int) -> bool:
         return False
 
 
-def handler_class(status: Status):
+def handler_class(status: Status, probes_only: bool = False):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: nginx holds a pool of connections here
+        timeout = PROBE_HEADER_TIMEOUT_S if probes_only else None
 
         def do_GET(self):
-            code, body = status.route(self.path)
+            path = self.path.split("?", 1)[0].rstrip("/")
+            if probes_only and path not in PROBE_ROUTES:
+                code, body = 404, {"error": f"this port serves the kubelet's probes only: GET {' or '.join(PROBE_ROUTES)}"}
+            else:
+                code, body = status.route(self.path)
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -145,10 +160,29 @@ def main(argv=None) -> int:
     for name, err in status.poller.io_error.items():
         print(f"pod.status: model {name} cannot be served: {err}", flush=True)
     threading.Thread(target=poll_forever, args=(status,), name="pod-status-poll", daemon=True).start()
+    probes = probe_server(cfg.probe_port, handler_class(status, probes_only=True))
+    threading.Thread(target=probes.serve_forever, name="pod-status-probes", daemon=True).start()
     server = ThreadingHTTPServer(("127.0.0.1", cfg.status_port), handler_class(status))
     server.daemon_threads = True
     server.serve_forever()
     return 0
+
+
+def probe_server(port: int, handler) -> ThreadingHTTPServer:
+    """The probes' listener on every address: IPv6 and IPv4 on one socket where the host has IPv6
+    (the kubelet dials the pod's IP, which is IPv6 on an IPv6-only cluster), IPv4 otherwise."""
+    from pod.nginx import ipv6_available
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ipv6_available() else socket.AF_INET
+
+        def server_bind(self):
+            if self.address_family == socket.AF_INET6:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            super().server_bind()
+
+    return Server(("::" if Server.address_family == socket.AF_INET6 else "0.0.0.0", port), handler)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,20 @@ def _param(value) -> object:
 
 
 def _raw_values(dtype: str, raw: bytes):
+    """A raw content's values; a length the datatype cannot hold is the client's fault (BadRequest),
+    never a struct.error that would end the stream."""
     if dtype == "BYTES":  # each element: a 4-byte little-endian length, then its bytes
+        if len(raw) < 4:
+            raise BadRequest(f"raw BYTES content of {len(raw)} bytes: each element is a 4-byte length, then its bytes")
         (n,) = struct.unpack_from("<I", raw, 0)
+        if n > len(raw) - 4:
+            raise BadRequest(f"raw BYTES element claims {n} bytes; the content holds {len(raw) - 4} after its length")
         return raw[4:4 + n].decode("utf-8")
     fmt = {"INT64": "q", "INT32": "i"}[dtype]
-    return list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
+    size = struct.calcsize(fmt)
+    if len(raw) % size:
+        raise BadRequest(f"raw {dtype} content of {len(raw)} bytes is not a whole number of {size}-byte elements")
+    return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw))
 
 
 def _input_value(inp: Input, raw):

@@ -4,6 +4,7 @@ cs-archive with no options): greedy tokens equal the eager model's, interleaved 
 what they get alone, tokens stream over HTTP chunked and gRPC StreamPredictions, and every bad
 request is a 400 with its reason before any token."""
 import json
+import struct
 import subprocess
 import threading
 
@@ -460,3 +461,19 @@ def test_the_archive_and_inspect_say_a_decoder_was_recognised(exported, tmp_path
     inspect_artifact.main([str(tmp_path / "lm.mar")])
     said = capsys.readouterr().out
     assert "serves as      a generative decoder: vocabulary 256" in said and "one sequence at a time" in said, said
+
+
+def test_a_raw_content_of_a_length_its_datatype_cannot_hold_is_the_requests_fault():
+    """An INT64 raw content of 7 bytes, an INT32 one of 6, a BYTES one shorter than its length
+    prefix or than the length it claims: each a BadRequest naming the raw content (answered in the
+    stream's error_message), never a struct.error, which ended the whole ModelStreamInfer call."""
+    from kserve_kit import grpc_infer_request
+    from pod import stream_infer
+
+    cases = [("input_ids", "INT64", [1], b"\1" * 7, "raw INT64 content of 7 bytes"),
+             ("input_ids", "INT32", [2], b"\1" * 6, "raw INT32 content of 6 bytes"),
+             ("text_input", "BYTES", [1], b"\1\0", "raw BYTES content of 2 bytes"),
+             ("text_input", "BYTES", [1], struct.pack("<I", 9) + b"abc", "claims 9 bytes")]
+    for name, dtype, shape, raw, words in cases:
+        with pytest.raises(stream_infer.BadRequest, match=words):
+            stream_infer.generation_body(grpc_infer_request("lm", [(name, dtype, shape, None)], [raw]))

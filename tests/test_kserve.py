@@ -879,3 +879,27 @@ def test_envelope_from_kserve_docs_fails_the_load_naming_the_setting(layout, tmp
         assert not any(ts.ready(n) for n in ts.models)
     finally:
         ts.stop()
+
+
+def test_the_probes_name_the_port_pod_status_serves_them_on(tmp_path):
+    """The kubelet's probes go to pod.status's own listener (PROBE_PORT), not to nginx's public
+    port, whose connections one client's flood can hold (issue 63): the runtime template, the
+    runtime cs-kserve writes, the image's PROBE_PORT and the pod's default all name one port."""
+    import re as _re
+
+    import yaml as _yaml
+
+    from compiled_serving import kserve
+    from pod import config as pod_config
+
+    template = _yaml.safe_load(open(kserve.RUNTIME_TEMPLATE))
+    written = kserve.runtime_docs("repo", "2.11", ["cpu", "gpu"])
+    for doc in [template, *written]:
+        for probe in kserve.PROBES:
+            assert doc["spec"]["containers"][0][probe]["httpGet"]["port"] == kserve.PROBE_PORT, (probe, doc)
+    dockerfile = open(Path(kserve.ROOT) / "kserve" / "Dockerfile").read()
+    assert f"PROBE_PORT={kserve.PROBE_PORT}" in dockerfile and _re.search(rf"EXPOSE .*\b{kserve.PROBE_PORT}\b", dockerfile)
+    store = Path(kserve.ROOT) / "kserve" / "config.properties"
+    props = store.read_text() + '\nmodel_snapshot={"models": {"m": {"1": {}}}}\n'
+    (tmp_path / "config.properties").write_text(props)
+    assert pod_config.load(str(tmp_path / "config.properties"), env={}).probe_port == kserve.PROBE_PORT

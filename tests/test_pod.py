@@ -499,6 +499,124 @@ def test_client_errors_over_grpc_are_invalid_argument(door):
         assert protowire.first_string(out, 1) == "two"
 
 
+def test_a_model_stream_outlives_the_body_limit_and_a_malformed_tensor_is_an_error_message(door):
+    """One ModelStreamInfer call (tritonclient's start_stream) carrying requests that add up to
+    more than the pod's body limit (twelve of 1 MiB against LIMIT, 8.5 MiB), with an INT64 raw
+    content of 7 bytes among them: every request is answered on the stream with its own
+    error_message (the pod's model is no decoder, so no request here generates), and the call
+    stays open to the last. Before, nginx counted the call's whole body against
+    client_max_body_size and reset it past LIMIT, and the 7-byte raw content ended the call with
+    the bridge's struct.error."""
+    import queue
+
+    pad = grpc_infer_request("two", [("padding", "FP32", [1 << 18], None)], [b"\0" * (1 << 20)])
+    bad = grpc_infer_request("two", [("input_ids", "INT64", [1], None)], [b"\1" * 7])
+    sends = [pad] * 6 + [bad] + [pad] * 6 + [bad]
+    assert sum(map(len, sends)) > LIMIT
+    outbox = queue.Queue()
+
+    def requests_():
+        while (item := outbox.get(timeout=60)) is not None:
+            yield item
+    errors = []
+    with grpc.insecure_channel(door["grpc"]) as ch:
+        replies = ch.stream_stream(OIP + "ModelStreamInfer")(requests_(), timeout=120)
+        for req in sends:  # one at a time: each answered before the next goes
+            outbox.put(req)
+            errors.append(protowire.first_string(next(replies), 1))
+        outbox.put(None)
+        assert list(replies) == []  # the call ended as the client ended it, not reset
+    assert all("unknown input 'padding'" in e for e in errors[:6] + errors[7:13]), errors
+    for e in (errors[6], errors[13]):
+        assert "raw INT64 content of 7 bytes" in e, errors
+
+
+def nginx_connections(container) -> int:
+    """Every connection nginx can hold: worker_processes x worker_connections of its rendered conf."""
+    conf = (container.root / "run" / "nginx.conf").read_text()
+    workers = int(re.search(r"(?m)^worker_processes (\d+);", conf).group(1))
+    return workers * int(re.search(r"worker_connections (\d+);", conf).group(1))
+
+
+def test_the_probes_pass_while_one_client_holds_every_connection_of_nginx_with_half_sent_headers(door):
+    """A bounded slowloris on loopback: one client opens 300 more connections to the REST port than
+    nginx can hold, each with a request's headers half sent and a header line more a moment later
+    (so nginx is reading them: no idle connection it could reuse), re-opens any nginx closes, and
+    lets go after 15 s. The kubelet's probes, as the runtime declares them (pod.status's own
+    PROBE_PORT), pass every second throughout, while the public port itself fails; nginx closes
+    the half-sent requests after client_header_timeout (10 s) and serves again once the client lets
+    go. The probe port serves the probes alone. Before, the probes named 8080 and failed with it."""
+    c = door["container"]
+    flood, public_failed, probes, closed = [], 0, [], 0
+    n = nginx_connections(c) + 300
+    t0 = time.monotonic()
+    try:
+        flood = [_half_request(c.http) for _ in range(n)]
+        for s in flood:
+            _trickle(s)
+        while time.monotonic() - t0 < 15:
+            probes.append((c.probe("live").returncode, c.probe("ready").returncode))
+            try:
+                requests.get(f"{door['base']}/v2/health/live", timeout=1)
+            except requests.RequestException:
+                public_failed += 1
+            for i, s in enumerate(flood):  # the attacker's refill: bounded by n
+                if _closed_by_peer(s):
+                    s.close()
+                    closed += 1
+                    flood[i] = _half_request(c.http)
+            time.sleep(0.5)
+    finally:
+        for s in flood:
+            s.close()
+    print(f"{n} half-sent requests held 15 s: {len(probes)} probe rounds, the public port failed "
+          f"{public_failed} times, nginx closed {closed}")
+    assert public_failed > 0, "the flood never held nginx: the test proves nothing"
+    assert probes and all(p == (0, 0) for p in probes), probes
+    assert closed > nginx_connections(c) // 2, closed  # client_header_timeout closed the half-sent ones
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            if requests.get(f"{door['base']}/v2/health/live", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            time.sleep(0.5)
+    f, m = two(1, seed=24)
+    assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
+    other = requests.get(f"http://127.0.0.1:{c.probe_port}/v2/models/two", timeout=5)
+    assert other.status_code == 404 and "probes only" in other.json()["error"], other.text
+
+
+def _half_request(port: int):
+    import socket
+
+    s = socket.socket()
+    s.settimeout(1.0)
+    try:
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+    except OSError:
+        pass  # nginx's backlog full: the flood holds it
+    return s
+
+
+def _trickle(s) -> None:
+    try:
+        s.sendall(b"X-a: b\r\n")
+    except OSError:
+        pass
+
+
+def _closed_by_peer(s) -> bool:
+    try:
+        s.settimeout(0.0)
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset (reset_timedout_connection) or never connected
+
+
 def rss_mib(pids) -> float:
     return sum(psutil.Process(p).memory_info().rss for p in pids) / 2**20
 

@@ -41,7 +41,7 @@ def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridg
 
     from pod import state, status
     model = SimpleNamespace(name="m", mar="m.mar", version="1")
-    cfg = SimpleNamespace(models=[model], grpc_port=0, state_file=str(tmp_path / "state.json"),
+    cfg = SimpleNamespace(models=[model], grpc_port=0, bridge_port=0, state_file=str(tmp_path / "state.json"),
                           stopping_file=str(tmp_path / "pod_stopping"),
                           url=lambda kind: "http://127.0.0.1:9")
     answers = iter([(READY, None), LATE])
