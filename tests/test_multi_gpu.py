@@ -128,6 +128,10 @@ def test_host_entry_reads_gpu_id_as_the_placement_does():
 
 
 def test_a_worker_is_confined_before_cuda_starts_and_not_after(monkeypatch):
+    env = {}
+    monkeypatch.setattr(confine, "cuda_built", lambda: False)
+    assert confine.confine(1, env).entry is None and env == {}  # a CPU build: nothing to confine
+    monkeypatch.setattr(confine, "cuda_built", lambda: True)
     monkeypatch.setattr(confine, "visible_gpus", lambda: 2)
     monkeypatch.setattr(confine, "driver_started", lambda: False)
     env = {}
@@ -145,6 +149,7 @@ def test_a_worker_is_confined_before_cuda_starts_and_not_after(monkeypatch):
 def test_the_worker_places_by_cuda_0_once_confined(monkeypatch):
     from handlers import startup
 
+    monkeypatch.setattr(confine, "cuda_built", lambda: True)
     monkeypatch.setattr(confine, "visible_gpus", lambda: 2)
     monkeypatch.setattr(confine, "driver_started", lambda: False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -57,13 +57,19 @@ def driver_started() -> bool:
     return cuda.cuDeviceGetCount(ctypes.byref(n)) != CUDA_ERROR_NOT_INITIALIZED
 
 
+def cuda_built() -> bool:
+    import torch
+
+    return torch.cuda._is_compiled()
+
+
 def visible_gpus() -> int:
     """The GPUs this process may use, counted through NVML (which starts no CUDA driver and
     honours CUDA_VISIBLE_DEVICES); -1 where NVML cannot say."""
     import torch
 
     count = getattr(torch.cuda, "_device_count_nvml", None)
-    if count is None or not torch.cuda._is_compiled():
+    if count is None:
         return -1
     try:
         return int(count())
@@ -78,6 +84,8 @@ def confine(gpu_id: Optional[int], environ=None) -> Confined:
     environ = os.environ if environ is None else environ
     if gpu_id is None:
         return Confined(None, -1, "no GPU assigned")
+    if not cuda_built():
+        return Confined(None, 0, "a torch without CUDA")
     count = visible_gpus()
     if driver_started():
         return Confined(None, count, "CUDA had started in this process before the handler ran; it sees every GPU")
