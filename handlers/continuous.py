@@ -37,7 +37,7 @@ from handlers.generation import loop
 from handlers.generation.formats import Route
 from handlers.generation.request import parse
 from handlers.torchserve import headers as ts_headers
-from handlers.torchserve import replies
+from handlers.torchserve import guardian, replies
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class Client:
         if self.own_chunk and self.sent == 0:
             self.sent = 1
             encoded = answer.encoded if type(answer) is Failed else answer
+            guardian.started(self.request_id, "", encoded.media_type)
             return (self.request_id, answer), Encoded("", encoded.media_type, {})
         return None, answer
 
@@ -128,6 +129,8 @@ class Continuous:
                 if isinstance(ev, loop.Finished):
                     last.append((c, Encoded(c.route.final(ev, c.streaming), c.route.media_type(c.streaming), {})))
                 elif c.streaming:
+                    if c.sent == 0:
+                        guardian.started(c.request_id, c.route.error_event(guardian.DIED), c.route.media_type())
                     chunks.append((c.request_id, Encoded(c.route.token([ev.id] if ev.id is not None else [], ev.text),
                                                          c.route.media_type(), {})))
                     c.sent += 1

@@ -1,0 +1,167 @@
+"""The return of an async worker (model-config asyncCommunication: a slot decoder's continuous
+batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit.
+
+TorchServe 0.12 never brings such a worker back. Its frontend restarts a dead worker by running
+the same WorkerThread object again (WorkerThread.retry: `manager.submitTask(this)`), and
+AsyncWorkerThread keeps `loadingFinished` true from the first load for the object's life:
+- AsyncWorkerThread.run waits for the load's answer only `if (loadingFinished == false)`, so the
+  restarted thread asks AsyncBatchAggregator.getRequest for the next job at once, while the load
+  job is still in the aggregator's `jobs` (only the load's answer clears it, sendResponse:
+  "Predictions is empty. This is from initial load"). Any request already queued (every one
+  that arrived while the worker was down) joins it there, and getRequest throws
+  `IllegalStateException: Received more than 1 control command`; the thread's `finally` clears
+  `jobs` (cleanJobs: that request is lost, its client waits for the response timeout), kills the
+  new worker and retries with a longer back-off (WorkerThread.BACK_OFF, up to 1597 s);
+- AsyncWorkerHandler.channelRead0 sets WORKER_MODEL_LOADED only `if (!loadingFinished)`, so even
+  a restart that meets no request never makes the worker READY again (DescribeModelResponse:
+  "UNLOADING"; ApiUtils.getModelDescription wants WORKER_MODEL_LOADED);
+- the requests the dead worker held stay in AsyncBatchAggregator.jobs_in_backend unanswered:
+  the thread's `finally` errors only `req`, which the loop has already set to null.
+Only a new AsyncWorkerThread loads properly, and the management API's scale call makes one
+(WorkLoadManager.modelChanged: min_worker 0 removes the model's threads, then min_worker N adds
+fresh ones).
+
+So the async worker starts a guardian, a small process (no torch) that holds a duplicate of the
+worker's connection to the frontend and reads, on a pipe, which requests have begun to stream
+(`started`, with the frame that ends each with an error) and which have had their last frame
+(`ended`). When the pipe closes and the frontend has not closed the connection itself (it does
+so first when it stops a worker: WorkerThread.shutdown), the worker died; the guardian:
+1. ends each started stream with its error frame (ts_stream_next false: AsyncBatchAggregator
+   forgets the request; its client gets an error event, or the end of an answer already sent);
+2. scales the model to 0 workers and back while it still holds the connection, so the old thread
+   never sees a disconnect and never retries: WorkerThread.shutdown interrupts it and calls
+   AsyncBatchAggregator.sendError(null, ...), which puts every request it still holds (sent to
+   the dead worker, never started) back at the head of the model's queue (handleErrorJob:
+   model.addFirst) for the new worker. Requests that arrive while no worker exists get
+   TorchServe's 503 at once; those already queued wait for the new worker.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from handlers import process
+from handlers.errors import ServingError
+
+logger = logging.getLogger(__name__)
+TESTED_VERSIONS = ("0.12.",)  # TorchServe releases whose AsyncWorkerThread behaves as above
+_pipe = None  # the write end of the guardian's pipe, in the worker; None: no guardian
+
+
+def install() -> str:
+    """In TorchServe's async worker, starts the guardian when the async service starts (after the
+    load's answer, ts/model_service_worker.py handle_connection_async) and learns each last frame
+    sent; returns what was done."""
+    from handlers.torchserve import frontend_frames
+
+    main = sys.modules.get("__main__")
+    if os.path.basename(getattr(main, "__file__", "") or "") != "model_service_worker.py":
+        return "not a TorchServe worker process"
+    if not frontend_frames.async_worker():
+        return "not an async worker (TorchServe restarts its ordinary worker itself)"
+    try:
+        from ts import async_service
+        from ts.version import __version__
+    except ImportError as e:
+        return f"no guardian ({e})"
+    if not __version__.startswith(TESTED_VERSIONS):
+        return f"no guardian (TorchServe {__version__}; written against {', '.join(TESTED_VERSIONS)}x)"
+    _patch(async_service)
+    process.record("guardian", "started with the async service; brings the worker back if it dies")
+    return "a guardian brings this async worker back if it dies"
+
+
+class _Frame(bytearray):
+    """A frame of ts/async_service.py's predict, with the ids of the requests it answers."""
+
+    rids: tuple = ()
+
+
+def _patch(async_service) -> None:
+    """ts/async_service.py's AsyncService: `run` starts the guardian first; `send_responses`
+    (the writer of every batch's last frames, one per `handle` call) tells it which requests
+    got their last frame. predict builds each frame with the module's create_predict_response."""
+    original_cpr, original_run = async_service.create_predict_response, async_service.AsyncService.run
+
+    def create_predict_response(ret, req_id_map, *args, **kwargs):
+        frame = _Frame(original_cpr(ret, req_id_map, *args, **kwargs))
+        frame.rids = tuple(req_id_map.values())
+        return frame
+
+    def run(self):
+        start(self.service.cl_socket, self.service.context)
+        return original_run(self)
+
+    def send_responses(self):
+        import asyncio
+
+        from handlers.continuous import LOCK
+
+        while True:
+            frame = asyncio.run_coroutine_threadsafe(self.out_queue.get(), self.loop).result()
+            ended(getattr(frame, "rids", ()))  # before: a death between the two re-queues, not fails
+            with LOCK:  # whole frames, beside the engine's chunks (replies.send_chunks)
+                self.service.cl_socket.sendall(frame)
+
+    async_service.create_predict_response = create_predict_response
+    async_service.AsyncService.run = run
+    async_service.AsyncService.send_responses = send_responses
+
+
+def start(sock, context) -> None:
+    """Starts the guardian with a duplicate of `sock` (the frontend connection)."""
+    global _pipe
+    manifest = getattr(context, "manifest", None) or {}
+    model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    read_end, write_end = os.pipe()
+    args = [sys.executable, "-m", "handlers.torchserve.guardian_main", str(sock.fileno()), str(read_end),
+            str(os.getppid()), json.dumps(model)]
+    subprocess.Popen(args, pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
+    os.close(read_end)
+    _pipe = write_end
+
+
+def _tell(record: list) -> None:
+    if _pipe is not None:
+        os.write(_pipe, (json.dumps(record) + "\n").encode())  # one write under PIPE_BUF: whole
+
+
+class WorkerDied(ServingError):
+    """What ends a stream whose worker died: the client may retry (a new worker is coming)."""
+
+    status = 503
+    error_type = "ServiceUnavailable"
+
+
+DIED = WorkerDied("the worker serving this stream died (killed, or out of memory); a new one is starting: retry")
+
+
+def started(rid: str, body: str, media_type: str) -> None:
+    """Request `rid` is about to send its first chunk: if the worker dies, the guardian ends its
+    stream with `body` (an error event; empty after a whole answer sent as a chunk)."""
+    if _pipe is not None:
+        _tell(["S", rid, base64.b64encode(death_frame(rid, body, media_type)).decode()])
+
+
+def ended(rids) -> None:
+    if rids and _pipe is not None:
+        _tell(["E", *rids])
+
+
+def death_frame(rid: str, body: str, media_type: str) -> bytes:
+    """The frame that ends request `rid`'s stream with `body` (ts_stream_next false)."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    from handlers.torchserve import replies
+
+    ctx = replies._Chunks(set())
+    ctx.set_response_content_type(0, media_type)
+    ctx.set_response_header(0, replies.STREAM_NEXT, "false")
+    return bytes(create_predict_response({0: body}, {0: rid}, "the worker died", 200, ctx))
+
