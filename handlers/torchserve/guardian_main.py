@@ -27,8 +27,12 @@ DEFAULT_MANAGEMENT = "http://127.0.0.1:8081"  # TorchServe's default management_
 
 
 def log(msg: str) -> None:
-    # the worker's stdout, which the frontend's WorkerLifeCycle copies into model_log.log
-    print(f"[guardian {os.getpid()}] {msg}", flush=True)
+    # the worker's stdout, which the frontend's WorkerLifeCycle copies into model_log.log until
+    # it stops reading (WorkerLifeCycle's Scanner stops with the worker it was started for)
+    try:
+        print(f"[guardian {os.getpid()}] {msg}", flush=True)
+    except OSError:
+        pass
 
 
 def read_records(pipe_fd: int) -> dict:

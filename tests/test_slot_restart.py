@@ -1,0 +1,147 @@
+"""A slot-form worker (TorchServe's asyncCommunication, handlers/continuous.py) killed with
+SIGKILL, as the OOM killer does, idle and busy with streams in flight, comes back READY and
+answering within the one-sequence form's time; the streams in flight end with an error event,
+and no request hangs (handlers/torchserve/guardian.py says why TorchServe 0.12 alone never
+brings such a worker back)."""
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from test_continuous import archive
+
+from examples import slot_decoder
+from examples.tiny_decoder import Config
+
+pytestmark = pytest.mark.server
+BACK_S = 15  # the one-sequence and stateless forms come back in 4.1-5.5 s on this CPU
+NO_HANG_S = 30  # far below TorchServe's 120 s response timeout, where a lost request ends
+
+
+@pytest.fixture(scope="module")
+def slot_ts(serve, tmp_path_factory):
+    d = tmp_path_factory.mktemp("slot_restart")
+    path = d / "slots.pt2"
+    torch.export.save(slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8)), path)
+    archive(path, "lm", d / "store")
+    return serve({"lm": d / "store" / "lm.mar"})
+
+
+def pid_of(ts) -> int:
+    (w,) = ts.workers("lm")
+    return w["pid"]
+
+
+def answered(ts, timeout=NO_HANG_S):
+    """(status, lines) of a short streamed generation."""
+    r = requests.post(f"{ts.base}/predictions/lm", json={"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}},
+                      headers=ts.auth(), stream=True, timeout=timeout)
+    return r.status_code, [x for x in r.iter_lines() if x]
+
+
+def during(ts, n: int = 6) -> list:
+    """Threads that each send a short generation over the next seconds (the outage), with their
+    outcomes: (status or the exception, seconds taken)."""
+    outcomes = []
+
+    def one(i):
+        time.sleep(0.4 * i)
+        t0 = time.time()
+        try:
+            outcomes.append((answered(ts)[0], time.time() - t0))
+        except Exception as e:  # noqa: BLE001  (a hang ends as a read timeout)
+            outcomes.append((repr(e), time.time() - t0))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, outcomes
+
+
+def served_or_refused(threads, outcomes) -> None:
+    """Each request sent during the outage was answered, or refused with a 503, well before any
+    timeout. (What fails, TorchServe's: a request the old AsyncWorkerThread takes from the queue
+    while the scale-down's WorkerThread.shutdown clears its backendChannel fails in
+    AsyncWorkerThread.run at `backendChannel.get(0)` (IndexOutOfBoundsException) and its
+    `finally` sends it status 413, exit 137's, which RestJob.sendError maps to 507.)"""
+    for t in threads:
+        t.join(NO_HANG_S + 5)
+    assert len(outcomes) == len(threads) and all(s in (200, 503) and took < NO_HANG_S for s, took in outcomes), outcomes
+
+
+def back_within(ts, old_pid: int, limit_s: float) -> float:
+    """Seconds until the model has one READY worker (not `old_pid`) that answers a generation;
+    fails after `limit_s`, each try bounded so that none hangs."""
+    t0 = time.time()
+    while time.time() - t0 < limit_s:
+        ws = ts.workers("lm", timeout=5)
+        if len(ws) == 1 and ws[0]["status"] == "READY" and ws[0]["pid"] != old_pid:
+            status, lines = answered(ts)
+            if status == 200 and len(lines) == 4:
+                return time.time() - t0
+        time.sleep(0.3)
+    pytest.fail(f"not back {limit_s}s after the kill: workers {ts.workers('lm')}\n{ts.log('logs/ts_log.log')[-3000:]}")
+
+
+def test_an_idle_slot_worker_killed_comes_back(slot_ts):
+    assert answered(slot_ts)[0] == 200
+    pid = pid_of(slot_ts)
+    os.kill(pid, signal.SIGKILL)
+    took = back_within(slot_ts, pid, BACK_S)
+    print(f"idle kill: back in {took:.1f}s")
+
+
+def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
+    body = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 120, "ignore_eos": True}}
+    outcomes, started = [], threading.Semaphore(0)
+
+    def stream():
+        t0 = time.time()
+        try:
+            with requests.post(f"{slot_ts.base}/predictions/lm", json=body, headers=slot_ts.auth(), stream=True,
+                               timeout=NO_HANG_S) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+                        if len(lines) == 1:
+                            started.release()
+                outcomes.append((r.status_code, lines, time.time() - t0))
+        except Exception as e:  # noqa: BLE001  (a hang ends as a read timeout here)
+            started.release()
+            outcomes.append((None, repr(e), time.time() - t0))
+    pid = pid_of(slot_ts)
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    assert started.acquire(timeout=NO_HANG_S)  # the kill comes once a stream has its first token
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(NO_HANG_S + 5)
+    assert len(outcomes) == 4, outcomes
+    cut = 0
+    for status, lines, took in outcomes:  # each ended with an error event, or whole before the kill
+        assert status == 200 and took < NO_HANG_S, (status, lines, took)
+        errored = "error" in lines[-1] and "token_ids" not in lines[-1]
+        assert errored or lines[-1].get("completion_tokens") == 120, lines[-3:]
+        cut += errored
+    assert cut >= 1, [lines[-1] for _s, lines, _t in outcomes]
+    took = back_within(slot_ts, pid, BACK_S)
+    print(f"busy kill: back in {took:.1f}s")
+
+
+@pytest.mark.xfail(reason="TorchServe 0.12's scale-down races its own polling thread: a request the old "
+                          "AsyncWorkerThread takes while WorkerThread.shutdown runs gets 507 'Worker died.' "
+                          "or is written after AsyncBatchAggregator.sendError(null) re-queued the others and "
+                          "is lost (seen in 3 of 3 runs with a request every 0.4 s)", strict=False)
+def test_requests_sent_while_the_slot_worker_is_down_are_served_or_refused(slot_ts):
+    assert answered(slot_ts)[0] == 200
+    pid = pid_of(slot_ts)
+    os.kill(pid, signal.SIGKILL)
+    asked = during(slot_ts)
+    back_within(slot_ts, pid, BACK_S)
+    served_or_refused(*asked)
+
