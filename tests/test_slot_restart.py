@@ -22,13 +22,64 @@ BACK_S = 15  # the one-sequence and stateless forms come back in 4.1-5.5 s on th
 NO_HANG_S = 30  # far below TorchServe's 120 s response timeout, where a lost request ends
 
 
+# A fault point in the server's workers (a sitecustomize on their PYTHONPATH, which TorchServe's
+# EnvironmentUtils passes on from the frontend's): once a file named after a guardian record
+# (`streaming`, `answering`) appears in the armed folder, the next worker that tells the guardian
+# that record kills itself right after it (SIGKILL), before it writes the frame the record is
+# about; the file's removal makes it one kill.
+FAULT_POINT = """
+import os, signal, sys
+
+ARMED = os.environ.get("SLOT_RESTART_ARMED")
+
+
+class _Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name != "handlers.torchserve.guardian":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            for point in ("streaming", "answering"):
+                told = getattr(module, point)
+
+                def at(*args, told=told, point=point):
+                    told(*args)
+                    if module._pipe is not None:
+                        try:
+                            os.remove(os.path.join(ARMED, point))
+                        except OSError:
+                            return
+                        os.kill(os.getpid(), signal.SIGKILL)
+                setattr(module, point, at)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if ARMED:
+    sys.meta_path.insert(0, _Finder())
+"""
+
+
 @pytest.fixture(scope="module")
 def slot_ts(serve, tmp_path_factory):
     d = tmp_path_factory.mktemp("slot_restart")
     path = d / "slots.pt2"
     torch.export.save(slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8)), path)
     archive(path, "lm", d / "store")
-    return serve({"lm": d / "store" / "lm.mar"})
+    (d / "hook").mkdir()
+    (d / "hook" / "sitecustomize.py").write_text(FAULT_POINT)
+    (d / "armed").mkdir()
+    with pytest.MonkeyPatch.context() as mp:  # the frontend's environment, which its workers inherit
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "hook"), os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("SLOT_RESTART_ARMED", str(d / "armed"))
+        ts = serve({"lm": d / "store" / "lm.mar"})
+    ts.armed = d / "armed"
+    return ts
 
 
 def pid_of(ts) -> int:
@@ -131,6 +182,34 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
     assert cut >= 1, [lines[-1] for _s, lines, _t in outcomes]
     took = back_within(slot_ts, pid, BACK_S)
     print(f"busy kill: back in {took:.1f}s")
+
+
+def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(slot_ts):
+    """The worker dies after telling the guardian a stream began, before its first token chunk
+    went out: the guardian's frames open the answer (200) with the error event and end it."""
+    assert answered(slot_ts)[0] == 200
+    pid = pid_of(slot_ts)
+    (slot_ts.armed / "streaming").touch()
+    t0 = time.time()
+    status, lines = answered(slot_ts)
+    assert status == 200 and time.time() - t0 < NO_HANG_S, (status, lines)
+    assert len(lines) == 1 and "error" in json.loads(lines[0]) and "token_ids" not in json.loads(lines[0]), lines
+    assert not (slot_ts.armed / "streaming").exists()  # the fault point was reached
+    back_within(slot_ts, pid, BACK_S)
+
+
+def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
+    """The worker dies after telling the guardian a whole answer is going out, before it did."""
+    assert answered(slot_ts)[0] == 200
+    pid = pid_of(slot_ts)
+    (slot_ts.armed / "answering").touch()
+    t0 = time.time()
+    r = requests.post(f"{slot_ts.base}/predictions/lm", headers=slot_ts.auth(), timeout=NO_HANG_S,
+                      json={"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3, "stream": False}})
+    assert r.status_code == 503 and time.time() - t0 < NO_HANG_S, (r.status_code, r.text)
+    assert "died" in r.json()["message"], r.text
+    assert not (slot_ts.armed / "answering").exists()
+    back_within(slot_ts, pid, BACK_S)
 
 
 @pytest.mark.xfail(reason="TorchServe 0.12's scale-down races its own polling thread: a request the old "

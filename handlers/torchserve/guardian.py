@@ -22,12 +22,14 @@ Only a new AsyncWorkerThread loads properly, and the management API's scale call
 fresh ones).
 
 So the async worker starts a guardian, a small process (no torch) that holds a duplicate of the
-worker's connection to the frontend and reads, on a pipe, which requests have begun to stream
-(`started`, with the frame that ends each with an error) and which have had their last frame
-(`ended`). When the pipe closes and the frontend has not closed the connection itself (it does
-so first when it stops a worker: WorkerThread.shutdown), the worker died; the guardian:
-1. ends each started stream with its error frame (ts_stream_next false: AsyncBatchAggregator
-   forgets the request; its client gets an error event, or the end of an answer already sent);
+worker's connection to the frontend and reads, on a pipe, the frames that would end each request
+that has begun to answer (`streaming`: before its first token chunk; `answering`/`answered`:
+around the write of an answer sent as a chunk of its own) and which requests have had their last
+frame (`ended`). When the pipe closes and the frontend has not closed the connection itself (it
+does so first when it stops a worker: WorkerThread.shutdown), the worker died; the guardian:
+1. ends each request that began to answer with its frames (the last marked ts_stream_next false:
+   AsyncBatchAggregator forgets the request; its client gets an error event, a 503, or the end of
+   an answer already sent; death_frames says why they suit a first chunk written or not);
 2. scales the model to 0 workers and back while it still holds the connection, so the old thread
    never sees a disconnect and never retries: WorkerThread.shutdown interrupts it and calls
    AsyncBatchAggregator.sendError(null, ...), which puts every request it still holds (sent to
@@ -103,7 +105,11 @@ def _patch(async_service) -> None:
 
         while True:
             frame = asyncio.run_coroutine_threadsafe(self.out_queue.get(), self.loop).result()
-            ended(getattr(frame, "rids", ()))  # before: a death between the two re-queues, not fails
+            # told before the write: a death between the two leaves the request in the frontend's
+            # jobs_in_backend, which the scale-down re-queues (a frame for a request the frontend
+            # has forgotten would be AsyncBatchAggregator.sendResponse's IllegalStateException,
+            # and AsyncWorkerHandler.exceptionCaught closes the connection)
+            ended(getattr(frame, "rids", ()))
             with LOCK:  # whole frames, beside the engine's chunks (replies.send_chunks)
                 self.service.cl_socket.sendall(frame)
 
@@ -139,14 +145,38 @@ class WorkerDied(ServingError):
     error_type = "ServiceUnavailable"
 
 
-DIED = WorkerDied("the worker serving this stream died (killed, or out of memory); a new one is starting: retry")
+DIED = WorkerDied("the worker serving this request died (killed, or out of memory); a new one is starting: retry")
 
 
-def started(rid: str, body: str, media_type: str) -> None:
-    """Request `rid` is about to send its first chunk: if the worker dies, the guardian ends its
-    stream with `body` (an error event; empty after a whole answer sent as a chunk)."""
+def streaming(rid: str, event: str, media_type: str) -> None:
+    """Request `rid` is about to send its first token chunk: if the worker dies, the guardian ends
+    its stream with `event` (an error event). The death is told before the chunk is written, so
+    the guardian cannot know whether the chunk reached the frontend: its frames suit both
+    (death_frames)."""
+    _hold(rid, death_frames(rid, event, media_type))
+
+
+def answering(rid: str, answer) -> None:
+    """Request `rid` is about to send its whole answer as a chunk of its own (an Encoded or a
+    Failed, handlers/continuous.py Client.last): if the worker dies before it is written, the
+    guardian answers DIED instead (a whole 503, as a Failed goes)."""
+    from handlers import wire
+    from handlers.wire.base import Failed
+
+    died = wire.ERRORS.error(DIED, None, "")
+    _hold(rid, death_frames(rid, Failed(DIED, died, None), died.media_type))
+
+
+def answered(rid: str, media_type: str) -> None:
+    """Request `rid`'s own chunk has been written: if the worker dies now, the guardian only
+    ends it (its last frame). A death between the write and this record (adjacent calls) leaves
+    the 503 to follow an answer already sent: a garbled answer, not a hang."""
+    _hold(rid, end_frame(rid, media_type))
+
+
+def _hold(rid: str, frames: bytes) -> None:
     if _pipe is not None:
-        _tell(["S", rid, base64.b64encode(death_frame(rid, body, media_type)).decode()])
+        _tell(["S", rid, base64.b64encode(frames).decode()])
 
 
 def ended(rids) -> None:
@@ -154,14 +184,40 @@ def ended(rids) -> None:
         _tell(["E", *rids])
 
 
-def death_frame(rid: str, body: str, media_type: str) -> bytes:
-    """The frame that ends request `rid`'s stream with `body` (ts_stream_next false)."""
+def death_frames(rid: str, first, media_type: str) -> bytes:
+    """The frames that end request `rid` whether or not its first chunk reached the frontend:
+    `first` (a str: a chunk marked ts_stream_next true, status 200; a Failed: a whole answer with
+    its status, unmarked), then an empty last frame (ts_stream_next false: AsyncBatchAggregator.
+    sendResponse forgets the request only on that false). TorchServe 0.12's RestJob.
+    responseInference counts a request's chunks (numStreams): a chunk that is the first sends the
+    status line and headers, a later one only its body, so the error event follows the tokens
+    already sent or opens the answer; a last frame that follows no chunk (numStreams 0 -> -1)
+    writes content with no status line, which Netty's HttpResponseEncoder refuses (it accepts
+    HttpContent only after an HttpResponse): the client would wait for its timeout. An unmarked
+    whole answer of 400 or more closes the connection (NettyUtils.sendHttpResponse), and the last
+    frame's writes after it are dropped."""
+    from handlers.wire.base import Encoded
+
+    chunk = Encoded(first, media_type, {}) if isinstance(first, str) else first
+    return _frame(rid, chunk, True) + end_frame(rid, media_type)
+
+
+def end_frame(rid: str, media_type: str) -> bytes:
+    """The frame that only ends request `rid` (empty, ts_stream_next false)."""
+    from handlers.wire.base import Encoded
+
+    return _frame(rid, Encoded("", media_type, {}), False)
+
+
+def _frame(rid: str, answer, chunk: bool) -> bytes:
     from ts.protocol.otf_message_handler import create_predict_response
 
     from handlers.torchserve import replies
+    from handlers.wire.base import Failed
 
-    ctx = replies._Chunks(set())
-    ctx.set_response_content_type(0, media_type)
-    ctx.set_response_header(0, replies.STREAM_NEXT, "false")
-    return bytes(create_predict_response({0: body}, {0: rid}, "the worker died", 200, ctx))
-
+    whole = type(answer) is Failed
+    ctx = replies._Chunks({0} if whole else set())
+    (body,) = replies.write(ctx, [answer])
+    if not chunk:
+        ctx.set_response_header(0, replies.STREAM_NEXT, "false")
+    return bytes(create_predict_response({0: body}, {0: rid}, "the worker died", 200, ctx, chunk and not whole))
