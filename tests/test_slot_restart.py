@@ -18,7 +18,10 @@ from examples import slot_decoder
 from examples.tiny_decoder import Config
 
 pytestmark = pytest.mark.server
-BACK_S = 15  # the one-sequence and stateless forms come back in 4.1-5.5 s on this CPU
+# the one-sequence and stateless forms come back in 4.1-5.5 s on this CPU; a host short of CPU
+# (tests beside this one) loads slower: the bound is then no more than this server's own start
+# took, plus 10 s (seen: a load of 22 s where it takes 4 s alone)
+BACK_S = 15
 NO_HANG_S = 30  # far below TorchServe's 120 s response timeout, where a lost request ends
 
 
@@ -77,8 +80,9 @@ def slot_ts(serve, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the frontend's environment, which its workers inherit
         mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "hook"), os.environ.get("PYTHONPATH", "")]))
         mp.setenv("SLOT_RESTART_ARMED", str(d / "armed"))
+        t0 = time.time()
         ts = serve({"lm": d / "store" / "lm.mar"})
-    ts.armed = d / "armed"
+    ts.armed, ts.back_s = d / "armed", max(BACK_S, time.time() - t0 + 10)
     return ts
 
 
@@ -112,7 +116,7 @@ def during(ts, n: int = 6) -> list:
     return threads, outcomes
 
 
-def served_or_refused(threads, outcomes) -> None:
+def served_or_refused(ts, threads, outcomes) -> None:
     """Each request sent during the outage was answered, or refused with a 503, well before any
     timeout. (What fails, TorchServe's: a request the old AsyncWorkerThread takes from the queue
     while the scale-down's WorkerThread.shutdown clears its backendChannel fails in
@@ -120,7 +124,11 @@ def served_or_refused(threads, outcomes) -> None:
     `finally` sends it status 413, exit 137's, which RestJob.sendError maps to 507.)"""
     for t in threads:
         t.join(NO_HANG_S + 5)
-    assert len(outcomes) == len(threads) and all(s in (200, 503) and took < NO_HANG_S for s, took in outcomes), outcomes
+    said = [x for x in ts.log("logs/ts_log.log").splitlines()
+            if any(k in x for k in ("Worker died", "Exception", "Unexpected job", "Not all jobs", "Retry worker",
+                                    "scaled down", "State change", "Worker disconnected"))]
+    assert len(outcomes) == len(threads) and all(s in (200, 503) and took < NO_HANG_S for s, took in outcomes), \
+        (outcomes, said[-30:])
 
 
 def back_within(ts, old_pid: int, limit_s: float) -> float:
@@ -141,7 +149,7 @@ def test_an_idle_slot_worker_killed_comes_back(slot_ts):
     assert answered(slot_ts)[0] == 200
     pid = pid_of(slot_ts)
     os.kill(pid, signal.SIGKILL)
-    took = back_within(slot_ts, pid, BACK_S)
+    took = back_within(slot_ts, pid, slot_ts.back_s)
     print(f"idle kill: back in {took:.1f}s")
 
 
@@ -150,20 +158,22 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
     outcomes, started = [], threading.Semaphore(0)
 
     def stream():
-        t0 = time.time()
+        t0, raw, status = time.time(), [], None
         try:
             with requests.post(f"{slot_ts.base}/predictions/lm", json=body, headers=slot_ts.auth(), stream=True,
                                timeout=NO_HANG_S) as r:
-                lines = []
+                lines, status = [], r.status_code
                 for line in r.iter_lines():
                     if line:
+                        raw.append(line)
                         lines.append(json.loads(line))
                         if len(lines) == 1:
                             started.release()
                 outcomes.append((r.status_code, lines, time.time() - t0))
         except Exception as e:  # noqa: BLE001  (a hang ends as a read timeout here)
             started.release()
-            outcomes.append((None, repr(e), time.time() - t0))
+            outcomes.append((None, f"{e!r}: status {status}, after {raw[-3:]}", time.time() - t0))
+    assert answered(slot_ts)[0] == 200  # served: the streams below reach a READY worker
     pid = pid_of(slot_ts)
     threads = [threading.Thread(target=stream) for _ in range(4)]
     for t in threads:
@@ -180,7 +190,7 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
         assert errored or lines[-1].get("completion_tokens") == 120, lines[-3:]
         cut += errored
     assert cut >= 1, [lines[-1] for _s, lines, _t in outcomes]
-    took = back_within(slot_ts, pid, BACK_S)
+    took = back_within(slot_ts, pid, slot_ts.back_s)
     print(f"busy kill: back in {took:.1f}s")
 
 
@@ -195,7 +205,7 @@ def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(slot_ts
     assert status == 200 and time.time() - t0 < NO_HANG_S, (status, lines)
     assert len(lines) == 1 and "error" in json.loads(lines[0]) and "token_ids" not in json.loads(lines[0]), lines
     assert not (slot_ts.armed / "streaming").exists()  # the fault point was reached
-    back_within(slot_ts, pid, BACK_S)
+    back_within(slot_ts, pid, slot_ts.back_s)
 
 
 def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
@@ -209,7 +219,7 @@ def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
     assert r.status_code == 503 and time.time() - t0 < NO_HANG_S, (r.status_code, r.text)
     assert "died" in r.json()["message"], r.text
     assert not (slot_ts.armed / "answering").exists()
-    back_within(slot_ts, pid, BACK_S)
+    back_within(slot_ts, pid, slot_ts.back_s)
 
 
 @pytest.mark.xfail(reason="TorchServe 0.12's scale-down races its own polling thread: a request the old "
@@ -221,6 +231,6 @@ def test_requests_sent_while_the_slot_worker_is_down_are_served_or_refused(slot_
     pid = pid_of(slot_ts)
     os.kill(pid, signal.SIGKILL)
     asked = during(slot_ts)
-    back_within(slot_ts, pid, BACK_S)
-    served_or_refused(*asked)
+    back_within(slot_ts, pid, slot_ts.back_s)
+    served_or_refused(slot_ts, *asked)
 
