@@ -111,8 +111,21 @@ def replace_workers(frontend_pid: int, model: dict) -> None:
         path += f"/{urllib.parse.quote(str(model['version']))}"
     (desc,) = call("GET", path, headers)[:1]
     low, high = desc["minWorkers"], desc["maxWorkers"]
-    call("PUT", f"{path}?min_worker=0&max_worker=0&synchronous=true", headers)
-    call("PUT", f"{path}?min_worker={low}&max_worker={high}", headers)
+    try:
+        call("PUT", f"{path}?min_worker=0&max_worker=0&synchronous=true", headers)
+    finally:
+        # back up even when the scale-down answered an error: WorkLoadManager.modelChanged removes
+        # the model's threads from its table before it stops them (WorkerThread.shutdown, which
+        # can throw), and a model left with none answers 503 for ever
+        for attempt in range(3):
+            try:
+                call("PUT", f"{path}?min_worker={low}&max_worker={high}", headers)
+                break
+            except Exception as e:  # noqa: BLE001
+                log(f"scaling model {model['name']} back to {low}..{high} failed ({type(e).__name__}: {e})")
+                if attempt == 2:
+                    raise
+                time.sleep(1.0)
     log(f"model {model['name']}: workers scaled to 0 and back to {low}..{high}")
 
 
