@@ -100,16 +100,16 @@ def answered(ts, timeout=NO_HANG_S):
 
 def during(ts, n: int = 6) -> list:
     """Threads that each send a short generation over the next seconds (the outage), with their
-    outcomes: (status or the exception, seconds taken)."""
+    outcomes: (status or the exception, seconds taken, time sent)."""
     outcomes = []
 
     def one(i):
         time.sleep(0.4 * i)
         t0 = time.time()
         try:
-            outcomes.append((answered(ts)[0], time.time() - t0))
+            outcomes.append((answered(ts)[0], time.time() - t0, round(t0, 3)))
         except Exception as e:  # noqa: BLE001  (a hang ends as a read timeout)
-            outcomes.append((repr(e), time.time() - t0))
+            outcomes.append((repr(e), time.time() - t0, round(t0, 3)))
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -118,17 +118,13 @@ def during(ts, n: int = 6) -> list:
 
 def served_or_refused(ts, threads, outcomes) -> None:
     """Each request sent during the outage was answered, or refused with a 503, well before any
-    timeout. (What fails, TorchServe's: a request the old AsyncWorkerThread takes from the queue
-    while the scale-down's WorkerThread.shutdown clears its backendChannel fails in
-    AsyncWorkerThread.run at `backendChannel.get(0)` (IndexOutOfBoundsException) and its
-    `finally` sends it status 413, exit 137's, which RestJob.sendError maps to 507.)"""
+    timeout; else fails with the outcomes and TorchServe's log (the xfail below says what fails)."""
     for t in threads:
         t.join(NO_HANG_S + 5)
-    said = [x for x in ts.log("logs/ts_log.log").splitlines()
-            if any(k in x for k in ("Worker died", "Exception", "Unexpected job", "Not all jobs", "Retry worker",
-                                    "scaled down", "State change", "Worker disconnected"))]
-    assert len(outcomes) == len(threads) and all(s in (200, 503) and took < NO_HANG_S for s, took in outcomes), \
-        (outcomes, said[-30:])
+    said = [x for x in ts.log("logs/ts_log.log").splitlines()[-80:] if "MetricCollector" not in x]
+    said += [x for x in ts.log("logs/model_log.log").splitlines() if "guardian" in x]
+    if not (len(outcomes) == len(threads) and all(s in (200, 503) and took < NO_HANG_S for s, took, _sent in outcomes)):
+        pytest.fail("\n".join([repr(outcomes), *said]))
 
 
 def back_within(ts, old_pid: int, limit_s: float) -> float:
@@ -222,13 +218,18 @@ def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
     back_within(slot_ts, pid, slot_ts.back_s)
 
 
-@pytest.mark.xfail(reason="TorchServe 0.12's scale-down races its own polling thread: a request the old "
-                          "AsyncWorkerThread takes while WorkerThread.shutdown runs gets 507 'Worker died.' "
-                          "or is written after AsyncBatchAggregator.sendError(null) re-queued the others and "
-                          "is lost (seen in 3 of 3 runs with a request every 0.4 s)", strict=False)
+@pytest.mark.xfail(reason="TorchServe 0.12's scale-down races itself: WorkerThread.shutdown closes the channel "
+                          "before it takes currentThread, and when the closeFuture listener takes and interrupts "
+                          "the thread first, AsyncBatchAggregator.sendError(null) is skipped and the requests the "
+                          "old thread wrote to the dead worker are lost (seen: the two sent 0.003 s and 0.4 s after "
+                          "the kill timed out, the four after the scale-down were served); a request it takes "
+                          "while backendChannel is cleared gets 507 'Worker died.' (seen once in 0.13 s); "
+                          "failed 8 of 12 runs here (handlers/torchserve/guardian.py says what would close it)",
+                   strict=False)
 def test_requests_sent_while_the_slot_worker_is_down_are_served_or_refused(slot_ts):
     assert answered(slot_ts)[0] == 200
     pid = pid_of(slot_ts)
+    print(f"kill at {time.time():.3f}")
     os.kill(pid, signal.SIGKILL)
     asked = during(slot_ts)
     back_within(slot_ts, pid, slot_ts.back_s)

@@ -36,6 +36,16 @@ does so first when it stops a worker: WorkerThread.shutdown), the worker died; t
    the dead worker, never started) back at the head of the model's queue (handleErrorJob:
    model.addFirst) for the new worker. Requests that arrive while no worker exists get
    TorchServe's 503 at once; those already queued wait for the new worker.
+   Not always, TorchServe's own races (tests/test_slot_restart.py, xfail): shutdown closes the
+   channel (on its event loop, asynchronously) before it takes `currentThread`; when the
+   channel's closeFuture listener (AsyncWorkerThread.connect) takes and interrupts the thread
+   first, shutdown skips sendError(null) and the requests the old thread had written to the
+   dead worker are never re-queued nor answered (their clients wait for the response timeout);
+   and a request the old thread takes while shutdown clears backendChannel fails at
+   `backendChannel.get(0)`, answered 507 "Worker died." (status 413 for exit 137). Closing
+   both would take the guardian answering, before the scale-down, every request the frontend
+   still holds: those it can read on the connection (written after the death) and those the
+   worker had read but not begun to answer (a record per request received).
 """
 from __future__ import annotations
 
