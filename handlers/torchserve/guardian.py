@@ -23,13 +23,15 @@ fresh ones).
 
 So the async worker starts a guardian, a small process (no torch) that holds a duplicate of the
 worker's connection to the frontend and reads, on a pipe, the frames that would end each request
-that has begun to answer (`streaming`: before its first token chunk; `answering`/`answered`:
-around the write of an answer sent as a chunk of its own) and which requests have had their last
-frame (`ended`). When the pipe closes and the frontend has not closed the connection itself (it
+the worker holds (`received`: read from the frontend, answered 503 'retry'; `streaming`: before
+its first token chunk; `answering`/`answered`: around the write of an answer sent as a chunk of
+its own) and which requests have had their last frame (`ended`). When the pipe closes and the frontend has not closed the connection itself (it
 does so first when it stops a worker: WorkerThread.shutdown), the worker died; the guardian:
-1. ends each request that began to answer with its frames (the last marked ts_stream_next false:
+1. ends each request the worker held with its frames (the last marked ts_stream_next false:
    AsyncBatchAggregator forgets the request; its client gets an error event, a 503, or the end of
-   an answer already sent; death_frames says why they suit a first chunk written or not);
+   an answer already sent; death_frames says why they suit a first chunk written or not), and
+   answers 503 each request the old thread wrote to the connection since the death (it reads
+   them as ts/protocol/otf_message_handler.py does), once, and again right before step 2;
 2. scales the model to 0 workers and back while it still holds the connection, so the old thread
    never sees a disconnect and never retries: WorkerThread.shutdown interrupts it and calls
    AsyncBatchAggregator.sendError(null, ...), which puts every request it still holds (sent to
@@ -42,10 +44,11 @@ does so first when it stops a worker: WorkerThread.shutdown), the worker died; t
    first, shutdown skips sendError(null) and the requests the old thread had written to the
    dead worker are never re-queued nor answered (their clients wait for the response timeout);
    and a request the old thread takes while shutdown clears backendChannel fails at
-   `backendChannel.get(0)`, answered 507 "Worker died." (status 413 for exit 137). Closing
-   both would take the guardian answering, before the scale-down, every request the frontend
-   still holds: those it can read on the connection (written after the death) and those the
-   worker had read but not begun to answer (a record per request received).
+   `backendChannel.get(0)`, answered 507 "Worker died." (status 413 for exit 137). Step 1
+   therefore leaves the scale-down nothing to re-queue but what the old thread writes in the
+   milliseconds between the guardian's last read and the shutdown, and a request the dead
+   worker was reading when it died (the guardian cannot read the rest of that frame, and
+   leaves what follows to the scale-down).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import base64
 import json
 import logging
 import os
+import struct
 import subprocess
 import sys
 
@@ -108,6 +112,15 @@ def _patch(async_service) -> None:
         start(self.service.cl_socket, self.service.context)
         return original_run(self)
 
+    original_retrieve = async_service.retrieve_msg
+
+    def retrieve_msg(conn):  # receive_requests' reader of each frame the frontend writes
+        cmd, msg = original_retrieve(conn)
+        if cmd == b"I":
+            for request in msg:
+                received(request["requestId"].decode("utf-8"))
+        return cmd, msg
+
     def send_responses(self):
         import asyncio
 
@@ -124,6 +137,7 @@ def _patch(async_service) -> None:
                 self.service.cl_socket.sendall(frame)
 
     async_service.create_predict_response = create_predict_response
+    async_service.retrieve_msg = retrieve_msg
     async_service.AsyncService.run = run
     async_service.AsyncService.send_responses = send_responses
 
@@ -136,8 +150,10 @@ def start(sock, context) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root}
     read_end, write_end = os.pipe()
+    _template[:] = refusal(PLACEHOLDER).split(_rid_field(PLACEHOLDER))
+    template = [base64.b64encode(part).decode() for part in _template]
     args = [sys.executable, "-m", "handlers.torchserve.guardian_main", str(sock.fileno()), str(read_end),
-            str(os.getppid()), json.dumps(model)]
+            str(os.getppid()), json.dumps(model), json.dumps(template)]
     subprocess.Popen(args, pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
     os.close(read_end)
     _pipe = write_end
@@ -166,15 +182,41 @@ def streaming(rid: str, event: str, media_type: str) -> None:
     _hold(rid, death_frames(rid, event, media_type))
 
 
+def received(rid: str) -> None:
+    """The worker has read request `rid`: if it dies before the request begins to answer, the
+    guardian answers DIED (a whole 503). Without it the request would wait in the frontend's
+    AsyncBatchAggregator.jobs_in_backend for the scale-down to re-queue it, which TorchServe 0.12
+    does not always do (module docstring)."""
+    _hold(rid, _refused(rid))
+
+
 def answering(rid: str, answer) -> None:
     """Request `rid` is about to send its whole answer as a chunk of its own (an Encoded or a
     Failed, handlers/continuous.py Client.last): if the worker dies before it is written, the
     guardian answers DIED instead (a whole 503, as a Failed goes)."""
+    _hold(rid, _refused(rid))
+
+
+PLACEHOLDER = "guardian-request-id-placeholder"  # the guardian's template (guardian_main.refusal)
+_template = []  # refusal(PLACEHOLDER) split at its request id: a refusal in a microsecond, not 65
+
+
+def _refused(rid: str) -> bytes:
+    return _rid_field(rid).join(_template) if _template else refusal(rid)
+
+
+def refusal(rid: str) -> bytes:
+    """The frames that answer request `rid` DIED whether or not it began to answer (death_frames)."""
     from handlers import wire
     from handlers.wire.base import Failed
 
     died = wire.ERRORS.error(DIED, None, "")
-    _hold(rid, death_frames(rid, Failed(DIED, died, None), died.media_type))
+    return death_frames(rid, Failed(DIED, died, None), died.media_type)
+
+
+def _rid_field(rid: str) -> bytes:
+    """How a frame carries a request id (create_predict_response): its length, then its bytes."""
+    return struct.pack("!i", len(rid.encode())) + rid.encode()
 
 
 def answered(rid: str, media_type: str) -> None:
