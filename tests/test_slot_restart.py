@@ -229,7 +229,7 @@ def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
                           "the dead worker is lost; a request it takes while backendChannel is cleared gets 507. "
                           "The guardian answers 503 what it holds and reads before the scale-down, so only a "
                           "request written in the milliseconds before the shutdown remains exposed (before: 8 of "
-                          "12 runs failed; since: 4 of 4 passed)", strict=False)
+                          "12 runs failed; since: 7 of 7 passed)", strict=False)
 def test_requests_sent_while_the_slot_worker_is_down_are_served_or_refused(slot_ts):
     assert answered(slot_ts)[0] == 200
     pid = pid_of(slot_ts)
