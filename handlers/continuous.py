@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from typing import Callable, Optional
 
 from handlers import wire
@@ -41,7 +40,7 @@ from handlers.torchserve import guardian, replies
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
-LOCK = threading.Lock()  # this worker's own frame writers (replies.send_chunks)
+LOCK = replies.FRAME_LOCK  # this worker's own frame writers (replies.send_chunks)
 
 
 class Client:

@@ -124,7 +124,7 @@ def _patch(async_service) -> None:
     def send_responses(self):
         import asyncio
 
-        from handlers.continuous import LOCK
+        from handlers.torchserve.replies import FRAME_LOCK as LOCK
 
         while True:
             frame = asyncio.run_coroutine_threadsafe(self.out_queue.get(), self.loop).result()
