@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from typing import Callable, Optional
 
 from handlers import wire
@@ -37,11 +36,11 @@ from handlers.generation import loop
 from handlers.generation.formats import Route
 from handlers.generation.request import parse
 from handlers.torchserve import headers as ts_headers
-from handlers.torchserve import replies
+from handlers.torchserve import guardian, replies
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
-LOCK = threading.Lock()  # this worker's own frame writers (replies.send_chunks)
+LOCK = replies.FRAME_LOCK  # this worker's own frame writers (replies.send_chunks)
 
 
 class Client:
@@ -60,6 +59,7 @@ class Client:
         """(the chunk to send first or None, the last answer)."""
         if self.own_chunk and self.sent == 0:
             self.sent = 1
+            guardian.answering(self.request_id, answer)
             encoded = answer.encoded if type(answer) is Failed else answer
             return (self.request_id, answer), Encoded("", encoded.media_type, {})
         return None, answer
@@ -129,6 +129,8 @@ class Continuous:
                 if isinstance(ev, loop.Finished):
                     last.append((c, Encoded(c.route.final(ev, c.streaming), c.route.media_type(c.streaming), {})))
                 elif c.streaming:
+                    if c.sent == 0:
+                        guardian.streaming(c.request_id, c.route.error_event(guardian.DIED), c.route.media_type())
                     chunks.append((c.request_id, Encoded(c.route.token([ev.id] if ev.id is not None else [], ev.text),
                                                          c.route.media_type(), {})))
                     c.sent += 1
@@ -143,14 +145,17 @@ class Continuous:
 def _lasts(sock, last: list, chunks=()) -> list:
     """The last answers to return for [(client, answer)], after one frame to `sock` (None: no
     frontend) with `chunks` and each answer that must go out as a chunk of its own first."""
-    chunks, answers = list(chunks), []
+    chunks, answers, own = list(chunks), [], []
     for c, answer in last:
         first, answer = c.last(answer)
         if first is not None:
             chunks.append(first)
+            own.append((c.request_id, answer.media_type))
         answers.append(answer)
     if chunks and sock is not None:
         replies.send_chunks(sock, LOCK, chunks)
+    for rid, media_type in own:
+        guardian.answered(rid, media_type)
     return answers
 
 

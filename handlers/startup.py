@@ -33,7 +33,7 @@ from handlers.run import runner_for
 from handlers.run.decoder import DecoderRunner
 from handlers.run.slots import SlotRunner
 from handlers.run.padding import verify_padding
-from handlers.torchserve import frontend_watch, scratch, threads
+from handlers.torchserve import frontend_watch, guardian, scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
 from handlers.weights import attach
@@ -80,6 +80,7 @@ def enter_process() -> None:
     process.record("TS_DECODE_INPUT_REQUEST", "false (JSON bodies reach the handler as bytes)")
     scratch.enter()
     frontend_watch.start()  # an async worker exits once its frontend is gone
+    guardian.install()  # and comes back if it dies (TorchServe 0.12 alone never brings it back)
     # A server setting, not the archive: it fails the load (and shows in TorchServe's status);
     # a TorchServe request envelope would break every batch
     refuse_envelope()

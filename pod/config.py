@@ -83,6 +83,7 @@ class PodConfig:
     bridge_processes: int
     nginx_workers: int
     stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
+    worker_lost_s: int  # a model that served and has not served again for this long fails liveness
 
     @property
     def state_file(self) -> str:
@@ -155,4 +156,9 @@ def load(properties: str, env=None) -> PodConfig:
         # kube-proxy and ingresses drop it only some seconds later: connections keep arriving
         # meanwhile, and a pod that closed its ports at once refused them. (Under Knative, the
         # queue-proxy's preStop hook has drained the pod before SIGTERM: the wait costs only time.)
-        stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0))
+        stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0),
+        # a worker that died comes back within seconds (TorchServe restarts an ordinary one, the
+        # guardian an async one, handlers/torchserve/guardian.py) plus its load; one that has not
+        # in 5 minutes will not (a restart back-off grown to minutes, memory held by a stray
+        # process): the container's restart is the cure. Set it above the slowest model's load.
+        worker_lost_s=_int_env(env, "WORKER_LOST_S", 300))

@@ -6,7 +6,8 @@ status process; kept running until SIGTERM (kserve/entrypoint.sh runs this):
 Environment (the image sets the defaults): MODEL_ROOT (/mnt/models: the storage KServe mounts,
 config/config.properties and model-store/ as `python -m compiled_serving.kserve` wrote them), RUNTIME_DIR
 (/tmp/torchserve: every file the pod writes), HTTP_PORT (8080), GRPC_PORT (8081), METRICS_PORT
-(8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS, STOP_DRAIN_S (pod/config.py says the defaults and why).
+(8082), GRPC_BRIDGE_PROCESSES, NGINX_WORKERS, STOP_DRAIN_S, WORKER_LOST_S (pod/config.py says the defaults
+and why).
 
 On SIGTERM the readiness probe fails within a second (the status process's next poll) and the pod
 serves on for STOP_DRAIN_S (5 s), the time the cluster takes to stop sending to it, then stops its

@@ -118,6 +118,8 @@ class Poller:
         self.cfg = cfg
         self.io, self.io_error = {}, {}
         self.answered = {}  # model -> (state, reason, monotonic time) of its last poll that TorchServe answered
+        self.served = set()  # models whose state has been ready
+        self.unserved_since = {}  # model -> monotonic time of the first answered poll not ready after it served
         for m in cfg.models:
             try:
                 self.io[m.name] = archive_io(m.mar)
@@ -132,7 +134,12 @@ class Poller:
             state, reason = held(self.answered.get(m.name), answer, live, now)
             if not unanswered(answer):  # a held state is no answer: it must not renew its own age
                 self.answered[m.name] = (*answer, now)
-            models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name]}
+            since = unserved_since(self.unserved_since.get(m.name), m.name in self.served, answer, now)
+            self.unserved_since[m.name] = since
+            if state == READY:
+                self.served.add(m.name)
+            models[m.name] = {"state": state, "reason": reason, "version": m.version, **self.io[m.name],
+                              "unserved_s": None if since is None else round(now - since, 1)}
         snapshot = {"time": time.time(), "torchserve_live": live, "models": models,
                     "stopping": os.path.exists(self.cfg.stopping_file)}
         write_state(self.cfg.state_file, snapshot)
@@ -146,6 +153,32 @@ def held(last, now_state: tuple, live: bool, now: float) -> tuple:
     if live and unanswered(now_state) and last is not None and last[0] in (READY, FAILED) and now - last[2] < HOLD_S:
         return last[0], last[1]
     return now_state
+
+
+def unserved_since(since, served: bool, answer: tuple, now: float):
+    """The monotonic time since which a model that served has not (None: it serves, or never
+    served): started by the first answered poll not ready after it served (no READY worker: its
+    worker died and has not come back; or its reload failed), kept by later ones, and by polls
+    the management API did not answer (a worker busy with a long batch neither starts nor ends
+    it), ended by a ready one. A model that never served (still loading, or its load failed)
+    has none: it keeps the pod out of the endpoints (readiness), and a restart would not help."""
+    if answer[0] == READY or not served:
+        return None
+    if unanswered(answer):
+        return since
+    return now if since is None else since
+
+
+def lost_models(snapshot, bound_s: float) -> list:
+    """Why the pod must be restarted (the liveness probe fails): each model that served and has
+    not served again for longer than `bound_s` (PodConfig.worker_lost_s), with its reason;
+    none while the pod is stopping."""
+    if not snapshot or snapshot.get("stopping"):
+        return []
+    return [f"model {n} has not served for {m['unserved_s']:.0f} s (more than {bound_s:.0f} s since it served; "
+            f"{m['reason']}): a restart of the container brings it back"
+            for n, m in snapshot.get("models", {}).items()
+            if m.get("unserved_s") is not None and m["unserved_s"] > bound_s]
 
 
 def unanswered(state: tuple) -> bool:

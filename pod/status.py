@@ -4,8 +4,9 @@ routes here; pod.grpc_bridge and the probes read the state file this process wri
   python -m pod.status --config RUNTIME_DIR/config.properties
 
 Open Inference Protocol REST routes (KServe v2) and KServe v1's model status:
-  GET /v2/health/live             200 {"live": true} while TorchServe answers /ping and the
-                                  gRPC bridge answers ServerLive; else 503 with the reason
+  GET /v2/health/live             200 {"live": true} while TorchServe answers /ping, the
+                                  gRPC bridge answers ServerLive, and no model that served has
+                                  gone WORKER_LOST_S without serving again; else 503 with the reason
   GET /v2/health/ready            200 {"ready": true} when every model of the pod serves; else
                                   503 {"ready": false, "reason"} naming each model and why
   GET /v2                         server metadata
@@ -32,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from handlers import protowire
 from pod import config as pod_config
-from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, server_problem, unservable
+from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, lost_models, server_problem, unservable
 
 PERIOD_S = 1.0
 BRIDGE_STALE_S = 30.0  # liveness fails when the gRPC bridge has not answered for this long
@@ -65,6 +66,7 @@ class Status:
             problems.append("TorchServe is not answering /ping")
         if self._bridge_stale():
             problems.append(f"the gRPC bridge has not answered ServerLive for {BRIDGE_STALE_S:.0f} s")
+        problems += lost_models(self.snapshot, self.cfg.worker_lost_s)
         return (200, {"live": True}) if not problems else (503, {"live": False, "reason": "; ".join(problems)})
 
     def ready(self) -> tuple:

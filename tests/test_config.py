@@ -63,7 +63,10 @@ def test_each_option_is_declared_once_and_the_docs_table_is_printed_from_the_dec
     # the model-config keys are read in handlers/config.py alone
     readers = [p for p in (root / "handlers").rglob("*.py") if p.name != "config.py" and re.search(
         r"model_yaml_config|\b(maxWorkers|minWorkers|deviceIds|deviceType)\b\"|getattr\(config, \"", p.read_text())]
-    assert [p.relative_to(root).as_posix() for p in readers] == ["handlers/startup.py"]  # passes the YAML to parse_config
+    # startup.py passes the YAML to parse_config; the guardian reads the worker counts of the management
+    # API's description of the model (to scale it back to them), not model-config
+    assert [p.relative_to(root).as_posix() for p in readers] == ["handlers/startup.py",
+                                                                 "handlers/torchserve/guardian_main.py"]
 
 
 def test_shipped_log4j2_xml_is_well_formed_and_named_by_both_configs():

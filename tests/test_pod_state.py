@@ -42,7 +42,7 @@ def test_a_step_of_the_wall_clock_neither_ages_a_held_state_nor_stales_the_bridg
     from pod import state, status
     model = SimpleNamespace(name="m", mar="m.mar", version="1")
     cfg = SimpleNamespace(models=[model], grpc_port=0, bridge_port=0, state_file=str(tmp_path / "state.json"),
-                          stopping_file=str(tmp_path / "pod_stopping"),
+                          stopping_file=str(tmp_path / "pod_stopping"), worker_lost_s=300,
                           url=lambda kind: "http://127.0.0.1:9")
     answers = iter([(READY, None), LATE])
     monkeypatch.setattr(state, "archive_io", lambda mar: {"inputs": [], "outputs": []})
@@ -152,3 +152,83 @@ def test_a_held_state_ages_while_the_management_api_stays_silent(monkeypatch, tm
         seen.append(poller.poll()["models"]["m"]["state"])
         clock[0] += HOLD_S / 3
     assert seen == [READY, READY, READY, LOADING, LOADING], seen
+
+
+NO_WORKER = (LOADING, "no worker is READY yet")
+
+
+def _status(monkeypatch, tmp_path, answers, lost_s=300):
+    """pod.status's Status over one model whose management API answers are `answers` (an
+    iterable of (state, reason)), with a clock the test moves (a list of one float), the bridge
+    live."""
+    from types import SimpleNamespace
+
+    from pod import state, status
+    model = SimpleNamespace(name="m", mar="m.mar", version="1")
+    cfg = SimpleNamespace(models=[model], grpc_port=0, bridge_port=0, state_file=str(tmp_path / "state.json"),
+                          stopping_file=str(tmp_path / "pod_stopping"), worker_lost_s=lost_s,
+                          url=lambda kind: "http://127.0.0.1:9")
+    clock, answers = [100.0], iter(answers)
+    monkeypatch.setattr(state.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(state, "archive_io", lambda mar: {"inputs": [], "outputs": []})
+    monkeypatch.setattr(state, "get_json", lambda url: {})  # /ping answers
+    monkeypatch.setattr(state, "model_state", lambda *a: next(answers))
+    monkeypatch.setattr(status, "bridge_live", lambda port: True)
+    return status.Status(cfg), clock
+
+
+def test_a_model_with_no_ready_worker_is_not_ready_at_once(tmp_path):
+    from pod.state import handler_state, server_problem
+    entry = {"workers": [{"status": "UNLOADING"}], "customizedMetadata": '{"ready": true}'}
+    assert handler_state(entry) == NO_WORKER  # the handler's last word is no worker's
+    assert handler_state({"workers": []}) == NO_WORKER
+    snapshot = {"torchserve_live": True, "models": {"m": {"state": NO_WORKER[0], "reason": NO_WORKER[1]}}}
+    assert "m: loading: no worker is READY yet" in server_problem(snapshot)
+
+
+def test_a_model_that_served_and_lost_its_worker_fails_liveness_after_the_bound(monkeypatch, tmp_path):
+    """Readiness fails at the first poll with no READY worker; liveness only once the model has
+    not served for WORKER_LOST_S (the kubelet then restarts the container); a worker back in
+    time clears it, and the next loss starts a new count."""
+    s, clock = _status(monkeypatch, tmp_path, [(READY, None)] + [NO_WORKER] * 4 + [(READY, None), NO_WORKER], 300)
+    s.refresh()
+    assert s.live() == (200, {"live": True}) and s.ready()[0] == 200
+    s.refresh()  # the worker died
+    assert s.ready()[0] == 503 and s.live()[0] == 200
+    clock[0] += 200
+    s.refresh()
+    assert s.live()[0] == 200, "within the bound: TorchServe or the guardian may bring it back"
+    clock[0] += 101
+    s.refresh()
+    code, body = s.live()
+    assert code == 503 and "model m has not served for 301 s" in body["reason"] and "no worker is READY" in body["reason"], body
+    open(s.cfg.stopping_file, "w").close()
+    s.refresh()
+    assert s.live()[0] == 200, "a stopping pod drains: its liveness holds"
+    import os
+    os.remove(s.cfg.stopping_file)
+    s.refresh()  # back
+    assert s.live()[0] == 200 and s.ready()[0] == 200
+    clock[0] += 1000
+    s.refresh()  # lost again: a new count from now
+    assert s.ready()[0] == 503 and s.live()[0] == 200
+
+
+def test_a_model_that_never_served_or_whose_worker_is_only_silent_keeps_the_pod_live(monkeypatch, tmp_path):
+    """A model still loading, or whose load failed, never served: a restart would not help, it
+    only stays out of the endpoints. A management API that stops answering (a worker in a long
+    batch) neither starts the count nor ends one."""
+    s, clock = _status(monkeypatch, tmp_path, [NO_WORKER, (FAILED, "its artifact does not match")] * 3)
+    for _ in range(6):
+        clock[0] += 1000
+        s.refresh()
+        assert s.live()[0] == 200 and s.ready()[0] == 503
+    s, clock = _status(monkeypatch, tmp_path, [(READY, None)] + [LATE] * 3 + [NO_WORKER, LATE, LATE], 300)
+    for _ in range(4):  # ready, then silent for 3000 s: held, then loading, never lost
+        clock[0] += 1000
+        s.refresh()
+        assert s.live()[0] == 200
+    s.refresh()  # no READY worker: the count starts
+    clock[0] += 1000
+    s.refresh()  # silent: the count goes on
+    assert s.live()[0] == 503 and "has not served for 1000 s" in s.live()[1]["reason"]

@@ -10,6 +10,8 @@ batch, with a PredictionException's code as every request's status.
 """
 from __future__ import annotations
 
+import threading
+
 from handlers.torchserve import oip
 from handlers.wire import oip_grpc
 from handlers.wire.base import Failed
@@ -65,6 +67,9 @@ def write(context, answers: list) -> list:
 
 
 STREAM_NEXT = "ts_stream_next"  # TorchServe 0.12's header: true for a chunk, false for a stream's end
+# An async worker's frame writers (handlers/continuous.py's chunks, the guardian's patched
+# send_responses): each holds it around one frame
+FRAME_LOCK = threading.Lock()
 
 
 class _Chunks:

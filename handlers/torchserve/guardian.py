@@ -1,0 +1,275 @@
+"""The return of an async worker (model-config asyncCommunication: a slot decoder's continuous
+batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit.
+
+TorchServe 0.12 never brings such a worker back. Its frontend restarts a dead worker by running
+the same WorkerThread object again (WorkerThread.retry: `manager.submitTask(this)`), and
+AsyncWorkerThread keeps `loadingFinished` true from the first load for the object's life:
+- AsyncWorkerThread.run waits for the load's answer only `if (loadingFinished == false)`, so the
+  restarted thread asks AsyncBatchAggregator.getRequest for the next job at once, while the load
+  job is still in the aggregator's `jobs` (only the load's answer clears it, sendResponse:
+  "Predictions is empty. This is from initial load"). Any request already queued (every one
+  that arrived while the worker was down) joins it there, and getRequest throws
+  `IllegalStateException: Received more than 1 control command`; the thread's `finally` clears
+  `jobs` (cleanJobs: that request is lost, its client waits for the response timeout), kills the
+  new worker and retries with a longer back-off (WorkerThread.BACK_OFF, up to 1597 s);
+- AsyncWorkerHandler.channelRead0 sets WORKER_MODEL_LOADED only `if (!loadingFinished)`, so even
+  a restart that meets no request never makes the worker READY again (DescribeModelResponse:
+  "UNLOADING"; ApiUtils.getModelDescription wants WORKER_MODEL_LOADED);
+- the requests the dead worker held stay in AsyncBatchAggregator.jobs_in_backend unanswered:
+  the thread's `finally` errors only `req`, which the loop has already set to null.
+Only a new AsyncWorkerThread loads properly, and the management API's scale call makes one
+(WorkLoadManager.modelChanged: min_worker 0 removes the model's threads, then min_worker N adds
+fresh ones).
+
+So the async worker starts a guardian, a small process (no torch) that holds a duplicate of the
+worker's connection to the frontend and reads, on a pipe, the frames that would end each request
+the worker holds (`received`: read from the frontend, answered 503 'retry'; `streaming`: before
+its first token chunk; `answering`/`answered`: around the write of an answer sent as a chunk of
+its own) and which requests have had their last frame (`ended`). When the pipe closes and the frontend has not closed the connection itself (it
+does so first when it stops a worker: WorkerThread.shutdown), the worker died; the guardian:
+1. ends each request the worker held with its frames (the last marked ts_stream_next false:
+   AsyncBatchAggregator forgets the request; its client gets an error event, a 503, or the end of
+   an answer already sent; death_frames says why they suit a first chunk written or not), and
+   answers 503 each request the old thread wrote to the connection since the death (it reads
+   them as ts/protocol/otf_message_handler.py does), once, and again right before step 2;
+2. scales the model to 0 workers and back while it still holds the connection, so the old thread
+   never sees a disconnect and never retries: WorkerThread.shutdown interrupts it and calls
+   AsyncBatchAggregator.sendError(null, ...), which puts every request it still holds (sent to
+   the dead worker, never started) back at the head of the model's queue (handleErrorJob:
+   model.addFirst) for the new worker. Requests that arrive while no worker exists get
+   TorchServe's 503 at once; those already queued wait for the new worker.
+   Not always, TorchServe's own races (tests/test_slot_restart.py, xfail): shutdown closes the
+   channel (on its event loop, asynchronously) before it takes `currentThread`; when the
+   channel's closeFuture listener (AsyncWorkerThread.connect) takes and interrupts the thread
+   first, shutdown skips sendError(null) and the requests the old thread had written to the
+   dead worker are never re-queued nor answered (their clients wait for the response timeout);
+   and a request the old thread takes while shutdown clears backendChannel fails at
+   `backendChannel.get(0)`, answered 507 "Worker died." (status 413 for exit 137). Step 1
+   therefore leaves the scale-down nothing to re-queue but what the old thread writes in the
+   milliseconds between the guardian's last read and the shutdown, and a request the dead
+   worker was reading when it died (the guardian cannot read the rest of that frame, and
+   leaves what follows to the scale-down).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+
+from handlers import process
+from handlers.errors import ServingError
+
+logger = logging.getLogger(__name__)
+TESTED_VERSIONS = ("0.12.",)  # TorchServe releases whose AsyncWorkerThread behaves as above
+_pipe = None  # the write end of the guardian's pipe, in the worker; None: no guardian
+
+
+def install() -> str:
+    """In TorchServe's async worker, starts the guardian when the async service starts (after the
+    load's answer, ts/model_service_worker.py handle_connection_async) and learns each last frame
+    sent; returns what was done."""
+    from handlers.torchserve import frontend_frames
+
+    main = sys.modules.get("__main__")
+    if os.path.basename(getattr(main, "__file__", "") or "") != "model_service_worker.py":
+        return "not a TorchServe worker process"
+    if not frontend_frames.async_worker():
+        return "not an async worker (TorchServe restarts its ordinary worker itself)"
+    try:
+        from ts import async_service
+        from ts.version import __version__
+    except ImportError as e:
+        return f"no guardian ({e})"
+    if not __version__.startswith(TESTED_VERSIONS):
+        return f"no guardian (TorchServe {__version__}; written against {', '.join(TESTED_VERSIONS)}x)"
+    _patch(async_service)
+    process.record("guardian", "started with the async service; brings the worker back if it dies")
+    return "a guardian brings this async worker back if it dies"
+
+
+class _Frame(bytearray):
+    """A frame of ts/async_service.py's predict, with the ids of the requests it answers."""
+
+    rids: tuple = ()
+
+
+def _patch(async_service) -> None:
+    """ts/async_service.py's AsyncService: `run` starts the guardian first; `send_responses`
+    (the writer of every batch's last frames, one per `handle` call) tells it which requests
+    got their last frame. predict builds each frame with the module's create_predict_response."""
+    original_cpr, original_run = async_service.create_predict_response, async_service.AsyncService.run
+
+    def create_predict_response(ret, req_id_map, *args, **kwargs):
+        frame = _Frame(original_cpr(ret, req_id_map, *args, **kwargs))
+        frame.rids = tuple(req_id_map.values())
+        return frame
+
+    def run(self):
+        start(self.service.cl_socket, self.service.context)
+        return original_run(self)
+
+    original_retrieve = async_service.retrieve_msg
+
+    def retrieve_msg(conn):  # receive_requests' reader of each frame the frontend writes
+        cmd, msg = original_retrieve(conn)
+        if cmd == b"I":
+            for request in msg:
+                received(request["requestId"].decode("utf-8"))
+        return cmd, msg
+
+    def send_responses(self):
+        import asyncio
+
+        from handlers.torchserve.replies import FRAME_LOCK as LOCK
+
+        while True:
+            frame = asyncio.run_coroutine_threadsafe(self.out_queue.get(), self.loop).result()
+            # told before the write: a death between the two leaves the request in the frontend's
+            # jobs_in_backend, which the scale-down re-queues (a frame for a request the frontend
+            # has forgotten would be AsyncBatchAggregator.sendResponse's IllegalStateException,
+            # and AsyncWorkerHandler.exceptionCaught closes the connection)
+            ended(getattr(frame, "rids", ()))
+            with LOCK:  # whole frames, beside the engine's chunks (replies.send_chunks)
+                self.service.cl_socket.sendall(frame)
+
+    async_service.create_predict_response = create_predict_response
+    async_service.retrieve_msg = retrieve_msg
+    async_service.AsyncService.run = run
+    async_service.AsyncService.send_responses = send_responses
+
+
+def start(sock, context) -> None:
+    """Starts the guardian with a duplicate of `sock` (the frontend connection)."""
+    global _pipe
+    manifest = getattr(context, "manifest", None) or {}
+    model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    read_end, write_end = os.pipe()
+    _template[:] = refusal(PLACEHOLDER).split(_rid_field(PLACEHOLDER))
+    template = [base64.b64encode(part).decode() for part in _template]
+    args = [sys.executable, "-m", "handlers.torchserve.guardian_main", str(sock.fileno()), str(read_end),
+            str(os.getppid()), json.dumps(model), json.dumps(template)]
+    subprocess.Popen(args, pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
+    os.close(read_end)
+    _pipe = write_end
+
+
+def _tell(record: list) -> None:
+    if _pipe is not None:
+        os.write(_pipe, (json.dumps(record) + "\n").encode())  # one write under PIPE_BUF: whole
+
+
+class WorkerDied(ServingError):
+    """What ends a stream whose worker died: the client may retry (a new worker is coming)."""
+
+    status = 503
+    error_type = "ServiceUnavailable"
+
+
+DIED = WorkerDied("the worker serving this request died (killed, or out of memory); a new one is starting: retry")
+
+
+def streaming(rid: str, event: str, media_type: str) -> None:
+    """Request `rid` is about to send its first token chunk: if the worker dies, the guardian ends
+    its stream with `event` (an error event). The death is told before the chunk is written, so
+    the guardian cannot know whether the chunk reached the frontend: its frames suit both
+    (death_frames)."""
+    _hold(rid, death_frames(rid, event, media_type))
+
+
+def received(rid: str) -> None:
+    """The worker has read request `rid`: if it dies before the request begins to answer, the
+    guardian answers DIED (a whole 503). Without it the request would wait in the frontend's
+    AsyncBatchAggregator.jobs_in_backend for the scale-down to re-queue it, which TorchServe 0.12
+    does not always do (module docstring)."""
+    _hold(rid, _refused(rid))
+
+
+def answering(rid: str, answer) -> None:
+    """Request `rid` is about to send its whole answer as a chunk of its own (an Encoded or a
+    Failed, handlers/continuous.py Client.last): if the worker dies before it is written, the
+    guardian answers DIED instead (a whole 503, as a Failed goes)."""
+    _hold(rid, _refused(rid))
+
+
+PLACEHOLDER = "guardian-request-id-placeholder"  # the guardian's template (guardian_main.refusal)
+_template = []  # refusal(PLACEHOLDER) split at its request id: a refusal in a microsecond, not 65
+
+
+def _refused(rid: str) -> bytes:
+    return _rid_field(rid).join(_template) if _template else refusal(rid)
+
+
+def refusal(rid: str) -> bytes:
+    """The frames that answer request `rid` DIED whether or not it began to answer (death_frames)."""
+    from handlers import wire
+    from handlers.wire.base import Failed
+
+    died = wire.ERRORS.error(DIED, None, "")
+    return death_frames(rid, Failed(DIED, died, None), died.media_type)
+
+
+def _rid_field(rid: str) -> bytes:
+    """How a frame carries a request id (create_predict_response): its length, then its bytes."""
+    return struct.pack("!i", len(rid.encode())) + rid.encode()
+
+
+def answered(rid: str, media_type: str) -> None:
+    """Request `rid`'s own chunk has been written: if the worker dies now, the guardian only
+    ends it (its last frame). A death between the write and this record (adjacent calls) leaves
+    the 503 to follow an answer already sent: a garbled answer, not a hang."""
+    _hold(rid, end_frame(rid, media_type))
+
+
+def _hold(rid: str, frames: bytes) -> None:
+    if _pipe is not None:
+        _tell(["S", rid, base64.b64encode(frames).decode()])
+
+
+def ended(rids) -> None:
+    if rids and _pipe is not None:
+        _tell(["E", *rids])
+
+
+def death_frames(rid: str, first, media_type: str) -> bytes:
+    """The frames that end request `rid` whether or not its first chunk reached the frontend:
+    `first` (a str: a chunk marked ts_stream_next true, status 200; a Failed: a whole answer with
+    its status, unmarked), then an empty last frame (ts_stream_next false: AsyncBatchAggregator.
+    sendResponse forgets the request only on that false). TorchServe 0.12's RestJob.
+    responseInference counts a request's chunks (numStreams): a chunk that is the first sends the
+    status line and headers, a later one only its body, so the error event follows the tokens
+    already sent or opens the answer; a last frame that follows no chunk (numStreams 0 -> -1)
+    writes content with no status line, which Netty's HttpResponseEncoder refuses (it accepts
+    HttpContent only after an HttpResponse): the client would wait for its timeout. An unmarked
+    whole answer of 400 or more closes the connection (NettyUtils.sendHttpResponse), and the last
+    frame's writes after it are dropped."""
+    from handlers.wire.base import Encoded
+
+    chunk = Encoded(first, media_type, {}) if isinstance(first, str) else first
+    return _frame(rid, chunk, True) + end_frame(rid, media_type)
+
+
+def end_frame(rid: str, media_type: str) -> bytes:
+    """The frame that only ends request `rid` (empty, ts_stream_next false)."""
+    from handlers.wire.base import Encoded
+
+    return _frame(rid, Encoded("", media_type, {}), False)
+
+
+def _frame(rid: str, answer, chunk: bool) -> bytes:
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    from handlers.torchserve import replies
+    from handlers.wire.base import Failed
+
+    whole = type(answer) is Failed
+    ctx = replies._Chunks({0} if whole else set())
+    (body,) = replies.write(ctx, [answer])
+    if not chunk:
+        ctx.set_response_header(0, replies.STREAM_NEXT, "false")
+    return bytes(create_predict_response({0: body}, {0: rid}, "the worker died", 200, ctx, chunk and not whole))

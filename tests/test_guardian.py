@@ -1,0 +1,59 @@
+"""The guardian's frames, in process (handlers/torchserve/guardian.py; tests/test_slot_restart.py
+kills real workers): it reads the predict frames the frontend wrote to a dead worker as
+TorchServe's own reader does, and answers each with the worker's refusal frames."""
+import socket
+import struct
+
+import pytest
+
+from handlers.torchserve import guardian, guardian_main
+
+
+def _request(rid: bytes) -> bytes:
+    """One request of a predict frame as TorchServe 0.12's frontend encodes it (one header, one
+    parameter)."""
+    def field(b):
+        return struct.pack("!i", len(b)) + b
+    end = struct.pack("!i", -1)
+    return (field(rid) + field(b"name") + field(b"value") + end
+            + field(b"body") + field(b"application/json") + field(b'{"input_ids": [1]}') + end)
+
+
+def _frame(*rids) -> bytes:
+    return b"I" + b"".join(_request(r) for r in rids) + struct.pack("!i", -1)
+
+
+def test_the_guardian_reads_whole_predict_frames_as_torchserve_does():
+    from ts.protocol.otf_message_handler import retrieve_msg
+
+    one, two = _frame(b"a1", b"b2"), _frame(b"c3")
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(one)
+        assert [r["requestId"].decode() for r in retrieve_msg(b)[1]] == ["a1", "b2"]
+    assert guardian_main.predict_requests(one + two) == (["a1", "b2", "c3"], len(one + two))
+    assert guardian_main.predict_requests(one + two[:9]) == (["a1", "b2"], len(one)), "a part waits for the rest"
+    with pytest.raises(ValueError):  # the dead worker had read part of a frame: not answered
+        guardian_main.predict_requests(one[3:])
+
+
+def test_the_guardians_refusal_is_the_workers_own_for_any_request_id():
+    template = guardian.refusal(guardian.PLACEHOLDER).split(guardian._rid_field(guardian.PLACEHOLDER))
+    for rid in ("0f2c7a9e-1b2d-4c3e-8f00-123456789abc", "x"):
+        assert guardian_main.refusal(template, rid) == guardian.refusal(rid)
+    guardian._template[:] = template  # as guardian.start sets it in the worker
+    try:
+        assert guardian._refused("x") == guardian.refusal("x")
+    finally:
+        guardian._template.clear()
+
+
+def test_unread_requests_get_the_refusal_and_a_part_is_kept():
+    template = guardian.refusal(guardian.PLACEHOLDER).split(guardian._rid_field(guardian.PLACEHOLDER))
+    frontend, held = socket.socketpair()
+    with frontend, held:
+        frontend.sendall(_frame(b"r1") + _frame(b"r2")[:5])
+        rest = guardian_main.answer_unread(held, template, b"")
+        assert rest == _frame(b"r2")[:5]
+        frontend.settimeout(2)
+        assert frontend.recv(1 << 16) == guardian.refusal("r1")
