@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,6 +41,67 @@ def host_port(address: str, key: str) -> tuple:
         raise PodConfigError(f"{key}={address!r}: expected http://HOST:PORT (the pod dials TorchServe "
                              "over plain HTTP on loopback)")
     return parts.hostname.replace("0.0.0.0", "127.0.0.1"), parts.port
+
+
+MIB = 1 << 20
+# Netty's direct memory in TorchServe's frontend beside the large bodies: its pool's chunks (16 MiB
+# each) for the small requests and answers in flight. compiled_serving/kserve.py sizes
+# -XX:MaxDirectMemorySize as this plus a few bodies of the pod's limit.
+DIRECT_POOL_MIB = 64
+# A body of this many bytes or more is "large": nginx's gate (kserve/nginx.conf) lets only
+# large_bodies_at_once of them reach TorchServe at once. Smaller ones pass uncounted.
+LARGE_BODY_BYTES = 1_000_000
+LARGE_BODY_DIGITS = len(str(LARGE_BODY_BYTES))  # the gate's map matches this many digits or more
+assert LARGE_BODY_BYTES == 10 ** (LARGE_BODY_DIGITS - 1)
+
+
+def large_bodies_at_once(direct_mib: int, limit: int, batch_size: int) -> tuple:
+    """(n, the arithmetic in words): the most bodies of `limit` bytes TorchServe's frontend can
+    hold at once within `direct_mib` MiB of direct memory. Each body in flight holds its bytes in
+    Netty's direct buffers while the frontend receives it, and a batch of up to `batch_size` of
+    them is encoded whole into one more direct buffer for the worker; DIRECT_POOL_MIB stays for
+    everything else: DIRECT_POOL_MIB + n x body + min(n, batch_size) x body <= direct_mib.
+    0 where not even one fits."""
+    body = -(-limit // MIB)
+    n = 0
+    while DIRECT_POOL_MIB + (n + 1) * body + min(n + 1, batch_size) * body <= direct_mib:
+        n += 1
+    words = (f"{DIRECT_POOL_MIB} MiB pool + {n} x {body} MiB bodies received + min({n}, batchSize {batch_size}) "
+             f"x {body} MiB in the encoding of a batch = {DIRECT_POOL_MIB + n * body + min(n, batch_size) * body} MiB "
+             f"<= {direct_mib} MiB direct memory (-XX:MaxDirectMemorySize)")
+    return n, words
+
+
+def direct_memory_mib(props: dict) -> int:
+    """-XX:MaxDirectMemorySize of the frontend's vmargs, MiB (cs-kserve writes it)."""
+    found = re.findall(r"-XX:MaxDirectMemorySize=(\d+)([mMgG])\b", props.get("vmargs", ""))
+    if len(found) != 1:
+        raise PodConfigError("config.properties' vmargs must cap the frontend's direct memory once "
+                             "(-XX:MaxDirectMemorySize=NNNm): the pod bounds the bodies it passes to "
+                             "TorchServe by it; regenerate the storage with `python -m compiled_serving.kserve`")
+    value, unit = found[0]
+    return int(value) * (1024 if unit in "gG" else 1)
+
+
+def largest_batch(props: dict) -> int:
+    """The largest batchSize of the pod's models (model_snapshot), at least 1."""
+    snap = json.loads(props.get("model_snapshot", "{}") or "{}").get("models", {})
+    return max([1] + [int(e.get("batchSize", 1)) for versions in snap.values() for e in versions.values()
+                      if isinstance(e, dict)])
+
+
+def large_bodies(props: dict) -> tuple:
+    """(n, arithmetic) of large_bodies_at_once for this pod's settings, or a fix-it error."""
+    limit = int(props.get("max_request_size", 6553500))
+    direct = direct_memory_mib(props)
+    n, words = large_bodies_at_once(direct, limit, largest_batch(props))
+    if n < 1:
+        need = DIRECT_POOL_MIB + 2 * -(-limit // MIB)
+        raise PodConfigError(f"-XX:MaxDirectMemorySize={direct}m cannot hold one body of max_request_size "
+                             f"{limit} bytes ({DIRECT_POOL_MIB} MiB pool + the body received + the body in a batch's encoding): "
+                             f"raise it to at least {need}m, "
+                             "or regenerate the storage with `python -m compiled_serving.kserve`")
+    return n, words
 
 
 @dataclass(frozen=True)
@@ -82,12 +144,19 @@ class PodConfig:
     response_timeout_s: int  # longest_response_timeout
     bridge_processes: int
     nginx_workers: int
+    large_bodies: int  # bodies of LARGE_BODY_BYTES or more passed to TorchServe at once (nginx's gate)
+    large_bodies_why: str  # the arithmetic of large_bodies, for the refusal's message
     stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
 
     @property
     def state_file(self) -> str:
         """pod.status writes every model's state here; the bridge and probes read it."""
         return os.path.join(self.runtime_dir, "pod_state.json")
+
+    @property
+    def gate_socket(self) -> str:
+        """nginx's gate (kserve/nginx.conf): every inference body goes to TorchServe through it."""
+        return os.path.join(self.runtime_dir, "gate.sock")
 
     @property
     def stopping_file(self) -> str:
@@ -131,6 +200,7 @@ def load(properties: str, env=None) -> PodConfig:
     props = read_properties(properties)
     store = env.get("MODEL_STORE") or os.path.join(env.get("MODEL_ROOT", "/mnt/models"), "model-store")
     nproc = os.cpu_count() or 1
+    n_large, large_why = large_bodies(props)
     return PodConfig(
         properties=properties, runtime_dir=env.get("RUNTIME_DIR", "/tmp/torchserve"), model_store=store,
         models=snapshot_models(props, store),
@@ -155,4 +225,5 @@ def load(properties: str, env=None) -> PodConfig:
         # kube-proxy and ingresses drop it only some seconds later: connections keep arriving
         # meanwhile, and a pod that closed its ports at once refused them. (Under Knative, the
         # queue-proxy's preStop hook has drained the pod before SIGTERM: the wait costs only time.)
+        large_bodies=n_large, large_bodies_why=large_why,
         stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0))
