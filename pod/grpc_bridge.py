@@ -44,22 +44,23 @@ STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 415: grpc.StatusCode.INVALID_AR
 
 
 class Upstream:
-    """Keep-alive HTTP/1.1 connections to TorchServe, on this process's event loop: a request
+    """Keep-alive HTTP/1.1 connections to TorchServe through nginx's gate (its unix socket, which
+    bounds the large bodies TorchServe holds at once: kserve/nginx.conf), on this process's event loop: a request
     takes an idle connection or opens one, and gives it back after reading the answer (TorchServe's
     inference answers carry a Content-Length)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
+    def __init__(self, socket_path: str, timeout_s: float):
+        self.socket_path, self.timeout_s = socket_path, timeout_s
         self.idle = []
 
     async def post(self, path: str, body: bytes) -> tuple:
         """(status, body bytes). A kept-alive connection TorchServe closed meanwhile fails before
         any answer; the request then goes once more on a new connection."""
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: {MEDIA}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {MEDIA}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             reused = bool(self.idle)
-            reader, writer = self.idle.pop() if reused else await asyncio.open_connection(self.host, self.port)
+            reader, writer = self.idle.pop() if reused else await asyncio.open_unix_connection(self.socket_path)
             try:
                 writer.writelines((head, body))  # one send where the transport can
                 async with asyncio.timeout(self.timeout_s):  # no task per call, unlike wait_for
@@ -127,7 +128,7 @@ async def names(request: bytes, context) -> tuple:
 class Bridge:
     def __init__(self, cfg):
         self.cfg, self.state = cfg, StateFile(cfg.state_file)
-        self.upstream = Upstream(*cfg.inference, timeout_s=cfg.response_timeout_s + 5)
+        self.upstream = Upstream(cfg.gate_socket, timeout_s=cfg.response_timeout_s + 10)
 
     async def model_infer(self, request: bytes, context):
         name, version = await names(request, context)

@@ -2,13 +2,14 @@
 own `$variables` have no braces there and pass through untouched)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 from urllib.parse import quote
 
-from pod.config import PodConfig
+from pod.config import LARGE_BODY_BYTES, LARGE_BODY_DIGITS, PodConfig
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kserve", "nginx.conf")
 PLACEHOLDER = re.compile(r"\$\{([a-z][a-z0-9_]*)\}")
@@ -26,7 +27,21 @@ def values(cfg: PodConfig) -> dict:
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
             "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
             "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none",
-            **ipv6_listens(cfg, ipv6_available())}
+            **gate_values(cfg), **ipv6_listens(cfg, ipv6_available())}
+
+
+def gate_values(cfg: PodConfig) -> dict:
+    """The gate's bound on large bodies (pod/config.py: large_bodies) and its refusal's words."""
+    why = (f"{cfg.large_bodies} request bodies of {LARGE_BODY_BYTES:,} bytes or more are with TorchServe already, "
+           f"as many as the direct memory of its frontend holds at once for bodies up to {cfg.max_request_bytes} bytes "
+           f"(max_request_size: {cfg.large_bodies_why}); the model is serving, retry in a second or send smaller requests")
+    refusal = json.dumps({"code": 503, "type": "TooManyLargeBodies", "error": why})
+    for text in (why, refusal):  # nginx would read these as a variable or the string's end
+        if "$" in text or "'" in text:
+            raise ValueError(f"the gate's refusal cannot hold $ or ': {text}")
+    return {"gate_socket": cfg.gate_socket, "large_bodies": cfg.large_bodies, "large_bodies_why": cfg.large_bodies_why,
+            "large_body_bytes": f"{LARGE_BODY_BYTES:,}", "large_body_digits": LARGE_BODY_DIGITS,
+            "large_refusal": why.replace('"', "'"), "large_refusal_json": refusal}
 
 
 def ipv6_available() -> bool:
@@ -75,14 +90,14 @@ def model_map(cfg: PodConfig) -> str:
 
 
 def model_infer(cfg: PodConfig) -> str:
-    """Where ModelInfer calls go: with one model, straight to TorchServe's predictions route for
+    """Where ModelInfer calls go: with one model, through the gate to TorchServe's predictions route for
     it (the handler refuses a request naming another model); with several, to the bridge, which
     reads each request's model name."""
     if len(cfg.models) != 1:
         return "grpc_pass grpc://grpc_bridge;"
     m = cfg.models[0]
     return (f"add_trailer grpc-status 0;\n            "
-            f"proxy_pass http://torchserve/predictions/{quote(m.name, safe='')};")
+            f"proxy_pass http://gate/predictions/{quote(m.name, safe='')};")
 
 
 def render(cfg: PodConfig, template: str = TEMPLATE) -> str:
