@@ -667,6 +667,82 @@ def test_bodies_over_the_limit_are_refused_at_the_door_and_the_pods_memory_stays
     assert requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=60).status_code == 200
 
 
+FLOOD_REST, FLOOD_GRPC = 32, 16  # 48 bodies at once (issue 63: 16 took the model down for minutes)
+
+
+def test_a_flood_of_bodies_just_under_the_limit_never_takes_the_model_down(door):
+    """48 bodies of 0.98 of the pod's limit at once, 32 over REST and 16 over gRPC, against the
+    shipped settings (max_request_size 8,912,896, the frontend's direct memory as cs-kserve sized
+    it): every answer the handler's 413, or a truthful 503 with Retry-After / UNAVAILABLE or
+    RESOURCE_EXHAUSTED naming the pod's limit, never "the worker died"; a small client answered
+    within 2 s throughout; no OutOfMemoryError in the frontend's log. Before, Netty ran out of
+    direct memory, the clients read 503 "worker died" and the model hung for its 120 s
+    responseTimeout."""
+    c = door["container"]
+    size = int(LIMIT * 0.98)
+    head, tail = b'{"inputs": [], "pad": "', b'"}'
+    body = head + b"x" * (size - len(head) - len(tail)) + tail
+    rows = (size - 200) // 80  # FP32 features and BOOL mask, 16 each: 80 bytes a row
+    message = grpc_infer_request("two", [("features", "FP32", [rows, 16], None), ("mask", "BOOL", [rows, 16], None)],
+                                 [b"\0" * (rows * 64), b"\0" * (rows * 16)])
+    barrier = threading.Barrier(FLOOD_REST + FLOOD_GRPC)
+
+    def rest():
+        barrier.wait()
+        r = requests.post(f"{door['base']}/v2/models/two/infer", data=body,
+                          headers={"Content-Type": "application/json"}, timeout=180)
+        return r.status_code, r.headers.get("Retry-After"), r.text
+
+    def grpc_call():
+        with grpc.insecure_channel(door["grpc"], options=[("grpc.max_send_message_length", -1)]) as ch:
+            barrier.wait()
+            try:
+                ch.unary_unary(OIP + "ModelInfer")(message, timeout=180)
+                return "answered", None, ""
+            except grpc.RpcError as e:
+                return e.code(), None, e.details()
+    small, done = [], threading.Event()
+
+    def small_client():
+        f, m = two(1, seed=25)
+        while not done.is_set():
+            t0 = time.monotonic()
+            try:
+                status = requests.post(f"{door['base']}/v2/models/two/infer", json=v2_body(f, m), timeout=5).status_code
+            except requests.RequestException as e:
+                status = type(e).__name__
+            small.append((status, time.monotonic() - t0))
+            time.sleep(0.2)
+    watcher = threading.Thread(target=small_client)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(FLOOD_REST + FLOOD_GRPC) as pool:
+            futures = [pool.submit(rest) for _ in range(FLOOD_REST)] + [pool.submit(grpc_call) for _ in range(FLOOD_GRPC)]
+            answers = [f.result() for f in futures]
+    finally:
+        time.sleep(2.0)  # the small client goes on a moment after the flood
+        done.set()
+        watcher.join()
+    took = time.monotonic() - t0
+    counts = {}
+    for status, _, _ in answers:
+        counts[str(status)] = counts.get(str(status), 0) + 1
+    slow = [s for s in small if s[0] != 200 or s[1] > 2.0]
+    print(f"{FLOOD_REST + FLOOD_GRPC} bodies of {size} bytes at once: {counts} in {took:.1f} s; the small client "
+          f"{len(small)} requests, {len(slow)} failed or over 2 s: {slow[:5]}")
+    for status, retry_after, text in answers[:FLOOD_REST]:
+        assert status == 413 or 200 <= status < 300 or (status in (429, 503) and retry_after), (status, text)
+        if status in (429, 503):
+            assert "died" not in text and str(LIMIT) in json.loads(text)["error"], text
+    for code, _, details in answers[FLOOD_REST:]:
+        assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE), (code, details)
+        assert "died" not in details and ("rows" in details or "bytes" in details), details
+    assert small and not slow, slow
+    for name in ("ts_log.log", "stdout.log"):
+        assert "OutOfMemoryError" not in c.log(name), c.log(name)[-3000:]
+
+
 def test_a_worker_killed_mid_request_is_a_retryable_503_and_unavailable(door):
     """Every worker of the model stopped, one REST and one gRPC request sent to them, then the
     workers killed: the requests in flight get 503 / UNAVAILABLE (retry), not 500 or
