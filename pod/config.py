@@ -53,6 +53,7 @@ DIRECT_POOL_MIB = 64
 LARGE_BODY_BYTES = 1_000_000
 LARGE_BODY_DIGITS = len(str(LARGE_BODY_BYTES))  # the gate's map matches this many digits or more
 assert LARGE_BODY_BYTES == 10 ** (LARGE_BODY_DIGITS - 1)
+GATE_SOCKET = "gate.sock"  # the gate's unix socket, in RUNTIME_DIR
 
 
 def large_bodies_at_once(direct_mib: int, limit: int, batch_size: int) -> tuple:
@@ -156,7 +157,7 @@ class PodConfig:
     @property
     def gate_socket(self) -> str:
         """nginx's gate (kserve/nginx.conf): every inference body goes to TorchServe through it."""
-        return os.path.join(self.runtime_dir, "gate.sock")
+        return os.path.join(self.runtime_dir, GATE_SOCKET)
 
     @property
     def stopping_file(self) -> str:
@@ -201,8 +202,12 @@ def load(properties: str, env=None) -> PodConfig:
     store = env.get("MODEL_STORE") or os.path.join(env.get("MODEL_ROOT", "/mnt/models"), "model-store")
     nproc = os.cpu_count() or 1
     n_large, large_why = large_bodies(props)
+    runtime_dir = env.get("RUNTIME_DIR", "/tmp/torchserve")
+    if len(os.fsencode(os.path.join(runtime_dir, GATE_SOCKET))) > 107:  # sun_path holds 108 bytes
+        raise PodConfigError(f"RUNTIME_DIR={runtime_dir!r} is too long for nginx's gate socket in it "
+                             "(a unix socket's path holds 107 bytes); choose a shorter directory")
     return PodConfig(
-        properties=properties, runtime_dir=env.get("RUNTIME_DIR", "/tmp/torchserve"), model_store=store,
+        properties=properties, runtime_dir=runtime_dir, model_store=store,
         models=snapshot_models(props, store),
         inference=host_port(props.get("inference_address", ""), "inference_address"),
         management=host_port(props.get("management_address", ""), "management_address"),
