@@ -46,7 +46,7 @@ import zipfile
 import yaml
 
 from compiled_serving import verify_store
-from pod.config import DIRECT_POOL_MIB, LARGE_BODY_BYTES, large_bodies_at_once
+from pod.config import DIRECT_POOL_MIB, LARGE_BODY_BYTES, large_bodies_at_once, pool_tiers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_TEMPLATE = os.path.join(ROOT, "kserve", "config.properties")
@@ -426,9 +426,10 @@ def print_large_bodies(mars, limit) -> None:
     from the frontend's direct memory, the body limit and the largest batchSize."""
     batch = max(int(m["config"].get("batchSize", 1)) for m in mars)
     n, words = large_bodies_at_once(direct_mib(limit), limit, batch)
+    tiers, tiers_words = pool_tiers(batch)
     print(f"kserve: at most {n} request bodies of {LARGE_BODY_BYTES:,} bytes or more reach TorchServe at once "
-          f"({words}); the pod answers more 503 with Retry-After (gRPC: UNAVAILABLE) at once, and smaller "
-          "bodies pass uncounted")
+          f"({words}), and of smaller ones {tiers_words}; the pod answers more 503 with Retry-After "
+          f"(gRPC: UNAVAILABLE) at once, and bodies under {tiers[-1][0]:,} bytes pass uncounted")
 
 
 def device_resources(args, mars, device):

@@ -49,10 +49,12 @@ MIB = 1 << 20
 # -XX:MaxDirectMemorySize as this plus a few bodies of the pod's limit.
 DIRECT_POOL_MIB = 64
 # A body of this many bytes or more is "large": nginx's gate (kserve/nginx.conf) lets only
-# large_bodies_at_once of them reach TorchServe at once. Smaller ones pass uncounted.
+# large_bodies_at_once of them reach TorchServe at once.
 LARGE_BODY_BYTES = 1_000_000
-LARGE_BODY_DIGITS = len(str(LARGE_BODY_BYTES))  # the gate's map matches this many digits or more
-assert LARGE_BODY_BYTES == 10 ** (LARGE_BODY_DIGITS - 1)
+# Smaller bodies share DIRECT_POOL_MIB: (smallest body of the tier, MiB of the pool its bodies may
+# hold). The gate counts each tier apart (by the digits of its Content-Length); bodies under the
+# last tier pass uncounted, in what is left of the pool (one 16 MiB chunk of Netty's).
+POOL_TIERS = ((100_000, DIRECT_POOL_MIB // 2), (10_000, DIRECT_POOL_MIB // 4))
 GATE_SOCKET = "gate.sock"  # the gate's unix socket, in RUNTIME_DIR
 
 
@@ -71,6 +73,26 @@ def large_bodies_at_once(direct_mib: int, limit: int, batch_size: int) -> tuple:
              f"x {body} MiB in the encoding of a batch = {DIRECT_POOL_MIB + n * body + min(n, batch_size) * body} MiB "
              f"<= {direct_mib} MiB direct memory (-XX:MaxDirectMemorySize)")
     return n, words
+
+
+def bodies_within(budget_bytes: int, body: int, batch_size: int) -> int:
+    """The most bodies of `body` bytes with n x body (received) + min(n, batch_size) x body (a
+    batch's encoding) <= budget_bytes."""
+    n = 0
+    while (n + 1) * body + min(n + 1, batch_size) * body <= budget_bytes:
+        n += 1
+    return n
+
+
+def pool_tiers(batch_size: int) -> tuple:
+    """((smallest, largest body, n), ...) of POOL_TIERS, and their arithmetic in words."""
+    tiers, words, high = [], [], LARGE_BODY_BYTES - 1
+    for low, mib in POOL_TIERS:
+        n = bodies_within(mib * MIB, high, batch_size)
+        tiers.append((low, high, n))
+        words.append(f"{n} of {low:,}-{high:,} bytes ({n} + min({n}, {batch_size})) x {high:,} <= {mib} MiB")
+        high = low - 1
+    return tuple(tiers), "; ".join(words)
 
 
 def direct_memory_mib(props: dict) -> int:
@@ -147,6 +169,8 @@ class PodConfig:
     nginx_workers: int
     large_bodies: int  # bodies of LARGE_BODY_BYTES or more passed to TorchServe at once (nginx's gate)
     large_bodies_why: str  # the arithmetic of large_bodies, for the refusal's message
+    pool_tiers: tuple  # (smallest, largest body, n at once) of the smaller bodies the gate counts
+    pool_tiers_why: str
     stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
 
     @property
@@ -202,6 +226,7 @@ def load(properties: str, env=None) -> PodConfig:
     store = env.get("MODEL_STORE") or os.path.join(env.get("MODEL_ROOT", "/mnt/models"), "model-store")
     nproc = os.cpu_count() or 1
     n_large, large_why = large_bodies(props)
+    tiers, tiers_why = pool_tiers(largest_batch(props))
     runtime_dir = env.get("RUNTIME_DIR", "/tmp/torchserve")
     if len(os.fsencode(os.path.join(runtime_dir, GATE_SOCKET))) > 107:  # sun_path holds 108 bytes
         raise PodConfigError(f"RUNTIME_DIR={runtime_dir!r} is too long for nginx's gate socket in it "
@@ -231,4 +256,5 @@ def load(properties: str, env=None) -> PodConfig:
         # meanwhile, and a pod that closed its ports at once refused them. (Under Knative, the
         # queue-proxy's preStop hook has drained the pod before SIGTERM: the wait costs only time.)
         large_bodies=n_large, large_bodies_why=large_why,
+        pool_tiers=tiers, pool_tiers_why=tiers_why,
         stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0))

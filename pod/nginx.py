@@ -9,7 +9,7 @@ import shutil
 import socket
 from urllib.parse import quote
 
-from pod.config import LARGE_BODY_BYTES, LARGE_BODY_DIGITS, PodConfig
+from pod.config import LARGE_BODY_BYTES, PodConfig
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kserve", "nginx.conf")
 PLACEHOLDER = re.compile(r"\$\{([a-z][a-z0-9_]*)\}")
@@ -31,16 +31,28 @@ def values(cfg: PodConfig) -> dict:
 
 
 def gate_values(cfg: PodConfig) -> dict:
-    """The gate's bound on large bodies (pod/config.py: large_bodies) and its refusal's words."""
-    why = (f"{cfg.large_bodies} request bodies of {LARGE_BODY_BYTES:,} bytes or more are with TorchServe already, "
-           f"as many as the direct memory of its frontend holds at once for bodies up to {cfg.max_request_bytes} bytes "
-           f"(max_request_size: {cfg.large_bodies_why}); the model is serving, retry in a second or send smaller requests")
+    """The gate's bounds on bodies by size (pod/config.py) and its refusal's words."""
+    tiers = ((LARGE_BODY_BYTES, None, cfg.large_bodies),) + cfg.pool_tiers
+    zones, limits = [], []
+    for low, high, n in tiers:
+        digits = len(str(low))  # each tier's lengths have one number of digits (or more, the first)
+        assert low == 10 ** (digits - 1) and high in (None, 10 ** digits - 1), (low, high)
+        zone = f"bodies_{digits}_digits"
+        regex = f"^[0-9]{{{digits},}}$" if high is None else f"^[0-9]{{{digits}}}$"
+        zones.append(f"    map $content_length ${zone} {{\n        \"~{regex}\" 1;\n        default \"\";\n    }}\n"
+                     f"    limit_conn_zone ${zone} zone={zone}:1m;")
+        limits.append(f"            limit_conn {zone} {n};")
+    why = (f"the pod passes at most {cfg.large_bodies} request bodies of {LARGE_BODY_BYTES:,} bytes or more to TorchServe "
+           f"at once, as many as the direct memory of its frontend holds for bodies up to {cfg.max_request_bytes} bytes "
+           f"(max_request_size: {cfg.large_bodies_why}), and of smaller ones {cfg.pool_tiers_why}; as many of this "
+           "size are with TorchServe now: the model is serving, retry in a second or send smaller requests")
     refusal = json.dumps({"code": 503, "type": "TooManyLargeBodies", "error": why})
     for text in (why, refusal):  # nginx would read these as a variable or the string's end
         if "$" in text or "'" in text:
             raise ValueError(f"the gate's refusal cannot hold $ or ': {text}")
     return {"gate_socket": cfg.gate_socket, "large_bodies": cfg.large_bodies, "large_bodies_why": cfg.large_bodies_why,
-            "large_body_bytes": f"{LARGE_BODY_BYTES:,}", "large_body_digits": LARGE_BODY_DIGITS,
+            "large_body_bytes": f"{LARGE_BODY_BYTES:,}", "pool_tiers_why": cfg.pool_tiers_why,
+            "gate_zones": "\n".join(zones), "gate_limits": "\n".join(limits),
             "large_refusal": why.replace('"', "'"), "large_refusal_json": refusal}
 
 
