@@ -47,13 +47,13 @@ def gate_values(cfg: PodConfig) -> dict:
            f"(max_request_size: {cfg.large_bodies_why}), and of smaller ones {cfg.pool_tiers_why}; as many of this "
            "size are with TorchServe now: the model is serving, retry in a second or send smaller requests")
     refusal = json.dumps({"code": 503, "type": "TooManyLargeBodies", "error": why})
-    for text in (why, refusal):  # nginx would read these as a variable or the string's end
-        if "$" in text or "'" in text:
-            raise ValueError(f"the gate's refusal cannot hold $ or ': {text}")
+    # nginx would read $ as a variable, ' as the end of the JSON's string and " as the end of why's
+    if "$" in refusal or "'" in refusal or '"' in why:
+        raise ValueError(f"the gate's refusal cannot hold $, ' or \": {why}")
     return {"gate_socket": cfg.gate_socket, "large_bodies": cfg.large_bodies, "large_bodies_why": cfg.large_bodies_why,
             "large_body_bytes": f"{LARGE_BODY_BYTES:,}", "pool_tiers_why": cfg.pool_tiers_why,
             "gate_zones": "\n".join(zones), "gate_limits": "\n".join(limits),
-            "large_refusal": why.replace('"', "'"), "large_refusal_json": refusal}
+            "large_refusal": why, "large_refusal_json": refusal}
 
 
 def ipv6_available() -> bool:
