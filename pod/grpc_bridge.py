@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import gc
 import json
 import signal
 import struct
@@ -32,9 +34,19 @@ import grpc
 from handlers import protowire
 from handlers.errors import RequestError
 from pod import config as pod_config
+from pod.config import LARGE_BODY_BYTES
 from pod import stream_infer
 from pod.state import PLATFORM, READY, SERVER_NAME, StateFile, find_model, server_problem, unservable
 
+def _malloc_trim():
+    """glibc's malloc_trim (None elsewhere): gives the free memory of every malloc arena back."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
 SERVICE = "inference.GRPCInferenceService"
 MEDIA = "application/x-kserve-v2-protobuf"
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 415: grpc.StatusCode.INVALID_ARGUMENT,
@@ -129,8 +141,33 @@ class Bridge:
     def __init__(self, cfg):
         self.cfg, self.state = cfg, StateFile(cfg.state_file)
         self.upstream = Upstream(cfg.gate_socket, timeout_s=cfg.response_timeout_s + 10)
+        self.large_in_flight = 0  # ModelInfer requests of LARGE_BODY_BYTES or more being answered
 
     async def model_infer(self, request: bytes, context):
+        """_model_infer; after large requests, once none is left, the memory they held goes back to
+        the system (gRPC's threads keep freed buffers in their malloc arenas: sixteen 8.7 MB calls
+        at once left the bridge 270 MiB larger after each round, up to 580 MiB after three)."""
+        large = len(request) >= LARGE_BODY_BYTES
+        self.large_in_flight += large
+        try:
+            return await self._model_infer(request, context)
+        finally:
+            self.large_in_flight -= large
+            if large and not self.large_in_flight:
+                # later, once gRPC has let go of the request's buffers too
+                asyncio.get_running_loop().call_later(0.5, self._release)
+
+    def _release(self) -> None:
+        """Failed calls' requests stay in reference cycles (the abort's exception, its traceback,
+        the frames holding the request) until the collector runs: collected here, and the free
+        memory of every malloc arena given back to the system."""
+        if self.large_in_flight:
+            return
+        gc.collect()
+        if MALLOC_TRIM is not None:
+            MALLOC_TRIM(0)
+
+    async def _model_infer(self, request: bytes, context):
         name, version = await names(request, context)
         if not name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ModelInferRequest.model_name is empty; name the model")
