@@ -713,6 +713,36 @@ def test_a_flood_of_bodies_under_the_limit_never_takes_the_model_down(door, rest
         assert "OutOfMemoryError" not in c.log(name), c.log(name)[-3000:]
 
 
+def test_the_bridge_gives_back_the_memory_of_large_calls(door):
+    """Three rounds of sixteen ModelInfer calls of 8.7 MB at once, straight to the gRPC bridge's
+    loopback port (where a several-model pod's calls go): each answered RESOURCE_EXHAUSTED (the
+    handler's row limit) or UNAVAILABLE (the gate), and 5 s later the bridge's RSS within 100 MiB of
+    before. Before, it kept 530 MiB (failed calls' requests held in reference cycles, freed
+    memory in malloc's arenas)."""
+    c = door["container"]
+    bridge = next(p for p in c.processes() if "pod.grpc_bridge" in " ".join(p.cmdline()))
+    rows = (int(LIMIT * 0.98) - 200) // 80
+    message = grpc_infer_request("two", [("features", "FP32", [rows, 16], None), ("mask", "BOOL", [rows, 16], None)],
+                                 [b"\0" * (rows * 64), b"\0" * (rows * 16)])
+    before = bridge.memory_info().rss / 2**20
+
+    def call(_):
+        with grpc.insecure_channel(f"127.0.0.1:{c.bridge}", options=[("grpc.max_send_message_length", -1)]) as ch:
+            try:
+                ch.unary_unary(OIP + "ModelInfer")(message, timeout=60)
+                return "answered"
+            except grpc.RpcError as e:
+                return e.code()
+    for _ in range(3):
+        with ThreadPoolExecutor(16) as pool:
+            codes = set(pool.map(call, range(16)))
+        assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
+    time.sleep(5.0)
+    after = bridge.memory_info().rss / 2**20
+    print(f"the bridge's RSS {before:.0f} MiB before, {after:.0f} MiB 5 s after 48 calls of 8.7 MB")
+    assert after - before < 100, (before, after)
+
+
 def _flood(door, size: int, rest_clients: int, grpc_clients: int) -> list:
     """(status or gRPC code, Retry-After, text) of every answer to the flood's clients."""
     head, tail = b'{"inputs": [], "pad": "', b'"}'
