@@ -46,6 +46,7 @@ import zipfile
 import yaml
 
 from compiled_serving import verify_store
+from handlers.torchserve.direct_memory import DIRECT_POOL_MIB, LARGE_BODY_BYTES, large_bodies_at_once, pool_tiers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_TEMPLATE = os.path.join(ROOT, "kserve", "config.properties")
@@ -74,7 +75,6 @@ IMAGE_REPO = "ghcr.io/example/compiled-serving"
 JVM_HEAP_MIB = 384
 JVM_NATIVE_MIB = 256
 DIRECT_BODIES = 4
-DIRECT_POOL_MIB = 64
 MIB = 1 << 20
 FRONTS_MIB = 256
 WORKER_CPU_MIB = 512
@@ -414,10 +414,22 @@ def write_storage(args, mars, storage, manifests) -> None:
     print(f"kserve: request bodies up to {limit} bytes ({widest['name']} accepts {widest['body_bytes']}, the most "
           f"of the pod's models, plus a sixteenth); the frontend's JVM capped at {JVM_HEAP_MIB} MiB heap and "
           f"{direct_mib(limit)} MiB direct buffers")
+    print_large_bodies(mars, limit)
     # config.properties' vmargs names /mnt/models/config/log4j2.xml
     shutil.copy2(os.path.join(ROOT, "log4j2.xml"), os.path.join(storage, "config", "log4j2.xml"))
     verify_store.main(["record", "--store", os.path.join(storage, "model-store"),
                        "--digests", os.path.join(args.out, "digests.sha256")])
+
+
+def print_large_bodies(mars, limit) -> None:
+    """How many large bodies the pod passes to TorchServe at once (pod/config.py, nginx's gate),
+    from the frontend's direct memory, the body limit and the largest batchSize."""
+    batch = max(int(m["config"].get("batchSize", 1)) for m in mars)
+    n, words = large_bodies_at_once(direct_mib(limit), limit, batch)
+    tiers, tiers_words = pool_tiers(batch)
+    print(f"kserve: at most {n} request bodies of {LARGE_BODY_BYTES:,} bytes or more reach TorchServe at once "
+          f"({words}), and of smaller ones {tiers_words}; the pod answers more 503 with Retry-After "
+          f"(gRPC: UNAVAILABLE) at once, and bodies under {tiers[-1][0]:,} bytes pass uncounted")
 
 
 def device_resources(args, mars, device):

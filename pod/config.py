@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from handlers.torchserve.direct_memory import (  # noqa: F401  (re-exported: nginx.py, tests)
+    DIRECT_POOL_MIB, LARGE_BODY_BYTES, MIB, POOL_TIERS, bodies_within, large_bodies_at_once, pool_tiers)
 
 
 class PodConfigError(SystemExit):
@@ -40,6 +44,41 @@ def host_port(address: str, key: str) -> tuple:
         raise PodConfigError(f"{key}={address!r}: expected http://HOST:PORT (the pod dials TorchServe "
                              "over plain HTTP on loopback)")
     return parts.hostname.replace("0.0.0.0", "127.0.0.1"), parts.port
+
+
+GATE_SOCKET = "gate.sock"  # the gate's unix socket, in RUNTIME_DIR
+
+
+def direct_memory_mib(props: dict) -> int:
+    """-XX:MaxDirectMemorySize of the frontend's vmargs, MiB (cs-kserve writes it)."""
+    found = re.findall(r"-XX:MaxDirectMemorySize=(\d+)([mMgG])\b", props.get("vmargs", ""))
+    if len(found) != 1:
+        raise PodConfigError("config.properties' vmargs must cap the frontend's direct memory once "
+                             "(-XX:MaxDirectMemorySize=NNNm): the pod bounds the bodies it passes to "
+                             "TorchServe by it; regenerate the storage with `python -m compiled_serving.kserve`")
+    value, unit = found[0]
+    return int(value) * (1024 if unit in "gG" else 1)
+
+
+def largest_batch(props: dict) -> int:
+    """The largest batchSize of the pod's models (model_snapshot), at least 1."""
+    snap = json.loads(props.get("model_snapshot", "{}") or "{}").get("models", {})
+    return max([1] + [int(e.get("batchSize", 1)) for versions in snap.values() for e in versions.values()
+                      if isinstance(e, dict)])
+
+
+def large_bodies(props: dict) -> tuple:
+    """(n, arithmetic) of large_bodies_at_once for this pod's settings, or a fix-it error."""
+    limit = int(props.get("max_request_size", 6553500))
+    direct = direct_memory_mib(props)
+    n, words = large_bodies_at_once(direct, limit, largest_batch(props))
+    if n < 1:
+        need = DIRECT_POOL_MIB + 2 * -(-limit // MIB)
+        raise PodConfigError(f"-XX:MaxDirectMemorySize={direct}m cannot hold one body of max_request_size "
+                             f"{limit} bytes ({DIRECT_POOL_MIB} MiB pool + the body received + the body in a batch's encoding): "
+                             f"raise it to at least {need}m, "
+                             "or regenerate the storage with `python -m compiled_serving.kserve`")
+    return n, words
 
 
 @dataclass(frozen=True)
@@ -82,6 +121,10 @@ class PodConfig:
     response_timeout_s: int  # longest_response_timeout
     bridge_processes: int
     nginx_workers: int
+    large_bodies: int  # bodies of LARGE_BODY_BYTES or more passed to TorchServe at once (nginx's gate)
+    large_bodies_why: str  # the arithmetic of large_bodies, for the refusal's message
+    pool_tiers: tuple  # (smallest, largest body, n at once) of the smaller bodies the gate counts
+    pool_tiers_why: str
     stop_drain_s: int  # after SIGTERM: readiness fails, and the pod serves on this long before it stops
     worker_lost_s: int  # a model that served and has not served again for this long fails liveness
 
@@ -89,6 +132,11 @@ class PodConfig:
     def state_file(self) -> str:
         """pod.status writes every model's state here; the bridge and probes read it."""
         return os.path.join(self.runtime_dir, "pod_state.json")
+
+    @property
+    def gate_socket(self) -> str:
+        """nginx's gate (kserve/nginx.conf): every inference body goes to TorchServe through it."""
+        return os.path.join(self.runtime_dir, GATE_SOCKET)
 
     @property
     def stopping_file(self) -> str:
@@ -132,8 +180,14 @@ def load(properties: str, env=None) -> PodConfig:
     props = read_properties(properties)
     store = env.get("MODEL_STORE") or os.path.join(env.get("MODEL_ROOT", "/mnt/models"), "model-store")
     nproc = os.cpu_count() or 1
+    n_large, large_why = large_bodies(props)
+    tiers, tiers_why = pool_tiers(largest_batch(props))
+    runtime_dir = env.get("RUNTIME_DIR", "/tmp/torchserve")
+    if len(os.fsencode(os.path.join(runtime_dir, GATE_SOCKET))) > 107:  # sun_path holds 108 bytes
+        raise PodConfigError(f"RUNTIME_DIR={runtime_dir!r} is too long for nginx's gate socket in it "
+                             "(a unix socket's path holds 107 bytes); choose a shorter directory")
     return PodConfig(
-        properties=properties, runtime_dir=env.get("RUNTIME_DIR", "/tmp/torchserve"), model_store=store,
+        properties=properties, runtime_dir=runtime_dir, model_store=store,
         models=snapshot_models(props, store),
         inference=host_port(props.get("inference_address", ""), "inference_address"),
         management=host_port(props.get("management_address", ""), "management_address"),
@@ -156,6 +210,8 @@ def load(properties: str, env=None) -> PodConfig:
         # kube-proxy and ingresses drop it only some seconds later: connections keep arriving
         # meanwhile, and a pod that closed its ports at once refused them. (Under Knative, the
         # queue-proxy's preStop hook has drained the pod before SIGTERM: the wait costs only time.)
+        large_bodies=n_large, large_bodies_why=large_why,
+        pool_tiers=tiers, pool_tiers_why=tiers_why,
         stop_drain_s=_int_env(env, "STOP_DRAIN_S", 5, low=0),
         # a worker that died comes back within seconds (TorchServe restarts an ordinary one, the
         # guardian an async one, handlers/torchserve/guardian.py) plus its load; one that has not

@@ -2,13 +2,14 @@
 own `$variables` have no braces there and pass through untouched)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 from urllib.parse import quote
 
-from pod.config import PodConfig
+from pod.config import LARGE_BODY_BYTES, PodConfig
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kserve", "nginx.conf")
 PLACEHOLDER = re.compile(r"\$\{([a-z][a-z0-9_]*)\}")
@@ -26,7 +27,33 @@ def values(cfg: PodConfig) -> dict:
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
             "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
             "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none",
-            **ipv6_listens(cfg, ipv6_available())}
+            **gate_values(cfg), **ipv6_listens(cfg, ipv6_available())}
+
+
+def gate_values(cfg: PodConfig) -> dict:
+    """The gate's bounds on bodies by size (pod/config.py) and its refusal's words."""
+    tiers = ((LARGE_BODY_BYTES, None, cfg.large_bodies),) + cfg.pool_tiers
+    zones, limits = [], []
+    for low, high, n in tiers:
+        digits = len(str(low))  # each tier's lengths have one number of digits (or more, the first)
+        assert low == 10 ** (digits - 1) and high in (None, 10 ** digits - 1), (low, high)
+        zone = f"bodies_{digits}_digits"
+        regex = f"^[0-9]{{{digits},}}$" if high is None else f"^[0-9]{{{digits}}}$"
+        zones.append(f"    map $content_length ${zone} {{\n        \"~{regex}\" 1;\n        default \"\";\n    }}\n"
+                     f"    limit_conn_zone ${zone} zone={zone}:1m;")
+        limits.append(f"            limit_conn {zone} {n};")
+    why = (f"the pod passes at most {cfg.large_bodies} request bodies of {LARGE_BODY_BYTES:,} bytes or more to TorchServe "
+           f"at once, as many as the direct memory of its frontend holds for bodies up to {cfg.max_request_bytes} bytes "
+           f"(max_request_size: {cfg.large_bodies_why}), and of smaller ones {cfg.pool_tiers_why}; as many of this "
+           "size are with TorchServe now: the model is serving, retry in a second or send smaller requests")
+    refusal = json.dumps({"code": 503, "type": "TooManyLargeBodies", "error": why})
+    # nginx would read $ as a variable, ' as the end of the JSON's string and " as the end of why's
+    if "$" in refusal or "'" in refusal or '"' in why:
+        raise ValueError(f"the gate's refusal cannot hold $, ' or \": {why}")
+    return {"gate_socket": cfg.gate_socket, "large_bodies": cfg.large_bodies, "large_bodies_why": cfg.large_bodies_why,
+            "large_body_bytes": f"{LARGE_BODY_BYTES:,}", "pool_tiers_why": cfg.pool_tiers_why,
+            "gate_zones": "\n".join(zones), "gate_limits": "\n".join(limits),
+            "large_refusal": why, "large_refusal_json": refusal}
 
 
 def ipv6_available() -> bool:
@@ -75,14 +102,14 @@ def model_map(cfg: PodConfig) -> str:
 
 
 def model_infer(cfg: PodConfig) -> str:
-    """Where ModelInfer calls go: with one model, straight to TorchServe's predictions route for
+    """Where ModelInfer calls go: with one model, through the gate to TorchServe's predictions route for
     it (the handler refuses a request naming another model); with several, to the bridge, which
     reads each request's model name."""
     if len(cfg.models) != 1:
         return "grpc_pass grpc://grpc_bridge;"
     m = cfg.models[0]
     return (f"add_trailer grpc-status 0;\n            "
-            f"proxy_pass http://torchserve/predictions/{quote(m.name, safe='')};")
+            f"proxy_pass http://gate/predictions/{quote(m.name, safe='')};")
 
 
 def render(cfg: PodConfig, template: str = TEMPLATE) -> str:

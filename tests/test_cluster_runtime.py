@@ -51,6 +51,25 @@ def test_the_pods_body_limit_and_jvm_caps_follow_its_models(cluster_layout, clus
     vmargs = next(ln for ln in props.splitlines() if ln.startswith("vmargs="))
     assert f"-Xmx{kserve_script.JVM_HEAP_MIB}m" in vmargs and f"-XX:MaxDirectMemorySize={64 + 4 * 9}m" in vmargs
     assert f"request bodies up to {limit} bytes" in r.stdout
+    # the gate's bound (pod/config.py), with its arithmetic: 64 + 2 x 9 + min(2, batchSize 4) x 9 <= 100
+    assert ("at most 2 request bodies of 1,000,000 bytes or more reach TorchServe at once (64 MiB pool + 2 x 9 MiB "
+            "bodies received + min(2, batchSize 4) x 9 MiB in the encoding of a batch = 100 MiB <= 100 MiB") in r.stdout
+    assert "29 of 100,000-999,999 bytes (29 + min(29, 4)) x 999,999 <= 32 MiB; 163 of 10,000-99,999" in r.stdout
+
+
+def test_the_large_bodies_at_once_follow_direct_memory_body_limit_and_batch_size():
+    from pod.config import PodConfigError, large_bodies, large_bodies_at_once, pool_tiers
+
+    assert large_bodies_at_once(100, 8912896, 4)[0] == 2
+    assert large_bodies_at_once(100, 8912896, 1)[0] == 3  # one body per batch: one encoding at a time
+    assert large_bodies_at_once(64 + 8 * 9, 8912896, 2)[0] == 6  # 64 + 6 x 9 + 2 x 9 = 136
+    assert large_bodies_at_once(80, 8912896, 4)[0] == 0
+    assert pool_tiers(4)[0] == ((100_000, 999_999, 29), (10_000, 99_999, 163))  # within the 64 MiB pool
+    props = {"max_request_size": "8912896", "vmargs": "-Xmx384m -XX:MaxDirectMemorySize=80m"}
+    with pytest.raises(PodConfigError, match="raise it to at least 82m"):
+        large_bodies(props)
+    with pytest.raises(PodConfigError, match="MaxDirectMemorySize=NNNm"):
+        large_bodies({"max_request_size": "8912896", "vmargs": "-Xmx384m"})
 
 
 def test_manifests_name_our_runtime_validate_and_follow_the_archive(cluster_layout, cluster_mar):

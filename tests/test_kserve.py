@@ -901,5 +901,6 @@ def test_the_probes_name_the_port_pod_status_serves_them_on(tmp_path):
     assert f"PROBE_PORT={kserve.PROBE_PORT}" in dockerfile and _re.search(rf"EXPOSE .*\b{kserve.PROBE_PORT}\b", dockerfile)
     store = Path(kserve.ROOT) / "kserve" / "config.properties"
     props = store.read_text() + '\nmodel_snapshot={"models": {"m": {"1": {}}}}\n'
+    props = props.replace("\nvmargs=", "\nvmargs=-XX:MaxDirectMemorySize=400m ")  # a cap for its 128 MiB bodies
     (tmp_path / "config.properties").write_text(props)
     assert pod_config.load(str(tmp_path / "config.properties"), env={}).probe_port == kserve.PROBE_PORT

@@ -13,7 +13,8 @@ def _properties(tmp_path, models: dict, extra: str = ""):
     head = "\n".join(f"{k}_address=http://127.0.0.1:{port}"
                      for k, port in (("inference", 1), ("management", 2), ("metrics", 3)))
     snap = {"models": {name: {"1.0": entry} for name, entry in models.items()}}
-    path.write_text(f"{head}\n{extra}model_snapshot={json.dumps(snap)}\n")
+    caps = "vmargs=-Xmx384m -XX:MaxDirectMemorySize=100m\n"  # as cs-kserve writes them (pod.config needs the cap)
+    path.write_text(f"{head}\n{caps}{extra}model_snapshot={json.dumps(snap)}\n")
     return str(path)
 
 
