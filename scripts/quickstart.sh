@@ -20,9 +20,14 @@ mkdir -p "$STATE/tmp"
 # (its workers' socket paths must fit 107 bytes: from a deep checkout TorchServe keeps its /tmp)
 if [ $(( ${#STATE} + 20 )) -le 107 ]; then export TEMP="$STATE/tmp"; fi
 fresh_temp() { rm -rf "$STATE/tmp/models"; }
+# `torchserve --stop` also deletes key_file.json in the directory it runs in (TorchServe 0.12,
+# ts/model_server.py): run from $STATE it deletes nobody's; the quickstart's own server (the default
+# state) wrote its keys here, in the repository root, and only those go with it. (From the root,
+# a stop with another QUICKSTART_STATE, as the test suite's, deleted a running quickstart's keys.)
 stop_ours() {
   if [ -x .venv/bin/torchserve ] && [ -f "$STATE/tmp/.model_server.pid" ]; then
-    TMPDIR="$STATE/tmp" .venv/bin/torchserve --stop && sleep 2
+    (cd "$STATE" && TMPDIR="$STATE/tmp" "$OLDPWD/.venv/bin/torchserve" --stop) && sleep 2
+    if [ "$STATE" = "$PWD/logs/quickstart" ]; then rm -f key_file.json; fi
   fi
   return 0
 }

@@ -168,7 +168,14 @@ def test_client_summary_names_classes_only_for_scores():
 
 @pytest.mark.server
 def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
+    """... and the keys of the checkout's own quickstart server: TorchServe's --stop deletes the
+    key_file.json of the directory it runs in, and the suite's stop of a server of its own (another
+    QUICKSTART_STATE) deleted a running quickstart's keys in the repository root."""
     (tmp_path / "store").mkdir()
+    keys = ROOT / "key_file.json"
+    sentinel = not keys.exists()  # stands for a quickstart server's keys; a real one is left as it is
+    if sentinel:
+        keys.write_text('{"inference": {"key": "sentinel"}}')
     ours = LocalTorchServe(tmp_path / "ours", tmp_path / "store", {})
     other = LocalTorchServe(tmp_path / "other", tmp_path / "store", {})
     try:
@@ -181,6 +188,7 @@ def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
             time.sleep(0.5)
         assert ours.proc.poll() is not None, "the quickstart's server is still running"
         assert other.proc.poll() is None, "the quickstart stopped a TorchServe it did not start"
+        assert keys.exists(), "stopping the suite's server deleted the checkout's key_file.json"
         # and with no server of its own, --stop stops nothing
         r = subprocess.run(["bash", "scripts/quickstart.sh", "--stop"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120, env={**os.environ, "QUICKSTART_STATE": str(tmp_path / "none")})
@@ -190,6 +198,8 @@ def test_quickstart_stop_leaves_another_torchserve_running(tmp_path):
     finally:
         ours.stop()
         other.stop()
+        if sentinel:
+            keys.unlink(missing_ok=True)
 
 
 @pytest.mark.server
