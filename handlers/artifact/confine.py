@@ -34,14 +34,19 @@ class Confined(NamedTuple):
     why_not: str = ""
 
 
+def visible_ids(visible: Optional[str]) -> Optional[list]:
+    """CUDA_VISIBLE_DEVICES's entries (indices or UUIDs), or None where it is not set."""
+    return None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
+
+
 def host_entry(gpu_id: int, visible: Optional[str], count: int) -> Optional[str]:
     """The CUDA_VISIBLE_DEVICES entry of TorchServe's `gpu_id`, read as device.py's
     _logical_index reads it: the gpu_id-th visible GPU, else the visible entry equal to it (a
     deviceIds naming host GPUs); with no CUDA_VISIBLE_DEVICES the id itself. None where it names
     no GPU here (count: the GPUs visible, -1 when unknown)."""
-    if visible is None:
+    ids = visible_ids(visible)
+    if ids is None:
         return str(gpu_id) if count < 0 or 0 <= gpu_id < count else None
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
     if 0 <= gpu_id < len(ids):
         return ids[gpu_id]
     return str(gpu_id) if str(gpu_id) in ids else None
@@ -101,7 +106,7 @@ def child_env(env: dict, kind: str, index: Optional[int]) -> tuple:
     that GPU alone (as cuda:0). In a confined worker that is the same single GPU."""
     if kind != "cuda" or index is None:
         return env, index
-    ids = [v.strip() for v in env[VAR].split(",") if v.strip()] if env.get(VAR) is not None else None
+    ids = visible_ids(env.get(VAR))
     entry = str(index) if ids is None else (ids[index] if index < len(ids) else None)
     if entry is None:  # the parent's own placement would have failed first
         return env, index

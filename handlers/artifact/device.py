@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from handlers.artifact.confine import visible_ids
 from handlers.errors import IncompatibleArtifact
 
 
@@ -44,7 +45,7 @@ def _logical_index(gpu_id: int, device_count: int, visible: Optional[str]) -> in
     if 0 <= gpu_id < device_count:
         return gpu_id
     if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        ids = visible_ids(visible)
         if str(gpu_id) in ids and ids.index(str(gpu_id)) < device_count:
             return ids.index(str(gpu_id))
     raise IncompatibleArtifact(
