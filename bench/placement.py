@@ -30,6 +30,7 @@ from pathlib import Path
 import requests
 import torch
 
+from bench.bench_shared import holders as holders_of, smi
 from bench.results_meta import header, page_head, write_pages
 from compiled_serving.local_server import LocalTorchServe, ROOT, server_env
 
@@ -167,24 +168,13 @@ def ask_decoder(ts, name: str, ref: list, n: int = 8) -> dict:
             "different": [g for g in got if g != ref][:3]}
 
 
-def smi(query: str) -> list:
-    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
-                         text=True, timeout=30).stdout
-    return [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-
-
 def gpu_processes() -> dict:
     """{pid: {GPU index: MiB}} of every process holding GPU memory (nvidia-smi)."""
-    index = {uuid: int(i) for i, uuid in smi("--query-gpu=index,uuid")}
+    index = {uuid: int(i) for i, uuid in smi(["--query-gpu=index,uuid"])}
     out: dict = {}
-    for pid, uuid, mib in smi("--query-compute-apps=pid,gpu_uuid,used_memory"):
+    for pid, uuid, mib in smi(["--query-compute-apps=pid,gpu_uuid,used_memory"]):
         out.setdefault(int(pid), {})[index.get(uuid, -1)] = int(mib) if mib.isdigit() else -1
     return out
-
-
-def holder_pids(ts) -> list:
-    out = subprocess.run(["pgrep", "-af", "handlers.weights.holder"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if str(ts.workdir / "tmp") in line]
 
 
 def placement_of(ts, name: str, on_gpu: dict) -> dict:
@@ -230,7 +220,7 @@ def serve_and_check(cases: dict, store: Path, work: Path, timeout: float) -> tup
             ask = ask_stateless if c["model"] == "stateless" else ask_decoder
             c.update(ask(ts, n, refs[c["model"]]))
             c.update(placement_of(ts, n, on_gpu))
-        holders = {pid: on_gpu.get(pid, {}) for pid in holder_pids(ts)}
+        holders = {pid: on_gpu.get(pid, {}) for pid in holders_of(ts.workdir)}
         # this process made the decoders' eager reference on the first GPU
         return holders, sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])}
                                - set(holders) - {os.getpid()})
