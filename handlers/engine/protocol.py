@@ -1,7 +1,7 @@
 """The engine's protocol: typed messages between a CPU worker and the GPU engine (issue 64).
 
 Control only crosses the socket. Tensor bytes live in the worker's shared-memory arena
-(engine/arena.py); a message names a tensor by `TensorRef` (name, dtype, shape, offset in the
+(handlers/engine/arena.py); a message names a tensor by `TensorRef` (name, dtype, shape, offset in the
 arena, nbytes), never by its bytes.
 
 The conversation, one Unix stream socket per worker:

@@ -1,11 +1,11 @@
-"""The engine process: `python -m engine.serve SOCKET --factory MODULE:FUNCTION [--max-rows N]`.
+"""The engine process: `python -m handlers.engine.serve SOCKET --factory MODULE:FUNCTION [--max-rows N]`.
 
-FUNCTION() returns the runner the engine runs (engine/model.py's module_runner for a plain
+FUNCTION() returns the runner the engine runs (handlers/engine/model.py's module_runner for a plain
 module; step 2: the runner built from the artifact on the engine's GPU). The process listens on
 SOCKET (a Unix stream socket, mode 0600: only this user's workers connect), takes each worker's
 Hello with its arena's descriptor, answers Ready, and reads that worker's messages on a thread
 of its own; the engine's loop runs on the main thread. SIGTERM or SIGINT stops it; a worker
-whose socket closes (it exited or was killed) is disconnected (engine/core.py Engine.disconnect)
+whose socket closes (it exited or was killed) is disconnected (handlers/engine/core.py Engine.disconnect)
 and the others go on.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import signal
 import socket
 import threading
 
-from engine import protocol as p
-from engine.arena import Arena
-from engine.core import Engine, Session
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
+from handlers.engine.core import Engine, Session
 from handlers.errors import ProtocolError
 
 logger = logging.getLogger("engine.serve")
@@ -107,7 +107,7 @@ def accept_forever(engine: Engine, listener: socket.socket) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m handlers.engine.serve", description=__doc__.splitlines()[0])
     ap.add_argument("socket")
     ap.add_argument("--factory", required=True, help="MODULE:FUNCTION returning the runner")
     ap.add_argument("--max-rows", type=int, default=None, help="rows per call at most (default: the spec's batch_max)")

@@ -2,8 +2,8 @@
 
 Two clients with one API (`Client`): `InProcessEngine` calls an `engine.core.Engine` of this
 process directly (unit tests: no sockets, no second process), `EngineClient` talks to an engine
-process (`python -m engine.serve`) over its Unix socket. Both write inputs once into the
-worker's arena (engine/arena.py) and send offsets; a Result's outputs are views of the arena
+process (`python -m handlers.engine.serve`) over its Unix socket. Both write inputs once into the
+worker's arena (handlers/engine/arena.py) and send offsets; a Result's outputs are views of the arena
 until `Reply.release()`.
 
 Every wait has a deadline. A request past it is aborted (the engine answers it 499 later, and
@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine import protocol as p
-from engine.arena import Arena
-from engine.core import Engine, Session
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
+from handlers.engine.core import Engine, Session
 from handlers import errors
 from handlers.faults import OutOfDeviceMemory
 

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from engine.protocol import TensorRef
+from handlers.engine.protocol import TensorRef
 from handlers.dtypes import dtype_name, torch_dtype
 from handlers.errors import ArenaFull
 

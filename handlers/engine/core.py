@@ -12,7 +12,7 @@ leaves the device unusable (handlers/faults.is_sticky) ends the engine: every wo
 EngineDead.
 
 Threads: `on_message` and `connect`/`disconnect` are called from any thread (the socket
-readers of engine/serve.py, or the worker's own thread in-process); the loop (`step`,
+readers of handlers/engine/serve.py, or the worker's own thread in-process); the loop (`step`,
 `serve_forever`) runs on one thread, the only one that calls the model. `Session.reply` is
 called from both, and must be thread-safe (protocol.Connection.send is).
 """
@@ -24,8 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from engine import protocol as p
-from engine.arena import Arena
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
 from handlers.errors import EngineUnavailable, RequestError, ServingError
 from handlers.faults import OutOfDeviceMemory, client_fault, is_oom, is_sticky, plain_message
 
@@ -80,7 +80,7 @@ class Engine:
     def disconnect(self, session: Session) -> None:
         """The worker is gone (its socket closed, or it closed in-process): its queued jobs are
         dropped, its held Results freed and its arena unmapped (a running job's views keep the
-        mapping until the call ends: engine/arena.py Arena.close)."""
+        mapping until the call ends: handlers/engine/arena.py Arena.close)."""
         with self.cv:
             self.sessions.discard(session)
             mine = [j for j in self.queue if j.session is session]
@@ -273,7 +273,7 @@ def _failed(job_id: int, e: ServingError) -> p.Failed:
 
 def start(engine: Engine) -> tuple:
     """The engine's loop on a daemon thread: (thread, stop event). Tests' and the in-process
-    engine's way to run it; engine/serve.py runs it on its main thread."""
+    engine's way to run it; handlers/engine/serve.py runs it on its main thread."""
     stop = threading.Event()
     thread = threading.Thread(target=engine.serve_forever, args=(stop,), name=f"{engine.name}-loop", daemon=True)
     thread.start()
