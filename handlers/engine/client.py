@@ -69,6 +69,7 @@ class Client:
         self._pending = {}
         self._lock = threading.Lock()
         self.dead: Optional[str] = None
+        self.on_dead = None  # called once, with the reason, when the engine is found gone
 
     def _send(self, msg: p.Message) -> None:
         raise NotImplementedError
@@ -172,12 +173,15 @@ class Client:
     def engine_dead(self, reason: str) -> None:
         """Every request in flight fails with EngineDead (nobody reads their inputs any more)."""
         with self._lock:
+            first = self.dead is None
             self.dead = self.dead or reason
             for job_id, pending in list(self._pending.items()):
                 if not pending.done.is_set():
                     self._settle(pending, errors.EngineDead(f"the engine is gone: {reason}"))
                 if pending.abandoned:
                     del self._pending[job_id]
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
 
     def in_flight(self) -> int:
         """Requests sent and not yet answered."""

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from handlers.engine import protocol as p
 from handlers.engine.arena import Arena
 from handlers.errors import EngineUnavailable, RequestError, ServingError
@@ -188,7 +190,10 @@ class Engine:
         """One call for all the jobs; after a failure, one call per job (retry) so only the
         job that fails alone is answered Failed."""
         try:
-            outs = self.runner.run([j.inputs for j in jobs])
+            # as a worker runs its model (handlers/pipeline.py): the warm-up made the runner's
+            # buffers inference tensors, which only inference mode may write in place
+            with torch.inference_mode():
+                outs = self.runner.run([j.inputs for j in jobs])
         except Exception as e:  # noqa: BLE001 - every failure is answered, typed
             if is_sticky(e):
                 self.die(f"a device fault that poisons the process: {plain_message(str(e))}", jobs)

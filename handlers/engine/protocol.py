@@ -81,6 +81,8 @@ class Ready(_Msg, tag="ready"):
     pid: int
     max_rows: int  # rows the engine runs in one call at most
     protocol: int = VERSION
+    variant: str = ""  # the variant directory the engine loaded (its artifact.json is the worker's spec)
+    describe: str = ""  # what the engine loaded and how, for the worker's load line
 
 
 class Infer(_Msg, tag="infer"):
