@@ -18,6 +18,7 @@ import torch
 
 from handlers import process
 from handlers.admission import Limits
+from handlers.batch import PadPlan
 from handlers.artifact.decoder import of as decoder_of
 from handlers.artifact.metadata import find_variants, read_spec
 from handlers.config import HandlerConfig
@@ -61,7 +62,8 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
                                 gpu, engine_gpu, name)
     client = connect()
     spec = read_spec(client.ready.variant)
-    runner = EngineRunner(client, spec, connect)
+    # the engine's runner pads no more (handlers/engine/artifact.py): the same plan, from the same settings
+    runner = EngineRunner(client, spec, connect, PadPlan.of(spec, config.pad or None, config.pad_buckets))
     steps.note("engine", f"engine pid {client.ready.pid}: {client.ready.describe}")
     steps.done("load")
     return Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=None, runner=runner,

@@ -113,6 +113,19 @@ class Arena:
             view.copy_(tensor)
         return ref
 
+    def put_rows(self, name: str, parts: list) -> TensorRef:
+        """Copies the row blocks `parts` (tensors of one dtype and one shape after the first
+        dimension) into one new block, one after the other: several requests sent as one."""
+        first = parts[0]
+        ref, view = self.alloc(name, first.dtype, (sum(t.shape[0] for t in parts),) + tuple(first.shape[1:]))
+        at = 0
+        for t in parts:
+            n = t.shape[0]
+            if t.numel():
+                view[at:at + n].copy_(t)
+            at += n
+        return ref
+
     def alloc(self, name: str, dtype: torch.dtype, shape: tuple) -> tuple:
         """(ref, writable tensor view) of a new block for a tensor of this dtype and shape."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

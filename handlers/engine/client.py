@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from handlers.engine import protocol as p
 from handlers.engine.arena import Arena
 from handlers.engine.core import Engine, Session
@@ -82,13 +84,14 @@ class Client:
             pass
 
     def submit(self, inputs: dict) -> int:
-        """Writes `inputs` ({name: tensor}) into the arena and sends the Infer; returns its id.
-        ArenaFull (503) where the arena has no room now; EngineDead where the engine is gone."""
+        """Writes `inputs` ({name: tensor, or a list of row blocks sent as one tensor}) into the
+        arena and sends the Infer; returns its id. ArenaFull (503) where the arena has no room
+        now; EngineDead where the engine is gone."""
         self._check_alive()
         refs = []
         try:
             for name, t in inputs.items():
-                refs.append(self.arena.put(name, t))
+                refs.append(self.arena.put(name, t) if isinstance(t, torch.Tensor) else self.arena.put_rows(name, t))
         except BaseException:
             for ref in refs:
                 self.arena.release(ref)
@@ -220,6 +223,7 @@ class InProcessEngine(Client):
         self.engine.on_message(self.session, msg)
 
     def close(self) -> None:
+        self.on_dead = None  # closed on purpose: nobody is to reconnect
         self.engine.disconnect(self.session)
         self.engine_dead("the client closed")
         self.arena.close()
@@ -280,6 +284,7 @@ class EngineClient(Client):
         self.conn.send(msg)
 
     def close(self) -> None:
+        self.on_dead = None  # closed on purpose: nobody is to reconnect
         self.conn.close()
         self._reader.join(5.0)
         self.engine_dead("the client closed")
