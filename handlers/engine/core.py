@@ -96,6 +96,8 @@ class Engine:
 
     def on_message(self, session: Session, msg: p.Message) -> None:
         if isinstance(msg, p.Infer):
+            for done in msg.release:
+                self._release(session, done)
             self.submit(session, msg)
         elif isinstance(msg, p.Release):
             self._release(session, msg.id)

@@ -91,7 +91,7 @@ class EngineRunner(Runner):
     def _release(self) -> None:
         held, self._held = self._held, []
         for reply in held:
-            reply.release()
+            reply.release(defer=True)  # told with the next Infer
         while self._retired:  # no reply views their arenas any more
             self._retired.pop().close()
 
