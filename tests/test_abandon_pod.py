@@ -124,3 +124,20 @@ def test_a_cancelled_model_stream_stops_its_generation(pod):
           f"call {ttft:.2f} s")
     # today's code ran the rest of it first: about `whole` less its first token (0.94 s of 1.93 s)
     assert ttft < whole / 4, f"the next client waited {ttft:.2f} s (one generation alone: {whole:.2f} s)"
+
+
+@pytest.mark.server
+def test_a_client_can_neither_name_its_generation_nor_ask_for_describe(pod):
+    """The key a worker reads is nginx's own: a client's X-Pod-Request-Id naming a marked key is
+    replaced (else this request would be stopped before it starts, 499); a client's `describe`
+    header is cleared (else TorchServe's describe call answers instead of the generation); and
+    X-Generate-Route comes from the path, never the client."""
+    from handlers.generation import abandon
+
+    key = "ab" * 16
+    assert abandon.mark(str(pod.root / "run" / "aborts"), key)
+    r = requests.post(f"{pod.base}/v2/models/one/generate", data=body(4), timeout=120,
+                      headers={"X-Pod-Request-Id": key, "describe": "True", "X-Generate-Route": "predictions",
+                               "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["model_name"] == "one" and len(r.json()["output_ids"]) == 4, r.text
