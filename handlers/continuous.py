@@ -33,6 +33,7 @@ from handlers import wire
 from handlers.errors import ServingError
 from handlers.generation import engine as engines
 from handlers.generation import loop
+from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
 from handlers.generation.request import parse
 from handlers.torchserve import headers as ts_headers
@@ -78,7 +79,7 @@ class Continuous:
     def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note
         self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken,
-                                     self.config.queue_timeout_s).start()
+                                     self.config.queue_timeout_s, Marks.from_env()).start()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "
@@ -107,7 +108,7 @@ class Continuous:
                 dec = self.runner.dec
                 plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
                 c.streaming = c.route.streams(req.params.stream)
-                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c))
+                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c, key=key_of(h.request_key)))
             except Exception as e:  # noqa: BLE001  (a raise here would fail every request the async frontend holds)
                 if not isinstance(e, ServingError):
                     logger.exception("request %s could not be queued", rid)

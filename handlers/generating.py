@@ -6,7 +6,8 @@ intermediate responses, handlers/torchserve/replies.py) and its last answer retu
 
 A fault after the first token ends that stream with an error object (its status line has gone
 out); a sticky device fault also breaks the worker (handlers/faults.py), anything else leaves it
-serving the next request.
+serving the next request. A request whose client went (the pod's mark, generation/abandon.py) is
+not started, or is stopped at its next token, and answered ClientGone: the worker takes the next.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 from handlers import faults, wire
 from handlers.errors import ServingError
 from handlers.generation import loop
+from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
 from handlers.generation.request import parse
 from handlers.wire.base import Encoded, Failed
@@ -30,6 +32,7 @@ class Generation:
     def __init__(self, runner, text, config, max_body_bytes: int):
         self.runner, self.text, self.config = runner, text, config
         self.max_body_bytes = max_body_bytes
+        self.marks = Marks.from_env()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; {self.runner.graph_note}; "
@@ -63,9 +66,17 @@ def _one(worker, request, h, route: Route, send) -> object:
     except ServingError as e:
         return _failed(e)
     streaming = route.streams(req.params.stream) and send is not None
+    key = key_of(h.request_key)
+    if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
+        return _failed(gen.marks.error("before its generation started"))
     sent, t0 = 0, time.perf_counter()
+    events = loop.generate(gen.runner, req, plan, gen.text)
     try:
-        for event in loop.generate(gen.runner, req, plan, gen.text):
+        for event in events:
+            if gen.marks.is_gone(key):  # one stat per token
+                err = gen.marks.error(f"after {sent} streamed tokens")
+                logger.info("request %s: %s", key, err.message)
+                return _failed(err) if sent == 0 else Encoded(route.error_event(err), route.media_type(), {})
             if isinstance(event, loop.Finished):
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
                 return Encoded(route.final(event, streaming), route.media_type(streaming), {})
@@ -80,4 +91,6 @@ def _one(worker, request, h, route: Route, send) -> object:
         if sent == 0:
             return _failed(err)
         return Encoded(route.error_event(err), route.media_type(), {})
+    finally:
+        events.close()  # a stopped generation leaves its inference mode and stream context now
     raise AssertionError("generation ended without its Finished event")

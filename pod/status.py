@@ -20,6 +20,8 @@ GET /v2/health/live and /v2/health/ready only: a flood of connections on the pub
 half-sent headers exhaust nginx's worker_connections, shared by all its ports) must not fail the
 liveness probe and have the kubelet restart a pod that serves. A connection here that has not sent
 its request within PROBE_HEADER_TIMEOUT_S is closed.
+
+A thread of this process is the listener of abandoned generations (pod/aborts.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from handlers import protowire
+from pod import aborts
 from pod import config as pod_config
 from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, lost_models, server_problem, unservable
 
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     for name, err in status.poller.io_error.items():
         print(f"pod.status: model {name} cannot be served: {err}", flush=True)
     threading.Thread(target=poll_forever, args=(status,), name="pod-status-poll", daemon=True).start()
+    aborts.start(cfg)  # nginx's abandoned generations become the workers' marks (pod/aborts.py)
     probes = probe_server(cfg.probe_port, handler_class(status, probes_only=True))
     threading.Thread(target=probes.serve_forever, name="pod-status-probes", daemon=True).start()
     server = ThreadingHTTPServer(("127.0.0.1", cfg.status_port), handler_class(status))

@@ -30,6 +30,7 @@ import numpy as np
 
 from handlers import protowire
 from handlers.errors import RequestError
+from handlers.generation import abandon
 from handlers.oip_request import Input, parse_input, parse_request
 
 
@@ -148,13 +149,15 @@ def error(message: str) -> bytes:
     return protowire.encode_string(1, message)
 
 
-async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float):
+async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float, key: str = ""):
     """POST `body` to TorchServe and yield (status, line) for each JSON line of its answer as it
-    arrives (a chunked answer), or once (status, whole body) for an answer with a Content-Length."""
+    arrives (a chunked answer), or once (status, whole body) for an answer with a Content-Length.
+    `key`: the generation's name to the worker (handlers/generation/abandon.HEADER)."""
     reader, writer = await asyncio.open_connection(host, port)
+    named = f"{abandon.HEADER}: {key}\r\n" if key else ""
     try:
         writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body)
+                      f"{named}Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body)
         async with asyncio.timeout(timeout_s):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
             status = int(head[0].split(" ", 2)[1])
