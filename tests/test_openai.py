@@ -1,0 +1,223 @@
+"""OpenAI's API on decoder archives (handlers/generation/openai.py, chat.py): the chat template
+rendered as transformers renders it, the wire's refusals in OpenAI's error shape, and through real
+TorchServe with the official `openai` client, on both decoder forms (a transformers Llama exported
+with its static cache, one sequence per worker; and the slot form, continuous batching): greedy
+completions and chats, streamed and not, equal to the /predictions answer for the same prompt
+ids; usage, finish reasons, stop strings, seeds, v1/models, and errors with their status."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import requests
+import torch
+from conftest import build_mar
+from test_continuous import archive
+
+from examples import slot_decoder, transformers_decoder
+from examples.tiny_decoder import Config
+from handlers.errors import ModelNotFound, RequestError
+from handlers.generation.chat import ChatTemplate
+from handlers.generation.openai import OpenAIRoute, error_body
+from handlers.generation.text import Text
+
+# Qwen2-Instruct's own chat template (its tokenizer_config.json): ChatML with a default system turn
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Llama 2's (bos_token, raise_exception, a system turn folded into the first user turn)
+LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+          "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+          "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if loop.index0 == 0 and system_message != false %}"
+          "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+          "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+          "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+          "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+SPECIAL = ("</s>", "<|im_start|>", "<|im_end|>")
+CHAT = [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"},
+        {"role": "user", "content": [{"type": "text", "text": "over the "}, {"type": "text", "text": "lazy dog"}]}]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    transformers_decoder.tiny_tokenizer(special_tokens=SPECIAL).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>",
+                                                         "bos_token": None}))
+    return d
+
+
+def test_chat_templates_render_as_transformers_renders_them(tok_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    text = Text.in_dir(str(tok_dir))
+    system = [{"role": "system", "content": "be brief"}, *CHAT]
+    for template in (CHATML, LLAMA2):
+        ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}})
+        hf = PreTrainedTokenizerFast(tokenizer_object=text.tokenizer, bos_token="<s>", eos_token="</s>",
+                                     chat_template=template)
+        for messages in (CHAT, system):
+            plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else "over the lazy dog"}
+                     for m in messages]
+            want = hf.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+            assert ours.render(plain) == want, template[:30]
+    with pytest.raises(RequestError) as e:  # the template's own raise_exception: the client's 400
+        ChatTemplate(LLAMA2, {}).render([{"role": "assistant", "content": "x"}])
+    assert "roles must alternate" in e.value.message and e.value.status == 400
+    assert text.chat is not None and text.chat.render(CHAT[:1]).endswith("<|im_start|>assistant\n")
+
+
+def parsed(path, body, text=None):
+    route = OpenAIRoute(path, "lm", "1.0")
+    return route, route.parse({"body": json.dumps(body).encode()}, "application/json", 1 << 20, text)
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("v1/completions", {"model": "lm", "prompt": "x", "n": 2}, "n", "n 2 is not supported"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "logprobs": 3}, "logprobs", "logprobs 3 is not supported"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "echo": True}, "echo", "echo true is not supported"),
+    ("v1/chat/completions", {"model": "lm", "messages": CHAT, "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
+    ("v1/completions", {"model": "lm", "prompt": ["a", "b"]}, "prompt", "prompt holds 2 prompts"),
+    ("v1/completions", {"model": "lm", "prompt": ""}, "prompt", "expected a non-empty string"),
+    ("v1/completions", {"prompt": "x"}, "model", "model is required"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "only taken with stream true"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "temperature": -1}, "temperature", "temperature is -1.0"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "stop": 5}, "stop", "stop is 5"),
+    ("v1/chat/completions", {"model": "lm", "messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens is 0"),
+    ("v1/chat/completions", {"model": "lm", "messages": []}, "messages", "non-empty list"),
+    ("v1/chat/completions", {"model": "lm", "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages", "messages[0].tool_calls is not supported"),
+    ("v1/chat/completions", {"model": "lm", "messages": CHAT}, "messages", "has no chat template"),
+])
+def test_bad_openai_requests_are_400s_naming_the_parameter_in_openais_error_shape(path, body, param, words):
+    with pytest.raises(RequestError) as e:
+        parsed(path, body, SimpleNamespace(chat=None))
+    err = error_body(e.value)["error"]
+    assert e.value.status == 400 and words in err["message"] and err["param"] == param, err
+    assert err["type"] == "invalid_request_error" and set(err) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_body_maps_onto_the_generation_request():
+    route, req = parsed("v1/completions", {"model": "lm", "prompt": [[5, 6, 7]], "stop": "ab", "seed": 3,
+                                           "stream": True, "stream_options": {"include_usage": True}})
+    assert req.ids == [5, 6, 7] and req.params.stop == ("ab",) and req.params.seed == 3
+    assert req.params.temperature == 1.0 and req.params.max_tokens == 16 and route.stream and route.usage
+    _, req = parsed("v1/chat/completions", {"model": "lm", "messages": CHAT[:1], "max_tokens": 9,
+                                            "max_completion_tokens": 4, "temperature": 0},
+                    SimpleNamespace(chat=ChatTemplate(CHATML, {})))
+    assert req.params.max_tokens == 4 and req.params.temperature == 0 and not req.special_tokens
+    assert req.text == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" \
+                       "the quick brown fox<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ModelNotFound) as e:
+        parsed("v1/completions", {"model": "other", "prompt": "x"})
+    assert error_body(e.value)["error"]["code"] == "model_not_found" and e.value.status == 404
+
+
+# --- through real TorchServe -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def oa_server(tok_dir, serve, tmp_path_factory):
+    """One server: `lm_one`, a transformers Llama (one sequence per worker), and `lm_slots`, the
+    slot form (continuous batching), both with the ChatML tokenizer and template."""
+    d = tmp_path_factory.mktemp("oa")
+    store = d / "store"
+    one, slots = d / "one.pt2", d / "slots.pt2"
+    torch.export.save(transformers_decoder.export(transformers_decoder.tiny_llama(), max_cache=128), one)
+    torch.export.save(slot_decoder.export(slot_decoder.build(Config(vocab_size=300, max_seq_length=128), slots=8)),
+                      slots)
+    tok = str(tok_dir / "tokenizer.json")
+    build_mar(one, "lm_one", store, "--tokenizer", tok)
+    r = archive(slots, "lm_slots", store, "--tokenizer", tok)
+    assert "chat template: from" in r.stdout, r.stdout
+    ts = serve({"lm_one": store / "lm_one.mar", "lm_slots": store / "lm_slots.mar"})
+    return SimpleNamespace(ts=ts, text=Text.in_dir(str(tok_dir)))
+
+
+def client(oa, model):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{oa.ts.base}/predictions/{model}/1.0/v1", api_key=oa.ts.keys["inference"]["key"],
+                  max_retries=0, timeout=120)
+
+
+def predictions(oa, model, ids, n):
+    """The /predictions answer (its last line) for prompt ids, greedy, n tokens."""
+    r = requests.post(f"{oa.ts.base}/predictions/{model}", json={"input_ids": ids, "parameters": {
+        "max_tokens": n, "ignore_eos": True, "stream": False}}, headers=oa.ts.auth(), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+MODELS = ("lm_one", "lm_slots")
+PROMPT = "the quick brown fox"
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+def test_completions_streamed_and_not_equal_the_predictions_answer(oa_server, model):
+    c = client(oa_server, model)
+    want = predictions(oa_server, model, oa_server.text.encode(PROMPT), 12)
+    got = c.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    assert got.object == "text_completion" and got.id.startswith("cmpl-") and got.model == model and got.created > 0
+    assert got.choices[0].text == want["text_output"] and got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        want["prompt_tokens"], 12, want["prompt_tokens"] + 12)
+    chunks = list(c.completions.create(model=model, prompt=PROMPT, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY))
+    *tokens, last, usage = chunks
+    assert len(tokens) == 12 and all(ch.id == chunks[0].id and ch.choices[0].finish_reason is None for ch in tokens)
+    assert "".join(ch.choices[0].text for ch in tokens) == want["text_output"]
+    assert last.choices[0].finish_reason == "length" and usage.choices == [] and usage.usage.completion_tokens == 12
+    ids = c.completions.create(model=model, prompt=[5, 17, 33], **GREEDY)  # a prompt of token ids
+    assert ids.choices[0].text == predictions(oa_server, model, [5, 17, 33], 12)["text_output"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+def test_chat_streamed_and_not_equals_the_predictions_answer_for_the_templates_ids(oa_server, model):
+    c = client(oa_server, model)
+    ids = oa_server.text.encode(oa_server.text.chat.render(
+        [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "over the lazy dog"}
+         for m in CHAT]), add_special_tokens=False)
+    want = predictions(oa_server, model, ids, 10)
+    args = dict(model=model, messages=CHAT, temperature=0, max_completion_tokens=10, extra_body={"ignore_eos": True})
+    got = c.chat.completions.create(**args)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want["text_output"]
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 10
+    chunks = list(c.chat.completions.create(stream=True, **args))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want["text_output"]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model", MODELS)
+def test_stop_seed_models_and_errors_through_the_client(oa_server, model):
+    import openai
+
+    c = client(oa_server, model)
+    whole = c.completions.create(model=model, prompt=PROMPT, **GREEDY).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    cut = c.completions.create(model=model, prompt=PROMPT, stop=[stop], **GREEDY).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == whole[:whole.index(stop)], (whole, stop)
+    seeded = [c.completions.create(model=model, prompt=PROMPT, temperature=1.0, seed=7, max_tokens=12).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    assert [m.id for m in c.models.list()] == [model]
+    for call, status, param in ((lambda: c.completions.create(model=model, prompt=PROMPT, n=2), 400, "n"),
+                                (lambda: c.completions.create(model=model, prompt=PROMPT, max_tokens=500), 400,
+                                 "max_tokens"),
+                                (lambda: c.completions.create(model="nope", prompt=PROMPT), 404, None)):
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        assert e.value.status_code == status and e.value.body["param"] == param, e.value.body
+        assert set(e.value.body) == {"message", "type", "param", "code"}
+    assert c.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2  # serves on
