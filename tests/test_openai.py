@@ -36,6 +36,11 @@ LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messag
           "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
           "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
           "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}")
+# Zephyr's (HuggingFaceH4/zephyr-7b-beta): one tag a line, which only trim_blocks renders without blank lines
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+          "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}"
+          "\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+          "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 SPECIAL = ("</s>", "<|im_start|>", "<|im_end|>")
 CHAT = [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps"},
         {"role": "user", "content": [{"type": "text", "text": "over the "}, {"type": "text", "text": "lazy dog"}]}]
@@ -55,7 +60,7 @@ def test_chat_templates_render_as_transformers_renders_them(tok_dir):
 
     text = Text.in_dir(str(tok_dir))
     system = [{"role": "system", "content": "be brief"}, *CHAT]
-    for template in (CHATML, LLAMA2):
+    for template in (CHATML, LLAMA2, ZEPHYR):
         ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False}})
         hf = PreTrainedTokenizerFast(tokenizer_object=text.tokenizer, bos_token="<s>", eos_token="</s>",
                                      chat_template=template)
@@ -221,3 +226,35 @@ def test_stop_seed_models_and_errors_through_the_client(oa_server, model):
         assert e.value.status_code == status and e.value.body["param"] == param, e.value.body
         assert set(e.value.body) == {"message", "type", "param", "code"}
     assert c.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2  # serves on
+
+
+@pytest.mark.server
+def test_the_wire_server_sent_events_end_with_done_and_errors_keep_openais_shape(oa_server):
+    """What the client library reads leniently, checked on the raw HTTP: the stream's
+    Content-Type, `data: {...}` events, `data: [DONE]` last; a route the model does not serve,
+    a form body (400 today; issue 65 item 6 makes it 415) and a body that is no JSON each in OpenAI's error shape."""
+    ts, base = oa_server.ts, f"{oa_server.ts.base}/predictions/lm_slots/1.0/"
+    r = requests.post(base + "v1/chat/completions", json={"model": "lm_slots", "messages": CHAT[:1], "stream": True,
+                                                          "max_tokens": 4, "temperature": 0}, headers=ts.auth(),
+                      stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream"), r.text
+    events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith(b"data: ") for e in events) and events[-1] == b"data: [DONE]", events
+    assert [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * 4 + ["length"]
+    for path, kwargs, status in (("v1/embeddings", {"json": {"model": "lm_slots"}}, (404,)),
+                                 ("v1/completions", {"data": {"model": "lm_slots", "prompt": "x"}}, (400, 415)),
+                                 ("v1/completions", {"data": b"{", "headers": {"Content-Type": "application/json"}},
+                                  (400,))):
+        bad = requests.post(base + path, headers={**ts.auth(), **kwargs.pop("headers", {})}, timeout=60, **kwargs)
+        assert bad.status_code in status and set(bad.json()["error"]) == {"message", "type", "param", "code"}, bad.text
+    models = requests.get(base + "v1/models", headers=ts.auth(), timeout=60)
+    assert models.json() == {"object": "list", "data": [{"id": "lm_slots", "object": "model", "created": ANY_INT,
+                                                         "owned_by": "compiled-serving"}]}, models.text
+
+
+class _AnyInt:
+    def __eq__(self, other):
+        return isinstance(other, int) and other > 0
+
+
+ANY_INT = _AnyInt()
