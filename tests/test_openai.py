@@ -141,7 +141,7 @@ def oa_server(tok_dir, serve, tmp_path_factory):
     r = archive(slots, "lm_slots", store, "--tokenizer", tok)
     assert "chat template: from" in r.stdout, r.stdout
     ts = serve({"lm_one": store / "lm_one.mar", "lm_slots": store / "lm_slots.mar"})
-    return SimpleNamespace(ts=ts, text=Text.in_dir(str(tok_dir)))
+    return SimpleNamespace(ts=ts, text=Text.in_dir(str(tok_dir)), store=store)
 
 
 def client(oa, model):
@@ -250,6 +250,45 @@ def test_the_wire_server_sent_events_end_with_done_and_errors_keep_openais_shape
     models = requests.get(base + "v1/models", headers=ts.auth(), timeout=60)
     assert models.json() == {"object": "list", "data": [{"id": "lm_slots", "object": "model", "created": ANY_INT,
                                                          "owned_by": "compiled-serving"}]}, models.text
+
+
+@pytest.mark.server
+def test_the_pods_openai_routes_take_the_model_from_the_body(oa_server, tmp_path):
+    """The KServe pod with both archives: /openai/v1/... routed by the body's `model` (pod.status
+    looks it up, nginx sends the request on to TorchServe's versioned route): the same greedy
+    answers as /predictions, streamed and not; v1/models lists the decoders; a model the pod
+    lacks, a body without one, and the handler's own 400 each in OpenAI's error shape."""
+    import openai
+    from kserve_kit import Container, lay_out
+
+    laid = lay_out([oa_server.store / "lm_one.mar", oa_server.store / "lm_slots.mar"], tmp_path / "out")
+    assert laid.returncode == 0, laid.stdout + laid.stderr
+    pod = Container(tmp_path / "out" / "storage", tmp_path / "pod")
+    try:
+        pod.wait("ready")
+        c = openai.OpenAI(base_url=f"{pod.base}/openai/v1", api_key="unused", max_retries=0, timeout=120)
+        assert sorted(m.id for m in c.models.list()) == list(MODELS)
+        ids = oa_server.text.encode(oa_server.text.chat.render(CHAT[:1]), add_special_tokens=False)
+        for model in MODELS:
+            want = predictions(oa_server, model, oa_server.text.encode(PROMPT), 12)["text_output"]
+            assert c.completions.create(model=model, prompt=PROMPT, **GREEDY).choices[0].text == want
+            chunks = list(c.chat.completions.create(model=model, messages=CHAT[:1], stream=True, **GREEDY))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == \
+                predictions(oa_server, model, ids, 12)["text_output"]
+        r = requests.post(f"{pod.base}/openai/v1/completions", json={"model": "lm_slots", "prompt": PROMPT,
+                          "stream": True, "max_tokens": 3}, stream=True, timeout=60)
+        assert r.headers["Content-Type"].startswith("text/event-stream") and "Content-Length" not in r.headers
+        assert [line for line in r.iter_lines() if line][-1] == b"data: [DONE]"
+        for body, status, param in (({"model": "nope", "prompt": "x"}, 404, "model"), ({"prompt": "x"}, 400, "model"),
+                                    ({"model": "lm_one", "prompt": "x", "n": 3}, 400, "n")):
+            bad = requests.post(f"{pod.base}/openai/v1/completions", json=body, timeout=60)
+            assert bad.status_code == status and bad.json()["error"]["param"] == param, bad.text
+        assert requests.get(f"{pod.base}/openai/v1/models/nope", timeout=60).status_code == 404
+        # the internal location is no route from outside (nginx's 404 there becomes the server's 503 page)
+        hidden = requests.get(f"{pod.base}/_openai/predictions/lm_one/1.0/v1/models", timeout=60)
+        assert hidden.status_code in (404, 503) and "lm_one" not in hidden.text, hidden.text
+    finally:
+        pod.stop()
 
 
 class _AnyInt:
