@@ -83,6 +83,7 @@ def parsed(path, body, text=None):
 @pytest.mark.parametrize("path, body, param, words", [
     ("v1/completions", {"model": "lm", "prompt": "x", "n": 2}, "n", "n 2 is not supported"),
     ("v1/completions", {"model": "lm", "prompt": "x", "logprobs": 3}, "logprobs", "logprobs 3 is not supported"),
+    ("v1/completions", {"model": "lm", "prompt": "x", "logprobs": 0}, "logprobs", "logprobs 0 is not supported"),
     ("v1/completions", {"model": "lm", "prompt": "x", "echo": True}, "echo", "echo true is not supported"),
     ("v1/chat/completions", {"model": "lm", "messages": CHAT, "top_logprobs": 2}, "top_logprobs", "not supported"),
     ("v1/completions", {"model": "lm", "prompt": "x", "bogus": 1}, "bogus", "Unrecognized request argument"),
@@ -110,7 +111,8 @@ def test_bad_openai_requests_are_400s_naming_the_parameter_in_openais_error_shap
 
 def test_the_openai_body_maps_onto_the_generation_request():
     route, req = parsed("v1/completions", {"model": "lm", "prompt": [[5, 6, 7]], "stop": "ab", "seed": 3,
-                                           "stream": True, "stream_options": {"include_usage": True}})
+                                           "stream": True, "stream_options": {"include_usage": True},
+                                           "n": 1, "presence_penalty": 0.0, "logprobs": None, "echo": False})
     assert req.ids == [5, 6, 7] and req.params.stop == ("ab",) and req.params.seed == 3
     assert req.params.temperature == 1.0 and req.params.max_tokens == 16 and route.stream and route.usage
     _, req = parsed("v1/chat/completions", {"model": "lm", "messages": CHAT[:1], "max_tokens": 9,

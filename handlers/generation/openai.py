@@ -179,7 +179,7 @@ def error_body(err) -> dict:
 
 def _check_fields(body: dict, path: str) -> None:
     for name, fine in UNSUPPORTED.items():
-        if name in body and body[name] not in fine:
+        if name in body and not any(_same(body[name], v) for v in fine):
             raise BadParameter(f"{name} {json.dumps(body[name])} is not supported by this server (it takes "
                                f"{' or '.join(json.dumps(v) for v in fine if v is not None)})", name,
                                "unsupported_parameter")
@@ -191,6 +191,13 @@ def _check_fields(body: dict, path: str) -> None:
     if fmt is not None and fmt != {"type": "text"}:
         raise BadParameter(f"response_format {json.dumps(fmt)} is not supported: only {{\"type\": \"text\"}}",
                            "response_format", "unsupported_parameter")
+
+
+def _same(value, default) -> bool:
+    """`value` is `default`, a bool only a bool (0 == False in Python, but logprobs 0 on
+    completions asks for the sampled token's log probability, and n true is no count)."""
+    return value is default if default is None or isinstance(default, bool) or isinstance(value, bool) \
+        else value == default
 
 
 def _stream(body: dict) -> bool:
