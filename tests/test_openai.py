@@ -126,6 +126,33 @@ def test_the_openai_body_maps_onto_the_generation_request():
     assert error_body(e.value)["error"]["code"] == "model_not_found" and e.value.status == 404
 
 
+def test_the_pods_lookup_of_the_model_named_in_the_body(tmp_path):
+    """pod/openai_route.py: the redirect to the model's versioned TorchServe route, only for the
+    pod's decoders (an archive whose artifact.json records one), and OpenAI's errors otherwise."""
+    import zipfile
+
+    from pod.config import Model
+    from pod.openai_route import decoders, get, post
+
+    mars = {}
+    for name, extra in (("lm", {"state": {"decoder": {"vocab": 300}}}), ("cls", {})):
+        mars[name] = tmp_path / f"{name}.mar"
+        with zipfile.ZipFile(mars[name], "w") as z:
+            z.writestr("variants/00/artifact.json", json.dumps({"inputs": [], "outputs": [], "extra": extra}))
+    models = decoders([Model("lm", "2.0", str(mars["lm"])), Model("cls", "1.0", str(mars["cls"])),
+                       Model("gone", "1.0", str(tmp_path / "missing.mar"))])
+    assert models == {"lm": "2.0"}
+    assert post("/openai/v1/chat/completions", b'{"model": "lm", "messages": []}', models) == (
+        200, {"X-Accel-Redirect": "/_openai/predictions/lm/2.0/v1/chat/completions"}, None)
+    for body, status, param in ((b'{"model": "cls"}', 404, "model"), (b"[1]", 400, None), (b"{}", 400, "model"),
+                                (b'{"model": 5}', 400, "model"), (b"{", 400, None)):
+        code, headers, answer = post("/openai/v1/completions", body, models)
+        assert (code, answer["error"]["param"], headers) == (status, param, {}), answer
+    assert post("/openai/v1/embeddings", b'{"model": "lm"}', models)[0] == 404
+    assert get("/openai/v1/models", models)[1]["data"][0]["id"] == "lm"
+    assert get("/openai/v1/models/cls", models)[0] == 404 and get("/v1/models", models) is None
+
+
 # --- through real TorchServe -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
