@@ -15,12 +15,12 @@ import logging
 import time
 from typing import Callable, Optional
 
-from handlers import faults, wire
+from handlers import faults
 from handlers.errors import ServingError
 from handlers.generation import loop
 from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
-from handlers.generation.request import parse
+from handlers.generation.openai import route_for
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
@@ -45,26 +45,29 @@ def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
     refusal = worker.health.refusal()
     answers = []
     for idx, (request, h) in enumerate(zip(data, headers)):
-        route = Route(h.generate_route or "predictions", worker.name, worker.version)
+        route = route_for(h, worker.name, worker.version)
         if refusal is not None:
-            answers.append(_failed(refusal))
+            answers.append(_failed(refusal, route))
             continue
         answers.append(_one(worker, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
         refusal = worker.health.refusal()  # a sticky fault refuses the rest of the batch
     return answers
 
 
-def _failed(err: ServingError) -> Failed:
-    return Failed(err, wire.ERRORS.error(err, None, ""), None)
+def _failed(err: ServingError, route: Route) -> Failed:
+    return Failed(err, route.error(err), None)
 
 
 def _one(worker, request, h, route: Route, send) -> object:
     gen: Generation = worker.loaded.generation
     try:
-        req = parse(request, h.content_type, gen.max_body_bytes)
+        direct = route.direct()
+        if direct is not None:
+            return direct
+        req = route.parse(request, h.content_type, gen.max_body_bytes, gen.text)
         plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)
     except ServingError as e:
-        return _failed(e)
+        return _failed(e, route)
     streaming = route.streams(req.params.stream) and send is not None
     key = key_of(h.request_key)
     if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
@@ -89,7 +92,7 @@ def _one(worker, request, h, route: Route, send) -> object:
             worker.broken(f"generation: {type(e).__name__}: {e}")
         logger.exception("generation failed after %d streamed tokens", sent)
         if sent == 0:
-            return _failed(err)
+            return _failed(err, route)
         return Encoded(route.error_event(err), route.media_type(), {})
     finally:
         events.close()  # a stopped generation leaves its inference mode and stream context now
