@@ -31,6 +31,7 @@ from handlers import process
 from handlers.engine import protocol as p
 from handlers.engine.arena import Arena
 from handlers.engine.core import Engine, Session
+from handlers.engine.sampler import Sampler
 from handlers.errors import ProtocolError
 
 logger = logging.getLogger("engine.serve")
@@ -178,12 +179,15 @@ def main(argv=None) -> int:
     threading.Thread(target=watch_lifetime, args=(engine, stop, args.frontend, args.idle_exit_s), daemon=True).start()
     logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
     print(json.dumps({"pid": os.getpid()}), flush=True)
+    sampler = Sampler.from_env()  # CS_ENGINE_SAMPLE: where the threads' time goes (a benchmark's aid)
     try:
         engine.serve_forever(stop)
     finally:
         listener.close()
         if os.path.exists(args.socket):
             os.unlink(args.socket)
+        if sampler is not None:
+            sampler.write()
         tmp = os.environ.get("TMPDIR", "")
         if os.path.basename(tmp).startswith("cs-engine-"):  # its own (handlers/engine/link.py), never a worker's
             shutil.rmtree(tmp, ignore_errors=True)
