@@ -132,7 +132,7 @@ OPTIONS = (
     Option("stage_metrics_s", float, 1.0, "seconds between emissions of the stage timings (means); 0 "
            "emits after every batch", low=0),
     # A batch of eight 300 kB requests: 0.4609 against 0.7103 ms of worker CPU on the 2x H200 host
-    # (docs/results/frames_h200x2.md).
+    # (git show 0bd3d87:docs/results/frames_h200x2.md).
     Option("buffered_reader", bool, True, "read the frontend's messages with "
            "handlers/torchserve/frontend_frames.py instead of TorchServe's field-by-field reader"),
     Option("warmup", bool, True, "warm up at load: batch sizes, length buckets, then requests through "

@@ -7,7 +7,7 @@ received into a bytes object and then copied into a bytearray. That reading is o
 batch's critical path: the frontend sends a worker its next batch only after the answer to
 the last one. Measured with `python -m bench.bench_frames` (batches of 8 requests of 301,160
 bytes with 8 headers each): TorchServe's reader 0.7103 ms of CPU per batch on the 2x H200 host,
-this one 0.4609 ms (docs/results/frames_h200x2.md); on the CI CPU 0.93-1.45 against 0.40-0.51.
+this one 0.4609 ms (git show 0bd3d87:docs/results/frames_h200x2.md); on the CI CPU 0.93-1.45 against 0.40-0.51.
 
 This reader takes the same frames from a buffer that one recv_into fills with whatever has
 arrived, receives each large value straight into its own bytearray, and returns exactly what
