@@ -209,6 +209,18 @@ class Connection:
             if msgs or fds:
                 return msgs, fds
 
+    def read_available(self) -> tuple:
+        """(messages, end of stream) of one read of a socket that is ready to read (epoll said
+        so: the read returns at once): the whole frames it completes (a partial frame waits for
+        the next read)."""
+        try:
+            data = self.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return [], False
+        if not data:
+            return [], True
+        return self._dec.feed(data), False
+
     def close(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

@@ -8,19 +8,21 @@ The process prints one JSON line on stdout once it listens ({"pid": N}) or could
 ({"error": "..."}), and logs to stderr. It exits when its TorchServe frontend is gone
 (--frontend PID) or no worker was connected for --idle-exit-s seconds. It listens on
 SOCKET (a Unix stream socket, mode 0600: only this user's workers connect), takes each worker's
-Hello with its arena's descriptor, answers Ready, and reads that worker's messages on a thread
-of its own; the engine's loop runs on the main thread. SIGTERM or SIGINT stops it; a worker
+Hello with its arena's descriptor (the accept thread), answers Ready, and from then on reads
+every worker's messages, runs their jobs and answers on one thread (`Loop`). SIGTERM or SIGINT stops it; a worker
 whose socket closes (it exited or was killed) is disconnected (handlers/engine/core.py Engine.disconnect)
 and the others go on.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import importlib
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -72,34 +74,77 @@ def handshake(conn: p.Connection) -> tuple:
     return hello, Arena.attach(fds[0], hello.worker_bytes, hello.engine_bytes)
 
 
-def serve_connection(engine: Engine, sock: socket.socket, ready) -> None:
-    """One worker, from Hello to its socket's end (a reader thread's whole life)."""
-    conn = p.Connection(sock)
-    session = None
-    try:
-        hello, arena = handshake(conn)
-        session = Session(f"{hello.worker}[{hello.pid}]", arena, lambda msg: _reply(conn, msg))
-        engine.connect(session)
-        conn.send(ready())
-        logger.info("worker %s connected", session.name)
-        while True:
-            msgs, _ = conn.recv()
-            if not msgs:
-                break
+class Loop:
+    """The engine's one thread: it reads every worker's socket (epoll), queues their jobs, runs
+    what is queued, and answers, in turn. One thread, not a reader per worker: the engine's
+    Python runs under one interpreter lock, and reader threads waking for every message fought
+    the loop for it (sampled on an H200: readers waiting on the lock longer than the loop ran).
+    The accept thread does the Hello handshake (bounded by HELLO_TIMEOUT) and hands each new
+    connection over through `adopt`; a self-pipe wakes the loop for it."""
+
+    def __init__(self, engine: Engine, ready):
+        self.engine, self.ready = engine, ready
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._new: collections.deque = collections.deque()
+
+    def adopt(self, conn: p.Connection, session: Session) -> None:
+        """A connection whose Hello was read (the accept thread): served from the loop's next turn."""
+        self._new.append((conn, session))
+        os.write(self._wake_w, b"\0")
+
+    def run(self, stop: threading.Event, poll: float = 0.1) -> None:
+        while not stop.is_set() and not self.engine.dead:
+            busy = bool(self.engine.queue)
+            for key, _ in self.selector.select(0 if busy else poll):
+                if key.data is None:
+                    self._take_new()
+                else:
+                    self._read(*key.data)
+            self.engine.step(0)
+
+    def _take_new(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while self._new:
+            conn, session = self._new.popleft()
+            try:
+                self.engine.connect(session)
+                conn.send(self.ready())
+            except Exception as e:  # noqa: BLE001 - this worker alone fails to join
+                logger.warning("worker %s not served: %s", session.name, e)
+                self._drop(conn, session)
+                continue
+            # the socket stays blocking: it is read only when epoll says it is ready (a read
+            # then returns at once), and a send to a worker whose buffer is full waits for it
+            self.selector.register(conn.sock, selectors.EVENT_READ, (conn, session))
+            logger.info("worker %s connected", session.name)
+
+    def _read(self, conn: p.Connection, session: Session) -> None:
+        try:
+            msgs, eof = conn.read_available()
             for msg in msgs:
-                engine.on_message(session, msg)
-    except Exception as e:  # noqa: BLE001 - one worker's broken socket ends only its session
-        logger.warning("worker connection ended: %s", e)
-        _reply(conn, p.EngineDead(str(e)) if engine.dead else None)
-    finally:
-        if session is not None:
-            engine.disconnect(session)
+                self.engine.on_message(session, msg)
+        except Exception as e:  # noqa: BLE001 - one worker's broken socket ends only its session
+            logger.warning("worker %s: connection ended: %s", session.name, e)
+            eof = True
+        if eof:
+            self.selector.unregister(conn.sock)
+            self._drop(conn, session)
+
+    def _drop(self, conn: p.Connection, session: Session) -> None:
+        self.engine.disconnect(session)
         conn.close()
 
 
 def _reply(conn: p.Connection, msg) -> None:
-    """Sends where the worker may be gone: its reader thread sees the socket's end and
-    disconnects it; the loop must not fail for it."""
+    """Sends where the worker may be gone: the loop sees its socket's end and disconnects it;
+    the loop must not fail for it. A full socket buffer waits (the worker reads its answers
+    on a thread of its own)."""
     if msg is None:
         return
     try:
@@ -108,13 +153,20 @@ def _reply(conn: p.Connection, msg) -> None:
         pass
 
 
-def accept_forever(engine: Engine, listener: socket.socket, ready) -> None:
+def accept_forever(loop: Loop, listener: socket.socket) -> None:
     while True:
         try:
             sock, _ = listener.accept()
         except OSError:  # the listener closed: the process is stopping
             return
-        threading.Thread(target=serve_connection, args=(engine, sock, ready), daemon=True).start()
+        conn = p.Connection(sock)
+        try:
+            hello, arena = handshake(conn)
+        except Exception as e:  # noqa: BLE001 - a peer that is not a worker of this protocol
+            logger.warning("a connection was refused: %s", e)
+            conn.close()
+            continue
+        loop.adopt(conn, Session(f"{hello.worker}[{hello.pid}]", arena, functools.partial(_reply, conn)))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -175,13 +227,14 @@ def main(argv=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=accept_forever, args=(engine, listener, ready), daemon=True).start()
+    loop = Loop(engine, ready)
+    threading.Thread(target=accept_forever, args=(loop, listener), daemon=True).start()
     threading.Thread(target=watch_lifetime, args=(engine, stop, args.frontend, args.idle_exit_s), daemon=True).start()
     logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
     print(json.dumps({"pid": os.getpid()}), flush=True)
     sampler = Sampler.from_env()  # CS_ENGINE_SAMPLE: where the threads' time goes (a benchmark's aid)
     try:
-        engine.serve_forever(stop)
+        loop.run(stop)
     finally:
         listener.close()
         if os.path.exists(args.socket):
