@@ -103,6 +103,7 @@ class Continuous:
             try:
                 if refusal is not None:
                     raise refusal
+                c.route.check()
                 req = parse(request, h.content_type, self.max_body_bytes)
                 dec = self.runner.dec
                 plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)

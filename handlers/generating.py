@@ -58,6 +58,7 @@ def _failed(err: ServingError) -> Failed:
 def _one(worker, request, h, route: Route, send) -> object:
     gen: Generation = worker.loaded.generation
     try:
+        route.check()
         req = parse(request, h.content_type, gen.max_body_bytes)
         plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)
     except ServingError as e:

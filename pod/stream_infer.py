@@ -148,19 +148,20 @@ def error(message: str) -> bytes:
     return protowire.encode_string(1, message)
 
 
-async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float):
-    """POST `body` to TorchServe and yield (status, line) for each JSON line of its answer as it
-    arrives (a chunked answer), or once (status, whole body) for an answer with a Content-Length."""
-    reader, writer = await asyncio.open_connection(host, port)
+async def lines(socket_path: str, path: str, body: bytes, timeout_s: float):
+    """POST `body` to TorchServe through nginx's gate (its unix socket) and yield (status, line,
+    header fields) for each JSON line of its answer as it arrives (a chunked answer), or once
+    (status, whole body, fields) for an answer with a Content-Length."""
+    reader, writer = await asyncio.open_unix_connection(socket_path)
     try:
-        writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body)
         async with asyncio.timeout(timeout_s):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
             status = int(head[0].split(" ", 2)[1])
             fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in head[1:] if ln)}
             if "content-length" in fields:
-                yield status, await reader.readexactly(int(fields["content-length"]))
+                yield status, await reader.readexactly(int(fields["content-length"])), fields
                 return
             pending = b""
             while True:
@@ -172,9 +173,9 @@ async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float):
                 *done, pending = pending.split(b"\n")
                 for line in done:
                     if line.strip():
-                        yield status, line
+                        yield status, line, fields
             if pending.strip():
-                yield status, pending
+                yield status, pending, fields
     finally:
         writer.close()
 
