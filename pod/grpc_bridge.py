@@ -10,7 +10,8 @@ raw and typed contents) and answers a serialized ModelInferResponse, which goes 
 The bridge reads only the request's model name and version (protobuf fields 1 and 2).
 A handler error's HTTP status becomes the gRPC status: 400/415 INVALID_ARGUMENT, 404 NOT_FOUND,
 413 RESOURCE_EXHAUSTED, 503/507 and an unreachable TorchServe UNAVAILABLE (retryable), others
-INTERNAL, with the handler's message. ServerLive/Ready, ModelReady and the two metadata calls
+INTERNAL, with the handler's message; TorchServe's own errors (no X-Handler-Error) with what their
+status means in the pod's words (TORCHSERVE_SAYS), never its body's Java text. ServerLive/Ready, ModelReady and the two metadata calls
 answer from pod.status's state file. ModelStreamInfer serves a decoder's generation token by
 token (pod/stream_infer.py). The repository RPCs (load, unload, index) are not served:
 gRPC answers UNIMPLEMENTED, and nothing on this port can change the server.

@@ -5,7 +5,8 @@ Each ModelInferRequest on the stream is one generation: its prompt is the input 
 (BYTES, one element) or `input_ids` (INT64 or INT32), its generation parameters the request's
 `parameters` map (max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos).
 It is read with handlers/oip_request.py (what the
-ModelInfer path's wire format reads it with) and POSTed as the handler's JSON request to TorchServe's /predictions/NAME, whose answer streams
+ModelInfer path's wire format reads it with) and POSTed as the handler's JSON request to TorchServe's /predictions/NAME
+through nginx's gate (its bound on large bodies, kserve/nginx.conf), whose answer streams
 one JSON line per token (HTTP/1.1 chunked); each line becomes a ModelStreamInferResponse carrying
 a ModelInferResponse with outputs `text_output` (BYTES [1], the token's text) and `token_ids`
 (INT64), in raw_output_contents (field 6). The last response of a request has no new token, and the parameters `finish_reason`,
