@@ -156,6 +156,11 @@ def test_the_management_api_requires_its_key_inside_the_pod_and_pod_status_has_i
     assert management(pod, "GET", "/models/lm", key=True).status_code == 200
     ready = pod.probe("ready")  # pod.status reads the model's state with the key
     assert ready.returncode == 0 and json.loads(ready.stdout)["ready"] is True, ready.stdout
+    body = {"input_ids": [1, 2], "parameters": {"max_tokens": 2}}  # TorchServe's own inference API, as bench_pod calls it
+    assert requests.post(f"{pod.direct}/predictions/lm", json=body, timeout=60).status_code != 200
+    keyed = requests.post(f"{pod.direct}/predictions/lm", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {pod.inference_key()}"})
+    assert keyed.status_code == 200, keyed.text
     conf = pod.root / "run" / "nginx.conf"  # it holds the inference key
     assert conf.stat().st_mode & 0o077 == 0, oct(conf.stat().st_mode)
 
