@@ -9,6 +9,9 @@ Modes (--modes, in order):
   one     one worker, its own copy: the reference the issue's memory target counts from
   own     --workers workers, each its own copy (shared_weights: off)
   shared  --workers workers reading one holder's copy (the default, shared_weights: auto)
+  engine  --workers CPU-only workers fed to one engine process that owns the GPU (engine: on,
+          issue 64); also the engine killed: seconds until a request is answered 200 again, and
+          the statuses of the requests sent meanwhile
 For each: nvidia-smi's memory.used on the GPU after READY less what it used before the server
 started, and each process's own (--query-compute-apps: the workers, the holder); the SHA-256 of
 the answer to one fixed request sent 12 times by one client (one request per batch, so the same
@@ -25,11 +28,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +45,8 @@ from bench.bench_start import answered, kill_all, ready, restart_once, start_ste
 from bench.results_meta import header, page_head
 from compiled_serving.local_server import LocalTorchServe
 
-MODES = {"one": ("shared_weights=off", 1), "own": ("shared_weights=off", None), "shared": ("", None)}
+MODES = {"one": ("shared_weights=off", 1), "own": ("shared_weights=off", None), "shared": ("", None),
+         "engine": ("engine=on", None)}
 
 
 def parse_args(argv):
@@ -78,10 +84,37 @@ def per_process() -> dict:
         return {}
 
 
-def holders(workdir: Path) -> list:
-    """Pids of the weights holders of this server (their socket lies under its TMPDIR)."""
-    out = subprocess.run(["pgrep", "-af", "handlers.weights.holder"], capture_output=True, text=True).stdout
+def holders(workdir: Path, what: str = "handlers.weights.holder") -> list:
+    """Pids of the weights holders (or, what="handlers.engine.serve", the engines) of this server
+    (their socket lies under its TMPDIR)."""
+    out = subprocess.run(["pgrep", "-af", what], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if str(workdir / "tmp") in line]
+
+
+def engines(workdir: Path) -> list:
+    return holders(workdir, "handlers.engine.serve")
+
+
+def kill_engine(server, name: str, body: bytes, ct: str, timeout: float) -> dict:
+    """kill -9 of the model's engine: seconds until a request is answered 200 again (the workers
+    start a successor), and the statuses the requests sent meanwhile got (one client)."""
+    (victim,) = engines(server.workdir)
+    t0, statuses = time.perf_counter(), {}
+    os.kill(victim, signal.SIGKILL)
+    while time.perf_counter() - t0 < timeout:
+        req = urllib.request.Request(f"{server.base}/predictions/{name}", data=body, method="POST",
+                                     headers={**server.auth(), "Content-Type": ct})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 200:
+            break
+        time.sleep(0.05)
+    return {"kill_to_answer_s": round(time.perf_counter() - t0, 3), "statuses": statuses,
+            "successor": engines(server.workdir)}
 
 
 def context_mib(gpu: int) -> int:
@@ -135,16 +168,19 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
             point["load"] = {k: r.get(k) for k in ("req_s", "p50_ms", "p99_ms", "errors", "cpu_cores")}
         point["restarts"] = [restart_once(server, mode, n, body, ct, args.timeout) for _ in range(args.restarts)]
         point["kill_all"] = kill_all(server, mode, n, body, ct, args.timeout)
+        if mode == "engine":
+            point["engine_kill"] = kill_engine(server, mode, body, ct, args.timeout)
         point["answers_sha256_after_kills"] = answer_hashes(server, mode, body, ct)
         point["load_lines"] = [line for line in server.log().splitlines() if "weights held by" in line
-                               or "own copy (" in line][-2:]
+                               or "own copy (" in line or "served by the engine" in line][-2:]
     finally:
         keep_logs(args, server, mode)
         server.stop()
     t1 = time.perf_counter()
-    while holders(work / mode) and time.perf_counter() - t1 < 5:
+    while (holders(work / mode) or engines(work / mode)) and time.perf_counter() - t1 < 5:
         time.sleep(0.1)
     point["holders_left_5s_after_stop"] = len(holders(work / mode))
+    point["engines_left_5s_after_stop"] = len(engines(work / mode))
     return point
 
 
@@ -160,11 +196,12 @@ def keep_logs(args, server, mode: str) -> None:
 
 def memory(args, server, mode: str, before: int) -> dict:
     workers = {w.get("pid") for w in server.workers(mode, timeout=5)}
-    held = set(holders(server.workdir))
+    held, engine = set(holders(server.workdir)), set(engines(server.workdir))
     procs = per_process()
     return {"device_used_mib": device_used(args.gpu) - before,
             "workers_mib": sorted(m for p, m in procs.items() if p in workers),
             "holders_mib": sorted(m for p, m in procs.items() if p in held),
+            "engines_mib": sorted(m for p, m in procs.items() if p in engine),
             "processes_seen": len(procs)}
 
 
@@ -181,6 +218,7 @@ def summarize(points: dict, context: int) -> dict:
         out["shared_over_own_memory"] = round(shared["device_used_mib"] / own["device_used_mib"], 3)
         if own.get("load") and shared.get("load"):
             out["throughput_shared_over_own"] = round(shared["load"]["req_s"] / own["load"]["req_s"], 3)
+    out.update(engine_summary(points))
     hashes = {h for p in points.values() for h in p["answers_sha256"] + p["answers_sha256_after_kills"]}
     out["answers_bit_identical"] = len(hashes) == 1
     for m, p in points.items():
@@ -191,17 +229,36 @@ def summarize(points: dict, context: int) -> dict:
     return out
 
 
+def engine_summary(points: dict) -> dict:
+    """Issue 64's keys where the engine mode ran: its GPU memory against the others', a worker's
+    and the engine's restart."""
+    e = points.get("engine")
+    if not e:
+        return {}
+    out = {"gpu_mib_all_processes": e["device_used_mib"], "engine_workers_with_gpu_memory": len(e["workers_mib"]),
+           "worker_restart_s": max(r["kill_to_ready_s"] for r in e["restarts"]),
+           "engine_restart_s": e["engine_kill"]["kill_to_answer_s"]}
+    for m in ("one", "own", "shared"):
+        if m in points and points[m]["device_used_mib"]:
+            out[f"engine_over_{m}_memory"] = round(e["device_used_mib"] / points[m]["device_used_mib"], 3)
+            if m != "one" and e.get("load") and points[m].get("load"):
+                out[f"throughput_engine_over_{m}"] = round(e["load"]["req_s"] / points[m]["load"]["req_s"], 3)
+    return out
+
+
 def write_markdown(path: Path, result: dict) -> None:
     s, pts = result["summary"], result["points"]
     lines = [*page_head(result, "One copy of the weights per GPU: memory, throughput, restarts",
                         f"Artifact: {result['artifact']}."),
-             "| mode | workers | device MiB | per worker MiB | holder MiB | req/s | kill -9 one: to READY s | "
+             "| mode | workers | device MiB | per worker MiB | holder or engine MiB | req/s | kill -9 one: to READY s | "
              "kill all: first answer s | holders left after stop |", "|---|---|---|---|---|---|---|---|---|"]
     for m, p in pts.items():
         lines.append(f"| {m} | {p['workers']} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib']))} | "
-                     f"{', '.join(map(str, p['holders_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
+                     f"{', '.join(map(str, p['holders_mib'] + p.get('engines_mib', []))) or '-'} | "
+                     f"{(p.get('load') or {}).get('req_s', '-')} | "
                      f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
-                     f"{p['kill_all']['kill_to_first_answer_s']} | {p['holders_left_5s_after_stop']} |")
+                     f"{p['kill_all']['kill_to_first_answer_s']} | "
+                     f"{p['holders_left_5s_after_stop'] + p.get('engines_left_5s_after_stop', 0)} |")
     lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), ""]
     lines += [f"Mode {m}: from {p['run']}." for m, p in pts.items() if p.get("run")] + [""]
     earlier = result.get("earlier_run")

@@ -16,6 +16,7 @@ nothing is pip-installed per model.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--tokenizer", help="a decoder's tokenizer.json (the `tokenizers` library's file, as a "
                                        "transformers model ships it): text in and out, end-of-sequence ids")
+    p.add_argument("--tokenizer-config", help="the decoder's tokenizer_config.json (transformers' file): its "
+                                              "chat_template (or chat_template.jinja beside it) serves OpenAI's "
+                                              "v1/chat/completions (default: the one beside --tokenizer, if any)")
     p.add_argument("--pad", choices=("auto", "none"), default="auto",
                    help="auto (default): for inputs with a dynamic length, declare pad= where the import found "
                         "padding leaves the program's answers unchanged (printed with the reason); none: never "
@@ -412,6 +416,8 @@ def stage_tokenizer(args, specs, stage) -> None:
     from handlers.artifact.decoder import of as decoder_of
 
     if not args.tokenizer:
+        if getattr(args, "tokenizer_config", None):
+            fail("--tokenizer-config needs --tokenizer (the chat template's text is tokenized by it)")
         return
     decoders = [decoder_of(s) for s in specs]
     if not all(decoders):
@@ -431,6 +437,37 @@ def stage_tokenizer(args, specs, stage) -> None:
     from handlers.generation.text import TOKENIZER_FILE
 
     shutil.copy2(args.tokenizer, os.path.join(stage, TOKENIZER_FILE))
+    stage_chat_template(args, stage)
+
+
+def stage_chat_template(args, stage) -> None:
+    """--tokenizer-config (or tokenizer_config.json beside --tokenizer) into the archive's top
+    level with its chat template, checked to compile as the worker compiles it
+    (handlers/generation/chat.py); said either way."""
+    from handlers.errors import LoadError
+    from handlers.generation import chat
+
+    path = args.tokenizer_config or os.path.join(os.path.dirname(os.path.abspath(args.tokenizer)), chat.CONFIG_FILE)
+    if not os.path.isfile(path):
+        if args.tokenizer_config:
+            fail(f"--tokenizer-config {path}: no such file")
+        print(f"chat template: none (no {chat.CONFIG_FILE} beside --tokenizer; pass --tokenizer-config): "
+              "v1/chat/completions answers 400, v1/completions serves")
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        source = chat.template_source(config, os.path.join(os.path.dirname(path), chat.JINJA_FILE))
+        if source is not None:
+            chat.ChatTemplate(source, config)
+    except (OSError, ValueError, AttributeError, LoadError) as e:
+        fail(f"--tokenizer-config {path}: {getattr(e, 'message', e)}; pass the tokenizer_config.json a transformers "
+             "model ships (tokenizer.save_pretrained writes it)")
+    config["chat_template"] = source  # the .jinja file's text where the config had none
+    with open(os.path.join(stage, chat.CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False)
+    print(f"chat template: {'from ' + path if source else 'none in ' + path} (OpenAI's v1/chat/completions "
+          f"{'serves' if source else 'answers 400'})")
 
 
 def run_archiver(args, cfg, stage, tmp) -> None:

@@ -19,14 +19,15 @@ SENTENCES = ["the quick brown fox jumps over the lazy dog", "serving compiled mo
              "a language model answers one token at a time", "naïve café déjà vu — ünïcödé 文字"]
 
 
-def tiny_tokenizer(vocab_size: int = 300):
-    """A byte-level BPE (as GPT-2's and Llama 3's) with </s> as its end-of-sequence token."""
+def tiny_tokenizer(vocab_size: int = 300, special_tokens=("</s>",)):
+    """A byte-level BPE (as GPT-2's and Llama 3's) with </s> as its end-of-sequence token (and any
+    other special tokens named: ChatML's <|im_start|> and <|im_end|> for a chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(SENTENCES * 4, trainer)
     return tok

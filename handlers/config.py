@@ -159,6 +159,12 @@ OPTIONS = (
            "a holder process (handlers/weights)",
            choices=(("auto", "on GPU workers of AOTInductor packages and exported programs"),
                     ("on", "also on CPU workers (the copy in shared memory)"), ("off", "each worker loads its own"))),
+    # handlers/engine (issue 64): the GPU leaves the workers; off until it is measured the faster
+    # path end to end (docs/results/engine_*), and it serves stateless models only so far.
+    Option("engine", str, "off", "where a stateless model runs",
+           choices=(("off", "in each worker"),
+                    ("on", "in one engine process per GPU (per model version) fed by every worker of "
+                           "that GPU, which then holds no CUDA context; decoders still run in their workers"))),
     Option("crash_safe_load", bool, True, "try the load and one call in a child process first (catches "
            "native crashes)"),
     Option("crash_safe_timeout_s", float, 600.0, "the trial load's time limit, seconds", positive=True),

@@ -29,12 +29,12 @@ import concurrent.futures
 import logging
 from typing import Callable, Optional
 
-from handlers import wire
 from handlers.errors import ServingError
 from handlers.generation import engine as engines
 from handlers.generation import loop
+from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
-from handlers.generation.request import parse
+from handlers.generation.openai import route_for
 from handlers.torchserve import headers as ts_headers
 from handlers.torchserve import guardian, replies
 from handlers.wire.base import Encoded, Failed
@@ -78,7 +78,7 @@ class Continuous:
     def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note
         self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken,
-                                     self.config.queue_timeout_s).start()
+                                     self.config.queue_timeout_s, Marks.from_env()).start()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "
@@ -96,7 +96,7 @@ class Continuous:
         clients = []
         for idx, (request, h) in enumerate(zip(data, heads)):
             rid = context.request_ids[idx] if context is not None else str(idx)
-            c = Client(Route(h.generate_route or "predictions", worker.name, worker.version), h.rest, rid, own_chunk)
+            c = Client(route_for(h, worker.name, worker.version), h.rest, rid, own_chunk)
             if context is not None:
                 self.sock = context.cl_socket
             clients.append(c)
@@ -104,11 +104,15 @@ class Continuous:
                 if refusal is not None:
                     raise refusal
                 c.route.check()
-                req = parse(request, h.content_type, self.max_body_bytes)
+                direct = c.route.direct()
+                if direct is not None:
+                    self._finish([(c, direct)])
+                    continue
+                req = c.route.parse(request, h.content_type, self.max_body_bytes, self.text)
                 dec = self.runner.dec
                 plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
                 c.streaming = c.route.streams(req.params.stream)
-                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c))
+                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c, key=key_of(h.request_key)))
             except Exception as e:  # noqa: BLE001  (a raise here would fail every request the async frontend holds)
                 if not isinstance(e, ServingError):
                     logger.exception("request %s could not be queued", rid)
@@ -161,7 +165,7 @@ def _lasts(sock, last: list, chunks=()) -> list:
 
 
 def _failed(err: ServingError, route: Route) -> Failed:
-    encoded = wire.ERRORS.error(err, None, "")
+    encoded = route.error(err)
     if isinstance(err, engines.Busy):
         encoded = Encoded(encoded.body, encoded.media_type, {**encoded.headers, "Retry-After": str(engines.RETRY_AFTER_S)})
     return Failed(err, encoded, None)

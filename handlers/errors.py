@@ -76,7 +76,7 @@ class ConfigError(LoadError):
 
 
 class EngineUnavailable(ServingError):
-    """The GPU engine (engine/) could not take or finish this request for a reason of the
+    """The GPU engine (handlers/engine/) could not take or finish this request for a reason of the
     moment, not of the request: the same request sent again may succeed (503, retryable)."""
 
     status = 503
@@ -85,7 +85,7 @@ class EngineUnavailable(ServingError):
 
 
 class ArenaFull(EngineUnavailable):
-    """A worker's shared-memory arena (engine/arena.py) has no free block this size now: the
+    """A worker's shared-memory arena (handlers/engine/arena.py) has no free block this size now: the
     blocks of requests in flight come back as they are answered and released."""
 
     error_type = "ArenaFull"
@@ -107,7 +107,7 @@ class EngineTimeout(ServingError):
 
 
 class ProtocolError(ServingError):
-    """A frame on the engine's socket that is not a message of engine/protocol.py (a peer of
+    """A frame on the engine's socket that is not a message of handlers/engine/protocol.py (a peer of
     another version, a corrupt or oversized frame): the connection is closed."""
 
     status = 500

@@ -6,7 +6,8 @@ intermediate responses, handlers/torchserve/replies.py) and its last answer retu
 
 A fault after the first token ends that stream with an error object (its status line has gone
 out); a sticky device fault also breaks the worker (handlers/faults.py), anything else leaves it
-serving the next request.
+serving the next request. A request whose client went (the pod's mark, generation/abandon.py) is
+not started, or is stopped at its next token, and answered ClientGone: the worker takes the next.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import logging
 import time
 from typing import Callable, Optional
 
-from handlers import faults, wire
+from handlers import faults
 from handlers.errors import ServingError
 from handlers.generation import loop
+from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
-from handlers.generation.request import parse
+from handlers.generation.openai import route_for
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class Generation:
     def __init__(self, runner, text, config, max_body_bytes: int):
         self.runner, self.text, self.config = runner, text, config
         self.max_body_bytes = max_body_bytes
+        self.marks = Marks.from_env()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; {self.runner.graph_note}; "
@@ -42,31 +45,42 @@ def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
     refusal = worker.health.refusal()
     answers = []
     for idx, (request, h) in enumerate(zip(data, headers)):
-        route = Route(h.generate_route or "predictions", worker.name, worker.version)
+        route = route_for(h, worker.name, worker.version)
         if refusal is not None:
-            answers.append(_failed(refusal))
+            answers.append(_failed(refusal, route))
             continue
         answers.append(_one(worker, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
         refusal = worker.health.refusal()  # a sticky fault refuses the rest of the batch
     return answers
 
 
-def _failed(err: ServingError) -> Failed:
-    return Failed(err, wire.ERRORS.error(err, None, ""), None)
+def _failed(err: ServingError, route: Route) -> Failed:
+    return Failed(err, route.error(err), None)
 
 
 def _one(worker, request, h, route: Route, send) -> object:
     gen: Generation = worker.loaded.generation
     try:
         route.check()
-        req = parse(request, h.content_type, gen.max_body_bytes)
+        direct = route.direct()
+        if direct is not None:
+            return direct
+        req = route.parse(request, h.content_type, gen.max_body_bytes, gen.text)
         plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)
     except ServingError as e:
-        return _failed(e)
+        return _failed(e, route)
     streaming = route.streams(req.params.stream) and send is not None
+    key = key_of(h.request_key)
+    if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
+        return _failed(gen.marks.error("before its generation started"), route)
     sent, t0 = 0, time.perf_counter()
+    events = loop.generate(gen.runner, req, plan, gen.text)
     try:
-        for event in loop.generate(gen.runner, req, plan, gen.text):
+        for event in events:
+            if gen.marks.is_gone(key):  # one stat per token
+                err = gen.marks.error(f"after {sent} streamed tokens")
+                logger.info("request %s: %s", key, err.message)
+                return _failed(err, route) if sent == 0 else Encoded(route.error_event(err), route.media_type(), {})
             if isinstance(event, loop.Finished):
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
                 return Encoded(route.final(event, streaming), route.media_type(streaming), {})
@@ -79,6 +93,8 @@ def _one(worker, request, h, route: Route, send) -> object:
             worker.broken(f"generation: {type(e).__name__}: {e}")
         logger.exception("generation failed after %d streamed tokens", sent)
         if sent == 0:
-            return _failed(err)
+            return _failed(err, route)
         return Encoded(route.error_event(err), route.media_type(), {})
+    finally:
+        events.close()  # a stopped generation leaves its inference mode and stream context now
     raise AssertionError("generation ended without its Finished event")

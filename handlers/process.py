@@ -72,3 +72,21 @@ def uncompiled_imports(module) -> "str | None":
                "TorchServe's environment")
     return (f"{module.__name__} has no compiled bytecode ({cached} is missing) and this interpreter writes none "
             f"({why}), so every worker start, restarts included, compiles its sources again; compile them once: {fix}")
+
+
+def lock_within(fd: int, wait_s: float) -> bool:
+    """Takes the exclusive flock on `fd` within `wait_s` seconds; False where another process
+    keeps it longer (callers name the lock and the cause: a start never waits on a stuck
+    sibling for ever)."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)

@@ -112,10 +112,17 @@ class StartPlan:
     host_gpus: int = -1  # the GPUs the worker saw before it was confined to one (-1: unknown)
 
 
+def settings(context) -> tuple:
+    """(the archive's model-config.yaml as TorchServe hands it over, the handler's settings parsed
+    from it): the one place a worker reads it."""
+    raw = getattr(context, "model_yaml_config", None)
+    return raw, parse_config(raw)
+
+
 def plan(context) -> StartPlan:
     """The settings parsed once, the variant chosen for this worker's device and checked to be
     stateless; raises LoadError naming what is wrong and the fix."""
-    config = parse_config(getattr(context, "model_yaml_config", None))
+    _, config = settings(context)
     # The archive's precision, whatever else in the process set (importing TorchServe's
     # base_handler switches fp32 matmuls to TF32), so an fp32 artifact answers like the model
     # it was compiled from; see HandlerConfig.

@@ -8,6 +8,7 @@ import torch
 
 from handlers.artifact.kinds import kind_of
 from handlers.batch import warmup_sizes
+from handlers.run.warm import warm
 from handlers.errors import LoadError
 from handlers.loaded import Loaded
 from handlers.torchserve import exchange
@@ -75,23 +76,8 @@ def slots(loaded: Loaded, steps, broken) -> None:
 
 
 def model(loaded: Loaded, smallest_only: bool = False) -> None:
-    """The model across a few batch sizes (`smallest_only`: the smallest accepted batch):
-    kernels, allocator, staging buffers; then every length bucket at that batch. Its inputs are
-    valid requests (ArtifactSpec.example: ids inside their ranges, per column; masks all ones),
-    never all zeros: a fully masked row or an id outside its table is what kernels fail on."""
-    spec, runner = loaded.spec, loaded.runner
-    sizes = warmup_sizes(spec.batch_min, spec.batch_max, loaded.config.warmup_batch_sizes)
-    for size in sizes[:1] if smallest_only else sizes:
-        with torch.inference_mode():
-            runner.run([spec.example(size)])
-    # every length bucket (padding), or the longest request: the allocator sees its blocks now
-    pad = runner.pad
-    lengths = ([{d: b for d in pad.buckets} for b in sorted({b for v in pad.buckets.values() for b in v})]
-               if pad else [{k: hi for k, (_lo, hi) in spec.dims.items()}] if spec.dims else [])
-    for sizes in lengths:
-        sizes = {d: min(n, spec.dims[d][1]) for d, n in sizes.items()}
-        with torch.inference_mode():
-            runner.run([spec.example(spec.batch_min, sizes=sizes)])
+    """The model across a few batch sizes and every length bucket (handlers/run/warm.py)."""
+    warm(loaded.spec, loaded.runner, loaded.config.warmup_batch_sizes, smallest_only)
 
 
 def request_path(worker, context, smallest_only: bool = False) -> None:

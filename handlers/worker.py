@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from handlers import continuous, faults, generating, pipeline, startup, warmup
+from handlers import continuous, engine_worker, faults, generating, pipeline, startup, warmup
 from handlers.health import Health
 from handlers.loaded import Loaded
 from handlers.torchserve import frontend_frames, restart
@@ -46,9 +46,14 @@ class Worker:
         startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
         emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer
         try:
-            plan = startup.plan(context)
-            answer_failure = plan.config.answer_load_failure
-            self._load(plan, context, emit, steps)
+            engine_config = engine_worker.wanted(context)
+            if engine_config is not None:  # the model runs in the engine of this worker's GPU
+                answer_failure = engine_config.answer_load_failure
+                self._load_served(engine_config, context, emit, steps)
+            else:
+                plan = startup.plan(context)
+                answer_failure = plan.config.answer_load_failure
+                self._load(plan, context, emit, steps)
         except Exception as e:  # noqa: BLE001  (every cause, named: startup.load_failure)
             err = startup.load_failure(e)
             if not err.recurs or not answer_failure:
@@ -89,6 +94,18 @@ class Worker:
             if step is not None:
                 self.defer(step)
             startup.emit_times(emit, steps)
+
+    def _load_served(self, config, context, emit, steps: startup.StartSteps) -> None:
+        """A worker served by the engine (handlers/engine_worker.py): connected, then ready, then
+        requests through its whole path to the engine and back."""
+        self.loaded = engine_worker.load(context, config, emit, steps)
+        self.health.ready()
+        reader = frontend_frames.install(config.buffered_reader, self.between_batches)
+        if config.warmup:
+            warmup.request_path(self, context)
+            steps.done("request-path warm-up")
+        engine_worker.log_loaded(self.loaded, steps, reader)
+        startup.emit_times(emit, steps)
 
     def serve(self, data: list, headers: list, send: Optional[Callable] = None) -> list:
         """One answer per request of a TorchServe batch (`headers`: each request's

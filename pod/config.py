@@ -48,6 +48,8 @@ def host_port(address: str, key: str) -> tuple:
 
 
 GATE_SOCKET = "gate.sock"  # the gate's unix socket, in RUNTIME_DIR
+ABORT_SOCKET = "abort.sock"  # nginx's log of abandoned generations to pod/aborts.py, in RUNTIME_DIR
+ABORT_DIR = "aborts"  # pod/aborts.py's marks, read by the workers (handlers/generation/abandon.py)
 # TorchServe 0.12 with token authorization writes its keys here, in the directory it was started
 # from (pod/start.py starts it in RUNTIME_DIR): {"management": {"key", "expiration time"},
 # "inference": {...}, "API": {"key"}}, readable by its owner alone
@@ -161,6 +163,16 @@ class PodConfig:
         return os.path.join(self.runtime_dir, GATE_SOCKET)
 
     @property
+    def abort_socket(self) -> str:
+        """pod/aborts.py's datagram socket: nginx's syslog of the generations it finalized unanswered."""
+        return os.path.join(self.runtime_dir, ABORT_SOCKET)
+
+    @property
+    def abort_dir(self) -> str:
+        """Where pod/aborts.py marks them; the workers get it in handlers/generation/abandon.ENV."""
+        return os.path.join(self.runtime_dir, ABORT_DIR)
+
+    @property
     def stopping_file(self) -> str:
         """pod.start writes this on SIGTERM; pod.status then reports the pod not ready."""
         return os.path.join(self.runtime_dir, "pod_stopping")
@@ -205,8 +217,8 @@ def load(properties: str, env=None) -> PodConfig:
     n_large, large_why = large_bodies(props)
     tiers, tiers_why = pool_tiers(largest_batch(props))
     runtime_dir = env.get("RUNTIME_DIR", "/tmp/torchserve")
-    if len(os.fsencode(os.path.join(runtime_dir, GATE_SOCKET))) > 107:  # sun_path holds 108 bytes
-        raise PodConfigError(f"RUNTIME_DIR={runtime_dir!r} is too long for nginx's gate socket in it "
+    if max(len(os.fsencode(os.path.join(runtime_dir, s))) for s in (GATE_SOCKET, ABORT_SOCKET)) > 107:  # sun_path: 108
+        raise PodConfigError(f"RUNTIME_DIR={runtime_dir!r} is too long for nginx's unix sockets in it "
                              "(a unix socket's path holds 107 bytes); choose a shorter directory")
     return PodConfig(
         properties=properties, runtime_dir=runtime_dir, model_store=store,

@@ -26,6 +26,7 @@ import asyncio
 import ctypes
 import gc
 import json
+import secrets
 import signal
 import struct
 from urllib.parse import quote, unquote
@@ -34,6 +35,7 @@ import grpc
 
 from handlers import protowire
 from handlers.errors import RequestError
+from handlers.generation import abandon
 from pod import config as pod_config
 from pod.config import LARGE_BODY_BYTES
 from pod import stream_infer
@@ -215,27 +217,45 @@ class Bridge:
                 yield reply
 
     async def _generate(self, name: str, version: str, rid: str, body: dict):
-        path = stream_infer.path_of(name, version)
+        """One generation's replies. Its worker knows it by a key of this bridge's making; if it
+        ends before its last reply (the client cancelled the call, or went), the key is marked for
+        the worker to stop it (handlers/generation/abandon.py), as nginx's are (pod/aborts.py)."""
+        path, key, ended = stream_infer.path_of(name, version), secrets.token_hex(16), False
         try:
             # through nginx's gate, as every body the pod passes to TorchServe: its bound on the
             # large bodies TorchServe's direct memory holds at once covers the stream's messages
-            # (a refusal: 503, X-Grpc-Message, answered as this request's error_message)
+            # (a refusal: 503, X-Grpc-Message, answered as this request's error_message); its
+            # /generate/ location passes each line on as it comes and sends TorchServe's key
             async for status, line, fields in stream_infer.lines(self.cfg.gate_socket, path, json.dumps(body).encode(),
-                                                                  self.cfg.response_timeout_s + 5):
-                if status != 200:
-                    yield stream_infer.error(f"{status}: {answer_error(status, line, fields)[1]}")
+                                                                  self.cfg.response_timeout_s + 5, key):
+                reply, ended = self._reply(name, version, rid, status, line, fields)
+                yield reply
+                if ended:
                     return
-                obj = json.loads(line)
-                if "error" in obj:
-                    yield stream_infer.error(obj["error"])
-                    return
-                if "finish_reason" in obj:  # the last line: counts, no new token
-                    params = {k: obj[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")}
-                    yield stream_infer.response(name, version, rid, "", [], {**params, "triton_final_response": True})
-                    return
-                yield stream_infer.response(name, version, rid, obj.get("text", ""), obj.get("token_ids", []))
         except (OSError, asyncio.TimeoutError, ValueError) as e:
             yield stream_infer.error(f"TorchServe did not answer ({type(e).__name__}: {e}); retry")
+        finally:
+            if not ended:
+                self._abandon(key)
+
+    @staticmethod
+    def _reply(name: str, version: str, rid: str, status: int, line: bytes, fields: dict) -> tuple:
+        """(the stream response for one line of TorchServe's answer, whether it is the last)."""
+        if status != 200:
+            return stream_infer.error(f"{status}: {answer_error(status, line, fields)[1]}"), True
+        obj = json.loads(line)
+        if "error" in obj:
+            return stream_infer.error(obj["error"]), True
+        if "finish_reason" in obj:  # the last line: counts, no new token
+            params = {k: obj[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")}
+            return stream_infer.response(name, version, rid, "", [], {**params, "triton_final_response": True}), True
+        return stream_infer.response(name, version, rid, obj.get("text", ""), obj.get("token_ids", [])), False
+
+    def _abandon(self, key: str) -> None:
+        try:
+            abandon.mark(self.cfg.abort_dir, key)
+        except OSError as e:  # the generation runs to its end, as it did before the marks
+            print(f"pod.grpc_bridge: could not mark an abandoned generation: {e}", flush=True)
 
     async def model(self, request: bytes, context) -> dict:
         """The state of the model a ModelReady/ModelMetadata request names (fields 1, 2)."""

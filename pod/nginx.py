@@ -28,7 +28,7 @@ def values(cfg: PodConfig, inference_key: str) -> dict:
             # as root (a developer's machine, not the image: it runs as uid 1000) nginx would hand
             # its workers to `nobody`, who cannot write the temporary directories made here
             "user_line": "user root;\n" if os.geteuid() == 0 else "",
-            "grpc_port": cfg.grpc_port, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
+            "grpc_port": cfg.grpc_port, "abort_socket": cfg.abort_socket, "bridge_port": cfg.bridge_port, "model_infer": model_infer(cfg),
             "model_map": model_map(cfg), "model_list": ", ".join(m.name for m in routable(cfg)) or "none",
             **gate_values(cfg), **ipv6_listens(cfg, ipv6_available())}
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from handlers.generation import abandon
 from pod import config as pod_config
 from pod import nginx
 
@@ -161,6 +162,11 @@ def main() -> int:
     for stale in (cfg.stopping_file, os.path.join(cfg.runtime_dir, pod_config.KEY_FILE)):
         if os.path.exists(stale):  # an earlier start's (RUNTIME_DIR may outlive the container)
             os.remove(stale)
+    # the marks of abandoned generations (pod/aborts.py writes them, pod-private): TorchServe's
+    # workers inherit the frontend's environment (its EnvironmentUtils.getEnvString copies
+    # System.getenv()), and read the directory's name from it (handlers/generation/abandon.py)
+    os.makedirs(cfg.abort_dir, mode=0o700, exist_ok=True)
+    env[abandon.ENV] = cfg.abort_dir
     if torchserve(["--start", "--ncs", f"--model-store={cfg.model_store}", f"--ts-config={conf}"], env, cfg):
         raise SystemExit("pod: error: torchserve --start failed; its logs are in RUNTIME_DIR/logs")
     procs = children(cfg, conf, env)

@@ -41,19 +41,24 @@ def v2_datatype(dtype: str) -> str:
     return "FP" + dtype[len("float"):] if dtype.startswith("float") else dtype.upper()
 
 
-def archive_io(mar: str) -> dict:
-    """{"inputs": [...], "outputs": [...]} as OIP metadata, from the archive's (first)
-    artifact.json; raises ValueError naming the archive and what is wrong with it."""
+def read_artifact(mar: str) -> dict:
+    """The archive's (first) artifact.json; raises ValueError naming the archive and what is wrong."""
     shown = os.path.basename(mar)  # the archive's name: a reply never shows the pod's paths
     try:
         with zipfile.ZipFile(mar) as z:
             name = next((n for n in z.namelist() if n == "artifact.json" or n.endswith("/artifact.json")), None)
             if name is None:
                 raise ValueError(f"archive {shown} holds no artifact.json: build it with `python -m compiled_serving.archive`")
-            art = json.loads(z.read(name))
+            return json.loads(z.read(name))
     except (OSError, zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"archive {shown} is not a readable .mar ({type(e).__name__}: {str(e).replace(mar, shown)}); upload it again "
                          "(a truncated copy?) or rebuild it with `python -m compiled_serving.archive`") from None
+
+
+def archive_io(mar: str) -> dict:
+    """{"inputs": [...], "outputs": [...]} as OIP metadata, from the archive's (first)
+    artifact.json; raises ValueError naming the archive and what is wrong with it."""
+    art = read_artifact(mar)
     return {k: [{"name": t["name"], "datatype": v2_datatype(t["dtype"]),
                  "shape": [-1 if not isinstance(d, int) else d for d in t["shape"]]} for t in art[k]]
             for k in ("inputs", "outputs")}

@@ -13,6 +13,10 @@ Open Inference Protocol REST routes (KServe v2) and KServe v1's model status:
   GET /v2/models/NAME[/versions/V]          model metadata (inputs, outputs from the archive)
   GET /v2/models/NAME[/versions/V]/ready    200 ready / 503 with the reason / 404 unknown
   GET /v1/models, /v1/models/NAME KServe v1 list and model status
+  GET /openai/v1/models[/NAME]    OpenAI's model list: the pod's decoders
+  POST /openai/v1/completions, /openai/v1/chat/completions
+                                  the model named in the body looked up: X-Accel-Redirect to
+                                  its TorchServe route, or OpenAI's error (pod/openai_route.py)
 Listens on loopback for nginx; nothing here changes the server.
 
 The kubelet's probes have their own listener, PROBE_PORT (8083) on every address, serving
@@ -20,6 +24,8 @@ GET /v2/health/live and /v2/health/ready only: a flood of connections on the pub
 half-sent headers exhaust nginx's worker_connections, shared by all its ports) must not fail the
 liveness probe and have the kubelet restart a pod that serves. A connection here that has not sent
 its request within PROBE_HEADER_TIMEOUT_S is closed.
+
+A thread of this process is the listener of abandoned generations (pod/aborts.py).
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from handlers import protowire
+from pod import aborts
 from pod import config as pod_config
+from pod import openai_route
 from pod.state import PLATFORM, READY, SERVER_NAME, Poller, find_model, lost_models, server_problem, unservable
 
 PERIOD_S = 1.0
@@ -51,6 +59,7 @@ class Status:
         # time.monotonic() of the bridge's last answer (None: never): a step of the wall clock
         # (NTP, a node's resync) must not make a live bridge look stale, which fails the liveness probe
         self.snapshot, self.bridge_seen = None, None
+        self.decoders = openai_route.decoders(cfg.models)  # {name: version}: OpenAI's routes
 
     def refresh(self) -> None:
         self.snapshot = self.poller.poll()
@@ -98,6 +107,9 @@ class Status:
             return 200, {"name": SERVER_NAME, "version": "1", "extensions": ["binary_tensor_data"]}
         if path == "/v1/models":
             return 200, {"models": [m.name for m in self.cfg.models]}
+        listed = openai_route.get(path, self.decoders)
+        if listed is not None:
+            return listed
         m = MODEL_ROUTE.match(path)
         if m:
             return self.model(m.group(1), m.group(2), "ready" if m.group(3) else "metadata")
@@ -132,9 +144,23 @@ def handler_class(status: Status, probes_only: bool = False):
                 code, body = 404, {"error": f"this port serves the kubelet's probes only: GET {' or '.join(PROBE_ROUTES)}"}
             else:
                 code, body = status.route(self.path)
-            data = json.dumps(body).encode()
+            self._answer(code, {}, body)
+
+        def do_POST(self):  # OpenAI's routes, nginx's lookup of the model in the body
+            if probes_only:  # the body left unread: the connection closes after the answer
+                self.close_connection = True
+                self._answer(404, {}, {"error": f"this port serves the kubelet's probes only: GET {' or '.join(PROBE_ROUTES)}"})
+                return
+            size = int(self.headers.get("Content-Length") or 0)  # nginx buffered the body: it sends the length
+            body = self.rfile.read(size) if size > 0 else b""
+            self._answer(*openai_route.post(self.path.split("?", 1)[0], body, status.decoders))
+
+        def _answer(self, code: int, headers: dict, body) -> None:
+            data = json.dumps(body).encode() if body is not None else b""
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
+            for k, v in headers.items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -162,6 +188,7 @@ def main(argv=None) -> int:
     for name, err in status.poller.io_error.items():
         print(f"pod.status: model {name} cannot be served: {err}", flush=True)
     threading.Thread(target=poll_forever, args=(status,), name="pod-status-poll", daemon=True).start()
+    aborts.start(cfg)  # nginx's abandoned generations become the workers' marks (pod/aborts.py)
     probes = probe_server(cfg.probe_port, handler_class(status, probes_only=True))
     threading.Thread(target=probes.serve_forever, name="pod-status-probes", daemon=True).start()
     server = ThreadingHTTPServer(("127.0.0.1", cfg.status_port), handler_class(status))

@@ -50,6 +50,10 @@
 #                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
 #                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
 #                               picks settings (a NAME starting with mps runs under MPS)
+#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours per worker, ours_engine (engine: on: CPU
+#                               workers, one engine process on the GPU) and echo, 1, 64, 128 clients
+#   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
+#                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
 #   heavy_{bert,r50,mlp}_fp16_<tag>  heavy load (issue 48): ours and echo with the archive's settings
 #                               and with HEAVY's (NAME:BATCH:DELAY ..., default "b16:16:1 b32:32:1": batchSize 16 and 32,
 #                               maxBatchDelay 1 ms; TorchServe 0.12 takes 0 as its default, 100 ms), wrk on 3 cores of its own
@@ -84,10 +88,10 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
   [ -f "$W/$dir/artifact.json" ] || { $PY -m compiled_serving.compile "$@" --backend aoti --precision fp16 --device cuda \
     --out "$W/$dir" & pids+=($!); }
 }
-case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*|*" heavy_r50 "*) need r50 $R50 ;; esac
+case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*|*" heavy_r50 "*|*" engine_r50 "*) need r50 $R50 ;; esac
 case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*|*" podtext "*) need text $TEXT --dynamic-batch 1:64 ;; esac
-case " $PARTS " in *" shared "*) need big --model examples/models.py:big_mlp --input x:4x8192:float32 --dynamic-batch 1:16 ;; esac
-case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*|*" heavy_mlp "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
+case " $PARTS " in *" shared "*|*" engine_mem "*) need big --model examples/models.py:big_mlp --input x:4x8192:float32 --dynamic-batch 1:16 ;; esac
+case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*|*" heavy_mlp "*|*" engine_mlp "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m bench.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
 for part in $PARTS; do
@@ -217,6 +221,19 @@ for part in $PARTS; do
     profile) $PY -m bench.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m bench.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
+    engine_bert|engine_r50|engine_mlp) # the engine (issue 64): ours per worker, ours_engine (engine: on), echo
+         model=${part#engine_}
+         case $model in
+           bert) [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 --out "$W/hf_bert"
+                 src=(--factory examples/hf_bert.py:bert_bench --artifact "$W/hf_bert/package.pt2" --program "$W/hf_bert/program.pt2" --lengths uniform:16:128) ;;
+           r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
+           mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
+         esac
+         $PY -m bench.bench_e2e "${src[@]}" --handlers ours,echo --variant engine:engine=on --rounds "${ROUNDS:-1}" \
+           --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-5}" \
+           --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" ;;
+    engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes shared,engine --restarts 2 --seconds 5 \
+           --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our
          # workers' batch cycles recorded (--timeline); ours and echo with the archive's settings and
          # with each of HEAVY (NAME:BATCH:DELAY ...), 1, 64 and 128 clients
@@ -230,6 +247,6 @@ for part in $PARTS; do
          $PY -m bench.bench_e2e "${src[@]}" --rounds "${ROUNDS:-1}" --out "$RESULTS/heavy_${model}_fp16_$TAG" --gpus 1 \
            --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-6}" --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
            --max-batch-delay "$DELAY" --load-generator native --timeline "${serving[@]}" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small, heavy_bert, heavy_r50, heavy_mlp)"; exit 2 ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small, heavy_bert, heavy_r50, heavy_mlp, engine_bert, engine_r50, engine_mlp, engine_mem)"; exit 2 ;;
   esac
 done

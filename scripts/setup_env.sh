@@ -28,7 +28,7 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))
 PYEOF
   echo "setup: installing into .venv: TorchServe, the tools and the test packages of pyproject.toml"
   .venv/bin/python -m pip install -q -r .venv/requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, safetensors, hypothesis, matplotlib, tritonclient.http, jsonschema, transformers" \
+  .venv/bin/python -c "import torch, ts, model_archiver, yaml, grpc, pytest, safetensors, hypothesis, matplotlib, tritonclient.http, jsonschema, transformers, openai, jinja2" \
     || { echo "setup: package installation failed" >&2; exit 1; }
   rm -f .venv/.installed-*; touch "$stamp"
   echo "setup: .venv is ready"

@@ -1,12 +1,12 @@
 """Models and factories for the engine's tests (tests/test_engine_core.py): a small module that
-records every call's batch size, and `python -m engine.serve --factory engine_kit:slow_runner`'s
+records every call's batch size, and `python -m handlers.engine.serve --factory engine_kit:slow_runner`'s
 factory (ENGINE_KIT_SLOW seconds of sleep per call)."""
 import os
 import time
 
 import torch
 
-from engine.model import module_runner
+from handlers.engine.model import module_runner
 
 TABLE_ROWS = 10
 

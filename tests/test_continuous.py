@@ -27,6 +27,7 @@ from handlers.artifact.decoder import recognise
 from handlers.artifact.state import program_state
 from handlers.config import parse_config
 from handlers.errors import ServingError
+from handlers.generation.abandon import ClientGone, Marks, mark
 from handlers.generation import engine as engines
 from handlers.generation import loop
 from handlers.generation.request import GenerateRequest, Params
@@ -64,22 +65,22 @@ class Harness:
     """The engine on the CPU over the exported program, its answers collected."""
 
     def __init__(self, program, queue_size=256, budget=engines.Budget(4, 16), runner=None, start=True,
-                 queue_timeout_s=0.0):
+                 queue_timeout_s=0.0, marks=None):
         """`runner`: one made (and its graphs captured) by the caller; else the CPU's. `start`
         False: the engine's thread is not started, the test runs its turns (`turn`)."""
         dec = recognise(program, program_state(program).mutated)
         self.runner = runner or SlotRunner(_Module(program), dec, torch.device("cpu"),
                                            SimpleNamespace(stream_priority=0))
         self.done, self.cond = {}, threading.Condition()
-        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget, queue_timeout_s=queue_timeout_s)
+        self.engine = engines.Engine(self.runner, self._deliver, queue_size, budget, queue_timeout_s=queue_timeout_s,
+                                     marks=marks)
         if start:
             self.engine.start()
 
     def turn(self):
         """One turn of the engine on the test's thread, as its loop runs it (engine._run)."""
         with torch.inference_mode():
-            expired = self.engine._expire()
-            self.engine._admit()
+            expired = self.engine._begin()
             try:
                 self.engine.deliver(expired + (self.engine._turn() if self.engine._busy() else []))
             except Exception as e:  # noqa: BLE001  (as engine._run: the sequences in the cache fail)
@@ -95,11 +96,12 @@ class Harness:
                     self.done[job.tag] = err
             self.cond.notify_all()
 
-    def submit(self, tag, prompt, n, **params):
+    def submit(self, tag, prompt, n, key=None, **params):
         dec = self.runner.dec
         req = GenerateRequest(None, prompt, Params(max_tokens=n, ignore_eos=True, **params))
         cfg = dataclasses.replace(parse_config(None), max_new_tokens=n)
-        self.engine.submit(engines.Job(loop.Sequence(req, loop.plan(req, None, dec.vocab, dec.cache_length, cfg), None), tag))
+        self.engine.submit(engines.Job(loop.Sequence(req, loop.plan(req, None, dec.vocab, dec.cache_length, cfg), None), tag,
+                                       key=key))
 
     def wait(self, tags):
         with self.cond:
@@ -495,6 +497,36 @@ def test_a_sequence_that_waited_past_the_queue_timeout_is_dropped_before_it_star
     for _ in range(20):
         h.turn()
     assert all(h.done[i] and len(h.done[i]) == 8 for i in range(SLOTS))  # the running sequences finished
+
+
+def test_sequences_whose_clients_went_free_their_slots_at_the_next_turn(program, tmp_path):
+    """Issue 63: 8 abandoned requests held every slot to their end. The pod marks a request whose
+    client went (pod/aborts.py); at its next turn the engine ends each marked sequence wherever it
+    is (decoding, filling its prompt, waiting), answers it ClientGone (499), frees its slot for
+    the next in line, and the others' tokens are what they are alone."""
+    keys = [f"{i:032x}" for i in range(SLOTS + 2)]
+    h = Harness(program, start=False, budget=engines.Budget(1, 2), marks=Marks(str(tmp_path)))
+    prompt = [5, 17, 33, 2, 9, 44, 120, 3]
+    for i, key in enumerate(keys):
+        h.submit(i, prompt, 12, key=key)
+    h.turn()
+    h.turn()  # every slot decoding, two waiting
+    assert len(h.engine.waiting) == 2 and not h.engine.free
+    slot = next(j.slot for j in h.engine.inflight.rows if j.tag == 0)
+    mark(str(tmp_path), keys[0])
+    h.turn()
+    assert isinstance(h.done[0], ClientGone) and h.done[0].status == 499
+    assert [(j.tag, j.slot) for j in h.engine.filling] == [(SLOTS, slot)]  # the next in line, in its slot
+    mark(str(tmp_path), keys[SLOTS])  # filling its prompt
+    mark(str(tmp_path), keys[SLOTS + 1])  # waiting
+    h.turn()
+    assert all(isinstance(h.done[t], ClientGone) for t in (SLOTS, SLOTS + 1))
+    assert h.engine.free == [slot] and not h.engine.filling and not h.engine.waiting
+    for _ in range(20):
+        h.turn()
+    want = one_sequence_greedy(program, prompt, 12)
+    assert all(h.done[i] == want for i in range(1, SLOTS)), "a sequence beside the abandoned ones changed"
+    assert sorted(h.engine.free) == list(range(SLOTS))
 
 
 # --- through real TorchServe -------------------------------------------------------------------

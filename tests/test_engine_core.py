@@ -1,5 +1,5 @@
-"""engine/core.py and engine/client.py: batching across workers, per-request failure, aborts,
-and the engine as a process (python -m engine.serve): SIGKILL of the engine mid-request, SIGKILL
+"""handlers/engine/core.py and handlers/engine/client.py: batching across workers, per-request failure, aborts,
+and the engine as a process (python -m handlers.engine.serve): SIGKILL of the engine mid-request, SIGKILL
 of a worker. Every wait has a deadline: a hang fails the test instead of holding the run."""
 import os
 import signal
@@ -13,8 +13,8 @@ import torch
 
 import engine_kit as kit
 from conftest import ROOT
-from engine.client import EngineClient, InProcessEngine
-from engine.core import Engine, start
+from handlers.engine.client import EngineClient, InProcessEngine
+from handlers.engine.core import Engine, start
 from handlers import errors
 
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
@@ -137,7 +137,7 @@ def test_many_threads_through_the_running_loop(three):
 
 
 def test_the_engine_imports_nothing_of_torchserve():
-    code = ("import sys, engine.serve, engine.client; "
+    code = ("import sys, handlers.engine.serve, handlers.engine.client; "
             "bad = [m for m in sys.modules if m.startswith(('ts.', 'handlers.torchserve')) or m == 'ts']; "
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
@@ -150,7 +150,7 @@ def test_the_engine_imports_nothing_of_torchserve():
 def engine_process(tmp_path):
     def launch(slow=0.0):
         sock = str(tmp_path / "engine.sock")
-        proc = subprocess.Popen([sys.executable, "-m", "engine.serve", sock, "--factory", "engine_kit:slow_runner"],
+        proc = subprocess.Popen([sys.executable, "-m", "handlers.engine.serve", sock, "--factory", "engine_kit:slow_runner"],
                                 env={**ENV, "ENGINE_KIT_SLOW": str(slow)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
@@ -203,7 +203,7 @@ def test_an_engine_killed_mid_request_is_engine_dead_not_a_hang(engine_process):
 VICTIM = """
 import sys, time
 import engine_kit as kit
-from engine.client import EngineClient
+from handlers.engine.client import EngineClient
 c = EngineClient(sys.argv[1], "victim", 1 << 16, 1 << 16)
 c.submit(kit.request(3, 0))
 print("sent", flush=True)

@@ -1,4 +1,4 @@
-"""engine/protocol.py and engine/arena.py: every message round-trips through the framing, bad
+"""handlers/engine/protocol.py and handlers/engine/arena.py: every message round-trips through the framing, bad
 frames are typed errors, the arena's allocator, zero-copy views, a full arena (503), cleanup."""
 import gc
 import os
@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from engine import protocol as p
-from engine.arena import ALIGN, Allocator, Arena
+from handlers.engine import protocol as p
+from handlers.engine.arena import ALIGN, Allocator, Arena
 from handlers.errors import ArenaFull, ProtocolError
 
 REF = p.TensorRef("x", "float32", (2, 3), 128, 24)

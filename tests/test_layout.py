@@ -13,9 +13,6 @@ from conftest import ROOT
 # what each room may import (besides itself, the standard library and installed packages)
 MAY_IMPORT = {
     "handlers": set(),
-    # the GPU engine of issue 64 runs handlers' runners and errors, never handlers/torchserve
-    # (test_engine_core.py checks what it imports at run time)
-    "engine": {"handlers"},
     "compiled_serving": {"handlers"},
     "pod": {"handlers", "compiled_serving"},  # compiled_serving: local_pod's local TorchServe only
     "examples": set(),
@@ -82,6 +79,19 @@ def test_imports_go_down_the_rooms_only():
     assert not bad, "imports back up the rooms:\n" + "\n".join(bad)
 
 
+# The GPU side of issue 64 (handlers/engine/, the engine process and the worker's client of it)
+# runs handlers' runners and errors, never TorchServe's adapter (test_engine_core.py also checks
+# what the engine process imports at run time).
+ENGINE_MAY_NOT_IMPORT = ("handlers.torchserve", "handlers.ts_entry", "handlers.worker", "handlers.pipeline")
+
+
+def test_the_engine_package_imports_nothing_of_torchserve():
+    modules = code_modules()
+    bad = [f"{path} imports {dep}" for mod, path in modules.items() if mod == "handlers.engine" or mod.startswith("handlers.engine.")
+           for dep in imports_of(path, modules) if dep.startswith(ENGINE_MAY_NOT_IMPORT)]
+    assert not bad, "the engine imports TorchServe's side:\n" + "\n".join(bad)
+
+
 def test_no_import_cycle():
     modules = code_modules()
     graph = {m: imports_of(p, modules) for m, p in modules.items()}
@@ -135,7 +145,7 @@ def test_the_layout_table_names_every_files_room():
     assert not missing, f"docs/architecture.md's layout table has no row for {missing}"
     # every module and script of the rooms by role is named in its room's rows
     unnamed = []
-    for room in ("compiled_serving", "bench", "pod", "scripts", "engine"):
+    for room in ("compiled_serving", "bench", "pod", "scripts", "handlers/engine"):
         text = " ".join(c + what for c, what in rows.items() if f"`{room}/" in c)
         for path in tracked(f"{room}/*"):
             stem = path.rsplit("/", 1)[1]

@@ -35,6 +35,7 @@ import torch
 from handlers import faults
 from handlers.errors import ServingError
 from handlers.generation import sampling
+from handlers.generation.abandon import Marks
 from handlers.generation.loop import Sequence
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Job:
     pos: int = 0  # the position the next decode step writes
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
     queued: float = 0.0  # time.monotonic() at submit
+    key: Optional[str] = None  # the pod's name for its request, whose mark says its client went (abandon.py)
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,10 @@ class Engine:
     failed."""
 
     def __init__(self, runner, deliver: Callable, queue_size: int, budget: Budget, broken: Callable = None,
-                 queue_timeout_s: float = 0.0):
+                 queue_timeout_s: float = 0.0, marks: Optional[Marks] = None):
         self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
         self.queue_timeout_s = queue_timeout_s
+        self.marks = marks or Marks(None)
         self.broken = broken
         self.slots = runner.dec.slots
         self.free = list(range(self.slots))
@@ -128,8 +131,7 @@ class Engine:
                         self.stats.log_and_reset()
                     while not self._busy():
                         self.cond.wait()
-                    expired = self._expire()
-                    self._admit()
+                    expired = self._begin()
                 try:
                     updates = expired + (self._turn() if self._busy() else [])
                     t = time.perf_counter()
@@ -140,6 +142,14 @@ class Engine:
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.filling or self.ready or self.inflight)
+
+    def _begin(self) -> list:
+        """A turn's start, under the lock: the failed updates of the waiting sequences past their
+        deadline and of those whose clients went, taken out first; then newcomers into the free
+        slots."""
+        out = self._expire() + self._abandon()
+        self._admit()
+        return out
 
     def _expire(self) -> list:
         """Failed updates for the waiting sequences that waited past queue_timeout_s, taken out
@@ -153,6 +163,33 @@ class Engine:
             out.append((job, [], Busy(f"the sequence waited {now - job.queued:.1f} s for one of the {self.slots} "
                                       f"slots, longer than handler.queue_timeout_s {self.queue_timeout_s:g}, "
                                       f"and was not started; retry after {RETRY_AFTER_S} s")))
+        return out
+
+    def _abandon(self) -> list:
+        """Failed updates (ClientGone) for the sequences whose clients went (abandon.py: one
+        listing of the marks per turn), each taken out wherever it is and its slot freed before
+        this turn's step is launched, so that step and the prompt call no longer run it. Last
+        turn's step, already on the stream, still writes its slot: a newcomer given the slot
+        writes that position (its prompt, or its own step, which writes before it attends)
+        before it reads it, as for any sequence that stopped."""
+        if self.marks.directory is None:  # no pod: nothing is ever marked
+            return []
+        decoding = [j for j in (self.inflight.rows if self.inflight else []) if j.seq.reason is None]
+        held = list(self.waiting) + self.filling + self.ready + decoding
+        gone = self.marks.gone(j.key for j in held)
+        if not gone:
+            return []
+        out = []
+        for job in held:
+            if job.key not in gone or job.seq.reason is not None:
+                continue
+            job.seq.reason = "abandoned"  # the read of last turn's step passes it by (_turn)
+            for queue in (self.waiting, self.filling, self.ready):
+                if job in queue:
+                    queue.remove(job)
+            if job.slot >= 0:
+                self._release(job)
+            out.append((job, [], self.marks.error("before its generation ended")))
         return out
 
     def _admit(self) -> None:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import json
 
+from handlers import wire
 from handlers.errors import RequestError
+from handlers.generation.request import parse
+from handlers.wire.base import Encoded
 
 ROUTE_HEADER = "X-Generate-Route"
 ROUTES = ("predictions", "generate", "generate_stream")
@@ -44,6 +47,18 @@ class Route:
         """RequestError (400) on a tensor route: a decoder generates on the generate routes."""
         if self.tensor:
             raise RequestError(ON_A_TENSOR_ROUTE)
+
+    def parse(self, request, content_type, max_bytes: int, text):
+        """The request as a GenerateRequest (request.py); RequestError naming what is wrong."""
+        return parse(request, content_type, max_bytes)
+
+    def direct(self):
+        """An answer that needs no generation (OpenAI's /v1/models, handlers/generation/openai.py), or None."""
+        return None
+
+    def error(self, err) -> Encoded:
+        """A request's whole answer when it fails before any token: the JSON error object."""
+        return wire.ERRORS.error(err, None, "")
 
     def streams(self, stream_param: bool) -> bool:
         return self.name == "generate_stream" or (self.name == "predictions" and stream_param)

@@ -58,7 +58,7 @@ def plan(req: GenerateRequest, text: Optional[Text], vocab: int, cache_length: i
         raise RequestError("parameters.stop needs the archive's tokenizer (tokenizer.json); use "
                            "parameters.stop_token_ids with token ids")
     _check_stops(req.params, vocab, config)
-    ids = req.ids if req.ids is not None else _encode(req.text, text, cache_length)
+    ids = req.ids if req.ids is not None else _encode(req.text, text, cache_length, req.special_tokens)
     if not ids:
         raise RequestError("the prompt encodes to no tokens")
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -96,7 +96,7 @@ def _check_stops(params, vocab: int, config) -> None:
                            f"{bad[0]}); token ids are 0..{vocab - 1}")
 
 
-def _encode(prompt: str, text: Text, cache_length: int) -> list:
+def _encode(prompt: str, text: Text, cache_length: int, special_tokens: bool = True) -> list:
     """The prompt's ids; a text too long to fit in the cache is refused by its UTF-8 length first,
     before the tokenizer spends memory and time on it (handlers/generation/text.max_token_bytes)."""
     most = cache_length * text.max_token_bytes
@@ -106,7 +106,7 @@ def _encode(prompt: str, text: Text, cache_length: int) -> list:
                            f"positions and one token stands for at most {text.max_token_bytes} bytes, so a "
                            f"text of more than {most} bytes cannot fit: shorten the prompt")
     try:
-        return text.encode(prompt)
+        return text.encode(prompt, special_tokens)
     except Exception as e:  # noqa: BLE001  (whatever the tokenizer cannot take is the client's text)
         raise RequestError(f"text_input could not be tokenized: {type(e).__name__}: {e}") from None
 

@@ -58,6 +58,9 @@ class GenerateRequest:
     ids: Optional[list]
     params: Params = field(default_factory=Params)
     id: Optional[str] = None
+    # False: `text` already holds the model's special tokens (a rendered chat template, as
+    # transformers' apply_chat_template tokenizes it), so the tokenizer adds none
+    special_tokens: bool = True
 
 
 def _typed(name: str, value, kind):
@@ -71,7 +74,8 @@ def _typed(name: str, value, kind):
     return value
 
 
-def _params(raw) -> Params:
+def parameters(raw) -> Params:
+    """`parameters` of a request checked (types, ranges, stop lists): the one place they are."""
     if raw is None:
         return Params()
     if not isinstance(raw, dict):
@@ -116,8 +120,13 @@ def _ranges(v: dict) -> None:
             raise RequestError(f"parameters.{name} is {v[name]}: expected a value {words} ({PARAMETERS[name][1]})")
 
 
-def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
-    """The request TorchServe handed over (a dict with the body under "body" or "data")."""
+OIP_EXAMPLE = "{\"text_input\": \"...\"} or {\"input_ids\": [1, 2, 3]}"
+
+
+def json_body(data, content_type: Optional[str], max_bytes: int, example: str = OIP_EXAMPLE) -> dict:
+    """The JSON object of the request TorchServe handed over (a dict with the body under "body" or
+    "data"): 413 past `max_bytes`, 415 for a Content-Type that is no JSON, 400 for no JSON object;
+    `example` is the body the messages show."""
     body = payload_of(data)
     if isinstance(body, (bytes, bytearray)):
         if len(body) > max_bytes:
@@ -125,15 +134,19 @@ def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
                                   f"{max_bytes} bytes (handler.max_json_mb)")
         if content_type and "json" not in content_type.lower() and not content_type.startswith("text/plain"):
             raise UnsupportedMediaType(f"Content-Type {content_type} is not taken by a language model: send "
-                                       "application/json, {\"text_input\": ...} or {\"input_ids\": [...]}")
+                                       f"application/json, {example}")
         try:
             body = strict_json.loads(body)
         except RequestError as e:
-            raise RequestError(f"the body is not JSON ({e.message}); send {{\"text_input\": \"...\"}} or "
-                               "{\"input_ids\": [1, 2, 3]}") from None
+            raise RequestError(f"the body is not JSON ({e.message}); send {example}") from None
     if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object: {\"text_input\": \"...\"} or {\"input_ids\": [1, 2, 3]}, "
-                           "with optional \"parameters\"")
+        raise RequestError(f"the body must be a JSON object: {example}")
+    return body
+
+
+def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
+    """The request TorchServe handed over (a dict with the body under "body" or "data")."""
+    body = json_body(data, content_type, max_bytes)
     unknown = sorted(set(body) - set(TOP_LEVEL))
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(unknown)}; a generation request takes "
@@ -149,4 +162,4 @@ def parse(data, content_type: Optional[str], max_bytes: int) -> GenerateRequest:
                             or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
         raise RequestError("input_ids must be a non-empty list of integer token ids")
     rid = body.get("id")
-    return GenerateRequest(text, ids, _params(body.get("parameters")), str(rid) if rid is not None else None)
+    return GenerateRequest(text, ids, parameters(body.get("parameters")), str(rid) if rid is not None else None)

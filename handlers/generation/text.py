@@ -25,14 +25,21 @@ class Text:
         self.tokenizer = Tokenizer.from_file(path)
         self.eos_ids = tuple(i for i in (self.tokenizer.token_to_id(n) for n in EOS_NAMES) if i is not None)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
+        self.chat = None  # the archive's ChatTemplate (handlers/generation/chat.py), set by in_dir
 
     @classmethod
     def in_dir(cls, model_dir: str) -> Optional["Text"]:
-        path = os.path.join(model_dir, TOKENIZER_FILE)
-        return cls(path) if os.path.isfile(path) else None
+        from handlers.generation.chat import ChatTemplate
 
-    def encode(self, text: str) -> list:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        path = os.path.join(model_dir, TOKENIZER_FILE)
+        if not os.path.isfile(path):
+            return None
+        text = cls(path)
+        text.chat = ChatTemplate.in_dir(model_dir)  # tokenizer_config.json's chat_template, or None
+        return text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -27,7 +27,7 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
 
 def _runner(model, spec, device: torch.device, config: HandlerConfig) -> Runner:
     if device.type == "cuda":
-        # imported here, not at the top: the engine process (engine/) runs these runners and
+        # imported here, not at the top: the engine process (handlers/engine/) runs these runners and
         # imports nothing of handlers/torchserve where it runs on the CPU (tests/test_engine_core.py)
         from handlers.torchserve.threads import cuda_wait
 

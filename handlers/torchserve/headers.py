@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from handlers.generation.abandon import HEADER as KEY_HEADER
 from handlers.generation.formats import ROUTE_HEADER
 from handlers.wire.v2_binary import HEADER as V2_HEADER_LENGTH
 
-_WANTED = ("content-type", "accept", V2_HEADER_LENGTH.lower(), ROUTE_HEADER.lower())
+# url_path: what TorchServe 0.12's frontend puts in the header of that name for
+# /predictions/{model}/{version}/{rest} (the path past the version; handlers/generation/openai.py)
+_WANTED = ("content-type", "accept", V2_HEADER_LENGTH.lower(), ROUTE_HEADER.lower(), KEY_HEADER.lower(), "url_path")
 _SPELLINGS_MAX = 256  # header-name sets remembered (clients send a handful)
 _spellings: dict = {}  # tuple of header names -> {lower-cased wanted name: the name as sent}
 
@@ -28,6 +31,8 @@ class RequestHeaders(NamedTuple):
     accept: Optional[str] = None
     v2_header_length: Optional[str] = None
     generate_route: Optional[str] = None  # a decoder's route, named by the pod's nginx (generation/formats.py)
+    request_key: Optional[str] = None  # the pod's nginx's name for a generation request (generation/abandon.py)
+    url_path: Optional[str] = None  # the path past /predictions/NAME/VERSION/ (OpenAI's routes on a decoder)
     # any str header, or none readable: a REST request (the OIP gRPC service sends no str header)
     rest: bool = True
 

@@ -11,7 +11,6 @@ holder's copy and one worker's.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -263,17 +262,10 @@ def _receive(conn) -> dict:
 def take_lock(fd: int, path: str, wait_s: float) -> None:
     """The holder's lock within `wait_s`; ShareError naming the lock and the wait where a sibling
     keeps it longer (a worker's readiness never waits on a stuck sibling)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise ShareError(f"waited {wait_s:.0f}s for the weights holder's lock {path}, which a sibling "
-                                 "worker keeps while it starts the holder or loads on it; its log is beside "
-                                 "the lock (.log)") from None
-            time.sleep(0.05)
+    if not process.lock_within(fd, wait_s):
+        raise ShareError(f"waited {wait_s:.0f}s for the weights holder's lock {path}, which a sibling "
+                         "worker keeps while it starts the holder or loads on it; its log is beside "
+                         "the lock (.log)")
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 
 Two clients with one API (`Client`): `InProcessEngine` calls an `engine.core.Engine` of this
 process directly (unit tests: no sockets, no second process), `EngineClient` talks to an engine
-process (`python -m engine.serve`) over its Unix socket. Both write inputs once into the
-worker's arena (engine/arena.py) and send offsets; a Result's outputs are views of the arena
+process (`python -m handlers.engine.serve`) over its Unix socket. Both write inputs once into the
+worker's arena (handlers/engine/arena.py) and send offsets; a Result's outputs are views of the arena
 until `Reply.release()`.
 
 Every wait has a deadline. A request past it is aborted (the engine answers it 499 later, and
@@ -21,9 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine import protocol as p
-from engine.arena import Arena
-from engine.core import Engine, Session
+import torch
+
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
+from handlers.engine.core import Engine, Session
 from handlers import errors
 from handlers.faults import OutOfDeviceMemory
 
@@ -47,11 +49,16 @@ class Reply:
         self.outputs = {r.name: client.arena.view(r) for r in result.outputs}
         self.released = False
 
-    def release(self) -> None:
+    def release(self, defer: bool = False) -> None:
+        """`defer`: told to the engine with this client's next Infer (one message less per
+        request under load; the blocks stay the engine's until then)."""
         if not self.released:
             self.released = True
             self.outputs = {}
-            self._client._send_quiet(p.Release(self.id))
+            if defer:
+                self._client.done_with(self.id)
+            else:
+                self._client._send_quiet(p.Release(self.id))
 
     def __enter__(self):
         return self
@@ -66,9 +73,11 @@ class Client:
     def __init__(self, arena: Arena, name: str):
         self.arena, self.name = arena, name
         self._ids = itertools.count(1)
+        self._done: list = []  # Results released here and not yet told to the engine (sent with the next Infer)
         self._pending = {}
         self._lock = threading.Lock()
         self.dead: Optional[str] = None
+        self.on_dead = None  # called once, with the reason, when the engine is found gone
 
     def _send(self, msg: p.Message) -> None:
         raise NotImplementedError
@@ -81,20 +90,36 @@ class Client:
             pass
 
     def submit(self, inputs: dict) -> int:
-        """Writes `inputs` ({name: tensor}) into the arena and sends the Infer; returns its id.
-        ArenaFull (503) where the arena has no room now; EngineDead where the engine is gone."""
+        """Writes `inputs` ({name: tensor, or a list of row blocks sent as one tensor}) into the
+        arena and sends the Infer; returns its id. ArenaFull (503) where the arena has no room
+        now; EngineDead where the engine is gone."""
         self._check_alive()
         refs = []
         try:
             for name, t in inputs.items():
-                refs.append(self.arena.put(name, t))
+                refs.append(self.arena.put(name, t) if isinstance(t, torch.Tensor) else self.arena.put_rows(name, t))
         except BaseException:
             for ref in refs:
                 self.arena.release(ref)
             raise
         job_id = self._track(tuple(refs))
-        self._send_or_fail(job_id, p.Infer(job_id, tuple(refs)))
+        with self._lock:
+            done, self._done = tuple(self._done), []
+        self._send_or_fail(job_id, p.Infer(job_id, tuple(refs), done))
         return job_id
+
+    def done_with(self, result_id: int) -> None:
+        """A Result's blocks are free again on the engine's side: told with the next Infer, or
+        at once where `flush` is called (the engine keeps them in its half until then)."""
+        with self._lock:
+            self._done.append(result_id)
+
+    def flush(self) -> None:
+        """Tells the engine every released Result now (a Release each)."""
+        with self._lock:
+            done, self._done = self._done, []
+        for result_id in done:
+            self._send_quiet(p.Release(result_id))
 
     def wait(self, job_id: int, timeout: float) -> Reply:
         """The job's Reply; raises its typed error (Failed's status), EngineDead, or
@@ -172,12 +197,15 @@ class Client:
     def engine_dead(self, reason: str) -> None:
         """Every request in flight fails with EngineDead (nobody reads their inputs any more)."""
         with self._lock:
+            first = self.dead is None
             self.dead = self.dead or reason
             for job_id, pending in list(self._pending.items()):
                 if not pending.done.is_set():
                     self._settle(pending, errors.EngineDead(f"the engine is gone: {reason}"))
                 if pending.abandoned:
                     del self._pending[job_id]
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
 
     def in_flight(self) -> int:
         """Requests sent and not yet answered."""
@@ -216,6 +244,7 @@ class InProcessEngine(Client):
         self.engine.on_message(self.session, msg)
 
     def close(self) -> None:
+        self.on_dead = None  # closed on purpose: nobody is to reconnect
         self.engine.disconnect(self.session)
         self.engine_dead("the client closed")
         self.arena.close()
@@ -276,6 +305,7 @@ class EngineClient(Client):
         self.conn.send(msg)
 
     def close(self) -> None:
+        self.on_dead = None  # closed on purpose: nobody is to reconnect
         self.conn.close()
         self._reader.join(5.0)
         self.engine_dead("the client closed")

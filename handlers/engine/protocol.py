@@ -1,7 +1,7 @@
 """The engine's protocol: typed messages between a CPU worker and the GPU engine (issue 64).
 
 Control only crosses the socket. Tensor bytes live in the worker's shared-memory arena
-(engine/arena.py); a message names a tensor by `TensorRef` (name, dtype, shape, offset in the
+(handlers/engine/arena.py); a message names a tensor by `TensorRef` (name, dtype, shape, offset in the
 arena, nbytes), never by its bytes.
 
 The conversation, one Unix stream socket per worker:
@@ -81,11 +81,16 @@ class Ready(_Msg, tag="ready"):
     pid: int
     max_rows: int  # rows the engine runs in one call at most
     protocol: int = VERSION
+    variant: str = ""  # the variant directory the engine loaded (its artifact.json is the worker's spec)
+    describe: str = ""  # what the engine loaded and how, for the worker's load line
 
 
 class Infer(_Msg, tag="infer"):
     id: int
     inputs: tuple[TensorRef, ...]
+    # Results the worker is done with (their ids), carried here rather than as a Release each:
+    # one message and one wake-up of the engine's reader less per request under load
+    release: tuple[int, ...] = ()
 
 
 class Result(_Msg, tag="result"):

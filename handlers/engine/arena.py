@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from engine.protocol import TensorRef
+from handlers.engine.protocol import TensorRef
 from handlers.dtypes import dtype_name, torch_dtype
 from handlers.errors import ArenaFull
 
@@ -111,6 +111,19 @@ class Arena:
         ref, view = self.alloc(name, tensor.dtype, tuple(tensor.shape))
         if tensor.numel():
             view.copy_(tensor)
+        return ref
+
+    def put_rows(self, name: str, parts: list) -> TensorRef:
+        """Copies the row blocks `parts` (tensors of one dtype and one shape after the first
+        dimension) into one new block, one after the other: several requests sent as one."""
+        first = parts[0]
+        ref, view = self.alloc(name, first.dtype, (sum(t.shape[0] for t in parts),) + tuple(first.shape[1:]))
+        at = 0
+        for t in parts:
+            n = t.shape[0]
+            if t.numel():
+                view[at:at + n].copy_(t)
+            at += n
         return ref
 
     def alloc(self, name: str, dtype: torch.dtype, shape: tuple) -> tuple:

@@ -12,7 +12,7 @@ leaves the device unusable (handlers/faults.is_sticky) ends the engine: every wo
 EngineDead.
 
 Threads: `on_message` and `connect`/`disconnect` are called from any thread (the socket
-readers of engine/serve.py, or the worker's own thread in-process); the loop (`step`,
+readers of handlers/engine/serve.py, or the worker's own thread in-process); the loop (`step`,
 `serve_forever`) runs on one thread, the only one that calls the model. `Session.reply` is
 called from both, and must be thread-safe (protocol.Connection.send is).
 """
@@ -24,8 +24,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from engine import protocol as p
-from engine.arena import Arena
+import torch
+
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
 from handlers.errors import EngineUnavailable, RequestError, ServingError
 from handlers.faults import OutOfDeviceMemory, client_fault, is_oom, is_sticky, plain_message
 
@@ -80,7 +82,7 @@ class Engine:
     def disconnect(self, session: Session) -> None:
         """The worker is gone (its socket closed, or it closed in-process): its queued jobs are
         dropped, its held Results freed and its arena unmapped (a running job's views keep the
-        mapping until the call ends: engine/arena.py Arena.close)."""
+        mapping until the call ends: handlers/engine/arena.py Arena.close)."""
         with self.cv:
             self.sessions.discard(session)
             mine = [j for j in self.queue if j.session is session]
@@ -94,6 +96,8 @@ class Engine:
 
     def on_message(self, session: Session, msg: p.Message) -> None:
         if isinstance(msg, p.Infer):
+            for done in msg.release:
+                self._release(session, done)
             self.submit(session, msg)
         elif isinstance(msg, p.Release):
             self._release(session, msg.id)
@@ -188,7 +192,10 @@ class Engine:
         """One call for all the jobs; after a failure, one call per job (retry) so only the
         job that fails alone is answered Failed."""
         try:
-            outs = self.runner.run([j.inputs for j in jobs])
+            # as a worker runs its model (handlers/pipeline.py): the warm-up made the runner's
+            # buffers inference tensors, which only inference mode may write in place
+            with torch.inference_mode():
+                outs = self.runner.run([j.inputs for j in jobs])
         except Exception as e:  # noqa: BLE001 - every failure is answered, typed
             if is_sticky(e):
                 self.die(f"a device fault that poisons the process: {plain_message(str(e))}", jobs)
@@ -273,7 +280,7 @@ def _failed(job_id: int, e: ServingError) -> p.Failed:
 
 def start(engine: Engine) -> tuple:
     """The engine's loop on a daemon thread: (thread, stop event). Tests' and the in-process
-    engine's way to run it; engine/serve.py runs it on its main thread."""
+    engine's way to run it; handlers/engine/serve.py runs it on its main thread."""
     stop = threading.Event()
     thread = threading.Thread(target=engine.serve_forever, args=(stop,), name=f"{engine.name}-loop", daemon=True)
     thread.start()

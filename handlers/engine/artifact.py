@@ -1,0 +1,87 @@
+"""The engine's model: an archive's artifact loaded on the engine's device, behind the runner the
+worker would build for it (handlers/run), warmed up and its CUDA graphs captured before the
+engine answers its first Hello.
+
+The engine chooses the variant itself (handlers/artifact/variants.py, with this process's
+machine facts), and tells each worker which one in its Ready: a worker never asks CUDA anything,
+so it holds no CUDA context (asking a device's capability starts CUDA in the asking process).
+A process started by a worker confined to its GPU inherits that confinement
+(handlers/artifact/confine.py): it sees the GPU as cuda:0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from handlers.artifact.decoder import of as decoder_of
+from handlers.artifact.kinds import kind_of
+from handlers.artifact.load import load_artifact
+from handlers.artifact.state import require_checked
+from handlers.artifact.variants import choose_variant
+from handlers.config import parse_config
+from handlers.errors import LoadError
+from handlers.run import runner_for
+from handlers.run.padding import verify_padding
+from handlers.run.warm import warm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineModel:
+    """What the engine loaded: the runner every worker's requests go through, the variant's
+    directory (sent to the workers in Ready) and the load's account for the log."""
+
+    runner: object
+    spec: object
+    variant_dir: str
+    where: str
+    describe: str
+
+
+def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> EngineModel:
+    """The archive in `model_dir` loaded for this process's device (`gpu_id`: 0 for the one GPU
+    a confined engine sees, None for the CPU), warmed up, graphs captured; LoadError naming the
+    cause and its fix otherwise (the workers fail their load with it)."""
+    t0 = time.perf_counter()
+    config = parse_config(yaml_config)
+    torch.set_float32_matmul_precision(config.float32_matmul_precision)
+    spec, placement, notes = choose_variant(model_dir, gpu_id, config, verdict_root)
+    for note in notes:
+        logger.warning("%s", note)
+    kind = kind_of(spec)
+    require_checked(spec, kind)
+    if decoder_of(spec) is not None:
+        raise LoadError("handler.engine: on serves stateless models; this archive is a decoder, which its "
+                        "workers still run themselves. Fix: leave handler.engine off for it")
+    _threads(placement.kind, config.cpu_threads)
+    model = load_artifact(spec, placement, config)
+    runner = runner_for(model, spec, placement.torch_device, config)
+    padding = verify_padding(model, runner, spec, placement.torch_device) if runner.pad else "no padding"
+    t1 = time.perf_counter()
+    if config.warmup:
+        warm(spec, runner, config.warmup_batch_sizes)
+    graphs = runner.prepare(config, kind, defer=False)
+    plan, runner.pad = runner.pad, None  # the workers pad (handlers/engine/runner.py): requests arrive at their buckets
+    t2 = time.perf_counter()
+    describe = (f"{spec.backend} artifact {spec.artifact} ({model.loader}) on {placement.where} [{placement.note}]; "
+                f"load {t1 - t0:.2f}s, warm-up and graphs {t2 - t1:.2f}s; {graphs}; {runner.describe_sync()}; "
+                f"padding: {padding}" + (f" (to {plan.describe()}, by the workers)" if plan else "") + f"; CPU threads {torch.get_num_threads()}")
+    return EngineModel(runner, spec, spec.variant_dir, placement.where, describe)
+
+
+def _threads(kind: str, configured: int) -> None:
+    """torch's intra-op threads: on a GPU one (the engine's loop feeds the device; its socket
+    readers need the other cores), on the CPU every core this process may use, or
+    handler.cpu_threads where set: the engine is the only process running the model."""
+    if configured:
+        n = configured
+    elif kind == "cuda":
+        n = 1
+    else:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(n)

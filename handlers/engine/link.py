@@ -1,0 +1,98 @@
+"""A worker's way to its engine: the engine of its (archive, GPU, TorchServe frontend) found, or
+started when none answers, under a file lock, so the workers of one GPU that start at once agree
+on one engine (the first starts it, the others wait on the lock and connect to it).
+
+The engine runs in a session of its own (a worker's death or restart does not end it), with the
+environment of the worker that started it: CUDA_VISIBLE_DEVICES naming that worker's one GPU
+(handlers/artifact/confine.py), so the engine sees it as cuda:0. It imports the archive's copy
+of `handlers` (the model directory first on PYTHONPATH, as TorchServe runs the worker). It ends
+with its frontend, or when no worker was connected for IDLE_EXIT_S (handlers/engine/serve.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+from handlers import process
+from handlers.engine.client import EngineClient
+from handlers.errors import EngineUnavailable, LoadError, ProtocolError
+
+ENGINE_START_S = 600.0  # an engine's load, warm-up and CUDA graph captures at most
+IDLE_EXIT_S = 15.0  # longer than TorchServe's restart of a killed worker (about a second) plus its start
+ENGINE_DIR_PREFIX = "cs-engine-"
+
+
+def paths(root: str, model_dir: str, yaml_config, gpu: Optional[str]) -> dict:
+    """The engine's socket, lock and log. The frontend (the worker's parent) is part of the name,
+    so another TorchServe on the same files gets its own engine, tied to its own lifetime; so are
+    the model's directory (one per registered archive and version), its settings and the GPU as
+    the host names it (`gpu`: the worker's CUDA_VISIBLE_DEVICES entry; None: the CPU)."""
+    key = f"{os.path.realpath(model_dir)}|{json.dumps(yaml_config, sort_keys=True, default=str)}|{gpu}|{os.getppid()}"
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+    d = os.path.join(root, "engines")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return {ext: os.path.join(d, f"{tag}.{ext}") for ext in ("sock", "lock", "log")}
+
+
+def connect(root: str, model_dir: str, yaml_config, gpu: Optional[str], gpu_id: Optional[int],
+            name: str) -> EngineClient:
+    """A client of the engine for this archive and GPU (`gpu`: the GPU as the host names it, for
+    the engine's name; `gpu_id`: as the engine places on it, None for the CPU), starting the
+    engine where none answers; LoadError with the engine's own reason (and its log's path) where
+    it cannot load."""
+    p = paths(root, model_dir, yaml_config, gpu)
+    fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not process.lock_within(fd, ENGINE_START_S + 30):
+            raise LoadError(f"waited {ENGINE_START_S + 30:.0f}s for the engine's lock {p['lock']}, which a sibling "
+                            f"worker keeps while it starts the engine; the engine's log: {p['log']}")
+        with contextlib.suppress(OSError, EngineUnavailable, ProtocolError):
+            return EngineClient(p["sock"], name)
+        start(p, root, model_dir, yaml_config, gpu_id)
+        return EngineClient(p["sock"], name)
+    finally:
+        os.close(fd)
+
+
+def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]) -> int:
+    """Starts the engine and waits for its ready line; returns its pid."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # A TMPDIR of its own, beside the private scratch root: the worker's own is removed when
+    # that worker dies, and the engine outlives it (an AOTInductor package unpacks there).
+    tmp = tempfile.mkdtemp(prefix=ENGINE_DIR_PREFIX, dir=os.path.dirname(root))
+    env = dict(os.environ, TMPDIR=tmp)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "handlers.engine.serve", p["sock"], "--model-dir", model_dir,
+           "--config-json", json.dumps(yaml_config, default=str), "--verdict-root", root,
+           "--frontend", str(os.getppid()), "--idle-exit-s", str(IDLE_EXIT_S),
+           "--name", f"engine-{os.path.basename(os.path.normpath(model_dir))}"]
+    if gpu_id is not None:
+        cmd += ["--gpu-id", str(gpu_id)]  # 0 where the worker is confined to its GPU
+    with open(p["log"], "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=pkg_parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, start_new_session=True, close_fds=True)
+    line = _ready_line(proc, p["log"])
+    if "error" in line:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LoadError(f"the engine could not load the model: {line['error']} (its log: {p['log']})")
+    return int(line["pid"])
+
+
+def _ready_line(proc, log: str) -> dict:
+    ready, _, _ = select.select([proc.stdout], [], [], ENGINE_START_S)
+    raw = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        proc.kill()
+        raise LoadError(f"the engine gave no ready line within {ENGINE_START_S:.0f}s (exit status "
+                        f"{proc.poll()}); its log: {log}") from None

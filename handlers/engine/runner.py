@@ -1,0 +1,123 @@
+"""The runner of a worker served by the engine: the requests of a batch padded to their length
+buckets (the archive's padding) and sent as one Infer per shape (the engine batches them with
+every other worker's), each answered with its own rows or its own typed error, so one bad
+request fails alone (the engine retries a failed call one job at a time, this runner a failed
+job one request at a time).
+
+A Result's outputs are views of the worker's arena, valid until this runner's next `run` (as a
+runner's reused output buffers are: handlers/run/base.py); they are released then. Where the
+engine is gone, every request is answered EngineDead (503, retryable) at once while a thread
+connects to its successor (`reconnect`: handlers/engine/link.py starts one where none answers).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from handlers.batch import offsets
+from handlers.errors import EngineDead, ServingError
+from handlers.run.base import Runner
+
+logger = logging.getLogger(__name__)
+WAIT_S = 60.0  # one request's answer at most; past it the request is aborted (504)
+RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries to reach the engine's successor; the last repeats
+
+
+class EngineRunner(Runner):
+    def __init__(self, client, spec, reconnect: Callable[[], object], pad=None):
+        super().__init__(None, spec)
+        self.client, self._reconnect = client, reconnect
+        # the archive's padding (handlers/batch.PadPlan), applied here: requests padded to their
+        # length buckets share a shape, and a batch's requests of one shape go as one Infer
+        self.pad = pad
+        self._held: list = []  # the last run's replies, released at the next
+        self._retired: list = []  # clients of dead engines, closed once their replies are released
+        self._reconnecting = threading.Lock()
+        client.on_dead = self._engine_gone
+
+    def run(self, requests: list) -> list:
+        """Per request, its outputs ({name: tensor viewing the arena}) or its ServingError. The
+        requests of one shape (after padding) go to the engine as one job, their rows one after
+        the other (the engine's work per job is the same for one row or many); a job that fails
+        for a reason of its own is sent again one request at a time, so only the bad one fails."""
+        self._release()
+        client = self.client
+        if client.dead:
+            return [EngineDead(f"the engine is gone ({client.dead}); a new one is starting: retry")] * len(requests)
+        rows = [next(iter(r.values())).shape[0] for r in requests]
+        sizes = None
+        if self.pad is not None:
+            sizes = [self.pad.sizes(r) for r in requests]
+            targets = self.pad.targets(sizes, rows, lambda n, at: None)  # each request to its own bucket
+            requests = [self.pad.pad(r, t) for r, t in zip(requests, targets)]
+        groups = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(tuple(tuple(t.shape[1:]) for t in r.values()), []).append(i)
+        sent = [(idxs, self._submit(client, [requests[i] for i in idxs])) for idxs in groups.values()]
+        out = [None] * len(requests)
+        for idxs, job in sent:
+            answers = self._answers(client, job, [requests[i] for i in idxs], [rows[i] for i in idxs])
+            for i, a in zip(idxs, answers):
+                out[i] = a
+        if sizes is not None:
+            out = [o if isinstance(o, ServingError) else self.pad.cut(o, s) for o, s in zip(out, sizes)]
+        return out
+
+    @staticmethod
+    def _submit(client, requests: list):
+        try:
+            if len(requests) == 1:
+                return client.submit(requests[0])
+            return client.submit({name: [r[name] for r in requests] for name in requests[0]})
+        except ServingError as e:
+            return e
+
+    def _answers(self, client, job, requests: list, rows: list) -> list:
+        """Each request's rows of the job's answer, or its error."""
+        if not isinstance(job, ServingError):
+            try:
+                reply = client.wait(job, WAIT_S)
+            except ServingError as e:
+                job = e
+            else:
+                self._held.append(reply)
+                return [{k: v[a:b] for k, v in reply.outputs.items()} for a, b in offsets(rows)]
+        if len(requests) > 1 and not getattr(job, "retryable", False):  # the job's own fault: find whose
+            return [self._answers(client, self._submit(client, [r]), [r], [n])[0] for r, n in zip(requests, rows)]
+        return [job] * len(requests)
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        for reply in held:
+            reply.release(defer=True)  # told with the next Infer
+        while self._retired:  # no reply views their arenas any more
+            self._retired.pop().close()
+
+    def _engine_gone(self, reason: str) -> None:
+        """The client's reader found the engine gone: connect to its successor on a thread of its
+        own (the batches meanwhile get EngineDead at once)."""
+        logger.error("the engine is gone (%s); connecting to its successor", reason)
+        if self._reconnecting.acquire(blocking=False):
+            threading.Thread(target=self._connect_again, name="engine-reconnect", daemon=True).start()
+
+    def _connect_again(self) -> None:
+        try:
+            for attempt in range(10 ** 6):
+                time.sleep(RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)])
+                try:
+                    client = self._reconnect()
+                except Exception as e:  # noqa: BLE001 - an engine that cannot load yet: try again
+                    logger.warning("the engine's successor is not reachable yet: %s", e)
+                    continue
+                client.on_dead = self._engine_gone
+                self._retired.append(self.client)
+                self.client = client
+                logger.info("connected to the engine's successor (pid %s)", getattr(getattr(client, "ready", None), "pid", "?"))
+                return
+        finally:
+            self._reconnecting.release()
+
+    def describe_sync(self) -> str:
+        return "requests batched with every worker's by the engine (handlers/engine)"

@@ -1,0 +1,194 @@
+"""The engine process: `python -m handlers.engine.serve SOCKET (--model-dir DIR | --factory
+MODULE:FUNCTION) [--max-rows N]`.
+
+With --model-dir (what a worker starts, handlers/engine/link.py), the archive's artifact is
+loaded on this process's device (handlers/engine/artifact.py); with --factory, FUNCTION()
+returns the runner (handlers/engine/model.py's module_runner for a plain module: the tests).
+The process prints one JSON line on stdout once it listens ({"pid": N}) or could not load
+({"error": "..."}), and logs to stderr. It exits when its TorchServe frontend is gone
+(--frontend PID) or no worker was connected for --idle-exit-s seconds. It listens on
+SOCKET (a Unix stream socket, mode 0600: only this user's workers connect), takes each worker's
+Hello with its arena's descriptor, answers Ready, and reads that worker's messages on a thread
+of its own; the engine's loop runs on the main thread. SIGTERM or SIGINT stops it; a worker
+whose socket closes (it exited or was killed) is disconnected (handlers/engine/core.py Engine.disconnect)
+and the others go on.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+
+from handlers import process
+from handlers.engine import protocol as p
+from handlers.engine.arena import Arena
+from handlers.engine.core import Engine, Session
+from handlers.errors import ProtocolError
+
+logger = logging.getLogger("engine.serve")
+HELLO_TIMEOUT = 10.0  # seconds a connecting worker has to send its Hello
+
+
+def load_factory(spec: str):
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def listen(path: str) -> socket.socket:
+    if os.path.exists(path):
+        os.unlink(path)  # a socket left by a killed predecessor; connecting to it would fail
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # created 0600, never briefly wider
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(64)
+    return sock
+
+
+def handshake(conn: p.Connection) -> tuple:
+    """(Hello, the engine's mapping of its arena) of a new worker, within HELLO_TIMEOUT."""
+    conn.sock.settimeout(HELLO_TIMEOUT)
+    msgs, fds = conn.recv(want_fds=1)
+    if not msgs or not isinstance(msgs[0], p.Hello) or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("a worker's first frame must be a Hello carrying its arena's descriptor")
+    hello = msgs[0]
+    if hello.protocol != p.VERSION:
+        os.close(fds[0])
+        raise ProtocolError(f"the worker speaks protocol {hello.protocol}, this engine {p.VERSION}")
+    conn.sock.settimeout(None)
+    return hello, Arena.attach(fds[0], hello.worker_bytes, hello.engine_bytes)
+
+
+def serve_connection(engine: Engine, sock: socket.socket, ready) -> None:
+    """One worker, from Hello to its socket's end (a reader thread's whole life)."""
+    conn = p.Connection(sock)
+    session = None
+    try:
+        hello, arena = handshake(conn)
+        session = Session(f"{hello.worker}[{hello.pid}]", arena, lambda msg: _reply(conn, msg))
+        engine.connect(session)
+        conn.send(ready())
+        logger.info("worker %s connected", session.name)
+        while True:
+            msgs, _ = conn.recv()
+            if not msgs:
+                break
+            for msg in msgs:
+                engine.on_message(session, msg)
+    except Exception as e:  # noqa: BLE001 - one worker's broken socket ends only its session
+        logger.warning("worker connection ended: %s", e)
+        _reply(conn, p.EngineDead(str(e)) if engine.dead else None)
+    finally:
+        if session is not None:
+            engine.disconnect(session)
+        conn.close()
+
+
+def _reply(conn: p.Connection, msg) -> None:
+    """Sends where the worker may be gone: its reader thread sees the socket's end and
+    disconnects it; the loop must not fail for it."""
+    if msg is None:
+        return
+    try:
+        conn.send(msg)
+    except OSError:
+        pass
+
+
+def accept_forever(engine: Engine, listener: socket.socket, ready) -> None:
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # the listener closed: the process is stopping
+            return
+        threading.Thread(target=serve_connection, args=(engine, sock, ready), daemon=True).start()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m handlers.engine.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("socket")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model-dir", help="the archive's model directory: its artifact is loaded here")
+    what.add_argument("--factory", help="MODULE:FUNCTION returning the runner")
+    ap.add_argument("--config-json", default="null", help="the archive's model-config.yaml as JSON (--model-dir)")
+    ap.add_argument("--gpu-id", type=int, default=None, help="the GPU this process places on (--model-dir)")
+    ap.add_argument("--verdict-root", default=None, help="where digest checks are kept (--model-dir)")
+    ap.add_argument("--max-rows", type=int, default=None, help="rows per call at most (default: the spec's batch_max)")
+    ap.add_argument("--frontend", type=int, default=0, help="exit once this pid is gone (0: not watched)")
+    ap.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long with no worker (0: never)")
+    ap.add_argument("--name", default="engine")
+    return ap.parse_args(argv)
+
+
+def build(args) -> tuple:
+    """(Engine, Ready's variant and describe) from the arguments."""
+    if args.factory:
+        return Engine(load_factory(args.factory)(), args.max_rows, args.name), "", ""
+    from handlers.engine import artifact
+
+    model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root)
+    engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name)
+    return engine, model.variant_dir, model.describe
+
+
+def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_exit_s: float) -> None:
+    """Sets `stop` once the frontend is gone (TorchServe's workers are its children; `torchserve
+    --stop` and a killed frontend end them, not this process, which runs in a session of its
+    own) or no worker has been connected for idle_exit_s seconds (the model was unregistered or
+    scaled to zero; a killed worker's restart reconnects within a few seconds)."""
+    idle_since = time.monotonic()
+    while not stop.wait(0.5):
+        if frontend > 1 and not process.alive(frontend):
+            logger.info("%s: exits: its TorchServe frontend (pid %d) is gone", engine.name, frontend)
+            stop.set()
+        if engine.sessions:
+            idle_since = time.monotonic()
+        elif idle_exit_s and time.monotonic() - idle_since > idle_exit_s:
+            logger.info("%s: exits: no worker connected for %.0f s", engine.name, idle_exit_s)
+            stop.set()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        engine, variant, describe = build(args)
+    except Exception as e:  # noqa: BLE001 - the starting worker fails its load with this text
+        logger.exception("the engine could not load")
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        return 2
+    ready = functools.partial(p.Ready, engine.name, os.getpid(), engine.max_rows, variant=variant, describe=describe)
+    listener = listen(args.socket)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=accept_forever, args=(engine, listener, ready), daemon=True).start()
+    threading.Thread(target=watch_lifetime, args=(engine, stop, args.frontend, args.idle_exit_s), daemon=True).start()
+    logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
+    print(json.dumps({"pid": os.getpid()}), flush=True)
+    try:
+        engine.serve_forever(stop)
+    finally:
+        listener.close()
+        if os.path.exists(args.socket):
+            os.unlink(args.socket)
+        tmp = os.environ.get("TMPDIR", "")
+        if os.path.basename(tmp).startswith("cs-engine-"):  # its own (handlers/engine/link.py), never a worker's
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if engine.dead else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

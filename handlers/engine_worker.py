@@ -1,0 +1,79 @@
+"""A worker served by the engine (handler.engine: on; issue 64): it reads, decodes, admits and
+encodes requests on the CPU and hands the tensors to the one engine process of its GPU
+(handlers/engine), which runs every worker's requests together. The worker never asks CUDA
+anything, so it holds no CUDA context: the engine chooses the variant for the device and names
+it in its Ready, whose artifact.json is then this worker's spec (admission, limits, encoding).
+
+A decoder's workers still run it themselves (generation stays per worker in this step): an
+archive with a decoder variant is served the per-worker way, with a warning.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from handlers import process
+from handlers.admission import Limits
+from handlers.batch import PadPlan
+from handlers.artifact.decoder import of as decoder_of
+from handlers.artifact.metadata import find_variants, read_spec
+from handlers.config import HandlerConfig
+from handlers.engine import link
+from handlers.engine.runner import EngineRunner
+from handlers.loaded import Loaded
+from handlers.startup import confine_worker, settings
+from handlers.torchserve import scratch
+from handlers.torchserve.stage_timings import StageTimes
+
+logger = logging.getLogger(__name__)
+
+
+def wanted(context) -> Optional[HandlerConfig]:
+    """The worker's settings where it is served by an engine (handler.engine: on, a stateless
+    archive), else None: the per-worker start (handlers/startup.py) reads them again."""
+    _, config = settings(context)
+    if config.engine != "on":
+        return None
+    model_dir = context.system_properties["model_dir"]
+    if any(decoder_of(read_spec(d)) is not None for d in find_variants(model_dir)):
+        logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each worker "
+                       "runs itself")
+        return None
+    return config
+
+
+def load(context, config: HandlerConfig, emit, steps) -> Loaded:
+    """Connects to the engine of this worker's GPU (starting it where none answers) and builds
+    what the batches read; LoadError with the engine's reason where it cannot load."""
+    props = context.system_properties
+    gpu_id = None if config.device_type == "cpu" else props.get("gpu_id")
+    engine_gpu, confined = confine_worker(gpu_id)  # the engine inherits the confinement
+    gpu = confined.entry if confined.entry is not None else None if engine_gpu is None else f"id{engine_gpu}"
+    # the worker's own torch work is decoding and encoding: one thread, the cores are the engine's
+    torch.set_num_threads(1)
+    process.record("torch intra-op threads", "1 (a worker served by the engine runs no model)")
+    steps.done("variant")
+    name = f"{context.manifest.get('model', {}).get('modelName', 'model')}-{os.getpid()}"
+    connect = functools.partial(link.connect, scratch.shared_root(), props["model_dir"], settings(context)[0],
+                                gpu, engine_gpu, name)
+    client = connect()
+    spec = read_spec(client.ready.variant)
+    # the engine's runner pads no more (handlers/engine/artifact.py): the same plan, from the same settings
+    runner = EngineRunner(client, spec, connect, PadPlan.of(spec, config.pad or None, config.pad_buckets))
+    steps.note("engine", f"engine pid {client.ready.pid}: {client.ready.describe}")
+    steps.done("load")
+    return Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=None, runner=runner,
+                  device=torch.device("cpu"), stages=StageTimes(emit, config.stage_metrics_s))
+
+
+def log_loaded(loaded: Loaded, steps, reader: str) -> None:
+    """The load line of a worker served by the engine."""
+    spec = loaded.spec
+    logger.info("served by the engine: %s; worker started in %s; inputs %s; batch range [%d, %d]; %s; %s",
+                steps.notes.get("engine", ""), steps.describe(), ", ".join(s.describe() for s in spec.inputs),
+                spec.batch_min, spec.batch_max, loaded.limits.values.describe(), reader)
+    logger.info("process-wide changes: %s", process.describe())

@@ -1,0 +1,96 @@
+"""handlers/engine/runner.py: a worker's batch through the engine. The requests of one shape go as
+one job (one Infer, their rows one after the other), each request gets exactly its own rows,
+padding is applied by the worker and cut back, a job that fails for a request's own fault is
+sent again one request at a time so only that request fails, and a dead engine answers every
+request 503 at once. The engine runs in process (InProcessEngine) on its own loop thread."""
+import pytest
+import torch
+
+import engine_kit as kit
+from handlers.batch import PadPlan
+from handlers.engine.client import InProcessEngine
+from handlers.engine.core import Engine, start
+from handlers.engine.model import module_runner, module_spec
+from handlers.engine.runner import EngineRunner
+from handlers.errors import EngineDead, ServingError
+
+
+@pytest.fixture
+def served():
+    model = kit.Recorder()
+    engine = Engine(kit.runner(model))
+    thread, stop = start(engine)
+    client = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
+    runner = EngineRunner(client, kit.runner(model).spec, reconnect=lambda: client)
+    yield model, runner, client
+    stop.set()
+    thread.join(5)
+    client.close()
+
+
+def check(model, req, outputs):
+    for name, want in kit.expected(model, req).items():
+        assert outputs[name].shape == want.shape and torch.allclose(outputs[name], want, atol=1e-5), name
+
+
+def test_a_batch_of_one_shape_is_one_job_and_each_request_gets_its_rows(served):
+    model, runner, client = served
+    reqs = [kit.request(rows, seed) for rows, seed in ((1, 0), (3, 1), (2, 2))]
+    outs = runner.run(reqs)
+    assert model.calls == [6]  # one call of the three requests' rows
+    for req, out in zip(reqs, outs):
+        check(model, req, out)
+    assert client.session.held  # the rows stay the engine's until the next run releases them
+    runner.run([kit.request(1, 3)])
+    assert len(client.session.held) == 1
+
+
+def test_a_bad_request_fails_alone_and_the_others_are_answered(served):
+    model, runner, _ = served
+    reqs = [kit.request(2, 0), kit.request(1, 1, bad=True), kit.request(3, 2)]
+    outs = runner.run(reqs)
+    assert isinstance(outs[1], ServingError) and outs[1].status == 400, outs[1]
+    check(model, reqs[0], outs[0])
+    check(model, reqs[2], outs[2])
+
+
+class Doubler(torch.nn.Module):
+    """Each position of ids on its own (padding leaves the real positions unchanged); records the
+    length of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths = []
+
+    def forward(self, ids):
+        self.lengths.append(ids.shape[1])
+        return ids * 2
+
+
+def test_the_worker_pads_to_buckets_sends_one_job_per_bucket_and_cuts_back():
+    model = Doubler()
+    spec = module_spec({"ids": (torch.int64, ("S",))}, {"out": (torch.int64, ("S",))}, batch_max=64)
+    spec = type(spec)(**{**spec.__dict__, "dims": {"S": (1, 16)}})
+    engine = Engine(module_runner(model, {"ids": (torch.int64, (None,))}, {"out": (torch.int64, (None,))}, 64))
+    thread, stop = start(engine)
+    client = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
+    try:
+        pad = PadPlan.of(spec, {"ids": 0}, ())
+        runner = EngineRunner(client, spec, reconnect=lambda: client, pad=pad)
+        reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 4, 7, 16)]
+        outs = runner.run(reqs)
+        for req, out in zip(reqs, outs):
+            assert torch.equal(out["out"], req["ids"] * 2)
+        assert sorted(model.lengths) == [4, 8, 16]  # 3 and 4 share the bucket 4: one job
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+
+
+def test_a_dead_engine_answers_every_request_503_at_once(served):
+    _, runner, client = served
+    runner._reconnect = lambda: (_ for _ in ()).throw(OSError("no engine here"))
+    client.engine_dead("killed")
+    outs = runner.run([kit.request(1, 0), kit.request(2, 1)])
+    assert all(isinstance(o, EngineDead) and o.status == 503 and o.retryable for o in outs), outs
