@@ -148,6 +148,9 @@ def measure(args, pod, route, clients, enc, refs, tol) -> dict:
     url, path = route_target(pod, route)
     kind = ROUTES[route][2]
     bodies, headers = enc[kind]
+    if ROUTES[route][0] == "direct":  # TorchServe itself requires its inference key inside the pod
+        auth = {"Authorization": f"Bearer {pod.inference_key()}"}
+        headers = [{**h, **auth} for h in headers] if isinstance(headers, list) else {**(headers or {}), **auth}
     if args.load_generator == "native":
         return {"route": route, "clients": clients, **measure_native(args, url, path, bodies[0],
                                                                      headers, clients, (refs[0], tol, kind))}

@@ -103,6 +103,7 @@ class Continuous:
             try:
                 if refusal is not None:
                     raise refusal
+                c.route.check()
                 direct = c.route.direct()
                 if direct is not None:
                     self._finish([(c, direct)])

@@ -61,6 +61,7 @@ def _failed(err: ServingError, route: Route) -> Failed:
 def _one(worker, request, h, route: Route, send) -> object:
     gen: Generation = worker.loaded.generation
     try:
+        route.check()
         direct = route.direct()
         if direct is not None:
             return direct
@@ -71,7 +72,7 @@ def _one(worker, request, h, route: Route, send) -> object:
     streaming = route.streams(req.params.stream) and send is not None
     key = key_of(h.request_key)
     if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
-        return _failed(gen.marks.error("before its generation started"))
+        return _failed(gen.marks.error("before its generation started"), route)
     sent, t0 = 0, time.perf_counter()
     events = loop.generate(gen.runner, req, plan, gen.text)
     try:
@@ -79,7 +80,7 @@ def _one(worker, request, h, route: Route, send) -> object:
             if gen.marks.is_gone(key):  # one stat per token
                 err = gen.marks.error(f"after {sent} streamed tokens")
                 logger.info("request %s: %s", key, err.message)
-                return _failed(err) if sent == 0 else Encoded(route.error_event(err), route.media_type(), {})
+                return _failed(err, route) if sent == 0 else Encoded(route.error_event(err), route.media_type(), {})
             if isinstance(event, loop.Finished):
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
                 return Encoded(route.final(event, streaming), route.media_type(streaming), {})

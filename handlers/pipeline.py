@@ -24,6 +24,7 @@ from handlers.wire.request import Request, arrival, read_arrived
 from handlers.admission import admit
 from handlers.config import HandlerConfig
 from handlers.errors import RequestError, ServingError
+from handlers.generation.formats import GENERATE_ROUTES
 from handlers.loaded import Loaded
 from handlers.torchserve.stage_timings import label
 
@@ -123,7 +124,7 @@ def admit_all(loaded: Loaded, data: list, headers: list, batch: Batch) -> list:
     spec, limits = loaded.spec, loaded.limits
     for idx, request in enumerate(data):
         req = arrival(request, headers[idx], limits.max_json_bytes)
-        if headers[idx].generate_route:  # the pod's generate routes serve decoders only: body unread
+        if headers[idx].generate_route in GENERATE_ROUTES:  # the pod's generate routes serve decoders only: body unread
             batch.fail(idx, req, RequestError(NOT_A_DECODER))
             continue
         read_arrived(req, request, headers[idx], limits)  # never raises: admit raises what it met

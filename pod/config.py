@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -49,6 +50,27 @@ def host_port(address: str, key: str) -> tuple:
 GATE_SOCKET = "gate.sock"  # the gate's unix socket, in RUNTIME_DIR
 ABORT_SOCKET = "abort.sock"  # nginx's log of abandoned generations to pod/aborts.py, in RUNTIME_DIR
 ABORT_DIR = "aborts"  # pod/aborts.py's marks, read by the workers (handlers/generation/abandon.py)
+# TorchServe 0.12 with token authorization writes its keys here, in the directory it was started
+# from (pod/start.py starts it in RUNTIME_DIR): {"management": {"key", "expiration time"},
+# "inference": {...}, "API": {"key"}}, readable by its owner alone
+KEY_FILE = "key_file.json"
+
+
+def torchserve_keys(runtime_dir: str, wait_s: float = 0.0) -> dict:
+    """{"management": key, "inference": key} from RUNTIME_DIR/key_file.json, waiting up to
+    `wait_s` for TorchServe to write it; PodConfigError when it never does."""
+    path = os.path.join(runtime_dir, KEY_FILE)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path) as f:
+                keys = json.load(f)
+            return {k: keys[k]["key"] for k in ("management", "inference")}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if time.monotonic() >= deadline:
+                raise PodConfigError(f"{path} holds no TorchServe keys ({type(e).__name__}: {e}); TorchServe writes "
+                                     "it at start with token authorization on: its logs under RUNTIME_DIR/logs say why not") from None
+        time.sleep(0.2)
 
 
 def direct_memory_mib(props: dict) -> int:

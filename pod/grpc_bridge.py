@@ -10,7 +10,8 @@ raw and typed contents) and answers a serialized ModelInferResponse, which goes 
 The bridge reads only the request's model name and version (protobuf fields 1 and 2).
 A handler error's HTTP status becomes the gRPC status: 400/415 INVALID_ARGUMENT, 404 NOT_FOUND,
 413 RESOURCE_EXHAUSTED, 503/507 and an unreachable TorchServe UNAVAILABLE (retryable), others
-INTERNAL, with the handler's message. ServerLive/Ready, ModelReady and the two metadata calls
+INTERNAL, with the handler's message; TorchServe's own errors (no X-Handler-Error) with what their
+status means in the pod's words (TORCHSERVE_SAYS), never its body's Java text. ServerLive/Ready, ModelReady and the two metadata calls
 answer from pod.status's state file. ModelStreamInfer serves a decoder's generation token by
 token (pod/stream_infer.py). The repository RPCs (load, unload, index) are not served:
 gRPC answers UNIMPLEMENTED, and nothing on this port can change the server.
@@ -28,7 +29,7 @@ import json
 import secrets
 import signal
 import struct
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import grpc
 
@@ -68,9 +69,10 @@ class Upstream:
         self.idle = []
 
     async def post(self, path: str, body: bytes) -> tuple:
-        """(status, body bytes). A kept-alive connection TorchServe closed meanwhile fails before
-        any answer; the request then goes once more on a new connection."""
-        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {MEDIA}\r\n"
+        """(status, body bytes, header fields). A kept-alive connection TorchServe closed meanwhile
+        fails before any answer; the request then goes once more on a new connection. ModelInfer
+        is a tensor route: X-Generate-Route `infer` (a decoder refuses it naming ModelStreamInfer)."""
+        head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {MEDIA}\r\nX-Generate-Route: infer\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
         for attempt in (0, 1):
             reused = bool(self.idle)
@@ -78,7 +80,7 @@ class Upstream:
             try:
                 writer.writelines((head, body))  # one send where the transport can
                 async with asyncio.timeout(self.timeout_s):  # no task per call, unlike wait_for
-                    status, data, close = await read_answer(reader)
+                    status, data, close, fields = await read_answer(reader)
             except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 writer.close()
                 if attempt or not reused:
@@ -91,11 +93,11 @@ class Upstream:
                 writer.close()
             else:
                 self.idle.append((reader, writer))
-            return status, data
+            return status, data, fields
 
 
 async def read_answer(reader) -> tuple:
-    """(status, body, close?) of one HTTP/1.1 answer with a Content-Length."""
+    """(status, body, close?, header fields) of one HTTP/1.1 answer with a Content-Length."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
@@ -103,19 +105,37 @@ async def read_answer(reader) -> tuple:
     if "content-length" not in fields:
         raise ConnectionError(f"TorchServe answered {status} without a Content-Length")
     data = await reader.readexactly(int(fields["content-length"]))
-    return status, data, fields.get("connection", "").lower() == "close"
+    return status, data, fields.get("connection", "").lower() == "close", fields
 
 
-def error_message(status: int, body: bytes) -> str:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        obj = None
-    if isinstance(obj, dict):
-        text = obj.get("message") or obj.get("error")
-        if isinstance(text, str):
-            return text
-    return body.decode("utf-8", "replace")[:2000] or f"TorchServe answered {status}"
+# What TorchServe's frontend means by a status it answers itself (no X-Handler-Error: not the
+# handler's), in the pod's words: its own body is Java's (an exception's text, "use scale workers
+# API", unreachable from the pod) and goes to no client
+TORCHSERVE_SAYS = {
+    400: (grpc.StatusCode.INVALID_ARGUMENT, "TorchServe refused the request as malformed"),
+    404: (grpc.StatusCode.NOT_FOUND, "the model is not registered with TorchServe (its archive could not be "
+                                     "loaded); ModelReady gives the reason"),
+    413: (grpc.StatusCode.RESOURCE_EXHAUSTED, "the request is larger than TorchServe's max_request_size"),
+    503: (grpc.StatusCode.UNAVAILABLE, "no worker of this model can take the request now (starting, restarting, "
+                                       "or busy with a full queue); retry"),
+}
+WORKER_FAILED = (grpc.StatusCode.UNAVAILABLE, "the worker serving this request died or failed (TorchServe "
+                                              "restarts a worker that died); retry")
+
+
+def answer_error(status: int, body: bytes, fields: dict) -> tuple:
+    """(gRPC status, message) of a failed answer: the gate's refusal or the handler's own words
+    (X-Grpc-Message, X-Handler-Error: its JSON), else what TorchServe's status means."""
+    code = STATUS.get(status, grpc.StatusCode.INTERNAL)
+    if fields.get("x-grpc-message"):
+        return code, unquote(fields["x-grpc-message"])
+    if fields.get("x-handler-error"):
+        try:
+            text = json.loads(fields["x-handler-error"]).get("message")
+        except (ValueError, AttributeError):
+            text = None
+        return code, text if isinstance(text, str) else fields["x-handler-error"]
+    return TORCHSERVE_SAYS.get(status, WORKER_FAILED)
 
 
 READY_REASON = "ready-reason"  # trailing metadata of a not-ready answer
@@ -175,16 +195,13 @@ class Bridge:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ModelInferRequest.model_name is empty; name the model")
         path = f"/predictions/{quote(name, safe='')}" + (f"/{quote(version, safe='')}" if version else "")
         try:
-            status, body = await self.upstream.post(path, request)
+            status, body, fields = await self.upstream.post(path, request)
         except (OSError, asyncio.TimeoutError, ValueError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"TorchServe did not answer ({type(e).__name__}: {e}); retry")
         if status == 200:
             return body
-        message = error_message(status, body)
-        # TorchServe answers 500 or 507 "Worker died." for a request whose worker died
-        code = grpc.StatusCode.UNAVAILABLE if message.startswith("Worker died") else \
-            STATUS.get(status, grpc.StatusCode.INTERNAL)
-        await context.abort(code, message + ("; retry" if code == grpc.StatusCode.UNAVAILABLE else ""))
+        code, message = answer_error(status, body, fields)
+        await context.abort(code, message)
 
     async def model_stream_infer(self, requests, context):
         """ModelStreamInfer for a decoder (pod/stream_infer.py): each request on the stream one
@@ -205,9 +222,13 @@ class Bridge:
         the worker to stop it (handlers/generation/abandon.py), as nginx's are (pod/aborts.py)."""
         path, key, ended = stream_infer.path_of(name, version), secrets.token_hex(16), False
         try:
-            async for status, line in stream_infer.lines(*self.cfg.inference, path, json.dumps(body).encode(),
-                                                          self.cfg.response_timeout_s + 5, key):
-                reply, ended = self._reply(name, version, rid, status, line)
+            # through nginx's gate, as every body the pod passes to TorchServe: its bound on the
+            # large bodies TorchServe's direct memory holds at once covers the stream's messages
+            # (a refusal: 503, X-Grpc-Message, answered as this request's error_message); its
+            # /generate/ location passes each line on as it comes and sends TorchServe's key
+            async for status, line, fields in stream_infer.lines(self.cfg.gate_socket, path, json.dumps(body).encode(),
+                                                                  self.cfg.response_timeout_s + 5, key):
+                reply, ended = self._reply(name, version, rid, status, line, fields)
                 yield reply
                 if ended:
                     return
@@ -218,10 +239,10 @@ class Bridge:
                 self._abandon(key)
 
     @staticmethod
-    def _reply(name: str, version: str, rid: str, status: int, line: bytes) -> tuple:
+    def _reply(name: str, version: str, rid: str, status: int, line: bytes, fields: dict) -> tuple:
         """(the stream response for one line of TorchServe's answer, whether it is the last)."""
         if status != 200:
-            return stream_infer.error(f"{status}: {error_message(status, line)}"), True
+            return stream_infer.error(f"{status}: {answer_error(status, line, fields)[1]}"), True
         obj = json.loads(line)
         if "error" in obj:
             return stream_infer.error(obj["error"]), True

@@ -3,6 +3,7 @@ environment, on a copy of a storage layout (`python -m compiled_serving.kserve`)
 loopback port. Used by the pod's tests and by bench/bench_pod.py."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -96,6 +97,11 @@ class LocalPod:
             except (ProcessLookupError, psutil.Error):
                 pass
         return out
+
+    def inference_key(self) -> str:
+        """TorchServe's inference key (the pod runs it with token authorization, pod/start.py): what
+        a client of `direct` sends as `Authorization: Bearer KEY`."""
+        return json.loads((self.root / "run" / "key_file.json").read_text())["inference"]["key"]
 
     def log(self, name: str = "model_log.log") -> str:
         return read_log((self.root / name) if name == "stdout.log" else (self.root / "run" / "logs" / name))

@@ -15,8 +15,11 @@ TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 PLACEHOLDER = re.compile(r"\$\{([a-z][a-z0-9_]*)\}")
 
 
-def values(cfg: PodConfig) -> dict:
-    return {"nginx_workers": cfg.nginx_workers, "runtime_dir": cfg.runtime_dir,
+def values(cfg: PodConfig, inference_key: str) -> dict:
+    # the key goes into a header value between double quotes (kserve/nginx.conf)
+    if not re.fullmatch(r"[A-Za-z0-9._~+/=-]+", inference_key):
+        raise ValueError("TorchServe's inference key holds characters nginx's config cannot carry")
+    return {"inference_key": inference_key, "nginx_workers": cfg.nginx_workers, "runtime_dir": cfg.runtime_dir,
             "inference_host": cfg.inference[0], "inference_port": cfg.inference[1],
             "metrics_host": cfg.metrics[0], "metrics_port": cfg.metrics[1],
             "status_port": cfg.status_port, "http_port": cfg.http_port,
@@ -112,23 +115,25 @@ def model_infer(cfg: PodConfig) -> str:
             f"proxy_pass http://gate/predictions/{quote(m.name, safe='')};")
 
 
-def render(cfg: PodConfig, template: str = TEMPLATE) -> str:
+def render(cfg: PodConfig, inference_key: str, template: str = TEMPLATE) -> str:
     with open(template) as f:
         text = f.read()
-    known = values(cfg)
+    known = values(cfg, inference_key)
     missing = sorted({m for m in PLACEHOLDER.findall(text) if m not in known})
     if missing:
         raise ValueError(f"{template} names unknown placeholders: {', '.join(missing)}")
     return PLACEHOLDER.sub(lambda m: str(known[m.group(1)]), text)
 
 
-def write(cfg: PodConfig) -> str:
-    """Writes RUNTIME_DIR/nginx.conf and nginx's temporary directories; returns the conf path."""
+def write(cfg: PodConfig, inference_key: str) -> str:
+    """Writes RUNTIME_DIR/nginx.conf (readable by its owner alone: it holds TorchServe's inference
+    key) and nginx's temporary directories; returns the conf path."""
     for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         os.makedirs(os.path.join(cfg.runtime_dir, "nginx", sub), exist_ok=True)
     path = os.path.join(cfg.runtime_dir, "nginx.conf")
-    with open(path, "w") as f:
-        f.write(render(cfg))
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a file an earlier start left keeps its mode otherwise
+        f.write(render(cfg, inference_key))
     return path
 
 

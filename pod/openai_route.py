@@ -6,7 +6,8 @@ nginx cannot read a body (no njs in the image), so for the two POST routes it se
 pod.status on loopback, and this module reads `model` from the body and answers with
 `X-Accel-Redirect: /_openai/predictions/NAME/VERSION/v1/...`. nginx then sends the same request,
 its body kept in nginx's buffer or temporary file, to TorchServe from the internal location
-/_openai/ (kserve/nginx.conf), and the answer back unbuffered: the stream never passes through
+/_openai/predictions/ (kserve/nginx.conf) through the gate's /generate/ location (its bound on
+large bodies, TorchServe's inference key), and the answer back unbuffered: the stream never passes through
 Python, only the body's lookup does (the body crosses loopback once more). Facts of nginx this
 relies on: an X-Accel-Redirect turns the method into GET (ngx_http_upstream_process_headers), so
 that location sets `proxy_method POST`; the request body read for the first upstream is reused
@@ -27,7 +28,7 @@ from pod.state import read_artifact
 
 PREFIX = "/openai/v1/"
 ROUTES = ("completions", "chat/completions")
-INTERNAL = "/_openai"  # kserve/nginx.conf's internal location to TorchServe
+INTERNAL = "/_openai"  # kserve/nginx.conf's internal location /_openai/predictions/ (to the gate)
 MODEL_ROUTE = re.compile(r"^/openai/v1/models/([^/]+)$")
 CREATED = int(time.time())
 

@@ -32,6 +32,7 @@ from pod import nginx
 
 SERVE_HOME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESTARTS, RESTART_WINDOW_S = 5, 60.0
+KEYS_WAIT_S = 120.0  # TorchServe writes key_file.json as its frontend starts, seconds after --start returns
 UNIX_PATH_MAX = 107  # a Unix socket's path, its terminating NUL aside (Linux sockaddr_un.sun_path)
 
 
@@ -52,8 +53,25 @@ def runtime_config(env) -> str:
     os.makedirs(os.path.join(runtime, "tmp"), exist_ok=True)
     dest = os.path.join(runtime, "config.properties")
     with open(dest, "w") as f:
-        f.write(text.replace("/mnt/models", root))
+        f.write(with_tokens(text.replace("/mnt/models", root)))
     return dest
+
+
+# Inside the pod TorchServe requires its keys: every process of the container shares its loopback
+# (and so does every other container of the Kubernetes pod: the queue-proxy, a service mesh's
+# sidecar), and a token-less management API there (REST and gRPC) could scale, unregister or
+# re-register models. The storage's config.properties keeps token authorization off for
+# KServe's built-in TorchServe runtime (`cs-kserve --builtin-runtime`), whose clients send no
+# key; this pod's nginx sends the inference key, pod.status and the guardian the management key.
+# TorchServe 0.12's keys expire after token_expiration_min (60 by default) and nginx holds its
+# key for the pod's life: ten years.
+TOKEN_SETTINGS = {"disable_token_authorization": "false", "token_expiration_min": str(10 * 365 * 24 * 60)}
+
+
+def with_tokens(text: str) -> str:
+    """config.properties' text with TOKEN_SETTINGS in place of its own lines for those keys."""
+    lines = [ln for ln in text.splitlines() if ln.split("=", 1)[0].strip() not in TOKEN_SETTINGS]
+    return "\n".join(lines + [f"{k}={v}" for k, v in TOKEN_SETTINGS.items()]) + "\n"
 
 
 class Child:
@@ -109,11 +127,14 @@ def drain(cfg, procs: list) -> bool:
 
 
 def children(cfg, conf: str, env: dict) -> list:
+    """pod.status, the bridges and nginx, once TorchServe has written its keys (nginx's config
+    carries the inference key)."""
+    key = pod_config.torchserve_keys(cfg.runtime_dir, wait_s=KEYS_WAIT_S)["inference"]
     py = [sys.executable, "-m"]
     out = [Child("status", py + ["pod.status", "--config", conf], env)]
     out += [Child(f"grpc bridge {i}", py + ["pod.grpc_bridge", "--config", conf], env)
             for i in range(cfg.bridge_processes)]
-    out.append(Child("nginx", [nginx.binary(), "-c", nginx.write(cfg), "-e", "stderr"], env))
+    out.append(Child("nginx", [nginx.binary(), "-c", nginx.write(cfg, key), "-e", "stderr"], env))
     return out
 
 
@@ -138,8 +159,9 @@ def main() -> int:
                          f"(RUNTIME_DIR/tmp/.ts.sock.PORT) must fit a Unix socket path ({UNIX_PATH_MAX} bytes); "
                          "set a shorter RUNTIME_DIR (default /tmp/torchserve)")
     shutil.rmtree(os.path.join(env["TEMP"], "models"), ignore_errors=True)
-    if os.path.exists(cfg.stopping_file):  # an earlier start's (RUNTIME_DIR may outlive the container)
-        os.remove(cfg.stopping_file)
+    for stale in (cfg.stopping_file, os.path.join(cfg.runtime_dir, pod_config.KEY_FILE)):
+        if os.path.exists(stale):  # an earlier start's (RUNTIME_DIR may outlive the container)
+            os.remove(stale)
     # the marks of abandoned generations (pod/aborts.py writes them, pod-private): TorchServe's
     # workers inherit the frontend's environment (its EnvironmentUtils.getEnvString copies
     # System.getenv()), and read the directory's name from it (handlers/generation/abandon.py)

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 import zipfile
 
+from pod.config import PodConfigError, torchserve_keys
+
 READY, LOADING, FAILED = "ready", "loading", "failed"
 UNANSWERED = "management API: "  # the reason's start when the management API gave no answer
 SERVER_NAME = "compiled-torchserve"  # the OIP server metadata's name (REST and gRPC)
@@ -62,8 +64,10 @@ def archive_io(mar: str) -> dict:
             for k in ("inputs", "outputs")}
 
 
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r:
+def get_json(url: str, key: str | None = None):
+    """GET url's JSON; `key`: TorchServe's key for it, sent as its token authorization wants."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as r:
         return json.loads(r.read())
 
 
@@ -105,12 +109,13 @@ def model_state(cfg, model, io_error, live: bool) -> tuple:
     if not live:
         return LOADING, "TorchServe is not answering /ping"
     try:
-        entries = get_json(f"{cfg.url('management')}/models/{model.name}?customized=true")
+        key = torchserve_keys(cfg.runtime_dir)["management"]  # re-read: a new TorchServe writes new keys
+        entries = get_json(f"{cfg.url('management')}/models/{model.name}?customized=true", key)
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return LOADING, "TorchServe has not registered it (yet); its ts_log.log says why if it never does"
         return LOADING, f"management API answered {e.code}"
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, PodConfigError) as e:  # PodConfigError: no key file
         return LOADING, f"{UNANSWERED}{e}"
     states = [handler_state(e) for e in entries] or [(LOADING, "not registered")]
     return next((s for s in states if s[0] != READY), states[0])

@@ -5,7 +5,10 @@ Each ModelInferRequest on the stream is one generation: its prompt is the input 
 (BYTES, one element) or `input_ids` (INT64 or INT32), its generation parameters the request's
 `parameters` map (max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos).
 It is read with handlers/oip_request.py (what the
-ModelInfer path's wire format reads it with) and POSTed as the handler's JSON request to TorchServe's /predictions/NAME, whose answer streams
+ModelInfer path's wire format reads it with) and POSTed as the handler's JSON request to TorchServe's /predictions/NAME
+through nginx's gate (its /generate/ location: its bound on large bodies, TorchServe's inference
+key, the answer unbuffered; kserve/nginx.conf), named to the worker in X-Pod-Request-Id by a key
+of the bridge's making (marked when the call ends early: pod/grpc_bridge.py), whose answer streams
 one JSON line per token (HTTP/1.1 chunked); each line becomes a ModelStreamInferResponse carrying
 a ModelInferResponse with outputs `text_output` (BYTES [1], the token's text) and `token_ids`
 (INT64), in raw_output_contents (field 6). The last response of a request has no new token, and the parameters `finish_reason`,
@@ -149,21 +152,23 @@ def error(message: str) -> bytes:
     return protowire.encode_string(1, message)
 
 
-async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float, key: str = ""):
-    """POST `body` to TorchServe and yield (status, line) for each JSON line of its answer as it
-    arrives (a chunked answer), or once (status, whole body) for an answer with a Content-Length.
-    `key`: the generation's name to the worker (handlers/generation/abandon.HEADER)."""
-    reader, writer = await asyncio.open_connection(host, port)
+async def lines(socket_path: str, path: str, body: bytes, timeout_s: float, key: str = ""):
+    """POST `body` to TorchServe through nginx's gate (its unix socket) and yield (status, line,
+    header fields) for each JSON line of its answer as it arrives (a chunked answer), or once
+    (status, whole body, fields) for an answer with a Content-Length. `key`: the generation's name
+    to the worker (handlers/generation/abandon.HEADER; the gate passes it on as it passes the
+    public server's)."""
+    reader, writer = await asyncio.open_unix_connection(socket_path)
     named = f"{abandon.HEADER}: {key}\r\n" if key else ""
     try:
-        writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       f"{named}Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body)
         async with asyncio.timeout(timeout_s):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
             status = int(head[0].split(" ", 2)[1])
             fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in head[1:] if ln)}
             if "content-length" in fields:
-                yield status, await reader.readexactly(int(fields["content-length"]))
+                yield status, await reader.readexactly(int(fields["content-length"])), fields
                 return
             pending = b""
             while True:
@@ -175,12 +180,16 @@ async def lines(host: str, port: int, path: str, body: bytes, timeout_s: float, 
                 *done, pending = pending.split(b"\n")
                 for line in done:
                     if line.strip():
-                        yield status, line
+                        yield status, line, fields
             if pending.strip():
-                yield status, pending
+                yield status, pending, fields
     finally:
         writer.close()
 
 
+GATE_PREFIX = "/generate/"  # the gate's location for generations (kserve/nginx.conf): unbuffered
+
+
 def path_of(name: str, version: str) -> str:
-    return f"/predictions/{quote(name, safe='')}" + (f"/{quote(version, safe='')}" if version else "")
+    """The gate's path of a generation on TorchServe's /predictions/NAME[/VERSION]."""
+    return f"{GATE_PREFIX}{quote(name, safe='')}" + (f"/{quote(version, safe='')}" if version else "")

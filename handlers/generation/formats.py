@@ -13,18 +13,27 @@ An error after the first token ends the stream with an object holding `error` (a
 finish_reason "error"): the status line has gone out already.
 
 The pod's nginx names the route in the request header ROUTE_HEADER; without it a request is
-a /predictions one.
+a /predictions one. On its tensor routes (v2 infer, v1 predict, gRPC ModelInfer) nginx and the
+gRPC bridge send TENSOR_ROUTE there, and a decoder refuses the request (400, naming the generate
+routes) rather than answer its token stream in a format the client did not ask for. nginx sets the
+header on every route, so a client's own value never reaches the handler.
 """
 from __future__ import annotations
 
 import json
 
 from handlers import wire
+from handlers.errors import RequestError
 from handlers.generation.request import parse
 from handlers.wire.base import Encoded
 
 ROUTE_HEADER = "X-Generate-Route"
 ROUTES = ("predictions", "generate", "generate_stream")
+GENERATE_ROUTES = ROUTES[1:]
+TENSOR_ROUTE = "infer"
+ON_A_TENSOR_ROUTE = ("this model is a language model: it generates on POST /v2/models/NAME/generate and "
+                     "/v2/models/NAME/generate_stream (REST) and ModelStreamInfer (gRPC), not on the tensor routes "
+                     "(v2 infer, v1 predict, ModelInfer); docs/generation.md")
 NDJSON, SSE, JSON = "application/x-ndjson", "text/event-stream", "application/json"
 
 
@@ -32,6 +41,12 @@ class Route:
     def __init__(self, name: str, model: str, version: str):
         self.name = name if name in ROUTES else "predictions"
         self.model, self.version = model, version
+        self.tensor = name == TENSOR_ROUTE
+
+    def check(self) -> None:
+        """RequestError (400) on a tensor route: a decoder generates on the generate routes."""
+        if self.tensor:
+            raise RequestError(ON_A_TENSOR_ROUTE)
 
     def parse(self, request, content_type, max_bytes: int, text):
         """The request as a GenerateRequest (request.py); RequestError naming what is wrong."""
