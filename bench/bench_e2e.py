@@ -29,7 +29,8 @@ time, loopback only) sending one-row safetensors requests. Every answer is compa
 eager model's output for its input (|d| <= atol + rtol * max|ref|; 1e-2 for fp16, 1e-4 fp32).
 The GPU limit is the artifact's own forward at the served batch size, timed in this process.
 Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png
-(`python -m bench.bench_e2e --replot OUT.json [--markdown]` draws the PNG, and the Markdown, again from the JSON).
+(`python -m bench.bench_e2e --replot OUT.json [--markdown] [--summary]` draws the PNG, and the Markdown, again
+from the JSON; --summary computes its summary again from the same points).
 """
 from __future__ import annotations
 
@@ -614,7 +615,29 @@ def summary(points: list, limits: dict) -> dict:
             if one and many and one["req_s"]:
                 scaling.append({"gpus": n, "clients_1gpu": c, "clients_all": c * n,
                                 "speedup": round(many["req_s"] / one["req_s"], 2)})
-    return {"ours": rows, "variants": variant_rows, "thread_budget": thread_rows, "scaling": scaling}
+    return {"ours": rows, "variants": variant_rows, "thread_budget": thread_rows, "scaling": scaling,
+            **engine_keys(by)}
+
+
+ENGINE_NOT_HERE = ("gpu_mib_all_processes", "worker_restart_s", "engine_restart_s")
+
+
+def engine_keys(by: dict) -> dict:
+    """Issue 64's keys where the run served ours_engine (engine: on) beside ours (a worker per
+    GPU context) and echo on one GPU: the engine over echo at 64 and 128 clients, its p50 at one
+    client less the per-worker path's, and the per-worker figures beside. The memory and restart
+    keys come from bench/bench_shared.py --modes ...,engine, not from this run (None here)."""
+    def ratio(h, c):
+        p, echo = by.get((h, 1, c)), by.get(("echo", 1, c))
+        return round(p["req_s"] / echo["req_s"], 3) if p and echo and echo["req_s"] else None
+
+    if not any(k[0] == "ours_engine" for k in by):
+        return {}
+    one, per_worker = by.get(("ours_engine", 1, 1)), by.get(("ours", 1, 1))
+    return {"ours_over_echo_c64": ratio("ours_engine", 64), "ours_over_echo_c128": ratio("ours_engine", 128),
+            "c1_p50_delta_ms": round(one["p50_ms"] - per_worker["p50_ms"], 3) if one and per_worker else None,
+            "per_worker_over_echo_c64": ratio("ours", 64), "per_worker_over_echo_c128": ratio("ours", 128),
+            **{k: None for k in ENGINE_NOT_HERE}}
 
 
 def write_markdown(path: Path, result: dict):
@@ -774,6 +797,9 @@ def main(argv=None):
     if argv[:1] == ["--replot"]:  # the plot (and with --markdown the page) again from a results JSON
         path = Path(argv[1])
         result = json.loads(path.read_text())
+        if "--summary" in argv[2:]:  # the summary computed again from the same points (keys added since)
+            result["summary"] = summary(result["points"], result["limits"])
+            path.write_text(json.dumps(result, indent=1) + "\n")
         if "--markdown" in argv[2:]:  # older pages were edited by hand: rewritten only when asked
             write_markdown(path.with_suffix(".md"), result)
         plot(path.with_suffix(".png"), result)

@@ -353,3 +353,20 @@ def test_stock_handler_pads_a_batch_to_its_longest_request(monkeypatch):
             want = h.model(r["input_ids"], r["attention_mask"])
         torch.testing.assert_close(a["pooled"], want["pooled"], rtol=1e-4, atol=1e-5)
         assert torch.equal(a["ids"], r["input_ids"])
+
+
+def test_the_summary_carries_the_engine_keys_of_issue_64():
+    from bench.bench_e2e import summary
+
+    def point(h, c, req_s, p50):
+        return {"handler": h, "gpus": 1, "clients": c, "req_s": req_s, "p50_ms": p50}
+
+    points = [point("echo", 64, 1000.0, 1.0), point("echo", 128, 2000.0, 2.0), point("echo", 1, 500.0, 1.0),
+              point("ours", 64, 400.0, 2.0), point("ours", 128, 500.0, 3.0), point("ours", 1, 300.0, 2.5),
+              point("ours_engine", 64, 800.0, 1.5), point("ours_engine", 128, 1500.0, 2.0),
+              point("ours_engine", 1, 290.0, 2.75)]
+    s = summary(points, {})
+    assert s["ours_over_echo_c64"] == 0.8 and s["ours_over_echo_c128"] == 0.75
+    assert s["per_worker_over_echo_c64"] == 0.4 and s["c1_p50_delta_ms"] == 0.25
+    assert s["gpu_mib_all_processes"] is None  # bench_shared's, not this run's
+    assert "ours_over_echo_c64" not in summary([p for p in points if p["handler"] != "ours_engine"], {})
