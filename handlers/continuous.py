@@ -34,6 +34,7 @@ from handlers.generation import engine as engines
 from handlers.generation import loop
 from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
+from handlers.generation.metrics import OFF
 from handlers.generation.openai import route_for
 from handlers.torchserve import headers as ts_headers
 from handlers.torchserve import guardian, replies
@@ -74,11 +75,16 @@ class Continuous:
         self.engine: Optional[engines.Engine] = None
         self.budget_note = ""
         self.sock = None
+        self.metrics = OFF  # handlers/generation/metrics.py, set by the worker before the engine starts
+
+    def use(self, metrics) -> None:
+        """Counts and times generation in `metrics`, given the gauges by the engine `start` makes."""
+        self.metrics = metrics
 
     def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note
         self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken,
-                                     self.config.queue_timeout_s, Marks.from_env()).start()
+                                     self.config.queue_timeout_s, Marks.from_env(), self.metrics).start()
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "
@@ -95,6 +101,7 @@ class Continuous:
         refusal = worker.health.refusal()
         clients = []
         for idx, (request, h) in enumerate(zip(data, heads)):
+            started = self.metrics.clock()  # the request has reached the worker
             rid = context.request_ids[idx] if context is not None else str(idx)
             c = Client(route_for(h, worker.name, worker.version), h.rest, rid, own_chunk)
             if context is not None:
@@ -112,7 +119,8 @@ class Continuous:
                 dec = self.runner.dec
                 plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
                 c.streaming = c.route.streams(req.params.stream)
-                self.engine.submit(engines.Job(loop.Sequence(req, plan, self.text), c, key=key_of(h.request_key)))
+                seq = loop.Sequence(req, plan, self.text, self.metrics, started)
+                self.engine.submit(engines.Job(seq, c, key=key_of(h.request_key)))
             except Exception as e:  # noqa: BLE001  (a raise here would fail every request the async frontend holds)
                 if not isinstance(e, ServingError):
                     logger.exception("request %s could not be queued", rid)

@@ -20,6 +20,7 @@ from handlers.errors import ServingError
 from handlers.generation import loop
 from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
+from handlers.generation.metrics import OFF
 from handlers.generation.openai import route_for
 from handlers.wire.base import Encoded, Failed
 
@@ -33,6 +34,12 @@ class Generation:
         self.runner, self.text, self.config = runner, text, config
         self.max_body_bytes = max_body_bytes
         self.marks = Marks.from_env()
+        self.metrics = OFF  # handlers/generation/metrics.py, set by the worker after its warm-up
+
+    def use(self, metrics) -> None:
+        """Counts and times generation in `metrics` from now (after the warm-up): no sequence runs yet."""
+        self.metrics = metrics
+        metrics.state(0, None, 0)
 
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; {self.runner.graph_note}; "
@@ -60,6 +67,7 @@ def _failed(err: ServingError, route: Route) -> Failed:
 
 def _one(worker, request, h, route: Route, send) -> object:
     gen: Generation = worker.loaded.generation
+    started = gen.metrics.clock()  # the request has reached the worker
     try:
         route.check()
         direct = route.direct()
@@ -74,7 +82,8 @@ def _one(worker, request, h, route: Route, send) -> object:
     if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
         return _failed(gen.marks.error("before its generation started"), route)
     sent, t0 = 0, time.perf_counter()
-    events = loop.generate(gen.runner, req, plan, gen.text)
+    events = loop.generate(gen.runner, req, plan, gen.text, gen.metrics, started)
+    gen.metrics.state(1, None, 1)  # one sequence running on the one cache; the queue is the frontend's
     try:
         for event in events:
             if gen.marks.is_gone(key):  # one stat per token
@@ -97,4 +106,5 @@ def _one(worker, request, h, route: Route, send) -> object:
         return Encoded(route.error_event(err), route.media_type(), {})
     finally:
         events.close()  # a stopped generation leaves its inference mode and stream context now
+        gen.metrics.state(0, None, 0)
     raise AssertionError("generation ended without its Finished event")

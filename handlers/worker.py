@@ -13,7 +13,8 @@ from handlers import continuous, engine_worker, faults, generating, pipeline, st
 from handlers.health import Health
 from handlers.loaded import Loaded
 from handlers.torchserve import frontend_frames, restart
-from handlers.torchserve.stage_timings import batch_profiler, metric_sink
+from handlers.generation import metrics
+from handlers.torchserve.stage_timings import batch_profiler, generation_sink, metric_sink
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Worker:
             if self.loaded.weights is not None:  # its model reads the holder's memory: stop when it is gone
                 self.loaded.weights.on_lost(self.broken)
             if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
+                self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
+                                                              plan.config.generation_metrics_s))
                 if continuous.serves(self):
                     warmup.slots(self.loaded, steps, self.broken)
                 else:

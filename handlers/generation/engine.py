@@ -37,6 +37,7 @@ from handlers.errors import ServingError
 from handlers.generation import sampling
 from handlers.generation.abandon import Marks
 from handlers.generation.loop import Sequence
+from handlers.generation.metrics import OFF
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -82,11 +83,12 @@ class Step:
 class Engine:
     """`deliver(updates)`: [(job, events, error)] after each turn, events a list of loop.Token
     and, last for a sequence that ended, loop.Finished; error a ServingError when its generation
-    failed."""
+    failed. `metrics` (handlers/generation/metrics.py) is given the gauges each turn."""
 
     def __init__(self, runner, deliver: Callable, queue_size: int, budget: Budget, broken: Callable = None,
-                 queue_timeout_s: float = 0.0, marks: Optional[Marks] = None):
+                 queue_timeout_s: float = 0.0, marks: Optional[Marks] = None, metrics=OFF):
         self.runner, self.deliver, self.queue_size, self.budget = runner, deliver, queue_size, budget
+        self.metrics = metrics
         self.queue_timeout_s = queue_timeout_s
         self.marks = marks or Marks(None)
         self.broken = broken
@@ -129,9 +131,11 @@ class Engine:
                 with self.cond:
                     if not self._busy():
                         self.stats.log_and_reset()
+                        self._gauges()
                     while not self._busy():
                         self.cond.wait()
                     expired = self._begin()
+                    self._gauges()
                 try:
                     updates = expired + (self._turn() if self._busy() else [])
                     t = time.perf_counter()
@@ -139,6 +143,12 @@ class Engine:
                     self.stats.lap("deliver", t)
                 except Exception as e:  # noqa: BLE001  (every sequence in the cache is told)
                     self._fail_all(e)
+
+    def _gauges(self) -> None:
+        """Under the lock: the sequences decoding (holding a slot, prompt whole), those waiting
+        for a slot, and the slots held (decoding or filling a prompt)."""
+        held = self.slots - len(self.free)
+        self.metrics.state(held - len(self.filling), len(self.waiting), held)
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.filling or self.ready or self.inflight)

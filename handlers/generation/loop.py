@@ -17,6 +17,7 @@ import torch
 
 from handlers.errors import RequestError
 from handlers.generation import sampling
+from handlers.generation.metrics import OFF
 from handlers.generation.request import GenerateRequest
 from handlers.generation.text import Detokenizer, StopText, Text
 
@@ -134,16 +135,20 @@ class Sequence:
     """One request's tokens as they come: each checked against its stops (end-of-sequence and
     stop ids, max_tokens, stop strings), turned into text, and why it ended. The one place a
     generated token becomes an event, for one sequence at a time (`generate`) and for many on one
-    cache (handlers/generation/engine.py)."""
+    cache (handlers/generation/engine.py). `metrics` (handlers/generation/metrics.py) counts each
+    token and times the sequence from `started` (its clock's time the request reached the worker)."""
 
-    def __init__(self, req: GenerateRequest, p: Plan, text: Optional[Text]):
+    def __init__(self, req: GenerateRequest, p: Plan, text: Optional[Text], metrics=OFF,
+                 started: Optional[float] = None):
         self.plan, self.params = p, req.params
+        self.metrics, self.timing = metrics, metrics.begin(started)
         self.detok = Detokenizer(text, p.prompt) if text else None
         self.stops = StopText(req.params.stop) if req.params.stop else None
         self.ids, self.text, self.reason = [], [], None  # reason: None while it goes on
 
     def take(self, tid: int) -> Token:
         """The event for generated token `tid`; `reason` is set where it ends the sequence."""
+        self.metrics.token(self.timing)
         self.ids.append(tid)
         if tid in self.plan.stop_ids:
             self.reason = "eos_token"
@@ -160,6 +165,7 @@ class Sequence:
 
     def finish(self) -> list:
         """The last events: text held back for a stop sequence that never completed, then Finished."""
+        self.metrics.end(self.timing)
         out = []
         if self.stops is not None and self.reason != "stop_sequence":
             tail = self.stops.flush()
@@ -169,10 +175,11 @@ class Sequence:
         return out + [Finished(self.reason or "length", len(self.plan.prompt), self.ids, "".join(self.text))]
 
 
-def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text]) -> Iterator:
-    """Yields a Token per generated token, then one Finished."""
+def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text], metrics=OFF,
+             started: Optional[float] = None) -> Iterator:
+    """Yields a Token per generated token, then one Finished (`metrics`, `started`: Sequence's)."""
     gen = sampling.generator(req.params, runner.device)
-    seq = Sequence(req, p, text)
+    seq = Sequence(req, p, text, metrics, started)
     host = [_HostToken(runner.device), _HostToken(runner.device)]  # two in flight: one read while the next is sampled
     with torch.inference_mode(), runner.stream_context():
         ids = torch.tensor([p.prompt], dtype=torch.int64).to(runner.device, non_blocking=True)

@@ -98,3 +98,26 @@ def metric_sink(context) -> Callable[[str, float], None]:
             logger.debug("metric %s not recorded: %s", name, e)
 
     return emit
+
+
+def generation_sink(context, model_name: str) -> Callable[[str, str, float], None]:
+    """`emit(name, kind, value)` for handlers/generation/metrics.py: a counter, gauge or histogram
+    (`kind`) through TorchServe's `context.metrics.add_metric`, labelled ModelName and Level
+    (the frontend adds Hostname). Both dimensions are passed each time: add_metric adds only the
+    defaults that are missing, and a metric emitted once with other dimension names than those it
+    was first cached with is refused (ts/metrics/caching_metric.py, `add_or_update`). A metric that
+    cannot be recorded never fails a request."""
+    from ts.metrics.dimension import Dimension
+    from ts.metrics.metric_type_enum import MetricTypes
+
+    kinds = {"counter": MetricTypes.COUNTER, "gauge": MetricTypes.GAUGE, "histogram": MetricTypes.HISTOGRAM}
+    units = {"counter": "count", "gauge": "count", "histogram": "seconds"}
+
+    def emit(name: str, kind: str, value: float) -> None:
+        try:
+            dims = [Dimension("ModelName", model_name), Dimension("Level", "Model")]
+            context.metrics.add_metric(name, value, units[kind], None, dims, kinds[kind])
+        except Exception as e:  # noqa: BLE001
+            logger.debug("metric %s not recorded: %s", name, e)
+
+    return emit
