@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import requests
+
 from handlers import protowire
 from pod.local_pod import LocalPod
 from compiled_serving.local_server import server_env
@@ -63,6 +65,13 @@ class Container(LocalPod):
 
     def wait(self, kind, timeout=180):
         return subprocess.CompletedProcess([], 0, super().wait(kind, timeout), "")
+
+    def management(self, path: str, method: str = "GET"):
+        """TorchServe's management API inside the pod, with its key: token authorization is on
+        there (pod/start.py), the key in the runtime directory's key_file.json."""
+        keys = json.loads((self.root / "run" / "key_file.json").read_text())
+        return requests.request(method, f"http://127.0.0.1:{self.ports['management']}{path}",
+                                headers={"Authorization": f"Bearer {keys['management']['key']}"}, timeout=10)
 
     def worker_rss_mib(self):
         workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]

@@ -230,7 +230,7 @@ def test_broken_archive_is_never_ready_and_says_why(cluster_mar, artifacts, tmp_
             time.sleep(1)
         assert needle in c.log(), c.log()[-3000:]
         # TorchServe itself lists the broken model's worker READY (it answers 503) ...
-        listed = requests.get(f"http://127.0.0.1:{c.ports['management']}/models/bad", timeout=10).json()
+        listed = c.management("/models/bad").json()
         assert any(w["status"] == "READY" for w in listed[0]["workers"]), listed
         # ... and the readiness probe fails, names the reason (once the pod's poll has had an
         # answer: on a busy host the management API can answer late, pod/state.py HOLD_S), and
