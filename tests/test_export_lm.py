@@ -163,3 +163,30 @@ def test_cs_export_lm_then_cs_archive_with_no_options_served_by_torchserve(tmp_p
         assert lines[-1]["token_ids"] == generate(model, p, 10)
     resp, lines = ask(ts, "lmx", {"text_input": "the quick brown fox", "parameters": {"max_tokens": 4}})
     assert resp.status_code == 200 and lines[-1]["finish_reason"] in ("length", "eos_token"), resp.text
+
+
+def test_the_aotinductor_package_gives_the_same_tokens(tmp_path):
+    """--package: the slot form of a Qwen2 checkpoint (whose one-sequence static-cache export could
+    not be packaged, issue 65) compiles with AOTInductor, is imported as the served artifact with
+    program.pt2 beside it, and the package run by the engine gives generate's greedy tokens."""
+    from torch._inductor import aoti_load_package
+
+    model = checkpoint("qwen2", tmp_path / "ckpt")
+    assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--slots", str(SLOTS),
+                           "--max-seq", str(MAX_SEQ), "--package"]) == 0
+    spec = json.loads((tmp_path / "out" / "artifact.json").read_text())
+    assert spec["backend"] == "aoti" and (tmp_path / "out" / "program.pt2").is_file()
+    packaged = aoti_load_package(str(tmp_path / "out" / "model.pt2"))
+
+    class Packaged:
+        loader = "aoti"
+
+        def __call__(self, tokens, positions, slots):
+            return {"logits": packaged(tokens, positions, slots)}
+
+    h = Harness(torch.export.load(str(tmp_path / "out" / "program.pt2")))
+    h.runner.model = Packaged()
+    for i, (p, n) in PROMPTS.items():
+        h.submit(i, p, n)
+    got = h.wait(list(PROMPTS))
+    assert {i: got[i] for i in PROMPTS} == {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
