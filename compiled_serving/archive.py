@@ -414,7 +414,12 @@ def stage_tokenizer(args, specs, stage) -> None:
     """--tokenizer into the archive's top level (handlers/generation/text.py reads it there),
     checked to load and to fit the decoder's vocabulary."""
     from handlers.artifact.decoder import of as decoder_of
+    from handlers.generation.text import TOKENIZER_FILE
 
+    beside = [os.path.join(a, TOKENIZER_FILE) for a in args.artifact if os.path.isdir(a)]
+    if not args.tokenizer and beside and os.path.isfile(beside[0]):  # cs-export-lm's directory carries its own
+        args.tokenizer = beside[0]
+        print(f"tokenizer: {beside[0]} (the artifact directory's own; --tokenizer names another)")
     if not args.tokenizer:
         if getattr(args, "tokenizer_config", None):
             fail("--tokenizer-config needs --tokenizer (the chat template's text is tokenized by it)")
@@ -434,8 +439,6 @@ def stage_tokenizer(args, specs, stage) -> None:
     if size > vocab:
         fail(f"--tokenizer {args.tokenizer} has {size} tokens but the decoder's logits cover {vocab}: "
              "is it the model's own tokenizer?")
-    from handlers.generation.text import TOKENIZER_FILE
-
     shutil.copy2(args.tokenizer, os.path.join(stage, TOKENIZER_FILE))
     stage_chat_template(args, stage)
 
@@ -470,6 +473,20 @@ def stage_chat_template(args, stage) -> None:
           f"{'serves' if source else 'answers 400'})")
 
 
+def declare_eos(specs, handler_opts: dict) -> None:
+    """The end-of-sequence ids cs-export-lm recorded from the checkpoint's generation config
+    (artifact.json `extra.generation`) as handler.eos_token_ids, unless given; said either way."""
+    recorded = (specs[0].extra.get("generation") or {}).get("eos_token_ids")
+    if recorded is None:
+        return
+    if "eos_token_ids" in handler_opts:
+        print(f"end-of-sequence ids: {list(handler_opts['eos_token_ids'])} as given (the artifact records {recorded})")
+        return
+    handler_opts["eos_token_ids"] = list(recorded)
+    where = specs[0].extra["generation"].get("from", "the checkpoint")
+    print(f"end-of-sequence ids: {recorded} (the checkpoint's {where}, recorded by cs-export-lm)")
+
+
 def run_archiver(args, cfg, stage, tmp) -> None:
     """torch-model-archiver over the staging directory, with model-config.yaml from `cfg`."""
     config_path = os.path.join(tmp, "model-config.yaml")
@@ -500,6 +517,7 @@ def build(args) -> tuple:
         dirs = [imported(a, i, args, opts, tmp) for i, a in enumerate(args.artifact)]
         specs = stage_variants(dirs, stage)
         stage_tokenizer(args, specs, stage)
+        declare_eos(specs, opts)
         workers = decide_workers(args, specs, opts)
         pad = decide_pad(args.pad, opts, specs)
         batch = decide_batch_size(args.batch_size, specs, opts)

@@ -33,7 +33,7 @@ PY = sys.executable
 # installed (the GPU machine's kit runs python3 with the repository on its path) the module runs.
 CS_COMMANDS = {"compile": "cs-compile", "import_artifact": "cs-import", "archive": "cs-archive",
                "inspect_artifact": "cs-inspect", "verify_store": "cs-verify", "kserve": "cs-kserve",
-               "client": "cs-client"}
+               "client": "cs-client", "export_lm": "cs-export-lm"}
 
 
 def cs_command(module: str) -> list:

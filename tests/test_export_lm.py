@@ -1,0 +1,192 @@
+"""cs-export-lm (compiled_serving/export_lm.py, compiled_serving/slot_lm.py): a transformers causal
+LM directory (save_pretrained) into the slot form on transformers' own modeling code. For each
+family (random weights from small configs of its real shape, fp32 on the CPU), the program that
+the command writes, driven by the slot engine (handlers/generation/engine.py: prompts filled in
+chunks into their slots, decode steps over every busy slot at once), gives the greedy tokens of
+transformers' `generate(do_sample=False)`, alone and with six sequences of different lengths
+sharing four slots; its directory goes through cs-archive with no options (tokenizer and
+end-of-sequence ids taken from it) and is served by real TorchServe."""
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT, cs_command, server_env
+from test_continuous import Harness, archive, ask
+
+from compiled_serving import export_lm, slot_lm
+from examples.transformers_decoder import tiny_tokenizer
+
+VOCAB, SLOTS, MAX_SEQ = 320, 4, 64
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+
+
+def config(family: str):
+    import transformers as t
+
+    if family == "llama":
+        return t.LlamaConfig(**SMALL)
+    if family == "qwen2":
+        return t.Qwen2Config(**SMALL)
+    if family == "qwen3":
+        return t.Qwen3Config(**SMALL, head_dim=32)
+    if family == "mistral":  # a window shorter than the sequences: the sliding mask is exercised
+        return t.MistralConfig(**SMALL, sliding_window=8)
+    if family == "phi3":
+        return t.Phi3Config(**SMALL)
+    if family == "gemma2":  # sliding and full layers alternate (a dict of masks), soft-capped logits
+        return t.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+    if family == "gpt2":
+        return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, eos_token_id=0,
+                            bos_token_id=1)
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2"]
+
+
+def checkpoint(family: str, d, seed: int = 0):
+    """A save_pretrained directory of `family` with seeded random weights and a byte-level BPE
+    tokenizer of its vocabulary; the model."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config(family)).eval()
+    with torch.no_grad():  # larger weights than the init's: logits far apart, no near ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(d)
+    PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(VOCAB - 20), eos_token="</s>").save_pretrained(d)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def exported(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    model = checkpoint(request.param, d / "ckpt")
+    assert export_lm.main(["--model", str(d / "ckpt"), "--out", str(d / "out"), "--slots", str(SLOTS),
+                           "--max-seq", str(MAX_SEQ)]) == 0
+    return request.param, model, d / "out"
+
+
+def generate(model, prompt, n):
+    """transformers' own greedy tokens (no stop at the end-of-sequence id: the engine's runs ignore it)."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0)
+    model.generation_config.eos_token_id = None  # else merged into cfg from the checkpoint's
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=cfg, attention_mask=torch.ones(1, len(prompt),
+                                                                                                       dtype=torch.long))
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = {0: ([5, 9, 13, 2, 7, 7, 1], 12), 1: ([(7 * k + 3) % VOCAB for k in range(23)], 9),
+           2: ([42], 16), 3: ([(11 * k) % VOCAB for k in range(37)], 6), 4: ([3, 4, 5], 20),
+           5: ([(5 * k + 1) % VOCAB for k in range(18)], 30)}
+
+
+def test_greedy_tokens_equal_generate_alone_and_sharing_the_cache(exported):
+    family, model, out = exported
+    program = torch.export.load(str(out / "model.pt2"))
+    want = {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
+    assert len({t for w in want.values() for t in w}) >= 8, want  # not a model that repeats one token
+    h = Harness(program)
+    for i in (0, 3):
+        h.submit(("alone", i), *PROMPTS[i])
+        assert h.wait([("alone", i)])[("alone", i)] == want[i], (family, i)
+    for i, (p, n) in PROMPTS.items():  # six sequences on four slots: two wait, then take freed slots
+        h.submit(i, p, n)
+    got = h.wait(list(PROMPTS))
+    assert {i: got[i] for i in PROMPTS} == want, family
+
+
+def test_the_directory_holds_the_tokenizer_and_the_eos_ids(exported):
+    family, model, out = exported
+    spec = json.loads((out / "artifact.json").read_text())
+    assert spec["extra"]["generation"]["eos_token_ids"] == [0]
+    dec = spec["extra"]["state"]["decoder"]
+    assert (dec["slots"], dec["cache_length"], dec["vocab"], dec["slot_input"]) == (SLOTS, MAX_SEQ, VOCAB, "slots")
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+
+
+def test_a_model_the_slot_form_cannot_hold_is_refused_naming_the_family_and_why(tmp_path, monkeypatch):
+    checkpoint("llama", tmp_path / "ckpt")
+
+    def no_rows(model):
+        raise slot_lm.Unsupported("its cache layer LinearAttentionLayer holds no (batch, heads, length, dim) keys")
+
+    monkeypatch.setattr(slot_lm, "layer_shapes", no_rows)
+    with pytest.raises(SystemExit, match=r"llama \(LlamaForCausalLM\) cannot go into the slot form this way: its cache"):
+        export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--max-seq", "32"])
+    assert not (tmp_path / "out" / "artifact.json").exists()
+
+
+def test_logits_that_differ_from_the_models_own_are_refused(tmp_path, monkeypatch):
+    checkpoint("llama", tmp_path / "ckpt")
+    real = slot_lm.SlotLM.mask
+
+    def wrong(self, input_pos, window, dtype):  # a mask that lets a position see the next one
+        return real(self, input_pos + 1, window, dtype)
+
+    monkeypatch.setattr(slot_lm.SlotLM, "mask", wrong)
+    with pytest.raises(SystemExit, match="differ from the model's own forward"):
+        export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--max-seq", "32"])
+
+
+def test_a_cache_longer_than_the_models_positions_and_a_missing_tokenizer_are_refused(tmp_path):
+    model = checkpoint("gpt2", tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="--max-seq 300 is more than the 256 positions"):
+        export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--max-seq", "300"])
+    model.save_pretrained(tmp_path / "bare")
+    with pytest.raises(SystemExit, match="no usable tokenizer|tokenizer holds"):
+        export_lm.main(["--model", str(tmp_path / "bare"), "--out", str(tmp_path / "out2"), "--max-seq", "32"])
+
+
+@pytest.mark.server
+def test_cs_export_lm_then_cs_archive_with_no_options_served_by_torchserve(tmp_path_factory, serve):
+    d = tmp_path_factory.mktemp("e2e")
+    model = checkpoint("qwen2", d / "ckpt")
+    r = subprocess.run([*cs_command("export_lm"), "--model", str(d / "ckpt"), "--out", str(d / "out"),
+                        "--slots", "4", "--max-seq", "64"], cwd=ROOT, capture_output=True, text=True, env=server_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = archive(d / "out", "lmx", d / "store")
+    assert "the artifact directory's own" in r.stdout and "end-of-sequence ids: [0]" in r.stdout, r.stdout
+    ts = serve({"lmx": d / "store" / "lmx.mar"})
+    prompts = [PROMPTS[0][0], PROMPTS[1][0], PROMPTS[4][0]]
+    for p in prompts:
+        resp, lines = ask(ts, "lmx", {"input_ids": p, "parameters": {"max_tokens": 10, "ignore_eos": True}})
+        assert resp.status_code == 200, resp.text
+        assert lines[-1]["token_ids"] == generate(model, p, 10)
+    resp, lines = ask(ts, "lmx", {"text_input": "the quick brown fox", "parameters": {"max_tokens": 4}})
+    assert resp.status_code == 200 and lines[-1]["finish_reason"] in ("length", "eos_token"), resp.text
+
+
+def test_the_aotinductor_package_gives_the_same_tokens(tmp_path):
+    """--package: the slot form of a Qwen2 checkpoint (whose one-sequence static-cache export could
+    not be packaged, issue 65) compiles with AOTInductor, is imported as the served artifact with
+    program.pt2 beside it, and the package run by the engine gives generate's greedy tokens."""
+    from torch._inductor import aoti_load_package
+
+    model = checkpoint("qwen2", tmp_path / "ckpt")
+    assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--slots", str(SLOTS),
+                           "--max-seq", str(MAX_SEQ), "--package"]) == 0
+    spec = json.loads((tmp_path / "out" / "artifact.json").read_text())
+    assert spec["backend"] == "aoti" and (tmp_path / "out" / "program.pt2").is_file()
+    packaged = aoti_load_package(str(tmp_path / "out" / "model.pt2"))
+
+    class Packaged:
+        loader = "aoti"
+
+        def __call__(self, tokens, positions, slots):
+            return {"logits": packaged(tokens, positions, slots)}
+
+    h = Harness(torch.export.load(str(tmp_path / "out" / "program.pt2")))
+    h.runner.model = Packaged()
+    for i, (p, n) in PROMPTS.items():
+        h.submit(i, p, n)
+    got = h.wait(list(PROMPTS))
+    assert {i: got[i] for i in PROMPTS} == {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
