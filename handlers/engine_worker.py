@@ -62,7 +62,8 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
                                 gpu, engine_gpu, name)
     client = connect()
     spec = read_spec(client.ready.variant)
-    # the engine's runner pads no more (handlers/engine/artifact.py): the same plan, from the same settings
+    # each request padded to its own bucket here, by the plan the engine's runner has (the same
+    # settings); the engine may pad jobs of neighbouring buckets to one (handlers/engine/artifact.py)
     runner = EngineRunner(client, spec, connect, PadPlan.of(spec, config.pad or None, config.pad_buckets))
     steps.note("engine", f"engine pid {client.ready.pid}: {client.ready.describe}")
     steps.done("load")
