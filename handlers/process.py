@@ -90,3 +90,20 @@ def lock_within(fd: int, wait_s: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
+
+
+def ready_line(proc, wait_s: float):
+    """The JSON object a process started with stdout=PIPE prints as its first line within
+    `wait_s` seconds (a helper process's "ready" or "error"), or None: then the process is killed,
+    and the caller names what it started and where its log is."""
+    import json
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], wait_s)
+    raw = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        proc.kill()
+        return None

@@ -547,3 +547,22 @@ def kserve_env():
             skip_or_fail_in_ci("scripts/setup_kserve_env.sh could not install .venv-kserve (the kserve SDK and "
                                f"tritonclient) that the pod's and tritonclient's tests run: {r.stderr[-500:]}")
     return Path(ROOT) / ".venv-kserve" / "bin" / "python"
+
+
+def worker_pids(ts, model) -> list:
+    """The pids of `model`'s workers, as the management API lists them."""
+    return sorted(w["pid"] for w in ts.workers(model))
+
+
+def wait_back(ts, model, gone: set, n: int = 2, timeout: float = 120) -> float:
+    """Seconds until `n` workers of `model` are READY, none of them in `gone` (killed ones);
+    fails with the server's log where they are not within `timeout`."""
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        ws = ts.workers(model)
+        if len(ws) == n and all(w.get("status") == "READY" and w.get("pid") not in gone for w in ws):
+            return time.time() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"{model} not back: {ts.workers(model)}\n{ts.log()[-3000:]}")

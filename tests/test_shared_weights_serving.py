@@ -15,7 +15,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import build_mar, close, eager, two
+from conftest import build_mar, close, eager, two, wait_back
+from conftest import worker_pids as pids
 
 pytestmark = pytest.mark.server
 
@@ -51,21 +52,6 @@ def answers_right(ts, model, seed=0) -> None:
         r = ts.predict(model, {"inputs": {"features": f.tolist(), "mask": m.tolist()}})
         assert r.status_code == 200, r.text
         close(r.json()["outputs"], eager("two_input", f, m))
-
-
-def pids(ts, model) -> list:
-    return sorted(w["pid"] for w in ts.workers(model))
-
-
-def wait_back(ts, model, gone: set, n: int = 2, timeout: float = 120) -> float:
-    """Seconds until `n` workers of `model` are READY, none of them in `gone`."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        ws = ts.workers(model)
-        if len(ws) == n and all(w.get("status") == "READY" and w.get("pid") not in gone for w in ws):
-            return time.time() - t0
-        time.sleep(0.2)
-    raise AssertionError(f"{model} not back: {ts.workers(model)}\n{ts.log()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -87,12 +86,8 @@ def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]
 
 
 def _ready_line(proc, log: str) -> dict:
-    ready, _, _ = select.select([proc.stdout], [], [], ENGINE_START_S)
-    raw = proc.stdout.readline() if ready else b""
-    proc.stdout.close()
-    try:
-        return json.loads(raw)
-    except ValueError:
-        proc.kill()
+    line = process.ready_line(proc, ENGINE_START_S)
+    if line is None:
         raise LoadError(f"the engine gave no ready line within {ENGINE_START_S:.0f}s (exit status "
-                        f"{proc.poll()}); its log: {log}") from None
+                        f"{proc.poll()}); its log: {log}")
+    return line

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import multiprocessing
 import os
 import secrets
-import select
 import shutil
 import socket
 import subprocess
@@ -237,15 +235,11 @@ def sweep_holder_dirs(parent: str) -> list:
 
 
 def _ready_line(proc, paths: dict) -> dict:
-    ready, _, _ = select.select([proc.stdout], [], [], HOLDER_START_S)
-    raw = proc.stdout.readline() if ready else b""
-    proc.stdout.close()
-    try:
-        return json.loads(raw)
-    except ValueError:
-        proc.kill()
+    line = process.ready_line(proc, HOLDER_START_S)
+    if line is None:
         raise ShareError(f"the weights holder gave no ready line within {HOLDER_START_S:.0f}s "
-                         f"(exit status {proc.poll()}); its log: {paths['log']}") from None
+                         f"(exit status {proc.poll()}); its log: {paths['log']}")
+    return line
 
 
 def _receive(conn) -> dict:
