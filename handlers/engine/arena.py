@@ -81,6 +81,12 @@ class Arena:
         self.worker_bytes, self.engine_bytes = worker_bytes, engine_bytes
         self.size = worker_bytes + engine_bytes
         self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # the whole mapping as one byte tensor, made through a memoryview: the tensor keeps a
+        # reference to it, and a live memoryview holds an export of the mapping, which stops
+        # close() unmapping it under any view (torch.frombuffer on the mmap itself holds no
+        # export: a tensor outliving close() would read unmapped memory). Views are slices of
+        # it (a slice keeps its base alive), so one block costs a slice, not a new buffer.
+        self.base = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
         own = (0, worker_bytes) if side == "worker" else (worker_bytes, engine_bytes)
         self.allocator = Allocator(*own)
         self.side = side
@@ -140,12 +146,7 @@ class Arena:
         dtype = torch_dtype(ref.dtype)
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        # through a memoryview: the tensor keeps a reference to the object it was made from,
-        # and a live memoryview holds an export of the mapping, which stops close() unmapping
-        # it under the tensor (torch.frombuffer on the mmap itself holds no export: a tensor
-        # outliving close() would read unmapped memory)
-        block = memoryview(self._mm)[ref.offset:ref.offset + ref.nbytes]
-        return torch.frombuffer(block, dtype=torch.uint8).view(dtype).view(ref.shape)
+        return self.base[ref.offset:ref.offset + ref.nbytes].view(dtype).view(ref.shape)
 
     def release(self, ref: TensorRef) -> None:
         """Frees a block this side allocated (the other side's blocks are its to free)."""
@@ -159,6 +160,7 @@ class Arena:
         if self.closed:
             return
         self.closed = True
+        self.base = None  # its memoryview goes with the last view of it
         mm, self._mm = self._mm, None
         try:
             mm.close()

@@ -28,6 +28,7 @@ import torch
 
 from handlers.engine import protocol as p
 from handlers.engine.arena import Arena
+from handlers.engine.device import DEPTH, DeviceSteps
 from handlers.errors import EngineUnavailable, RequestError, ServingError
 from handlers.faults import OutOfDeviceMemory, client_fault, is_oom, is_sticky, plain_message
 
@@ -59,8 +60,12 @@ class Job:
 
 
 class Engine:
-    def __init__(self, runner, max_rows: Optional[int] = None, name: str = "engine"):
+    def __init__(self, runner, max_rows: Optional[int] = None, name: str = "engine", device="auto"):
+        """`device`: the DeviceSteps a step is launched through ("auto": the runner's where it is
+        a CUDA runner with graphs; None: every step through the runner's own call, waited for)."""
         self.runner = runner
+        self.device = DeviceSteps.for_runner(runner) if device == "auto" else device
+        self.flights = collections.deque()  # launched steps (device.Flight), oldest first
         self.spec = runner.spec
         self.max_rows = max_rows or self.spec.batch_max
         self.name = name
@@ -69,6 +74,7 @@ class Engine:
         self.sessions = set()
         self.calls = 0  # Runner.run calls (each one or more model calls: chunks, shape groups)
         self.rows = 0
+        self.jobs = 0  # jobs answered by those calls
         self.dead: Optional[str] = None
 
     # --- any thread ---
@@ -78,6 +84,8 @@ class Engine:
             if self.dead:
                 raise EngineUnavailable(f"the engine is dead: {self.dead}")
             self.sessions.add(session)
+        if self.device is not None:
+            self.device.register(session.arena)
 
     def disconnect(self, session: Session) -> None:
         """The worker is gone (its socket closed, or it closed in-process): its queued jobs are
@@ -91,6 +99,8 @@ class Engine:
         with session.lock:
             session.closed = True
             session.held.clear()
+            if self.device is not None:
+                self.device.unregister(session.arena)
             session.arena.close()
         logger.info("%s: worker %s gone; %d queued job(s) dropped", self.name, session.name, len(mine))
 
@@ -177,11 +187,61 @@ class Engine:
             return jobs
 
     def step(self, timeout: float = 0.0) -> int:
-        """Takes and runs one batch; returns how many jobs it ran."""
-        jobs = self.take(timeout)
+        """Answers the launched steps the device has finished, then takes the queued jobs and
+        launches them where fewer than DEPTH are in flight (or, without DeviceSteps, runs them,
+        waited for); returns how many jobs it took."""
+        if self.device is None:
+            jobs = self.take(timeout)
+            if jobs:
+                self.run(jobs)
+            return len(jobs)
+        self._land()
+        if len(self.flights) >= DEPTH:
+            return 0
+        jobs = self.take(0.0 if self.flights else timeout)
         if jobs:
-            self.run(jobs)
+            self._launch(jobs)
         return len(jobs)
+
+    def _launch(self, jobs: list) -> None:
+        replays = self.device.plan(jobs)
+        if replays is not None:
+            try:
+                with torch.inference_mode():  # the graphs' buffers are inference tensors
+                    self.flights.append(self.device.launch(replays, self._alloc, self._free))
+                return
+            except Exception as e:  # noqa: BLE001 - a sticky fault ends the engine; else the plain path
+                if is_sticky(e):
+                    self.die(f"a device fault that poisons the process: {plain_message(str(e))}", jobs)
+                    return
+                logger.info("%s: launching a step failed (%s); running it through the runner's call", self.name, e)
+        self.run(jobs)  # on the same stream, after the steps in flight
+
+    def _land(self) -> None:
+        """Answers every launched step the device has finished, oldest first."""
+        try:
+            while self.flights and self.flights[0].done():
+                flight = self.flights.popleft()
+                self.calls += 1
+                self.rows += sum(j.rows for j in flight.jobs)
+                self.jobs += len(flight.jobs)
+                for job in flight.jobs:
+                    self._settle(job, flight.outs[job])
+        except Exception as e:  # noqa: BLE001 - an error the device reports late (a fault in a kernel)
+            self.die(f"the device failed a step: {plain_message(str(e))}")
+
+    def _alloc(self, job: Job, name: str, dtype, shape: tuple) -> tuple:
+        s = job.session
+        with s.lock:
+            if s.closed:
+                raise EngineUnavailable("the worker is gone")
+            return s.arena.alloc(name, dtype, shape)
+
+    def _free(self, job: Job, ref) -> None:
+        s = job.session
+        with s.lock:
+            if not s.closed:
+                s.arena.release(ref)
 
     def serve_forever(self, stop: threading.Event, poll: float = 0.1) -> None:
         """Runs batches until `stop` is set or the engine dies (`poll`: how often it looks)."""
@@ -208,6 +268,7 @@ class Engine:
             return
         self.calls += 1
         self.rows += sum(j.rows for j in jobs)
+        self.jobs += len(jobs)
         for job, out in zip(jobs, outs):
             self._answer(job, out)
 
@@ -223,8 +284,16 @@ class Engine:
         return ServingError(f"the model failed on this request: {type(e).__name__}: {plain_message(str(e))}")
 
     def _answer(self, job: Job, out: dict) -> None:
-        """Copies the job's rows into its worker's arena and answers Result (or Failed where the
-        worker aborted it meanwhile or its arena is full)."""
+        """Copies the job's rows into its worker's arena, then answers (_settle)."""
+        s = job.session
+        with s.lock:
+            outcome = None if s.closed or job.id in s.aborted else self._write(s, out)
+        self._settle(job, outcome)
+
+    def _settle(self, job: Job, outcome) -> None:
+        """Answers a job that ran: Result with its blocks (`outcome`: their refs), Failed with
+        `outcome` where that is a ServingError (its arena was full), 499 where its worker
+        aborted it meanwhile (its blocks freed); nothing where its worker is gone."""
         s = job.session
         with s.lock:
             s.running.discard(job.id)
@@ -232,22 +301,29 @@ class Engine:
                 return
             if job.id in s.aborted:
                 s.aborted.discard(job.id)
+                for ref in outcome if isinstance(outcome, tuple) else ():
+                    s.arena.release(ref)
                 msg = p.Failed(job.id, ABORTED, "Aborted", "the worker aborted the request")
+            elif isinstance(outcome, ServingError):
+                msg = _failed(job.id, outcome)
             else:
-                msg = self._write(s, job.id, out)
+                s.held[job.id] = outcome
+                msg = p.Result(job.id, outcome)
         s.reply(msg)
 
-    def _write(self, s: Session, job_id: int, out: dict) -> p.Message:
+    @staticmethod
+    def _write(s: Session, out: dict):
+        """The outputs copied into new blocks of the worker's arena: their refs, or ArenaFull
+        (this worker's Results not released yet) with no block kept."""
         refs = []
         try:
             for name, t in out.items():
                 refs.append(s.arena.put(name, t))
-        except EngineUnavailable as e:  # ArenaFull: this worker's Results not released yet
+        except EngineUnavailable as e:
             for ref in refs:
                 s.arena.release(ref)
-            return _failed(job_id, e)
-        s.held[job_id] = tuple(refs)
-        return p.Result(job_id, tuple(refs))
+            return e
+        return tuple(refs)
 
     def _answer_failed(self, job: Job, e: ServingError) -> None:
         s = job.session
@@ -262,7 +338,8 @@ class Engine:
         """The engine cannot serve again: the jobs at hand get 500 with the reason, queued ones
         and every worker EngineDead (they reconnect to the engine's successor)."""
         logger.error("%s: dead: %s", self.name, reason)
-        for job in jobs:
+        flights, self.flights = list(self.flights), collections.deque()
+        for job in list(jobs) + [j for f in flights for j in f.jobs]:
             self._answer_failed(job, ServingError(reason))
         with self.cv:
             self.dead = reason

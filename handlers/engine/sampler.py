@@ -40,11 +40,13 @@ class Sampler:
                     self.counts[f"{names.get(ident, '?')}: {_where(frame)}"] += 1
             self.samples += 1
 
-    def write(self) -> None:
+    def write(self, **totals) -> None:
+        """`totals`: the engine's counts (calls, jobs, rows) beside where its time went."""
         self._stop.set()
         self._thread.join(1.0)
         with open(self.path, "w") as f:
-            json.dump({"samples": self.samples, "sample_s": SAMPLE_S, "where": self.counts.most_common(60)}, f, indent=1)
+            json.dump({"samples": self.samples, "sample_s": SAMPLE_S, **totals, "where": self.counts.most_common(60)},
+                      f, indent=1)
 
 
 def _where(frame, depth: int = 3) -> str:

@@ -9,7 +9,7 @@ The process prints one JSON line on stdout once it listens ({"pid": N}) or could
 (--frontend PID) or no worker was connected for --idle-exit-s seconds. It listens on
 SOCKET (a Unix stream socket, mode 0600: only this user's workers connect), takes each worker's
 Hello with its arena's descriptor (the accept thread), answers Ready, and from then on reads
-every worker's messages, runs their jobs and answers on one thread (`Loop`). SIGTERM or SIGINT stops it; a worker
+every worker's messages, launches their jobs and answers on one thread (`Loop`). SIGTERM or SIGINT stops it; a worker
 whose socket closes (it exited or was killed) is disconnected (handlers/engine/core.py Engine.disconnect)
 and the others go on.
 """
@@ -97,7 +97,9 @@ class Loop:
 
     def run(self, stop: threading.Event, poll: float = 0.1) -> None:
         while not stop.is_set() and not self.engine.dead:
-            busy = bool(self.engine.queue)
+            # jobs queued or a step on the device: the sockets are only looked at (a step is
+            # answered the turn after the device finishes it); else the loop sleeps in epoll
+            busy = bool(self.engine.queue) or bool(self.engine.flights)
             for key, _ in self.selector.select(0 if busy else poll):
                 if key.data is None:
                     self._take_new()
@@ -239,8 +241,9 @@ def main(argv=None) -> int:
         listener.close()
         if os.path.exists(args.socket):
             os.unlink(args.socket)
+        logger.info("%s: stops after %d calls, %d jobs, %d rows", engine.name, engine.calls, engine.jobs, engine.rows)
         if sampler is not None:
-            sampler.write()
+            sampler.write(calls=engine.calls, jobs=engine.jobs, rows=engine.rows)
         tmp = os.environ.get("TMPDIR", "")
         if os.path.basename(tmp).startswith("cs-engine-"):  # its own (handlers/engine/link.py), never a worker's
             shutil.rmtree(tmp, ignore_errors=True)

@@ -234,7 +234,13 @@ class GraphSet:
 
     def for_call(self, rows: int, parts: dict, names) -> Optional[GraphBucket]:
         """The graph for a call of `rows` rows of these input parts, or None."""
-        shapes = self._fixed if self._fixed is not None else shape_key([parts[n] for n in names])
+        return self.for_shape(rows, shape_key([parts[n] for n in names]) if self._fixed is None else self._fixed)
+
+    def for_shape(self, rows: int, shapes: tuple) -> Optional[GraphBucket]:
+        """The graph for a call of `rows` rows whose inputs' row shapes are `shapes` (shape_key's
+        form), or None."""
+        if self._fixed is not None:
+            shapes = self._fixed
         sizes = self.by_shape.get(shapes)
         b = bucket_for(rows, sizes) if sizes else None
         return self.buckets.get((b, shapes)) if b is not None else None  # None also where its capture failed

@@ -1,0 +1,196 @@
+"""The engine's device steps (handlers/engine/device.py) on the CPU: the same plan, padding on
+the device, copies into the arenas and launched steps answered out of flight, with "graphs"
+whose replay calls the model on their own buffers, against the runner's own call of the same
+requests (differential). The CUDA parts (pinning, the stream, the events) run on the GPU machine
+only (bench/bench_e2e.py's engine variant compares every answer with the eager model there)."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from handlers.artifact.metadata import ArtifactSpec, TensorSpec
+from handlers.batch import PadPlan
+from handlers.engine import core
+from handlers.engine.client import InProcessEngine
+from handlers.engine.device import DeviceSteps
+from handlers.engine.runner import EngineRunner
+from handlers.errors import ServingError
+from handlers.artifact.kinds.base import LoadedModel
+from handlers.run import runner_for
+from handlers.run.graphs import GraphBucket, GraphSet, shape_key
+
+SPEC = ArtifactSpec("export", "m", "", "cpu",
+                    (TensorSpec("ids", "int64", (None, "S")), TensorSpec("mask", "int64", (None, "S")),
+                     TensorSpec("x", "float32", (None, 3))),
+                    (TensorSpec("tok", "float32", (None, "S", 2)), TensorSpec("pooled", "float32", (None, 2))),
+                    "dict", 1, 16, torch.__version__, dims={"S": (1, 32)})
+PLAN = PadPlan.of(SPEC, {"ids": 7, "mask": 0})
+ROWS = (1, 2, 4, 8)  # the largest bucket (8) is under batch_max (16): larger jobs take the runner's call
+
+
+def model(ids, mask, x):
+    """Row-independent, and padding (mask 0) changes nothing of a row's own outputs."""
+    kept = (ids * mask).float()
+    return {"tok": kept.unsqueeze(-1) * torch.tensor([1.0, -0.5]) + x[:, None, :2],
+            "pooled": kept.sum(1, keepdim=True) * x[:, 1:] + mask.sum(1, keepdim=True)}
+
+
+class Replayed:
+    """A captured graph's stand-in: the model on the bucket's buffers, results into its outputs."""
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs, self.replays = inputs, outputs, 0
+
+    def replay(self):
+        self.replays += 1
+        for k, v in model(*self.inputs).items():
+            self.outputs[k].copy_(v)
+
+
+def graph_set() -> GraphSet:
+    buckets = {}
+    for s in PLAN.buckets["S"]:
+        for rows in ROWS:
+            inputs = list(SPEC.example(rows, None, {"S": s}).values())
+            outputs = {k: v.clone() for k, v in model(*inputs).items()}
+            bucket = GraphBucket(rows, Replayed(inputs, outputs), inputs, outputs, (("S", s),), 0.01 + rows * s * 1e-4)
+            buckets[(rows, shape_key(inputs))] = bucket
+    return GraphSet(buckets, 0, dynamic=True)
+
+
+class Event:
+    """A CPU event done after `after` queries (a step stays in flight that long)."""
+
+    def __init__(self, after: int = 2):
+        self.left = after
+
+    def record(self, stream):
+        pass
+
+    def query(self):
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self):
+        self.left = -1
+
+
+def engine(**kw):
+    plain = runner_for(LoadedModel(model, SPEC, torch.device("cpu"), "test"), SPEC, torch.device("cpu"))
+    plain.pad = PLAN
+    graphs = graph_set()
+    fake = SimpleNamespace(graphs=graphs, pad=PLAN, spec=SPEC,
+                           call_cost_ms=lambda rows, sizes: (graphs.replay_ms(rows, sizes) or 0) + 0.2 if graphs.replay_ms(rows, sizes) else None)
+    device = DeviceSteps(fake, None, Event)
+    return core.Engine(plain, device=device, **kw), plain, graphs
+
+
+def requests(seed: int, n: int, max_rows: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        rows, length = int(torch.randint(1, max_rows + 1, (1,), generator=g)), int(torch.randint(1, 33, (1,), generator=g))
+        mask = (torch.arange(length) < torch.randint(1, length + 1, (rows, 1), generator=g)).long()
+        out.append({"ids": torch.randint(0, 50, (rows, length), generator=g), "mask": mask,
+                    "x": torch.randn(rows, 3, generator=g)})
+    return out
+
+
+@pytest.fixture
+def served():
+    eng, plain, graphs = engine()
+    thread, stop = core.start(eng)
+    clients = []
+
+    def worker(name, **kw):
+        c = InProcessEngine(eng, name, **kw)
+        clients.append(c)
+        return EngineRunner(c, SPEC, lambda: None, pad=PLAN)
+
+    yield SimpleNamespace(engine=eng, plain=plain, graphs=graphs, worker=worker)
+    stop.set()
+    thread.join(5)
+    for c in clients:
+        c.close()
+
+
+def alone(plain, req: dict) -> dict:
+    """The runner's own call of one request (in inference mode, as the engine runs it: its
+    buffers are inference tensors)."""
+    with torch.inference_mode():
+        return {k: v.clone() for k, v in plain.run([req])[0].items()}
+
+
+def equal(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_steps_from_several_workers_answer_each_request_as_the_runner_alone_would(served):
+    """Four workers' batches of texts of every length, at once: every request's outputs equal the
+    runner's own call of it, bit for bit; the steps went through the graphs (replays counted),
+    several jobs per step."""
+    results, errors = {}, []
+
+    def one(i):
+        runner = served.worker(f"w{i}")
+        try:
+            for b in range(6):
+                batch = requests(100 * i + b, 5)
+                results[(i, b)] = (batch, [{k: v.clone() for k, v in o.items()} for o in runner.run(batch)])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for batch, outs in results.values():
+        for req, out in zip(batch, outs):
+            assert not isinstance(out, ServingError), out
+            assert equal(out, alone(served.plain, req))
+    eng = served.engine
+    replays = sum(b.graph.replays for b in served.graphs.buckets.values())
+    assert eng.calls > 0 and eng.jobs > eng.calls and replays >= eng.calls
+    assert len(results) == 24 and not eng.flights and not eng.queue
+
+
+def test_a_job_over_the_largest_graph_takes_the_runners_call_and_a_full_arena_fails_alone(served):
+    runner = served.worker("w")
+    big = requests(7, 1, max_rows=1)[0]
+    big = {k: v.expand(12, *v.shape[1:]).clone() for k, v in big.items()}  # 12 rows: over the largest bucket (8)
+    small = requests(8, 2)
+    out = runner.run([big] + small)
+    for req, o in zip([big] + small, out):
+        assert equal(o, alone(served.plain, req))
+    # a worker whose arena's engine half holds 256 bytes: its outputs never fit; that worker's
+    # requests fail (503, retryable), the other worker's in the same steps are answered
+    tiny = served.worker("tiny", engine_bytes=256)
+    reqs = requests(9, 4)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("tiny", tiny.run(reqs)))
+    t.start()
+    others = runner.run(reqs)
+    t.join(30)
+    assert all(isinstance(o, ServingError) and o.status == 503 and o.retryable for o in got["tiny"])
+    assert all(equal(o, alone(served.plain, r)) for o, r in zip(others, reqs))
+
+
+def test_a_step_in_flight_for_a_worker_that_is_gone_is_dropped_and_the_others_answered():
+    eng, plain, _ = engine()
+    a, b = InProcessEngine(eng, "a"), InProcessEngine(eng, "b")
+    ra, rb = requests(1, 1)[0], requests(2, 1)[0]
+    ja = a.submit(PLAN.pad(ra, {"S": PLAN.bucket("S", ra["ids"].shape[1])}))
+    jb = b.submit(PLAN.pad(rb, {"S": PLAN.bucket("S", rb["ids"].shape[1])}))
+    eng.step()
+    assert len(eng.flights) == 1 and not eng.queue  # launched, not answered yet
+    a.close()
+    while eng.flights:
+        eng.step()
+    with b.wait(jb, 5) as reply:
+        got = PLAN.cut(dict(reply.outputs), PLAN.sizes(rb))
+        assert equal({k: v.clone() for k, v in got.items()}, alone(plain, rb))
+    assert ja and eng.jobs == 2 and len(eng.sessions) == 1
+    b.close()
