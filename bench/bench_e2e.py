@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="also serve our archive with these handler options as ours_NAME, measured at "
-                        "every client count (e.g. nographs:cuda_graphs=off)")
+                        "every client count (e.g. nographs:cuda_graphs=off; workers=N: its own workers per GPU)")
     p.add_argument("--sweep-clients", type=int, default=64, help="clients for sweep/stock_default points")
     p.add_argument("--processes", type=int, default=0, help="load-generator processes (0: auto)")
     p.add_argument("--distinct-inputs", type=int, default=8)
@@ -386,10 +386,12 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     wanted = ((args.multi_gpu_handlers or args.handlers) if n > 1 else args.handlers).split(",")
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
     for item, name in (zip(args.variant, variant_models(args)) if "ours" in wanted else ()):
-        # KEY=VALUE pairs split at the commas that start a new KEY= (a value may hold commas)
-        extra = [x for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]) if kv
-                 for x in ("--handler-option", kv)]
-        models[name] = archive_ours(args, store, name, workers, ids, extra)
+        # KEY=VALUE pairs split at the commas that start a new KEY= (a value may hold commas);
+        # workers=N is the variant's own workers per GPU (the engine's workers hold no GPU)
+        pairs = [kv for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]) if kv]
+        own = [int(kv.partition("=")[2]) * max(n, 1) for kv in pairs if kv.startswith("workers=")]
+        extra = [x for kv in pairs if not kv.startswith("workers=") for x in ("--handler-option", kv)]
+        models[name] = archive_ours(args, store, name, own[-1] if own else workers, ids, extra)
     for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
@@ -637,6 +639,9 @@ def engine_keys(by: dict) -> dict:
     return {"ours_over_echo_c64": ratio("ours_engine", 64), "ours_over_echo_c128": ratio("ours_engine", 128),
             "c1_p50_delta_ms": round(one["p50_ms"] - per_worker["p50_ms"], 3) if one and per_worker else None,
             "per_worker_over_echo_c64": ratio("ours", 64), "per_worker_over_echo_c128": ratio("ours", 128),
+            # other engine variants (another worker count: ours_engine12 ...) beside
+            **{f"{h[5:]}_over_echo_c{c}": ratio(h, c) for h in sorted({k[0] for k in by})
+               if h.startswith("ours_engine") and h != "ours_engine" for c in (64, 128)},
             **{k: None for k in ENGINE_NOT_HERE}}
 
 

@@ -51,7 +51,8 @@
 #                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
 #                               picks settings (a NAME starting with mps runs under MPS)
 #   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours per worker, ours_engine (engine: on: CPU
-#                               workers, one engine process on the GPU) and echo, 1, 64, 128 clients
+#                               workers, one engine process on the GPU), ours_engine12 (the same with
+#                               EWORKERS=12 workers, which hold no GPU) and echo, 1, 64, 128 clients
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
 #                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
 #   heavy_{bert,r50,mlp}_fp16_<tag>  heavy load (issue 48): ours and echo with the archive's settings
@@ -229,7 +230,8 @@ for part in $PARTS; do
            r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
            mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
          esac
-         $PY -m bench.bench_e2e "${src[@]}" --handlers ours,echo --variant engine:engine=on --rounds "${ROUNDS:-1}" \
+         $PY -m bench.bench_e2e "${src[@]}" --handlers ours,echo --variant engine:engine=on \
+           --variant "engine${EWORKERS:-12}:engine=on,workers=${EWORKERS:-12}" --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-5}" \
            --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" ;;
     engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes shared,engine --restarts 2 --seconds 5 \
