@@ -54,6 +54,7 @@
 #                               workers, one engine process on the GPU), ours_engine12 (the same with
 #                               EWORKERS=12 workers, which hold no GPU) and echo, 1, 64, 128 clients
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
+#                               (EMODES: bench_shared's modes, default shared,engine)
 #                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
 #   heavy_{bert,r50,mlp}_fp16_<tag>  heavy load (issue 48): ours and echo with the archive's settings
 #                               and with HEAVY's (NAME:BATCH:DELAY ..., default "b16:16:1 b32:32:1": batchSize 16 and 32,
@@ -234,7 +235,7 @@ for part in $PARTS; do
            --variant "engine${EWORKERS:-12}:engine=on,workers=${EWORKERS:-12}" --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-5}" \
            --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" ;;
-    engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes shared,engine --restarts 2 --seconds 5 \
+    engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-shared,engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our
          # workers' batch cycles recorded (--timeline); ours and echo with the archive's settings and
