@@ -386,12 +386,8 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     wanted = ((args.multi_gpu_handlers or args.handlers) if n > 1 else args.handlers).split(",")
     models = {"ours": archive_ours(args, store, "ours", workers, ids)}
     for item, name in (zip(args.variant, variant_models(args)) if "ours" in wanted else ()):
-        # KEY=VALUE pairs split at the commas that start a new KEY= (a value may hold commas);
-        # workers=N is the variant's own workers per GPU (the engine's workers hold no GPU)
-        pairs = [kv for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]) if kv]
-        own = [int(kv.partition("=")[2]) * max(n, 1) for kv in pairs if kv.startswith("workers=")]
-        extra = [x for kv in pairs if not kv.startswith("workers=") for x in ("--handler-option", kv)]
-        models[name] = archive_ours(args, store, name, own[-1] if own else workers, ids, extra)
+        own, extra = variant_options(item, max(n, 1))
+        models[name] = archive_ours(args, store, name, own or workers, ids, extra)
     for t in (ints(args.thread_sweep) if n <= 1 else []):
         models[f"ours_t{t}"] = archive_ours(args, store, f"ours_t{t}", workers, ids,
                                             ("--handler-option", f"cpu_threads={t}"))
@@ -458,6 +454,16 @@ def _echo_check(model: str, refs: list, tol: float):
     """The echo answers zeros of the output's shape: its answers are parsed and compared too,
     so the client does the same work per answer for every handler."""
     return ([{k: v * 0 for k, v in r.items()} for r in refs], tol) if model.startswith("echo") else (refs, tol)
+
+
+def variant_options(item: str, gpus: int) -> tuple:
+    """(workers or None, cs-archive arguments) of a --variant NAME:KEY=VALUE,...: the pairs split at
+    the commas that start a new KEY= (a value may hold commas); workers=N is the variant's own
+    workers per GPU (the engine's workers hold no GPU), every other pair a handler option."""
+    pairs = [kv for kv in re.split(r",(?=\s*\w+=)", item.partition(":")[2]) if kv]
+    own = [int(kv.partition("=")[2]) * gpus for kv in pairs if kv.startswith("workers=")]
+    extra = [x for kv in pairs if not kv.startswith("workers=") for x in ("--handler-option", kv)]
+    return (own[-1] if own else None), extra
 
 
 def variant_models(args) -> list:

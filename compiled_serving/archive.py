@@ -74,8 +74,17 @@ def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_s
         gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
     except worker_sizing.SizingError as e:
         fail(str(e))
+    engine = serves_by_engine(handler_opts)
     return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap,
-                                shared=shares_weights(cuda_specs, handler_opts))
+                                shared=not engine and shares_weights(cuda_specs, handler_opts), engine=engine,
+                                cores=os.cpu_count() or 1)
+
+
+def serves_by_engine(handler_opts: dict) -> bool:
+    """handler.engine: on, as the worker reads it."""
+    from handlers.config import parse_config
+
+    return parse_config({"handler": handler_opts}).engine == "on"
 
 
 def shares_weights(cuda_specs, handler_opts: dict) -> bool:

@@ -36,6 +36,11 @@ DEFAULT_HEADROOM = 0.10
 # (docs/results/shared_weights_big_mlp_fp16_h200.json, cuda_context_mib): what the weights holder
 # costs beside its copy of the weights (handlers/weights).
 CONTEXT_MIB = 520
+# handler.engine: on (issue 64): the workers hold no GPU, each has one batch in flight and spends
+# about half its cycle on its own CPU work, so more of them keep the engine busier. On a 16-core H200
+# host 12 workers served BERT 1.48x and the MLP 1.37x what 6 did at 128 clients
+# (docs/results/engine_bert_fp16_h200_s69b.json, engine_mlp_fp16_h200_s69b.json): 3 of every 4 cores.
+ENGINE_WORKERS_PER_CORE = 0.75
 
 
 class SizingError(ValueError):
@@ -79,6 +84,10 @@ class Sizing:
     # that copy and the holder's context once, each worker its overhead, and a worker's load its
     # own copy for a moment (loads on one GPU take turns: handlers/weights/attach.py).
     shared: bool = False
+    # handler.engine: on: one engine process holds the model (one copy, one context, the graphs);
+    # the workers hold no GPU memory, and their count follows the host's cores (`cores`)
+    engine: bool = False
+    cores: int = 1
 
     @property
     def need_mib(self) -> int:
@@ -92,28 +101,45 @@ class Sizing:
 
     @property
     def fixed_mib(self) -> int:
-        """What the GPU holds once whatever the worker count: shared, the holder's copy and context
-        plus the one copy a loading worker holds for a moment; unshared, nothing."""
+        """What the GPU holds once whatever the worker count: the engine's copy and overhead;
+        shared, the holder's copy and context plus the one copy a loading worker holds for a
+        moment; unshared, nothing."""
+        if self.engine:
+            return self.need_mib
         return math.ceil(2 * self.weights_mib + CONTEXT_MIB) if self.shared else 0
 
     @property
     def per_worker_mib(self) -> int:
+        if self.engine:
+            return 0
         return math.ceil(self.overhead_mib) if self.shared else self.need_mib
 
     @property
     def fitting(self) -> int:
+        if self.engine:  # any count, once the engine fits
+            return self.engine_workers if self.usable_mib >= self.fixed_mib else 0
         return max(0, self.usable_mib - self.fixed_mib) // self.per_worker_mib
 
     @property
+    def engine_workers(self) -> int:
+        return max(2, math.floor(self.cores * ENGINE_WORKERS_PER_CORE))
+
+    @property
     def workers(self) -> int:
-        """The count: the speed cap, fewer where memory allows fewer; SizingError where none fits."""
+        """The count: the speed cap, fewer where memory allows fewer (with the engine: from the
+        cores, once the engine fits); SizingError where none fits."""
         if self.fitting < 1:
             raise SizingError(self.refusal())
-        return min(self.speed_cap, self.fitting)
+        return self.engine_workers if self.engine else min(self.speed_cap, self.fitting)
 
     def arithmetic(self) -> str:
         g = self.gpu
         head = f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
+        if self.engine:
+            return (head + f"engine: on: one engine process holds {self.weights_mib:.1f} MiB weights ({self.weights_how}) "
+                    f"+ {self.overhead_mib:.0f} MiB overhead ({self.overhead_how}) = {self.need_mib} MiB, "
+                    f"{'fits' if self.need_mib <= self.usable_mib else 'does not fit'}; the workers hold no GPU memory: "
+                    f"{ENGINE_WORKERS_PER_CORE:g} x {self.cores} cores = {self.engine_workers} workers (at least 2)")
         if self.shared:
             return (head + f"shared weights: the holder's copy {self.weights_mib:.1f} MiB ({self.weights_how}) + its "
                     f"context {CONTEXT_MIB} MiB + one loading worker's copy {self.weights_mib:.1f} MiB = {self.fixed_mib} "
@@ -126,6 +152,8 @@ class Sizing:
     def line(self) -> str:
         """The archive's printed line for the chosen count."""
         n = self.workers
+        if self.engine:
+            return f"--workers {n} ({self.arithmetic()}; measured: compiled_serving/worker_sizing.py; pass --workers N to choose)"
         cap = (f"the speed cap {self.speed_cap} (docs/performance.md)" if n == self.speed_cap
                else f"memory caps it below the speed cap {self.speed_cap}")
         return f"--workers {n} ({self.arithmetic()}; {cap}; pass --workers N to choose)"
@@ -133,7 +161,7 @@ class Sizing:
     def misfit(self, workers: int) -> str | None:
         """A warning where `workers` (chosen by hand) do not fit; None where they do."""
         total = self.fixed_mib + workers * self.per_worker_mib
-        if total <= self.usable_mib:
+        if total <= self.usable_mib:  # with the engine: it fits, whatever the count
             return None
         return (f"--workers {workers} need {self.fixed_mib} + {workers} x {self.per_worker_mib} = {total} MiB of GPU "
                 f"memory, more than the {self.usable_mib} MiB usable ({self.arithmetic()}): the last workers will "

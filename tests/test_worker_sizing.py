@@ -337,3 +337,19 @@ def test_a_ledger_that_cannot_be_used_leaves_the_free_memory_check(monkeypatch, 
         pass
     with room.reserved(5500, Placement("cuda", 0), workers=2, ledger_dir=tmp_path / "missing"):
         pass
+
+
+def test_with_the_engine_the_workers_follow_the_cores_and_only_the_engine_must_fit():
+    """handler.engine: on: one engine holds the weights and the overhead; the workers hold no GPU
+    memory, 3 of every 4 cores (12 on the 16-core host the figure was measured on), at least 2; an
+    engine that cannot fit is refused with its numbers, whatever count is asked for."""
+    gpu = worker_sizing.GpuMemory(24 * GIB, "--gpu-memory-gib 24")
+    big = worker_sizing.Sizing(4096, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu, engine=True, cores=16)
+    assert big.workers == 12 and big.fixed_mib == big.need_mib and big.per_worker_mib == 0
+    assert big.misfit(40) is None  # 40 workers hold no GPU memory: the one engine fits
+    assert "one engine process holds 4096.0 MiB weights" in big.line() and "0.75 x 16 cores = 12 workers" in big.line()
+    assert worker_sizing.Sizing(100, "w", 500, "m", gpu, engine=True, cores=2).workers == 2
+    huge = worker_sizing.Sizing(30 * GIB, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu, engine=True, cores=16)
+    with pytest.raises(SizingError, match="not even one worker fits: .*engine: on: .*does not fit"):
+        huge.workers
+    assert "need" in huge.misfit(4)
