@@ -46,6 +46,8 @@ def parse_args(argv):
     p.add_argument("--scaling", help="a bench.bench_e2e --gpus 1,all results file to merge as `throughput`")
     p.add_argument("--ready-timeout", type=float, default=240.0)
     p.add_argument("--models", default=",".join(MODELS), help="a subset of " + ",".join(MODELS))
+    p.add_argument("--engine", type=int, default=0, metavar="N",
+                   help="also serve each stateless package with engine: on and N workers per GPU (issue 64)")
     return p.parse_args(argv)
 
 
@@ -101,8 +103,9 @@ def make_all(work: Path, models: list) -> dict:
     return made
 
 
-def archive(name: str, paths: dict, form: str, model: str, store: Path, gpus: int) -> dict:
-    """cs-archive with no options (decoders: --workers, one per GPU); {archived, seconds, said}."""
+def archive(name: str, paths: dict, form: str, model: str, store: Path, gpus: int, engine: int = 0) -> dict:
+    """cs-archive with no options (decoders: --workers, one per GPU; `engine`: engine: on with that
+    many workers per GPU); {archived, seconds, said}."""
     cmd = [str(Path(sys.executable).parent / "cs-archive"), "--name", name, "--out", str(store)]
     if not Path(cmd[0]).exists():
         cmd[0:1] = [sys.executable, "-m", "compiled_serving.archive"]
@@ -110,6 +113,8 @@ def archive(name: str, paths: dict, form: str, model: str, store: Path, gpus: in
         "--artifact", paths["program"]]
     if model != "stateless":
         cmd += ["--workers", str(max(gpus, 1))]
+    if engine:
+        cmd += ["--handler-option", "engine=on", "--workers", str(engine * max(gpus, 1))]
     t0 = time.time()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=server_env(), timeout=560)
     said = [ln for ln in (r.stdout + r.stderr).splitlines() if "checks run on" in ln or "error" in ln.lower()]
@@ -222,8 +227,10 @@ def serve_and_check(cases: dict, store: Path, work: Path, timeout: float) -> tup
             c.update(placement_of(ts, n, on_gpu))
         holders = {pid: on_gpu.get(pid, {}) for pid in holders_of(ts.workdir)}
         # this process made the decoders' eager reference on the first GPU
-        return holders, sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])}
-                               - set(holders) - {os.getpid()})
+        others = sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])}
+                        - set(holders) - {os.getpid()})
+        holders["engines"] = engines_of(others, on_gpu)
+        return holders, others
     finally:
         ts.stop()
 
@@ -239,29 +246,58 @@ def run(args) -> dict:
     for (model, device), paths in made.items():
         for form in ("program", "package"):
             name = f"{model}_{device.replace(':', '')}_{form}"
-            cases[name] = {"model": model, "exported_on": device, "form": form}
-            if "error" in paths:
-                cases[name].update(archived=False, said=[paths["error"][-600:]])
+            twins = [("", 0)] + ([("_engine", args.engine)] if args.engine and model == "stateless"
+                                 and form == "package" else [])
+            for suffix, engine in twins:
+                cases[name + suffix] = {"model": model, "exported_on": device, "form": form, "engine": engine}
+                if "error" in paths:
+                    cases[name + suffix].update(archived=False, said=[paths["error"][-600:]])
     todo = [n for n, c in cases.items() if "archived" not in c]
     with cf.ThreadPoolExecutor(9) as pool:
         for n, res in zip(todo, pool.map(lambda n: archive(n, made[(cases[n]["model"], cases[n]["exported_on"])],
-                                                           cases[n]["form"], cases[n]["model"], store, gpus), todo)):
+                                                           cases[n]["form"], cases[n]["model"], store, gpus,
+                                                           cases[n]["engine"]), todo)):
             cases[n].update(res)
     holders, others = serve_and_check(cases, store, work, args.ready_timeout)
     return summarize(args, cases, holders, others, gpus)
 
 
+def engines_of(others: list, on_gpu: dict) -> dict:
+    """The engine processes (python -m handlers.engine.serve) among the other processes on a GPU:
+    how many per GPU, and those on more than one GPU."""
+    per_gpu, stray = {}, []
+    for pid in others:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"handlers.engine.serve" not in cmd:
+            continue
+        gpus = sorted(on_gpu.get(pid, {}))
+        for g in gpus[:1]:
+            per_gpu[str(g)] = per_gpu.get(str(g), 0) + 1
+        if len(gpus) > 1:
+            stray.append({"pid": pid, "gpus_mib": on_gpu[pid]})
+    return {"engines_per_gpu": per_gpu, "engine_strays": stray}
+
+
 def summarize(args, cases: dict, holders: dict, others: list, gpus: int) -> dict:
     names = [torch.cuda.get_device_name(i) for i in range(gpus)] or ["cpu"]
     report = header(names)
+    engines = holders.pop("engines", {"engines_per_gpu": {}, "engine_strays": []})
     holder_strays = {str(p): g for p, g in holders.items() if len(g) > 1}
     report.update(gpus=gpus, cases=cases, holders={str(p): g for p, g in holders.items()},
-                  other_gpu_pids=others)
+                  other_gpu_pids=others, engines=engines)
     report["summary"] = {
         "cases": len(cases), "archived": sum(bool(c.get("archived")) for c in cases.values()),
         "ready": sum(c.get("ready_s") is not None for c in cases.values()),
         "answers_equal": sum(bool(c.get("answers_equal")) for c in cases.values()),
-        "stray_contexts": sum(c.get("stray_contexts", 0) for c in cases.values()) + len(holder_strays),
+        "stray_contexts": sum(c.get("stray_contexts", 0) for c in cases.values()) + len(holder_strays)
+        + len(engines["engine_strays"]),
+        # engine: on: its workers must hold no GPU memory, and one engine serves each GPU per model
+        "engine_workers_on_a_gpu": sum(sum(c.get("workers_per_gpu", {}).values()) for c in cases.values()
+                                       if c.get("engine")),
+        "engines_per_gpu": engines["engines_per_gpu"],
         "ready_failures": sum(bool(c.get("archived")) and c.get("ready_s") is None for c in cases.values()),
         "slowest_ready_s": max([c["ready_s"] for c in cases.values() if c.get("ready_s") is not None], default=None)}
     if args.scaling:
@@ -293,10 +329,11 @@ def page(report: dict) -> str:
               "| case | exported on | handed over | archived | READY (s) | answers equal | workers per GPU | stray |",
               "|---|---|---|---|---|---|---|---|"]
     for name, c in report["cases"].items():
-        lines.append(f"| {c['model']} | {c['exported_on']} | {c['form']} | {c.get('archived')} | {c.get('ready_s')} | "
+        lines.append(f"| {c['model']}{' (engine)' if c.get('engine') else ''} | {c['exported_on']} | {c['form']} | {c.get('archived')} | {c.get('ready_s')} | "
                      f"{c.get('answers_equal')} | {c.get('workers_per_gpu')} | {c.get('stray_contexts')} |")
     lines += ["", f"Weights holders (pid: GPU -> MiB): {report['holders']}; other processes on a GPU: "
-              f"{report['other_gpu_pids']}.", ""]
+              f"{report['other_gpu_pids']}; engines: {report.get('engines')}; workers of engine cases on a GPU: "
+              f"{s.get('engine_workers_on_a_gpu')}.", ""]
     return "\n".join(lines)
 
 
@@ -328,7 +365,8 @@ def main(argv=None) -> int:
     plot(out.with_suffix(".png"), report)
     print(page(report))
     s = report["summary"]
-    return 0 if s["stray_contexts"] == 0 and s["ready_failures"] == 0 and s["answers_equal"] == s["ready"] else 1
+    return 0 if (s["stray_contexts"] == 0 and s["ready_failures"] == 0 and s["answers_equal"] == s["ready"]
+                 and not s["engine_workers_on_a_gpu"]) else 1
 
 
 if __name__ == "__main__":
