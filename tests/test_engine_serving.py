@@ -4,8 +4,8 @@ On the CPU the engine runs the CPU runner, so this tests the path and the lifecy
 figures (bench/bench_e2e.py --handler-option engine=on on the GPU machine): every worker of a
 model served by one engine process that runs their requests together, answers equal to the
 model's, a killed worker's replacement on the same engine, a killed engine's in-flight
-requests answered (503 or result, none hanging) and a successor serving, no engine once the
-frontend is gone.
+requests answered (503 or result, none hanging) and a successor serving, a hung (stopped)
+engine answered 504, killed and replaced, no engine once the frontend is gone.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from conftest import worker_pids as pids
 
 pytestmark = pytest.mark.server
 
-MODELS = {"en_aoti": "two_aoti", "en_export": "two_export"}
+MODELS = {"en_aoti": "two_aoti", "en_export": "two_export", "en_hang": "two_aoti"}
+HANG_TIMEOUT_S = 3  # en_hang's handler.engine_timeout_s
 # a worker's load line in model_log.log: "W-PORT-MODEL_VERSION-stdout ... served by the engine: engine pid N: ..."
 SERVED = re.compile(r"W-\d+-(\w+?)_[\d.]+-stdout.*served by the engine: engine pid (\d+): ")
 
@@ -56,7 +57,8 @@ def answers_right(ts, model, seed=0) -> None:
 def engine_server(artifacts, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("engine_store")
     mars = {name: build_mar(artifacts.get(art), name, store, "--workers", "2", "--batch-size", "4",
-                            "--max-batch-delay", "5", "--handler-option", "engine=on")
+                            "--max-batch-delay", "5", "--handler-option", "engine=on",
+                            *(("--handler-option", f"engine_timeout_s={HANG_TIMEOUT_S}") if name == "en_hang" else ()))
             for name, art in MODELS.items()}
     return serve(mars)
 
@@ -64,7 +66,7 @@ def engine_server(artifacts, serve, tmp_path_factory):
 def test_every_worker_of_a_model_is_served_by_its_one_engine(engine_server):
     ts = engine_server
     running = engines(ts)
-    assert len(running) == 2, running  # one per model
+    assert len(running) == len(MODELS), running  # one per model
     for model in MODELS:
         lines = served_lines(ts, model)
         assert len(lines) == 2 and len(set(lines)) == 1 and lines[0] in running, ts.log()[-3000:]
@@ -135,15 +137,45 @@ def test_a_killed_engine_answers_every_request_in_flight_and_a_successor_serves(
         time.sleep(0.5)
     answers_right(ts, "en_aoti", seed=20)
     now = set(engines(ts))
-    assert old not in now and other in now and len(now) == 2, (old, other, now)
+    assert old not in now and other in now and len(now) == len(MODELS), (old, other, now)
     assert pids(ts, "en_aoti") == workers  # the workers stayed; they reconnected
     assert 503 in statuses or 200 in statuses
+
+
+def test_a_hung_engine_is_answered_504_then_killed_and_a_successor_serves(engine_server):
+    """SIGSTOP of the engine (alive, its socket open, nothing answered): a request waiting on it
+    is answered 504 after handler.engine_timeout_s, the worker that saw it kills the engine (a
+    State unanswered for 5 s more), and a successor serves; nothing hangs."""
+    ts = engine_server
+    old = served_lines(ts, "en_hang")[-1]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        r, _ = answer(ts, "en_hang", 1)
+        assert r.status_code == 504 and "engine" in r.text.lower(), r.text
+        assert HANG_TIMEOUT_S <= time.time() - t0 < HANG_TIMEOUT_S + 10
+        deadline = time.time() + 60
+        while time.time() < deadline and old in engines(ts):
+            time.sleep(0.5)
+        assert old not in engines(ts), "the hung engine was not killed"
+        while time.time() < deadline:
+            r, _ = answer(ts, "en_hang", 2)
+            if r.status_code == 200:
+                break
+            assert r.status_code in (503, 504), r.text
+            time.sleep(0.5)
+        answers_right(ts, "en_hang", seed=30)
+    finally:
+        try:
+            os.kill(old, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def test_no_engine_outlives_the_frontend(engine_server):
     """Last in this module: it stops the module's server."""
     ts = engine_server
-    assert len(engines(ts)) == 2
+    assert len(engines(ts)) == len(MODELS)
     ts.stop()
     deadline = time.time() + 5
     while engines(ts) and time.time() < deadline:

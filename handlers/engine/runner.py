@@ -8,26 +8,33 @@ A Result's outputs are views of the worker's arena, valid until this runner's ne
 runner's reused output buffers are: handlers/run/base.py); they are released then. Where the
 engine is gone, every request is answered EngineDead (503, retryable) at once while a thread
 connects to its successor (`reconnect`: handlers/engine/link.py starts one where none answers).
+A request past its deadline (handler.engine_timeout_s) is answered EngineTimeout (504); the engine
+is then asked its State, and one that leaves it unanswered for PROBE_S is hung (stopped, deadlocked,
+stuck in the driver): the worker kills it (SIGKILL), which its workers see as the engine gone.
 """
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Callable
 
 from handlers.batch import offsets
-from handlers.errors import EngineDead, ServingError
+from handlers.errors import EngineDead, EngineTimeout, ServingError
 from handlers.run.base import Runner
 
 logger = logging.getLogger(__name__)
-WAIT_S = 60.0  # one request's answer at most; past it the request is aborted (504)
+WAIT_S = 60.0  # one request's answer at most (handler.engine_timeout_s); past it the request is aborted (504)
+PROBE_S = 5.0  # after a timeout, how long the engine has to answer a State before it is taken for hung
 RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries to reach the engine's successor; the last repeats
 
 
 class EngineRunner(Runner):
-    def __init__(self, client, spec, reconnect: Callable[[], object], pad=None):
+    def __init__(self, client, spec, reconnect: Callable[[], object], pad=None, wait_s: float = WAIT_S):
         super().__init__(None, spec)
+        self.wait_s = wait_s
         self.client, self._reconnect = client, reconnect
         # the archive's padding (handlers/batch.PadPlan), applied here: requests padded to their
         # length buckets share a shape, and a batch's requests of one shape go as one Infer
@@ -35,6 +42,7 @@ class EngineRunner(Runner):
         self._held: list = []  # the last run's replies, released at the next
         self._retired: list = []  # clients of dead engines, closed once their replies are released
         self._reconnecting = threading.Lock()
+        self._probing = threading.Lock()
         client.on_dead = self._engine_gone
 
     def run(self, requests: list) -> list:
@@ -78,9 +86,11 @@ class EngineRunner(Runner):
         """Each request's rows of the job's answer, or its error."""
         if not isinstance(job, ServingError):
             try:
-                reply = client.wait(job, WAIT_S)
+                reply = client.wait(job, self.wait_s)
             except ServingError as e:
                 job = e
+                if isinstance(e, EngineTimeout):
+                    self._probe(client)
             else:
                 self._held.append(reply)
                 return [{k: v[a:b] for k, v in reply.outputs.items()} for a, b in offsets(rows)]
@@ -94,6 +104,29 @@ class EngineRunner(Runner):
             reply.release(defer=True)  # told with the next Infer
         while self._retired:  # no reply views their arenas any more
             self._retired.pop().close()
+
+    def _probe(self, client) -> None:
+        """After a timeout: a thread asks the engine its State, and kills an engine that does not
+        answer (one probe at a time; the batch is answered meanwhile)."""
+        if self._probing.acquire(blocking=False):
+            threading.Thread(target=self._kill_if_hung, args=(client,), name="engine-probe", daemon=True).start()
+
+    def _kill_if_hung(self, client) -> None:
+        try:
+            try:
+                client.state(PROBE_S)
+                return  # it answers: busy with long calls, not hung
+            except EngineTimeout:
+                pass
+            except ServingError:  # gone already: its reader saw it
+                return
+            pid = getattr(getattr(client, "ready", None), "pid", None)
+            if pid and is_engine(pid):
+                logger.error("the engine (pid %d) left a State unanswered for %.0f s after a request timed out: "
+                             "killed as hung; its successor starts", pid, PROBE_S)
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            self._probing.release()
 
     def _engine_gone(self, reason: str) -> None:
         """The client's reader found the engine gone: connect to its successor on a thread of its
@@ -121,3 +154,13 @@ class EngineRunner(Runner):
 
     def describe_sync(self) -> str:
         return "requests batched with every worker's by the engine (handlers/engine)"
+
+
+def is_engine(pid: int) -> bool:
+    """Whether `pid` is an engine process (its command line runs handlers.engine.serve): a pid the
+    worker kills must still be the engine it was, not a process that reused the number."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"handlers.engine.serve" in f.read()
+    except OSError:
+        return False
