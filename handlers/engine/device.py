@@ -54,9 +54,6 @@ class Flight:
     def done(self) -> bool:
         return self.event.query()
 
-    def wait(self) -> None:
-        self.event.synchronize()
-
 
 class DeviceSteps:
     """`runner`: a CudaRunner with captured graphs (or, in tests, anything with the same
