@@ -98,10 +98,28 @@ def test_greedy_tokens_equal_generate_alone_and_sharing_the_cache(exported):
     for i in (0, 3):
         h.submit(("alone", i), *PROMPTS[i])
         assert h.wait([("alone", i)])[("alone", i)] == want[i], (family, i)
-    for i, (p, n) in PROMPTS.items():  # six sequences on four slots: two wait, then take freed slots
-        h.submit(i, p, n)
-    got = h.wait(list(PROMPTS))
-    assert {i: got[i] for i in PROMPTS} == want, family
+    # sixteen streams on the slots at once, joining and leaving as each ends (its own length)
+    crowd = [(f"crowd{k}", k % len(PROMPTS)) for k in range(16)]
+    for tag, i in crowd:
+        h.submit(tag, *PROMPTS[i])
+    got = h.wait([tag for tag, _ in crowd])
+    assert all(got[tag] == want[i] for tag, i in crowd), family
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_crowd_of_the_family(exported):
+    """A sampled stream with a seed gives the same tokens alone and among greedy and other seeded
+    streams on the same slots (its generator is its own); another seed gives others."""
+    family, _, out = exported
+    h = Harness(torch.export.load(str(out / "model.pt2")))
+    prompt, n = PROMPTS[1]
+    h.submit("alone", prompt, n, temperature=0.9, top_k=20, seed=7)
+    alone = h.wait(["alone"])["alone"]
+    for k in range(8):
+        h.submit(k, prompt, n, **({"temperature": 0.9, "top_k": 20, "seed": 7 if k % 2 else 8 + k}
+                                  if k % 4 != 2 else {}))
+    got = h.wait(list(range(8)))
+    assert all(got[k] == alone for k in (1, 3, 5, 7)), family
+    assert any(got[k] != alone for k in (0, 4)), family
 
 
 def test_the_directory_holds_the_tokenizer_and_the_eos_ids(exported):
