@@ -199,15 +199,44 @@ def write(args, model, ep, tok, eos) -> None:
     print(f"wrote {', '.join(names)}; end-of-sequence ids {eos or 'none'} (from {source})")
 
 
+def size_cache(model, args):
+    """The slots and positions (lm_sizing) for the GPU named (--gpu-memory-gib), else this
+    machine's, else the CPU's defaults; ExportError with the numbers where they do not fit."""
+    import torch
+
+    from compiled_serving import lm_sizing, slot_lm, worker_sizing
+
+    if args.gpu_memory_gib is not None:
+        if args.gpu_memory_gib <= 0:
+            raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
+        gpu = worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+    else:
+        gpu = worker_sizing.target_gpu(None) if torch.cuda.is_available() else None
+    p = next(model.parameters())
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    try:
+        return lm_sizing.size(slot_lm.layer_shapes(model), p.element_size(), weights,
+                              getattr(model.config, "max_position_embeddings", None), gpu, args.slots, args.max_seq)
+    except lm_sizing.LmSizingError as e:
+        raise ExportError(str(e))
+    except slot_lm.Unsupported as e:
+        family = getattr(model.config, "model_type", type(model).__name__)
+        raise ExportError(f"{family} ({type(model).__name__}) cannot go into the slot form this way: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a transformers causal LM directory (save_pretrained, safetensors)")
     p.add_argument("--out", required=True, help="the artifact directory to write (cs-archive --artifact OUT_DIR)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the weights' and cache's dtype (auto: the checkpoint's own)")
-    p.add_argument("--slots", type=int, default=8, help="sequences the cache holds at once (default 8, for the CPU)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="sequences the cache holds at once (default: what the GPU holds, at most 64; 8 on the CPU)")
     p.add_argument("--max-seq", type=int, default=None,
-                   help="positions per sequence, prompt and generated (default: 512, or the model's positions if fewer)")
+                   help="positions per sequence, prompt and generated (default: 2048 on a GPU, 512 on the CPU, or "
+                        "the model's positions if fewer)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="size the cache for a GPU of this much memory (default: this machine's GPU 0; none: the CPU)")
     p.add_argument("--package", action="store_true",
                    help="also compile it with AOTInductor and serve the package (program.pt2 kept beside it)")
     return p
@@ -216,8 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     model = load(args.model, args.dtype)
-    positions = getattr(model.config, "max_position_embeddings", None) or 512
-    args.max_seq = args.max_seq or min(512, positions)
+    check_lengths(model, args.slots or 2, args.max_seq or 2)  # what was given, before any sizing
+    sizing = size_cache(model, args)
+    args.slots, args.max_seq = sizing.slots, sizing.max_seq
+    print(f"cs-export-lm: {sizing.line}")
     check_lengths(model, args.slots, args.max_seq)
     tok = tokenizer_of(args.model, model.config.vocab_size)
     eos = eos_ids(args.model, model)

@@ -164,6 +164,49 @@ def test_a_cache_longer_than_the_models_positions_and_a_missing_tokenizer_are_re
         export_lm.main(["--model", str(tmp_path / "bare"), "--out", str(tmp_path / "out2"), "--max-seq", "32"])
 
 
+def test_the_cache_is_sized_for_the_gpu_with_its_arithmetic():
+    """lm_sizing: slots = what (GPU x 0.9 - weights - overhead) holds of max_seq x bytes per
+    position, at most 64; a given count is kept where it fits and refused with the fix where it
+    does not; no GPU: the CPU's 8 x 512."""
+    from compiled_serving import lm_sizing, worker_sizing
+
+    shapes = [(8, 64, 64)] * 16  # a Llama-3.2-1B-shaped cache: 16 layers of 8 kv heads of 64
+    per_pos = lm_sizing.position_bytes(shapes, 2)
+    assert per_pos == 16 * 8 * 128 * 2 == 32768
+    gpu = worker_sizing.GpuMemory(24 * 1024, "test")
+    weights = 2_471_000_000
+    usable = (int(24 * 1024 * 0.9) - worker_sizing.OVERHEAD_MIB) * 2**20 - weights
+    assert lm_sizing.size(shapes, 2, weights, 131072, gpu).slots == 64  # 271 fit: capped
+    small = worker_sizing.GpuMemory(6 * 1024, "test")
+    s = lm_sizing.size(shapes, 2, weights, 131072, small)
+    small_usable = (int(6 * 1024 * 0.9) - worker_sizing.OVERHEAD_MIB) * 2**20 - weights
+    assert s.max_seq == 2048 and s.slots == small_usable // (2048 * per_pos) < 64 and "fit" in s.line
+    assert lm_sizing.size(shapes, 2, weights, 1024, gpu).max_seq == 1024  # the model's positions
+    assert lm_sizing.size(shapes, 2, weights, 131072, gpu, slots=32).slots == 32
+    with pytest.raises(lm_sizing.LmSizingError, match=r"--slots 500 --max-seq 2048 do not fit: .* Fix: --slots \d+"):
+        lm_sizing.size(shapes, 2, weights, 131072, gpu, slots=500)
+    assert usable // (2048 * per_pos) < 500
+    with pytest.raises(lm_sizing.LmSizingError, match="not even 2 slots"):
+        lm_sizing.size(shapes, 2, weights, 131072, worker_sizing.GpuMemory(4 * 1024, "test"))
+    cpu = lm_sizing.size(shapes, 4, weights, 256, None)
+    assert (cpu.slots, cpu.max_seq) == (8, 256)
+
+
+def test_cs_export_lm_sizes_the_slots_for_the_gpu_named(tmp_path, capsys):
+    """--gpu-memory-gib with no --slots: the exported cache holds the slots the arithmetic printed."""
+    from handlers.artifact.decoder import of as decoder_of
+    from handlers.artifact.metadata import read_spec
+
+    checkpoint("gpt2", tmp_path / "ckpt")
+    assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+                           "--gpu-memory-gib", "1.6", "--max-seq", "256"]) == 0
+    said = capsys.readouterr().out
+    line = next(ln for ln in said.splitlines() if ln.startswith("cs-export-lm: ") and "slots x 256 positions" in ln)
+    slots = int(line.split()[1])
+    assert 2 <= slots <= 64 and "GPU memory 1638 MiB (--gpu-memory-gib 1.6)" in line, said
+    assert decoder_of(read_spec(str(tmp_path / "out"))).slots == slots
+
+
 @pytest.mark.server
 def test_cs_export_lm_then_cs_archive_with_no_options_served_by_torchserve(tmp_path_factory, serve):
     d = tmp_path_factory.mktemp("e2e")

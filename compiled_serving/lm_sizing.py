@@ -1,0 +1,71 @@
+"""How many sequences a decoder's slot-form cache holds on the GPU that will serve it, and how long
+each (cs-export-lm's --slots and --max-seq defaults), with the arithmetic printed.
+
+  usable = GPU memory x (1 - headroom) - the weights - a process's overhead
+  slots  = min(MAX_SLOTS, usable // (max_seq x the cache's bytes per position))
+
+The cache's bytes per position come from the model's own run (slot_lm.layer_shapes: per layer its
+key-value heads and head dimensions) and the dtype; the overhead is the per-process figure
+compiled_serving/worker_sizing.py measured (CUDA context, allocator, activations, graph pools).
+Without a GPU to size for (none here, no --gpu-memory-gib) the defaults are the CPU's: 8 slots of
+at most 512 positions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from compiled_serving.worker_sizing import DEFAULT_HEADROOM, OVERHEAD_MIB, GpuMemory
+
+MAX_SLOTS = 64  # the largest continuous batch served and benchmarked (issue 65: 1..64 streams)
+GPU_SEQ = 2048  # positions per sequence on a GPU unless the model has fewer
+CPU_SLOTS, CPU_SEQ = 8, 512
+MIB = 1 << 20
+
+
+class LmSizingError(ValueError):
+    """The cache asked for (or even two slots) does not fit; the message gives the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class LmSizing:
+    slots: int
+    max_seq: int
+    line: str  # what cs-export-lm prints: the choice and its arithmetic
+
+
+def position_bytes(shapes: list, element_size: int) -> int:
+    """The cache's bytes for one position of one sequence: keys and values of every layer."""
+    return sum(heads * (kd + vd) for heads, kd, vd in shapes) * element_size
+
+
+def size(shapes: list, element_size: int, weights_bytes: int, positions: Optional[int], gpu: Optional[GpuMemory],
+         slots: Optional[int] = None, max_seq: Optional[int] = None, headroom: float = DEFAULT_HEADROOM) -> LmSizing:
+    """Slots and positions for `gpu` (None: the CPU's defaults); a given `slots`/`max_seq` is kept
+    and checked; LmSizingError where it (or two slots) cannot fit."""
+    per_pos = position_bytes(shapes, element_size)
+    if gpu is None:
+        seq = max_seq or min(CPU_SEQ, positions or CPU_SEQ)
+        n = slots or CPU_SLOTS
+        return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the CPU default'}; no GPU to "
+                                f"size for: pass --gpu-memory-gib G for the GPU that will serve it); cache "
+                                f"{n * seq * per_pos / MIB:.0f} MiB")
+    seq = max_seq or min(GPU_SEQ, positions or GPU_SEQ)
+    usable = math.floor(gpu.mib * (1 - headroom)) * MIB - weights_bytes - OVERHEAD_MIB * MIB
+    per_slot = seq * per_pos
+    fit = max(0, usable) // per_slot
+    how = (f"GPU memory {gpu.mib} MiB ({gpu.how}) less {headroom:.0%} headroom, {weights_bytes / MIB:.0f} MiB weights "
+           f"and {OVERHEAD_MIB} MiB overhead = {usable / MIB:.0f} MiB for the cache; a slot of {seq} positions x "
+           f"{per_pos} bytes = {per_slot / MIB:.1f} MiB; {fit} fit")
+    if slots is not None:
+        if slots > fit:
+            raise LmSizingError(f"--slots {slots} --max-seq {seq} do not fit: {how}. Fix: --slots {fit} or fewer, a "
+                                "shorter --max-seq, or size for a larger GPU (--gpu-memory-gib)")
+        return LmSizing(slots, seq, f"{slots} slots x {seq} positions (given; {how})")
+    if fit < 2:
+        raise LmSizingError(f"not even 2 slots of {seq} positions fit: {how}. Fix: a shorter --max-seq, a smaller "
+                            "dtype (--dtype bfloat16), or a larger GPU (--gpu-memory-gib)")
+    n = min(MAX_SLOTS, fit)
+    cap = f"at most {MAX_SLOTS}" if n == MAX_SLOTS else "all that fit"
+    return LmSizing(n, seq, f"{n} slots x {seq} positions ({how}; {cap}; pass --slots N --max-seq L to choose)")
