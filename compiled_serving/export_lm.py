@@ -200,18 +200,16 @@ def write(args, model, ep, tok, eos) -> None:
 
 
 def size_cache(model, args):
-    """The slots and positions (lm_sizing) for the GPU named (--gpu-memory-gib), else this
-    machine's, else the CPU's defaults; ExportError with the numbers where they do not fit."""
-    import torch
-
+    """The slots and positions (lm_sizing) for the GPU named (--gpu-memory-gib), else the small
+    defaults (the cache is saved in the artifact: a GPU's worth only where asked); ExportError
+    with the numbers where they do not fit."""
     from compiled_serving import lm_sizing, slot_lm, worker_sizing
 
+    gpu = None
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
         gpu = worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
-    else:
-        gpu = worker_sizing.target_gpu(None) if torch.cuda.is_available() else None
     p = next(model.parameters())
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     try:
@@ -231,12 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the weights' and cache's dtype (auto: the checkpoint's own)")
     p.add_argument("--slots", type=int, default=None,
-                   help="sequences the cache holds at once (default: what the GPU holds, at most 64; 8 on the CPU)")
+                   help="sequences the cache holds at once (default: with --gpu-memory-gib what that GPU holds, at "
+                        "most 64; else 8)")
     p.add_argument("--max-seq", type=int, default=None,
-                   help="positions per sequence, prompt and generated (default: 2048 on a GPU, 512 on the CPU, or "
-                        "the model's positions if fewer)")
+                   help="positions per sequence, prompt and generated (default: 2048 with --gpu-memory-gib, else 512, "
+                        "or the model's positions if fewer)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="size the cache for a GPU of this much memory (default: this machine's GPU 0; none: the CPU)")
+                   help="size the cache for the GPU that will serve it, of this much memory (the cache is saved in "
+                        "the artifact, so it is not sized unless asked)")
     p.add_argument("--package", action="store_true",
                    help="also compile it with AOTInductor and serve the package (program.pt2 kept beside it)")
     return p

@@ -7,8 +7,9 @@ each (cs-export-lm's --slots and --max-seq defaults), with the arithmetic printe
 The cache's bytes per position come from the model's own run (slot_lm.layer_shapes: per layer its
 key-value heads and head dimensions) and the dtype; the overhead is the per-process figure
 compiled_serving/worker_sizing.py measured (CUDA context, allocator, activations, graph pools).
-Without a GPU to size for (none here, no --gpu-memory-gib) the defaults are the CPU's: 8 slots of
-at most 512 positions.
+The cache is the program's buffers, and torch.export.save writes them into the artifact (zeros,
+as large as the cache), so a GPU's size is used only where asked (--gpu-memory-gib); without it
+the defaults are the CPU's: 8 slots of at most 512 positions.
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
     if gpu is None:
         seq = max_seq or min(CPU_SEQ, positions or CPU_SEQ)
         n = slots or CPU_SLOTS
-        return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the CPU default'}; no GPU to "
-                                f"size for: pass --gpu-memory-gib G for the GPU that will serve it); cache "
-                                f"{n * seq * per_pos / MIB:.0f} MiB")
+        return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the default'}; pass "
+                                f"--gpu-memory-gib G to size the cache for the GPU that will serve it); cache "
+                                f"{n * seq * per_pos / MIB:.0f} MiB, saved in the artifact")
     seq = max_seq or min(GPU_SEQ, positions or GPU_SEQ)
     usable = math.floor(gpu.mib * (1 - headroom)) * MIB - weights_bytes - OVERHEAD_MIB * MIB
     per_slot = seq * per_pos
@@ -60,12 +61,14 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
            f"{per_pos} bytes = {per_slot / MIB:.1f} MiB; {fit} fit")
     if slots is not None:
         if slots > fit:
-            raise LmSizingError(f"--slots {slots} --max-seq {seq} do not fit: {how}. Fix: --slots {fit} or fewer, a "
-                                "shorter --max-seq, or size for a larger GPU (--gpu-memory-gib)")
+            fewer = f"--slots {fit} or fewer, " if fit >= 2 else ""
+            raise LmSizingError(f"--slots {slots} --max-seq {seq} do not fit: {how}. Fix: {fewer}a shorter --max-seq, "
+                                "or size for a larger GPU (--gpu-memory-gib)")
         return LmSizing(slots, seq, f"{slots} slots x {seq} positions (given; {how})")
     if fit < 2:
         raise LmSizingError(f"not even 2 slots of {seq} positions fit: {how}. Fix: a shorter --max-seq, a smaller "
                             "dtype (--dtype bfloat16), or a larger GPU (--gpu-memory-gib)")
     n = min(MAX_SLOTS, fit)
     cap = f"at most {MAX_SLOTS}" if n == MAX_SLOTS else "all that fit"
-    return LmSizing(n, seq, f"{n} slots x {seq} positions ({how}; {cap}; pass --slots N --max-seq L to choose)")
+    return LmSizing(n, seq, f"{n} slots x {seq} positions ({how}; {cap}; pass --slots N --max-seq L to choose); "
+                            f"cache {n * per_slot / MIB:.0f} MiB, saved in the artifact")

@@ -163,6 +163,8 @@ class Sizing:
         total = self.fixed_mib + workers * self.per_worker_mib
         if total <= self.usable_mib:  # with the engine: it fits, whatever the count
             return None
+        if self.engine:
+            return f"the engine does not fit, whatever the worker count: {self.refusal()}"
         return (f"--workers {workers} need {self.fixed_mib} + {workers} x {self.per_worker_mib} = {total} MiB of GPU "
                 f"memory, more than the {self.usable_mib} MiB usable ({self.arithmetic()}): the last workers will "
                 f"refuse to load (503 with the reason). Pass --workers {max(1, self.fitting)} or less, or size for "

@@ -169,8 +169,8 @@ OPTIONS = (
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
                            "that GPU, which then holds no CUDA context; decoders still run in their workers"))),
     Option("engine_timeout_s", float, 60.0, "engine: on: how long a request waits for the engine; past it the "
-           "request is answered 504, and an engine that then leaves a State unanswered for 5 s more is "
-           "hung: the worker kills it and starts its successor", positive=True),
+           "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
+           "least 5 s) is hung: the worker kills it and starts its successor", positive=True),
     Option("crash_safe_load", bool, True, "try the load and one call in a child process first (catches "
            "native crashes)"),
     Option("crash_safe_timeout_s", float, 600.0, "the trial load's time limit, seconds", positive=True),

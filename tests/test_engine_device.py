@@ -3,6 +3,7 @@ the device, copies into the arenas and launched steps answered out of flight, wi
 whose replay calls the model on their own buffers, against the runner's own call of the same
 requests (differential). The CUDA parts (pinning, the stream, the events) run on the GPU machine
 only (bench/bench_e2e.py's engine variant compares every answer with the eager model there)."""
+import gc
 import threading
 from types import SimpleNamespace
 
@@ -113,6 +114,11 @@ def served():
     thread.join(5)
     for c in clients:
         c.close()
+    names = {f"/memfd:cs-arena-{c.name} " for c in clients}
+    clients.clear()
+    gc.collect()
+    # these workers' arenas unmapped on both sides once nothing views them (no step, error or reply keeps one)
+    assert not [ln for ln in open("/proc/self/maps") if any(n in ln for n in names)]
 
 
 def alone(plain, req: dict) -> dict:
@@ -162,7 +168,13 @@ def test_a_job_over_the_largest_graph_takes_the_runners_call_and_a_full_arena_fa
     big = requests(7, 1, max_rows=1)[0]
     big = {k: v.expand(12, *v.shape[1:]).clone() for k, v in big.items()}  # 12 rows: over the largest bucket (8)
     small = requests(8, 2)
-    out = runner.run([big] + small)
+    plain_calls, plain_run = [], served.plain.run
+    served.plain.run = lambda reqs: (plain_calls.append(len(reqs)), plain_run(reqs))[1]
+    try:
+        out = runner.run([big] + small)
+    finally:
+        served.plain.run = plain_run
+    assert plain_calls, "the step with a 12-row job did not go through the runner's own call"
     for req, o in zip([big] + small, out):
         assert equal(o, alone(served.plain, req))
     # a worker whose arena's engine half holds 256 bytes: its outputs never fit; that worker's
@@ -186,6 +198,8 @@ def test_a_step_in_flight_for_a_worker_that_is_gone_is_dropped_and_the_others_an
     jb = b.submit(PLAN.pad(rb, {"S": PLAN.bucket("S", rb["ids"].shape[1])}))
     eng.step()
     assert len(eng.flights) == 1 and not eng.queue  # launched, not answered yet
+    to_a = []
+    a.session.reply = to_a.append  # what the engine would still send the gone worker
     a.close()
     while eng.flights:
         eng.step()
@@ -193,4 +207,5 @@ def test_a_step_in_flight_for_a_worker_that_is_gone_is_dropped_and_the_others_an
         got = PLAN.cut(dict(reply.outputs), PLAN.sizes(rb))
         assert equal({k: v.clone() for k, v in got.items()}, alone(plain, rb))
     assert ja and eng.jobs == 2 and len(eng.sessions) == 1
+    assert to_a == [] and a.session.held == {}  # the gone worker's job was dropped, nothing held for it
     b.close()

@@ -145,7 +145,7 @@ def test_a_killed_engine_answers_every_request_in_flight_and_a_successor_serves(
 def test_a_hung_engine_is_answered_504_then_killed_and_a_successor_serves(engine_server):
     """SIGSTOP of the engine (alive, its socket open, nothing answered): a request waiting on it
     is answered 504 after handler.engine_timeout_s, the worker that saw it kills the engine (a
-    State unanswered for 5 s more), and a successor serves; nothing hangs."""
+    State unanswered for 5 s more: at least 5 s, else as long as a request waits), and a successor serves; nothing hangs."""
     ts = engine_server
     old = served_lines(ts, "en_hang")[-1]
     os.kill(old, signal.SIGSTOP)

@@ -352,4 +352,20 @@ def test_with_the_engine_the_workers_follow_the_cores_and_only_the_engine_must_f
     huge = worker_sizing.Sizing(30 * GIB, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu, engine=True, cores=16)
     with pytest.raises(SizingError, match="not even one worker fits: .*engine: on: .*does not fit"):
         huge.workers
-    assert "need" in huge.misfit(4)
+    assert "the engine does not fit, whatever the worker count" in huge.misfit(4)
+
+
+def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
+    """Its workers run the decoder themselves (handlers/engine_worker.py wanted): each holds a copy,
+    so the engine's arithmetic must not count them as holding nothing."""
+    from types import SimpleNamespace
+    from compiled_serving import archive
+
+    monkeypatch.setattr("handlers.artifact.decoder.of", lambda spec: object() if spec == "dec" else None)
+    monkeypatch.setattr(archive, "weight_bytes", lambda spec: SimpleNamespace(mib=100.0, bytes=100 << 20, how="test"))
+    monkeypatch.setattr(archive, "shares_weights", lambda specs, opts: False)
+    args = SimpleNamespace(worker_overhead_mib=None, gpu_memory_headroom=0.1, gpu_memory_gib=24.0)
+    dec = archive.gpu_sizing(args, ["dec"], 6, {"engine": "on"})
+    plain = archive.gpu_sizing(args, ["plain"], 6, {"engine": "on"})
+    assert not dec.engine and dec.per_worker_mib > 0 and dec.workers <= 6
+    assert plain.engine and plain.per_worker_mib == 0

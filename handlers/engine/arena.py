@@ -144,6 +144,9 @@ class Arena:
             raise ValueError(f"{ref.name}: bytes [{ref.offset}, {ref.offset + ref.nbytes}) are outside the "
                              f"{self.size}-byte arena")
         dtype = torch_dtype(ref.dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        if ref.offset % size:  # a view of another dtype must start at a multiple of its element size
+            raise ValueError(f"{ref.name}: offset {ref.offset} is not a multiple of {ref.dtype}'s {size} bytes")
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
         return self.base[ref.offset:ref.offset + ref.nbytes].view(dtype).view(ref.shape)

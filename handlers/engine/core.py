@@ -196,7 +196,7 @@ class Engine:
                 self.run(jobs)
             return len(jobs)
         self._land()
-        if len(self.flights) >= DEPTH:
+        if self.dead or len(self.flights) >= DEPTH:
             return 0
         jobs = self.take(0.0 if self.flights else timeout)
         if jobs:
@@ -204,7 +204,11 @@ class Engine:
         return len(jobs)
 
     def _launch(self, jobs: list) -> None:
-        replays = self.device.plan(jobs)
+        try:
+            replays = self.device.plan(jobs)
+        except Exception as e:  # noqa: BLE001 - a job the plan cannot place (a peer's odd shape): the runner's call answers it
+            logger.info("%s: a step could not be planned (%s); running it through the runner's call", self.name, e)
+            replays = None
         if replays is not None:
             try:
                 with torch.inference_mode():  # the graphs' buffers are inference tensors

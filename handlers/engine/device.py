@@ -78,7 +78,8 @@ class DeviceSteps:
         runner.producer.synchronize()
         return cls(runner, runner.stream)
 
-    # --- arenas (the loop's thread) ---
+    # --- arenas: on the loop's thread only (Engine.connect/disconnect there, handlers/engine/serve.py),
+    # so a stream synchronize before unpinning covers every copy queued for that arena ---
 
     def register(self, arena) -> None:
         """Pins the arena's mapping for DMA (once per worker); where CUDA refuses, the copies
@@ -206,6 +207,6 @@ class DeviceSteps:
             for ref in refs:
                 free(job, ref)
             if isinstance(e, ServingError):
-                return e
+                return e.with_traceback(None)  # its frames hold arena views: kept, they would keep the arena mapped
             raise
         return tuple(refs)

@@ -9,7 +9,7 @@ runner's reused output buffers are: handlers/run/base.py); they are released the
 engine is gone, every request is answered EngineDead (503, retryable) at once while a thread
 connects to its successor (`reconnect`: handlers/engine/link.py starts one where none answers).
 A request past its deadline (handler.engine_timeout_s) is answered EngineTimeout (504); the engine
-is then asked its State, and one that leaves it unanswered for PROBE_S is hung (stopped, deadlocked,
+is then asked its State, and one that leaves it unanswered as long again (at least PROBE_S) is hung (stopped, deadlocked,
 stuck in the driver): the worker kills it (SIGKILL), which its workers see as the engine gone.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from handlers.run.base import Runner
 
 logger = logging.getLogger(__name__)
 WAIT_S = 60.0  # one request's answer at most (handler.engine_timeout_s); past it the request is aborted (504)
-PROBE_S = 5.0  # after a timeout, how long the engine has to answer a State before it is taken for hung
+PROBE_S = 5.0  # after a timeout, the least time the engine has to answer a State before it is taken for hung
 RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries to reach the engine's successor; the last repeats
 
 
@@ -114,7 +114,8 @@ class EngineRunner(Runner):
     def _kill_if_hung(self, client) -> None:
         try:
             try:
-                client.state(PROBE_S)
+                # the engine answers State between steps: a call may take up to a request's own wait
+                client.state(max(PROBE_S, self.wait_s))
                 return  # it answers: busy with long calls, not hung
             except EngineTimeout:
                 pass
@@ -123,7 +124,7 @@ class EngineRunner(Runner):
             pid = getattr(getattr(client, "ready", None), "pid", None)
             if pid and is_engine(pid):
                 logger.error("the engine (pid %d) left a State unanswered for %.0f s after a request timed out: "
-                             "killed as hung; its successor starts", pid, PROBE_S)
+                             "killed as hung; its successor starts", pid, max(PROBE_S, self.wait_s))
                 os.kill(pid, signal.SIGKILL)
         finally:
             self._probing.release()
