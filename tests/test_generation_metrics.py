@@ -191,7 +191,9 @@ def test_generation_metrics_reach_the_metrics_port_for_both_forms(metrics_server
     deadline, seen = time.monotonic() + 30, {}
     while time.monotonic() < deadline:  # emitted within about a second, parsed by the frontend
         seen = scrape(metrics_server)
-        if all(seen.get(("generation_tokens_total", m)) == n for m, n in generated.items()):
+        # every sample, not the first: the frontend parses the worker's metric lines one by one
+        if all(seen.get(("generation_tokens_total", m)) == n and seen.get(("generation_time_to_first_token_seconds_count", m))
+               == 2 and seen.get(("generation_inter_token_seconds_count", m)) == 2 for m, n in generated.items()):
             break
         time.sleep(0.5)
     for model, n in generated.items():
