@@ -11,10 +11,15 @@ time, so only the job that fails alone gets Failed, with the status of its error
 leaves the device unusable (handlers/faults.is_sticky) ends the engine: every worker gets
 EngineDead.
 
-Threads: `on_message` and `connect`/`disconnect` are called from any thread (the socket
-readers of handlers/engine/serve.py, or the worker's own thread in-process); the loop (`step`,
-`serve_forever`) runs on one thread, the only one that calls the model. `Session.reply` is
-called from both, and must be thread-safe (protocol.Connection.send is).
+On a CUDA runner with graphs, a step goes through handlers/engine/device.py instead: launched
+straight from and into the arenas, answered when the device has finished it (`_land`), with the
+next step launched meanwhile; what it cannot plan takes the runner's call as above.
+
+Threads: the loop (`step`, `serve_forever`) runs on one thread, the only one that calls the
+model; handlers/engine/serve.py calls `on_message` and `connect`/`disconnect` there too (with
+DeviceSteps they must be: pinning and unpinning an arena is ordered against the stream by it);
+in-process (the tests, CPU only) they come from the worker's own thread. `Session.reply` must be
+thread-safe (protocol.Connection.send is).
 """
 from __future__ import annotations
 
