@@ -428,6 +428,9 @@ def stage_tokenizer(args, specs, stage) -> None:
     from handlers.artifact.decoder import of as decoder_of
     from handlers.generation.text import TOKENIZER_FILE
 
+    decoders = [decoder_of(s) for s in specs]
+    if all(decoders):  # say what it was recognised as: a decoder is served as generated tokens, not tensors
+        print(f"cs-archive: recognised as a {decoders[0].describe()}; served as generated tokens (streamed)")
     beside = [os.path.join(a, TOKENIZER_FILE) for a in args.artifact if os.path.isdir(a)]
     if not args.tokenizer and beside and os.path.isfile(beside[0]):  # cs-export-lm's directory carries its own
         args.tokenizer = beside[0]
@@ -436,7 +439,6 @@ def stage_tokenizer(args, specs, stage) -> None:
         if getattr(args, "tokenizer_config", None):
             fail("--tokenizer-config needs --tokenizer (the chat template's text is tokenized by it)")
         return
-    decoders = [decoder_of(s) for s in specs]
     if not all(decoders):
         fail("--tokenizer is for a decoder (a language model with its KV cache in the program); "
              f"{specs[0].artifact} is served in batches and takes tensors")

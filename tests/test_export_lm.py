@@ -216,6 +216,7 @@ def test_cs_export_lm_then_cs_archive_with_no_options_served_by_torchserve(tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
     r = archive(d / "out", "lmx", d / "store")
     assert "the artifact directory's own" in r.stdout and "end-of-sequence ids: [0]" in r.stdout, r.stdout
+    assert "recognised as a decoder: vocabulary 320, 4 sequence slots of 64 positions" in r.stdout, r.stdout
     ts = serve({"lmx": d / "store" / "lmx.mar"})
     prompts = [PROMPTS[0][0], PROMPTS[1][0], PROMPTS[4][0]]
     for p in prompts:
