@@ -185,6 +185,12 @@ def gpu_processes() -> dict:
 def placement_of(ts, name: str, on_gpu: dict) -> dict:
     """workers_per_gpu and stray_contexts (pids on more than one GPU) of a model's workers."""
     pids = [w.get("pid") for w in ts.workers(name)]
+    per_gpu, stray = by_gpu(pids, on_gpu)
+    return {"worker_pids": pids, "workers_per_gpu": per_gpu, "stray_contexts": len(stray), "strays": stray}
+
+
+def by_gpu(pids: list, on_gpu: dict) -> tuple:
+    """({GPU index: how many of `pids` hold memory on it first}, [the pids on more than one GPU])."""
     per_gpu: dict = {}
     stray = []
     for pid in pids:
@@ -193,7 +199,7 @@ def placement_of(ts, name: str, on_gpu: dict) -> dict:
             per_gpu[str(g)] = per_gpu.get(str(g), 0) + 1
         if len(gpus) > 1:
             stray.append({"pid": pid, "gpus_mib": on_gpu[pid]})
-    return {"worker_pids": pids, "workers_per_gpu": per_gpu, "stray_contexts": len(stray), "strays": stray}
+    return per_gpu, stray
 
 
 def wait_all(ts, names: list, timeout: float) -> dict:
@@ -265,19 +271,9 @@ def run(args) -> dict:
 def engines_of(others: list, on_gpu: dict) -> dict:
     """The engine processes (python -m handlers.engine.serve) among the other processes on a GPU:
     how many per GPU, and those on more than one GPU."""
-    per_gpu, stray = {}, []
-    for pid in others:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"handlers.engine.serve" not in cmd:
-            continue
-        gpus = sorted(on_gpu.get(pid, {}))
-        for g in gpus[:1]:
-            per_gpu[str(g)] = per_gpu.get(str(g), 0) + 1
-        if len(gpus) > 1:
-            stray.append({"pid": pid, "gpus_mib": on_gpu[pid]})
+    from handlers.engine.runner import is_engine
+
+    per_gpu, stray = by_gpu([pid for pid in others if is_engine(pid)], on_gpu)
     return {"engines_per_gpu": per_gpu, "engine_strays": stray}
 
 

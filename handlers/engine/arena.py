@@ -134,7 +134,7 @@ class Arena:
 
     def alloc(self, name: str, dtype: torch.dtype, shape: tuple) -> tuple:
         """(ref, writable tensor view) of a new block for a tensor of this dtype and shape."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         ref = TensorRef(name, dtype_name(dtype), tuple(shape), self.allocator.alloc(nbytes), nbytes)
         return ref, self.view(ref)
 
@@ -144,7 +144,7 @@ class Arena:
             raise ValueError(f"{ref.name}: bytes [{ref.offset}, {ref.offset + ref.nbytes}) are outside the "
                              f"{self.size}-byte arena")
         dtype = torch_dtype(ref.dtype)
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if ref.offset % size:  # a view of another dtype must start at a multiple of its element size
             raise ValueError(f"{ref.name}: offset {ref.offset} is not a multiple of {ref.dtype}'s {size} bytes")
         if ref.nbytes == 0:

@@ -231,13 +231,17 @@ class Engine:
         try:
             while self.flights and self.flights[0].done():
                 flight = self.flights.popleft()
-                self.calls += 1
-                self.rows += sum(j.rows for j in flight.jobs)
-                self.jobs += len(flight.jobs)
+                self._count(flight.jobs)
                 for job in flight.jobs:
                     self._settle(job, flight.outs[job])
         except Exception as e:  # noqa: BLE001 - an error the device reports late (a fault in a kernel)
             self.die(f"the device failed a step: {plain_message(str(e))}")
+
+    def _count(self, jobs: list) -> None:
+        """One call (or launched step) of these jobs, in the totals State and the log report."""
+        self.calls += 1
+        self.rows += sum(j.rows for j in jobs)
+        self.jobs += len(jobs)
 
     def _alloc(self, job: Job, name: str, dtype, shape: tuple) -> tuple:
         s = job.session
@@ -275,9 +279,7 @@ class Engine:
                 for job in jobs:
                     self.run([job])
             return
-        self.calls += 1
-        self.rows += sum(j.rows for j in jobs)
-        self.jobs += len(jobs)
+        self._count(jobs)
         for job, out in zip(jobs, outs):
             self._answer(job, out)
 
