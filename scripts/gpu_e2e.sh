@@ -50,9 +50,10 @@
 #                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
 #                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
 #                               picks settings (a NAME starting with mps runs under MPS)
-#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours per worker, ours_engine (engine: on: CPU
-#                               workers, one engine process on the GPU), ours_engine12 (the same with
-#                               EWORKERS=12 workers, which hold no GPU) and echo, 1, 64, 128 clients
+#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours per worker, ours_engineN (engine: on: N CPU
+#                               workers, which hold no GPU, one engine process on the GPU) for each N of
+#                               EWORKERS (default "12 24") and echo, 1, 64, 128 clients; wrk on cores of its
+#                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy)
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
 #                               (EMODES: bench_shared's modes, default shared,engine)
 #                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
@@ -231,10 +232,11 @@ for part in $PARTS; do
            r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
            mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
          esac
-         $PY -m bench.bench_e2e "${src[@]}" --handlers ours,echo --variant engine:engine=on \
-           --variant "engine${EWORKERS:-12}:engine=on,workers=${EWORKERS:-12}" --rounds "${ROUNDS:-1}" \
-           --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-5}" \
-           --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" ;;
+         evariants=(); for n in ${EWORKERS:-12 24}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
+         $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" "${evariants[@]}" --rounds "${ROUNDS:-1}" \
+           --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-5}" \
+           --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
+           --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ;;
     engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-shared,engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our

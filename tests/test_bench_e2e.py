@@ -370,3 +370,9 @@ def test_the_summary_carries_the_engine_keys_of_issue_64():
     assert s["per_worker_over_echo_c64"] == 0.4 and s["c1_p50_delta_ms"] == 0.25
     assert s["gpu_mib_all_processes"] is None  # bench_shared's, not this run's
     assert "ours_over_echo_c64" not in summary([p for p in points if p["handler"] != "ours_engine"], {})
+    # without the archive's own count, the first engine variant of the run is the one the keys describe
+    renamed = [dict(p, handler="ours_engine12") if p["handler"] == "ours_engine" else p for p in points]
+    renamed += [point("ours_engine24", 64, 900.0, 1.4), point("ours_engine24", 128, 1800.0, 1.9)]
+    s = summary(renamed, {})
+    assert s["engine_variant"] == "ours_engine12" and s["ours_over_echo_c128"] == 0.75
+    assert s["engine24_over_echo_c128"] == 0.9 and "engine12_over_echo_c128" not in s

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -62,6 +63,7 @@ class Job:
     id: int
     inputs: dict  # name -> tensor viewing the worker's arena
     rows: int
+    t: float = 0.0  # time.perf_counter() when it was queued, then when its step was launched
 
 
 class Engine:
@@ -81,6 +83,9 @@ class Engine:
         self.rows = 0
         self.jobs = 0  # jobs answered by those calls
         self.dead: Optional[str] = None
+        # the loop's wall time by phase, seconds (handlers/engine/serve.py adds its waits; the
+        # sampler reports them): land (answering finished steps), launch, run (the runner's call)
+        self.clock = collections.Counter()
 
     # --- any thread ---
 
@@ -151,7 +156,7 @@ class Engine:
         rows = {t.shape[0] if t.dim() else -1 for t in inputs.values()}
         if len(rows) != 1 or min(rows) < 1:
             raise RequestError(f"inputs must share one batch dimension of at least one row, not {sorted(rows)}")
-        return Job(session, msg.id, inputs, rows.pop())
+        return Job(session, msg.id, inputs, rows.pop(), time.perf_counter())
 
     def _release(self, session: Session, job_id: int) -> None:
         with session.lock:
@@ -200,12 +205,19 @@ class Engine:
             if jobs:
                 self.run(jobs)
             return len(jobs)
+        t0 = time.perf_counter()
         self._land()
+        t1 = time.perf_counter()
+        self.clock["land"] += t1 - t0
         if self.dead or len(self.flights) >= DEPTH:
             return 0
         jobs = self.take(0.0 if self.flights else timeout)
         if jobs:
+            for job in jobs:  # the jobs' time in the queue, summed (the sampler's mean wait)
+                self.clock["job_queued"] += t1 - job.t
+                job.t = t1
             self._launch(jobs)
+            self.clock["launch"] += time.perf_counter() - t1
         return len(jobs)
 
     def _launch(self, jobs: list) -> None:
@@ -231,7 +243,11 @@ class Engine:
         try:
             while self.flights and self.flights[0].done():
                 flight = self.flights.popleft()
+                self.device.landed(flight)
                 self._count(flight.jobs)
+                now = time.perf_counter()
+                for job in flight.jobs:  # launched to answered, summed
+                    self.clock["job_flight"] += now - job.t
                 for job in flight.jobs:
                     self._settle(job, flight.outs[job])
         except Exception as e:  # noqa: BLE001 - an error the device reports late (a fault in a kernel)
@@ -264,6 +280,7 @@ class Engine:
     def run(self, jobs: list) -> None:
         """One call for all the jobs; after a failure, one call per job (retry) so only the
         job that fails alone is answered Failed."""
+        t0 = time.perf_counter()
         try:
             # as a worker runs its model (handlers/pipeline.py): the warm-up made the runner's
             # buffers inference tensors, which only inference mode may write in place
@@ -282,6 +299,7 @@ class Engine:
         self._count(jobs)
         for job, out in zip(jobs, outs):
             self._answer(job, out)
+        self.clock["run"] += time.perf_counter() - t0
 
     def failure(self, e: BaseException) -> ServingError:
         """The typed error one job's failed run is answered with."""

@@ -50,6 +50,8 @@ class Flight:
     outs: dict
     event: object
     keep: list = field(default_factory=list)
+    start: object = None  # an event before its first copy (DeviceSteps.timing: the GPU's busy time)
+    replays: int = 0
 
     def done(self) -> bool:
         return self.event.query()
@@ -67,6 +69,9 @@ class DeviceSteps:
         self.stream = stream
         self.new_event = new_event or torch.cuda.Event
         self.registered = {}  # id(arena) -> base pointer, for cudaHostUnregister
+        # a benchmark's aid (handlers/engine/sampler.py): each step's events time the device, and
+        # `busy_ms` sums how long it ran the steps (replays and copies), `replays` how many
+        self.timing, self.busy_ms, self.replays, self._last = False, 0.0, 0, None
 
     @classmethod
     def for_runner(cls, runner) -> Optional["DeviceSteps"]:
@@ -152,15 +157,18 @@ class DeviceSteps:
         (ref, writable view) in the job's arena or raises ServingError (that job alone is answered
         with it); `free(job, ref)` returns a block. Where queueing fails, every block it took is
         returned once the device is idle, and the error is raised."""
-        flight = Flight([job for r in replays for job, _, _ in r.parts], {}, None)
+        flight = Flight([job for r in replays for job, _, _ in r.parts], {}, None, replays=len(replays))
         try:
             with self._on_stream():
+                if self.timing:
+                    flight.start = self.new_event(enable_timing=True)
+                    flight.start.record(self.stream)
                 for r in replays:
                     self._upload(r, flight.keep)
                     r.bucket.graph.replay()
                     for job, a, n in r.parts:
                         flight.outs[job] = self._download(r.bucket, job, a, n, alloc, free, flight.keep)
-                flight.event = self.new_event()
+                flight.event = self.new_event(enable_timing=True) if self.timing else self.new_event()
                 flight.event.record(self.stream)
         except BaseException:
             if self.stream is not None:
@@ -170,6 +178,17 @@ class DeviceSteps:
                     free(job, ref)
             raise
         return flight
+
+    def landed(self, flight: Flight) -> None:
+        """Counts a finished step; with `timing`, the device's time on it: from its start, or from
+        the previous step's end where that was later (the stream ran them back to back)."""
+        self.replays += flight.replays
+        if self.timing and flight.start is not None:
+            ms = flight.start.elapsed_time(flight.event)
+            if self._last is not None:
+                ms = min(ms, self._last.elapsed_time(flight.event))
+            self.busy_ms += ms
+            self._last = flight.event
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

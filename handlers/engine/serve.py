@@ -100,11 +100,18 @@ class Loop:
             # jobs queued or a step on the device: the sockets are only looked at (a step is
             # answered the turn after the device finishes it); else the loop sleeps in epoll
             busy = bool(self.engine.queue) or bool(self.engine.flights)
-            for key, _ in self.selector.select(0 if busy else poll):
+            t0 = time.perf_counter()
+            ready = self.selector.select(0 if busy else poll)
+            t1 = time.perf_counter()
+            for key, _ in ready:
                 if key.data is None:
                     self._take_new()
                 else:
                     self._read(*key.data)
+            clock = self.engine.clock
+            clock["poll" if busy else "idle"] += t1 - t0
+            clock["read"] += time.perf_counter() - t1
+            clock["turns"] += 1
             self.engine.step(0)
 
     def _take_new(self) -> None:
@@ -215,6 +222,15 @@ def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_ex
             stop.set()
 
 
+def totals(engine: Engine) -> dict:
+    """The engine's counts and its loop's clock (seconds by phase), for the sampler."""
+    device = engine.device
+    return {"calls": engine.calls, "jobs": engine.jobs, "rows": engine.rows,
+            "replays": device.replays if device else None,
+            "device_busy_s": round(device.busy_ms / 1e3, 4) if device else None,
+            "clock_s": {k: round(v, 4) for k, v in dict(engine.clock).items()}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -234,7 +250,10 @@ def main(argv=None) -> int:
     threading.Thread(target=watch_lifetime, args=(engine, stop, args.frontend, args.idle_exit_s), daemon=True).start()
     logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
     print(json.dumps({"pid": os.getpid()}), flush=True)
-    sampler = Sampler.from_env()  # CS_ENGINE_SAMPLE: where the threads' time goes (a benchmark's aid)
+    # CS_ENGINE_SAMPLE: where the time goes (a benchmark's aid), with the device's steps timed
+    sampler = Sampler.from_env(functools.partial(totals, engine))
+    if sampler is not None and engine.device is not None:
+        engine.device.timing = True
     try:
         loop.run(stop)
     finally:
@@ -243,7 +262,7 @@ def main(argv=None) -> int:
             os.unlink(args.socket)
         logger.info("%s: stops after %d calls, %d jobs, %d rows", engine.name, engine.calls, engine.jobs, engine.rows)
         if sampler is not None:
-            sampler.write(calls=engine.calls, jobs=engine.jobs, rows=engine.rows)
+            sampler.write(**totals(engine))
         tmp = os.environ.get("TMPDIR", "")
         if os.path.basename(tmp).startswith("cs-engine-"):  # its own (handlers/engine/link.py), never a worker's
             shutil.rmtree(tmp, ignore_errors=True)
