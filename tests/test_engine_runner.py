@@ -88,6 +88,40 @@ def test_the_worker_pads_to_buckets_sends_one_job_per_bucket_and_cuts_back():
         client.close()
 
 
+@pytest.mark.parametrize("two_rows_ms, lengths", [(0.06, [16]), (5.0, [4, 8, 16])])
+def test_the_engines_replay_times_decide_which_buckets_the_worker_sends_as_one_job(two_rows_ms, lengths):
+    """The engine's Ready carries its graphs' replay times (as a msgpack frame would): where one
+    job at the longest bucket costs less than one per bucket (each job's fixed 0.2 ms), the worker
+    pads the whole batch to it; where a replay of more rows is dear, the groups stay apart."""
+    from handlers.engine import protocol as p
+    from handlers.engine.serve import replay_costs
+    from handlers.run.graphs import ReplayTable
+
+    table = ReplayTable([((("S", s),), rows, 0.05 if rows == 1 else two_rows_ms) for s in (4, 8, 16)
+                         for rows in (1, 2, 4)])
+    graphs = type("Graphs", (), {"table": table})()
+    ready = p.Ready("engine", 1, 64, costs=replay_costs(type("R", (), {"graphs": graphs})()))
+    ready = p.Decoder().feed(p.Encoder().frame(ready))[0]  # over the wire
+    model = Doubler()
+    spec = module_spec({"ids": (torch.int64, ("S",))}, {"out": (torch.int64, ("S",))}, batch_max=64)
+    spec = type(spec)(**{**spec.__dict__, "dims": {"S": (1, 16)}})
+    engine = Engine(module_runner(model, {"ids": (torch.int64, (None,))}, {"out": (torch.int64, (None,))}, 64))
+    thread, stop = start(engine)
+    client = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
+    client.ready = ready
+    try:
+        runner = EngineRunner(client, spec, reconnect=lambda: client, pad=PadPlan.of(spec, {"ids": 0}, ()))
+        reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 7, 16)]
+        outs = runner.run(reqs)
+        for req, out in zip(reqs, outs):
+            assert torch.equal(out["out"], req["ids"] * 2)  # cut back to each request's length
+        assert sorted(model.lengths) == lengths
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+
+
 def test_a_dead_engine_answers_every_request_503_at_once(served):
     _, runner, client = served
     runner._reconnect = lambda: (_ for _ in ()).throw(OSError("no engine here"))

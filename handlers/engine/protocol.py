@@ -76,6 +76,14 @@ class Hello(_Msg, tag="hello"):
     protocol: int = VERSION
 
 
+class ReplayCost(msgspec.Struct, array_like=True, frozen=True):
+    """One captured graph's replay time (handlers/run/graphs.ReplayTable's entry)."""
+
+    sizes: tuple[tuple[str, int], ...]  # its named-dimension sizes, sorted by name
+    rows: int
+    ms: float
+
+
 class Ready(_Msg, tag="ready"):
     engine: str
     pid: int
@@ -83,6 +91,9 @@ class Ready(_Msg, tag="ready"):
     protocol: int = VERSION
     variant: str = ""  # the variant directory the engine loaded (its artifact.json is the worker's spec)
     describe: str = ""  # what the engine loaded and how, for the worker's load line
+    # its graphs' replay times: the worker pads its batch's length groups to shared buckets where
+    # one job is cheaper (batch.PadPlan.targets), as a runner with the graphs pads its own batch
+    costs: tuple[ReplayCost, ...] = ()
 
 
 class Infer(_Msg, tag="infer"):

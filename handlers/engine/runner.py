@@ -24,6 +24,7 @@ from typing import Callable
 from handlers.batch import offsets
 from handlers.errors import EngineDead, EngineTimeout, ServingError
 from handlers.run.base import Runner
+from handlers.run.graphs import ReplayTable
 
 logger = logging.getLogger(__name__)
 WAIT_S = 60.0  # one request's answer at most (handler.engine_timeout_s); past it the request is aborted (504)
@@ -37,8 +38,11 @@ class EngineRunner(Runner):
         self.wait_s = wait_s
         self.client, self._reconnect = client, reconnect
         # the archive's padding (handlers/batch.PadPlan), applied here: requests padded to their
-        # length buckets share a shape, and a batch's requests of one shape go as one Infer
+        # length buckets, or to a shared one where the engine's graphs say one job is cheaper
+        # (the replay times its Ready carries), share a shape, and a batch's requests of one
+        # shape go as one Infer: each job costs the engine's one loop its copies and its answer
         self.pad = pad
+        self.costs = replay_table(client)
         self._held: list = []  # the last run's replies, released at the next
         self._retired: list = []  # clients of dead engines, closed once their replies are released
         self._reconnecting = threading.Lock()
@@ -58,7 +62,7 @@ class EngineRunner(Runner):
         sizes = None
         if self.pad is not None:
             sizes = [self.pad.sizes(r) for r in requests]
-            targets = self.pad.targets(sizes, rows, lambda n, at: None)  # each request to its own bucket
+            targets = self.pad.targets(sizes, rows, self.costs.call_cost_ms)
             requests = [self.pad.pad(r, t) for r, t in zip(requests, targets)]
         groups = {}
         for i, r in enumerate(requests):
@@ -148,6 +152,7 @@ class EngineRunner(Runner):
                 client.on_dead = self._engine_gone
                 self._retired.append(self.client)
                 self.client = client
+                self.costs = replay_table(client)
                 logger.info("connected to the engine's successor (pid %s)", getattr(getattr(client, "ready", None), "pid", "?"))
                 return
         finally:
@@ -155,6 +160,12 @@ class EngineRunner(Runner):
 
     def describe_sync(self) -> str:
         return "requests batched with every worker's by the engine (handlers/engine)"
+
+
+def replay_table(client) -> ReplayTable:
+    """The replay times of the engine's graphs, from its Ready (empty without graphs, or in process)."""
+    costs = getattr(getattr(client, "ready", None), "costs", ())
+    return ReplayTable([(c.sizes, c.rows, c.ms) for c in costs])
 
 
 def is_engine(pid: int) -> bool:

@@ -222,6 +222,14 @@ def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_ex
             stop.set()
 
 
+def replay_costs(runner) -> tuple:
+    """The runner's graphs' replay times for the workers' Ready (none without graphs)."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return ()
+    return tuple(p.ReplayCost(tuple(sizes), rows, float(ms)) for sizes, rows, ms in graphs.table.entries())
+
+
 def totals(engine: Engine) -> dict:
     """The engine's counts and its loop's clock (seconds by phase), for the sampler."""
     device = engine.device
@@ -240,7 +248,8 @@ def main(argv=None) -> int:
         logger.exception("the engine could not load")
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 2
-    ready = functools.partial(p.Ready, engine.name, os.getpid(), engine.max_rows, variant=variant, describe=describe)
+    ready = functools.partial(p.Ready, engine.name, os.getpid(), engine.max_rows, variant=variant, describe=describe,
+                              costs=replay_costs(engine.runner))
     listener = listen(args.socket)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

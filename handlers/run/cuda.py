@@ -29,11 +29,6 @@ from handlers.run.base import Runner
 from handlers.staging import StagingBuffers, concat_into
 
 logger = logging.getLogger(__name__)
-# A call's fixed host cost beside its GPU work (upload, launch, the wait, the copy-out), what
-# padding texts of several length buckets into one call saves per call merged: on an H100 host
-# under load, a batch of 8 of the MLP spent 0.272 ms copying in and launching and 0.162 ms waiting
-# around a 0.0204 ms graph replay (docs/results/heavy_mlp_fp16_h100.json, 64 clients).
-CALL_OVERHEAD_MS = 0.2
 
 
 def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_bytes: int) -> None:
@@ -273,8 +268,7 @@ class CudaRunner(Runner):
     def call_cost_ms(self, rows: int, sizes: dict):
         """A graph's replay time (timed at capture) plus the call's fixed host cost; None
         without a graph for that shape."""
-        ms = self.graphs.replay_ms(rows, sizes) if self.graphs else None
-        return None if ms is None else ms + CALL_OVERHEAD_MS
+        return self.graphs.table.call_cost_ms(rows, sizes) if self.graphs else None
 
     def describe_sync(self) -> str:
         how = {"block": "sleeping (blocking sync)", "spin": "spinning",

@@ -54,6 +54,14 @@ def graph_buckets(batch_min: int, batch_max: int, configured=(), largest: int = 
         raise LoadError(str(e)) from None
 
 
+# A call's fixed host cost beside its GPU work (upload, launch, the wait, the copy-out), what
+# padding texts of several length buckets into one call saves per call merged: on an H100 host
+# under load, a batch of 8 of the MLP spent 0.272 ms copying in and launching and 0.162 ms waiting
+# around a 0.0204 ms graph replay (docs/results/heavy_mlp_fp16_h100.json, 64 clients). A job sent to
+# the engine costs its loop about as much (its copies, its answer: handlers/engine/device.py).
+CALL_OVERHEAD_MS = 0.2
+
+
 def bucket_for(rows: int, buckets: list) -> Optional[int]:
     """The smallest bucket holding `rows`, or None when rows exceed the largest."""
     i = bisect.bisect_left(buckets, rows)
@@ -205,6 +213,35 @@ def why_not_capturable(kind, spec, pad=None) -> Optional[str]:
     return None
 
 
+class ReplayTable:
+    """The replay times of captured graphs by (named-dimension sizes, batch bucket): what a call
+    costs on the GPU. A worker served by the engine gets the engine's table in its Ready
+    (handlers/engine/protocol.py) and pads its batch by it, as a runner with the graphs does."""
+
+    def __init__(self, entries):
+        """`entries`: (sizes as sorted (name, size) pairs, rows, ms or None) per graph."""
+        self._by_sizes = {}  # named-dimension sizes -> {rows: replay ms}
+        for sizes, rows, ms in entries:
+            self._by_sizes.setdefault(tuple(tuple(p) for p in sizes), {})[rows] = ms
+
+    def entries(self) -> list:
+        """(sizes, rows, ms) of every graph with a timing."""
+        return [(sizes, rows, ms) for sizes, by_rows in self._by_sizes.items() for rows, ms in by_rows.items()
+                if ms is not None]
+
+    def replay_ms(self, rows: int, sizes: dict) -> Optional[float]:
+        """GPU time of the replay a call of `rows` rows at these named-dimension sizes would use,
+        or None without such a graph (or without its timing)."""
+        by_rows = self._by_sizes.get(tuple(sorted(sizes.items())))
+        b = bucket_for(rows, sorted(by_rows)) if by_rows else None
+        return by_rows[b] if b is not None else None
+
+    def call_cost_ms(self, rows: int, sizes: dict) -> Optional[float]:
+        """A call's cost (batch.PadPlan.targets' `cost`): its replay plus a call's fixed host cost."""
+        ms = self.replay_ms(rows, sizes)
+        return None if ms is None else ms + CALL_OVERHEAD_MS
+
+
 class GraphSet:
     """The captured buckets of one worker, with the memory they hold: per input shape past the
     batch dimension (one shape without named dimensions), the batch buckets captured."""
@@ -221,16 +258,10 @@ class GraphSet:
         self._fixed = None if dynamic or len(self.by_shape) != 1 else next(iter(self.by_shape))
         self.sizes = sorted({rows for rows, _ in buckets})
         self.memory_bytes = memory_bytes
-        self._by_sizes = {}  # named-dimension sizes -> {rows: replay ms}
-        for b in buckets.values():
-            self._by_sizes.setdefault(b.sizes, {})[b.rows] = b.replay_ms
+        self.table = ReplayTable([(b.sizes, b.rows, b.replay_ms) for b in buckets.values()])
 
     def replay_ms(self, rows: int, sizes: dict) -> Optional[float]:
-        """GPU time of the replay a call of `rows` rows at these named-dimension sizes would use,
-        or None without such a graph (or without its timing)."""
-        by_rows = self._by_sizes.get(tuple(sorted(sizes.items())))
-        b = bucket_for(rows, sorted(by_rows)) if by_rows else None
-        return by_rows[b] if b is not None else None
+        return self.table.replay_ms(rows, sizes)
 
     def for_call(self, rows: int, parts: dict, names) -> Optional[GraphBucket]:
         """The graph for a call of `rows` rows of these input parts, or None."""
