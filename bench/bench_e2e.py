@@ -645,10 +645,13 @@ def engine_keys(by: dict) -> dict:
     # the keys are the engine served with the archive's own worker count (ours_engine),
     # else the first engine variant of the command (gpu_e2e.sh names the shipped count first)
     main = "ours_engine" if "ours_engine" in engines else engines[0]
-    one, per_worker = by.get((main, 1, 1)), by.get(("ours", 1, 1))
+    # the per-worker path: ours_perworker (engine=off) where the run served it, else ours (the
+    # archive's default, which was the per-worker path before handler.engine's auto)
+    pw = "ours_perworker" if any(k[0] == "ours_perworker" for k in by) else "ours"
+    one, per_worker = by.get((main, 1, 1)), by.get((pw, 1, 1))
     return {"engine_variant": main, "ours_over_echo_c64": ratio(main, 64), "ours_over_echo_c128": ratio(main, 128),
             "c1_p50_delta_ms": round(one["p50_ms"] - per_worker["p50_ms"], 3) if one and per_worker else None,
-            "per_worker_over_echo_c64": ratio("ours", 64), "per_worker_over_echo_c128": ratio("ours", 128),
+            "per_worker_over_echo_c64": ratio(pw, 64), "per_worker_over_echo_c128": ratio(pw, 128),
             # the other engine variants (other worker counts: ours_engine24 ...) beside
             **{f"{h[5:]}_over_echo_c{c}": ratio(h, c) for h in engines if h != main for c in (64, 128)},
             **{k: None for k in ENGINE_NOT_HERE}}

@@ -45,8 +45,10 @@ from bench.bench_start import answered, kill_all, ready, restart_once, start_ste
 from bench.results_meta import header, page_head
 from compiled_serving.local_server import LocalTorchServe
 
-MODES = {"one": ("shared_weights=off", 1), "own": ("shared_weights=off", None), "shared": ("", None),
-         "engine": ("engine=on", None)}
+# each mode's handler options and worker count (None: --workers); the per-worker modes pin
+# engine=off, which handler.engine's default (auto) replaces on a GPU
+MODES = {"one": (("engine=off", "shared_weights=off"), 1), "own": (("engine=off", "shared_weights=off"), None),
+         "shared": (("engine=off",), None), "engine": (("engine=on",), None)}
 
 
 def parse_args(argv):
@@ -142,11 +144,11 @@ def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12) -> list:
 
 
 def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> dict:
-    option, count = MODES[mode]
+    options, count = MODES[mode]
     n = count or args.workers
-    if args.gpu < 0 and not option:
-        option = "shared_weights=on"  # auto shares on GPU workers only
-    extra = ["--handler-option", option] if option else []
+    if args.gpu < 0 and mode == "shared":
+        options += ("shared_weights=on",)  # auto shares on GPU workers only
+    extra = [a for o in options for a in ("--handler-option", o)]
     archive_ours(SimpleNamespace(artifact=args.artifact, batch_size=args.batch_size,
                                  max_batch_delay=args.max_batch_delay), store, mode, n,
                  [args.gpu] if args.gpu >= 0 else [], extra)

@@ -84,10 +84,11 @@ def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_s
 
 
 def serves_by_engine(handler_opts: dict) -> bool:
-    """handler.engine: on, as the worker reads it."""
+    """Whether GPU workers are served by the engine: handler.engine on, or auto (the default), as
+    the worker reads it (handlers/engine_worker.py wanted; only GPU variants are sized here)."""
     from handlers.config import parse_config
 
-    return parse_config({"handler": handler_opts}).engine == "on"
+    return parse_config({"handler": handler_opts}).engine in ("on", "auto")
 
 
 def shares_weights(cuda_specs, handler_opts: dict) -> bool:

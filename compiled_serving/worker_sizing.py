@@ -36,10 +36,12 @@ DEFAULT_HEADROOM = 0.10
 # (docs/results/shared_weights_big_mlp_fp16_h200.json, cuda_context_mib): what the weights holder
 # costs beside its copy of the weights (handlers/weights).
 CONTEXT_MIB = 520
-# handler.engine: on (issue 64): the workers hold no GPU, each has one batch in flight and spends
-# about half its cycle on its own CPU work, so more of them keep the engine busier. On a 16-core H200
-# host 12 workers served BERT 1.48x and the MLP 1.37x what 6 did at 128 clients
-# (docs/results/engine_bert_fp16_h200_s69b.json, engine_mlp_fp16_h200_s69b.json): 3 of every 4 cores.
+# handler.engine (issue 64): the workers hold no GPU and each has one batch in flight, so more of
+# them keep the engine busier, up to a point: more workers split the same clients into smaller
+# batches, and each job costs the engine's one loop. On a 16-core H200 host 12 workers served BERT
+# 1.48x and the MLP 1.37x what 6 did at 128 clients (git show fdf9e3a:docs/results/engine_bert_fp16_h200_s69b.json,
+# engine_mlp_fp16_h200_s69b.json), and 24 served BERT 0.87x and the MLP 1.0x what 12 did
+# (docs/results/engine_bert_fp16_h200_s70.json, engine_mlp_fp16_h200_s70.json): 3 of every 4 cores.
 ENGINE_WORKERS_PER_CORE = 0.75
 
 
@@ -136,7 +138,7 @@ class Sizing:
         g = self.gpu
         head = f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
         if self.engine:
-            return (head + f"engine: on: one engine process holds {self.weights_mib:.1f} MiB weights ({self.weights_how}) "
+            return (head + f"the engine (handler.engine): one engine process holds {self.weights_mib:.1f} MiB weights ({self.weights_how}) "
                     f"+ {self.overhead_mib:.0f} MiB overhead ({self.overhead_how}) = {self.need_mib} MiB, "
                     f"{'fits' if self.need_mib <= self.usable_mib else 'does not fit'}; the workers hold no GPU memory: "
                     f"{ENGINE_WORKERS_PER_CORE:g} x {self.cores} cores = {self.engine_workers} workers (at least 2)")

@@ -1,4 +1,4 @@
-"""A worker served by the engine (handler.engine: on; issue 64): it reads, decodes, admits and
+"""A worker served by the engine (handler.engine: auto on a GPU, or on; issue 64): it reads, decodes, admits and
 encodes requests on the CPU and hands the tensors to the one engine process of its GPU
 (handlers/engine), which runs every worker's requests together. The worker never asks CUDA
 anything, so it holds no CUDA context: the engine chooses the variant for the device and names
@@ -33,17 +33,28 @@ logger = logging.getLogger(__name__)
 
 
 def wanted(context) -> Optional[HandlerConfig]:
-    """The worker's settings where it is served by an engine (handler.engine: on, a stateless
-    archive), else None: the per-worker start (handlers/startup.py) reads them again."""
+    """The worker's settings where it is served by an engine, else None: the per-worker start
+    (handlers/startup.py) reads them again. handler.engine on: any stateless archive; auto (the
+    default): a stateless archive built for CUDA, on a worker TorchServe gave a GPU (gpu_id set,
+    device_type not cpu). Asked without any CUDA call: the worker must hold no CUDA context."""
     _, config = settings(context)
-    if config.engine != "on":
+    if config.engine == "off":
         return None
-    model_dir = context.system_properties["model_dir"]
-    if any(decoder_of(read_spec(d)) is not None for d in find_variants(model_dir)):
-        logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each worker "
-                       "runs itself")
+    specs = [read_spec(d) for d in find_variants(context.system_properties["model_dir"])]
+    if any(decoder_of(s) is not None for s in specs):
+        if config.engine == "on":
+            logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each "
+                           "worker runs itself")
+        return None
+    if config.engine == "auto" and not given_a_gpu(context, config, specs):
         return None
     return config
+
+
+def given_a_gpu(context, config: HandlerConfig, specs: list) -> bool:
+    """Whether the worker serves a CUDA artifact on the GPU TorchServe assigned it."""
+    return (context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
+            and any(s.device == "cuda" for s in specs))
 
 
 def load(context, config: HandlerConfig, emit, steps) -> Loaded:

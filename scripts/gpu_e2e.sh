@@ -50,7 +50,8 @@
 #                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
 #                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
 #                               picks settings (a NAME starting with mps runs under MPS)
-#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours per worker, ours_engineN (engine: on: N CPU
+#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours (the default: the engine with WORKERS workers),
+#                               ours_perworker (engine=off: each worker its own GPU context), ours_engineN (engine: on: N CPU
 #                               workers, which hold no GPU, one engine process on the GPU) for each N of
 #                               EWORKERS (default "12 24") and echo, 1, 64, 128 clients; wrk on cores of its
 #                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy)
@@ -232,7 +233,7 @@ for part in $PARTS; do
            r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
            mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
          esac
-         evariants=(); for n in ${EWORKERS:-12 24}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
+         evariants=(--variant perworker:engine=off); for n in ${EWORKERS:-12 24}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
          $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" "${evariants[@]}" --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-5}" \
            --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \

@@ -376,3 +376,6 @@ def test_the_summary_carries_the_engine_keys_of_issue_64():
     s = summary(renamed, {})
     assert s["engine_variant"] == "ours_engine12" and s["ours_over_echo_c128"] == 0.75
     assert s["engine24_over_echo_c128"] == 0.9 and "engine12_over_echo_c128" not in s
+    # with the engine the default, the per-worker path is served as ours_perworker (engine=off)
+    s = summary(renamed + [point("ours_perworker", 64, 200.0, 3.0), point("ours_perworker", 1, 300.0, 2.5)], {})
+    assert s["per_worker_over_echo_c64"] == 0.2 and s["c1_p50_delta_ms"] == 0.25

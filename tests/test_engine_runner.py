@@ -128,3 +128,33 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     client.engine_dead("killed")
     outs = runner.run([kit.request(1, 0), kit.request(2, 1)])
     assert all(isinstance(o, EngineDead) and o.status == 503 and o.retryable for o in outs), outs
+
+
+@pytest.mark.parametrize("engine, gpu_id, device_type, devices, decoder, served", [
+    (None, 0, None, ("cuda",), False, True),  # the default, auto: a GPU worker of a CUDA archive
+    (None, None, None, ("cuda",), False, False),  # no GPU given (TorchServe on a CPU host)
+    (None, 1, "cpu", ("cuda",), False, False),  # device_type: cpu
+    (None, 0, None, ("cpu",), False, False),  # a CPU artifact runs in its workers
+    (None, 0, None, ("cpu", "cuda"), False, True),
+    (None, 0, None, ("cuda",), True, False),  # a decoder runs in its workers
+    ("off", 0, None, ("cuda",), False, False),
+    ("on", None, None, ("cpu",), False, True),  # on: the CPU too
+    ("on", 0, None, ("cuda",), True, False),
+])
+def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, device_type, devices, decoder,
+                                         served):
+    """handlers/engine_worker.wanted, from the archive's settings, the worker's GPU and the variants'
+    devices (read from their artifact.json: no CUDA call)."""
+    from types import SimpleNamespace
+    from handlers import engine_worker
+
+    dirs = [str(tmp_path / d) for d in devices]
+    monkeypatch.setattr(engine_worker, "find_variants", lambda model_dir: dirs)
+    monkeypatch.setattr(engine_worker, "read_spec", lambda d: SimpleNamespace(device=d.rsplit("/", 1)[1], decoder=decoder))
+    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: object() if spec.decoder else None)
+    raw = {"handler": {"engine": engine} if engine else {}}
+    if device_type:
+        raw["deviceType"] = device_type  # TorchServe's own key, at the top level
+    context = SimpleNamespace(model_yaml_config=raw,
+                              system_properties={"model_dir": str(tmp_path), "gpu_id": gpu_id})
+    assert (engine_worker.wanted(context) is not None) == served

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from conftest import ARTIFACTS, build_mar
+from conftest import ARTIFACTS, PER_WORKER, build_mar
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -40,14 +40,14 @@ ST = safetensors_io.CONTENT_TYPE
 def gpu_fault_server(gpu_artifacts, tmp_path_factory, serve):
     arts = gpu_artifacts
     store = tmp_path_factory.mktemp("gpu_fault_store")
-    mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, "--batch-size", "8",
+    mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, *PER_WORKER, "--batch-size", "8",
                                "--max-batch-delay", "100", "--workers", "1", "--handler-option", "warmup=false",
                                "--handler-option", "crash_safe_load=false"),
-            "lookup": build_mar(arts.get("lookup_export"), "lookup", store, "--batch-size", "4",
+            "lookup": build_mar(arts.get("lookup_export"), "lookup", store, *PER_WORKER, "--batch-size", "4",
                                 "--max-batch-delay", "50", "--workers", "1", "--handler-option", "check_values=false"),
-            "lookup_checked": build_mar(arts.get("lookup_export"), "lookup_checked", store, "--batch-size", "4",
+            "lookup_checked": build_mar(arts.get("lookup_export"), "lookup_checked", store, *PER_WORKER, "--batch-size", "4",
                                         "--max-batch-delay", "50", "--workers", "1"),
-            "encoder": build_mar(arts.get("encoder_aoti_fp16"), "encoder", store, "--batch-size", "8",
+            "encoder": build_mar(arts.get("encoder_aoti_fp16"), "encoder", store, *PER_WORKER, "--batch-size", "8",
                                  "--max-batch-delay", "2", "--workers", "2")}
     return serve(mars)
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ARTIFACTS, build_mar, repin, rewrite_package_metadata
+from conftest import ARTIFACTS, PER_WORKER, build_mar, repin, rewrite_package_metadata
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -147,7 +147,7 @@ def host_gpu(load_line: str) -> str:
 
 
 def stray_contexts(ts, models) -> list:
-    """Each worker of `models` and each weights holder of the server that holds memory on more
+    """Each worker of `models` and each weights holder or engine of the server that holds memory on more
     than one GPU (nvidia-smi --query-compute-apps): [{pid, gpus}]."""
     import subprocess
 
@@ -159,7 +159,8 @@ def stray_contexts(ts, models) -> list:
     gpus: dict = {}
     for pid, uuid in smi("--query-compute-apps=pid,gpu_uuid"):
         gpus.setdefault(int(pid), set()).add(index.get(uuid, -1))
-    holders = subprocess.run(["pgrep", "-f", "handlers.weights.holder"], capture_output=True, text=True).stdout.split()
+    holders = subprocess.run(["pgrep", "-f", "handlers.weights.holder|handlers.engine.serve"], capture_output=True,
+                             text=True).stdout.split()
     pids = [w.get("pid") for m in models for w in ts.workers(m)] + [int(p) for p in holders]
     return [{"pid": p, "gpus": sorted(gpus[p])} for p in pids if len(gpus.get(p, ())) > 1]
 
@@ -167,7 +168,7 @@ def stray_contexts(ts, models) -> list:
 @multigpu
 def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("gpu_store")
-    mar = build_mar(gpu_artifacts.get("two_aoti", index=0), "two_gpu", store,
+    mar = build_mar(gpu_artifacts.get("two_aoti", index=0), "two_gpu", store, *PER_WORKER,
                     "--workers", "4", "--batch-size", "4", "--max-batch-delay", "5")
     major, minor = torch.cuda.get_device_capability(0)
     bad_dir = str(tmp_path_factory.mktemp("badcc") / "wrong")

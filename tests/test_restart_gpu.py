@@ -20,7 +20,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import TOL, build_mar, eager, image
+from conftest import TOL, PER_WORKER, build_mar, eager, image
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -38,7 +38,7 @@ def started(tmp_path_factory, serve, gpu_artifacts):
     """TorchServe started with one worker of the classifier, and the answers of requests sent
     from the moment it starts until the worker's graphs are done: [(input, outputs)] of the 200s."""
     store = tmp_path_factory.mktemp("restart_store")
-    mar = build_mar(gpu_artifacts.get("cls_aoti"), "cls", store, "--batch-size", "4", "--max-batch-delay", "5",
+    mar = build_mar(gpu_artifacts.get("cls_aoti"), "cls", store, *PER_WORKER, "--batch-size", "4", "--max-batch-delay", "5",
                     "--handler-option", f"cuda_graph_batch_sizes={list(range(1, 17))}")
     ts = serve({"cls": mar}, ready=False)
     answers, stop = [], threading.Event()

@@ -153,9 +153,10 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     art = _cuda_copy(artifacts, "sizing_cuda")
     ep = torch.export.load(str(art / "model.pt2"))
     weights = sum(t.numel() * t.element_size() for t in [*ep.state_dict.values(), *ep.constants.values()]) / 2**20
-    # a GPU small enough that memory, not the speed cap, decides; each worker its own copy
+    # a GPU small enough that memory, not the speed cap, decides; each worker its own copy (the
+    # per-worker path: the default engine holds the one copy, tested below)
     r = _archive(art, tmp_path, "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000",
-                 "--handler-option", "shared_weights=off")
+                 "--handler-option", "shared_weights=off", "--handler-option", "engine=off")
     assert r.returncode == 0, r.stderr
     need = math.ceil(weights + 1000)
     want = math.floor(4 * GIB * 0.9) // need
@@ -168,14 +169,21 @@ def test_archive_prints_the_arithmetic_and_writes_the_need(artifacts, tmp_path):
     assert cfg["minWorkers"] == cfg["maxWorkers"] == want
     assert cfg["handler"]["worker_gpu_mb"] == need and parse_config(cfg).worker_gpu_mb == need
     assert cfg["gpuSizing"]["gpuMiB"] == 4096
-    # the default: the workers read one held copy, so the GPU holds it (and the holder's context)
-    # once, plus one loading worker's copy, then the overhead per worker
-    r = _archive(art, tmp_path / "shared", "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000")
+    # per worker with shared weights: the workers read one held copy, so the GPU holds it (and the
+    # holder's context) once, plus one loading worker's copy, then the overhead per worker
+    r = _archive(art, tmp_path / "shared", "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000",
+                 "--handler-option", "engine=off")
     assert r.returncode == 0, r.stderr
     fixed = math.ceil(2 * weights + worker_sizing.CONTEXT_MIB)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cs-archive: --workers"))
     assert line.startswith(f"cs-archive: --workers {(math.floor(4 * GIB * 0.9) - fixed) // 1000} "), line
     assert f"shared weights: the holder's copy" in line and f"= {fixed} MiB once" in line, line
+    # the default (engine: auto): one engine holds the copy, and the workers are sized by the cores
+    r = _archive(art, tmp_path / "engine", "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("cs-archive: --workers"))
+    cores = max(2, int(worker_sizing.ENGINE_WORKERS_PER_CORE * (os.cpu_count() or 1)))
+    assert line.startswith(f"cs-archive: --workers {cores} ") and "the engine (handler.engine): one engine process" in line, line
 
 
 def test_shared_weights_fit_more_workers_of_a_large_model_on_a_24_gib_gpu():
@@ -350,7 +358,7 @@ def test_with_the_engine_the_workers_follow_the_cores_and_only_the_engine_must_f
     assert "one engine process holds 4096.0 MiB weights" in big.line() and "0.75 x 16 cores = 12 workers" in big.line()
     assert worker_sizing.Sizing(100, "w", 500, "m", gpu, engine=True, cores=2).workers == 2
     huge = worker_sizing.Sizing(30 * GIB, "weights", worker_sizing.OVERHEAD_MIB, "measured", gpu, engine=True, cores=16)
-    with pytest.raises(SizingError, match="not even one worker fits: .*engine: on: .*does not fit"):
+    with pytest.raises(SizingError, match=r"not even one worker fits: .*the engine \(handler.engine\): .*does not fit"):
         huge.workers
     assert "the engine does not fit, whatever the worker count" in huge.misfit(4)
 

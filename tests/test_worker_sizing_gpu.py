@@ -20,7 +20,7 @@ import zipfile
 import pytest
 import torch
 import yaml
-from conftest import ARTIFACTS, PY, ROOT, build_mar, cs_command
+from conftest import ARTIFACTS, PER_WORKER, PY, ROOT, build_mar, cs_command
 
 from compiled_serving.local_server import server_env
 
@@ -43,7 +43,7 @@ TARGET_GIB = 8
 
 def archive(art, name, store, *extra):
     r = subprocess.run([*cs_command("archive"), "--artifact", str(art), "--name", name, "--out", str(store),
-                        "--batch-size", "4", "--max-batch-delay", "5", *extra],
+                        "--batch-size", "4", "--max-batch-delay", "5", *PER_WORKER, *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, env=server_env())
     assert r.returncode == 0, r.stdout + r.stderr
     with zipfile.ZipFile(store / f"{name}.mar") as z:

@@ -66,14 +66,14 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     if config.warmup:
         warm(spec, runner, config.warmup_batch_sizes)
     graphs = runner.prepare(config, kind, defer=False)
-    # the workers pad each request to its own bucket (handlers/engine/runner.py); the runner's plan
-    # stays, so jobs of neighbouring buckets are padded to one where its cost model says one call
-    # is cheaper (batch.PadPlan.targets), and each job's rows are cut back to its bucket
+    # the workers pad their batches by this runner's replay times (Ready.costs, handlers/engine/runner.py);
+    # the runner's plan stays, so jobs of neighbouring buckets are padded to one where its cost model
+    # says one call is cheaper (batch.PadPlan.targets), and each job's rows are cut back to its bucket
     plan = runner.pad
     t2 = time.perf_counter()
     describe = (f"{spec.backend} artifact {spec.artifact} ({model.loader}) on {placement.where} [{placement.note}]; "
                 f"load {t1 - t0:.2f}s, warm-up and graphs {t2 - t1:.2f}s; {graphs}; {runner.describe_sync()}; "
-                f"padding: {padding}" + (f" (to {plan.describe()}: each request by its worker, jobs shared by the engine)" if plan else "") + f"; CPU threads {torch.get_num_threads()}")
+                f"padding: {padding}" + (f" (to {plan.describe()}: each batch by its worker, jobs shared by the engine)" if plan else "") + f"; CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe)
 
 
