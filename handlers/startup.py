@@ -30,6 +30,7 @@ from handlers.generating import Generation
 from handlers.generation.text import Text
 from handlers.loaded import Loaded
 from handlers.run import runner_for
+from handlers.run.cuda import cuda_wait
 from handlers.run.decoder import DecoderRunner
 from handlers.run.slots import SlotRunner
 from handlers.run.padding import verify_padding
@@ -173,7 +174,7 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     if placement.kind == "cuda":
         # the host's GPUs, not the one a confined worker sees: workers spread over all of them
         gpus = len(config.device_ids) or (plan.host_gpus if plan.host_gpus > 0 else torch.cuda.device_count())
-        sync, why = threads.cuda_wait(config.cuda_sync, config.workers, gpus)
+        sync, why = cuda_wait(config.cuda_sync, config.workers, gpus)
         config = dataclasses.replace(config, cuda_sync=sync)
         steps.note("sync", why)
     steps.done("variant")

@@ -4,7 +4,7 @@ import pytest
 
 from handlers.config import parse_config
 from handlers.errors import ConfigError
-from handlers.torchserve.threads import cuda_wait
+from handlers.run.cuda import cuda_wait
 
 
 @pytest.mark.parametrize("mode", ["spin", "block", "hybrid"])

@@ -101,5 +101,7 @@ def test_cuda_sync_option_validated():
     ("block", 1, 1, "block", "handler.cuda_sync"),
 ])
 def test_cuda_wait_auto_spins_alone_and_waits_hybrid_when_workers_share_a_gpu(configured, workers, gpus, mode, why):
-    got, reason = threads.cuda_wait(configured, workers, gpus)
+    from handlers.run.cuda import cuda_wait
+
+    got, reason = cuda_wait(configured, workers, gpus)
     assert got == mode and why in reason

@@ -10,7 +10,7 @@ from handlers.config import HandlerConfig
 from handlers.errors import ConfigError
 from handlers.run.base import Runner
 from handlers.run.cpu import CpuRunner
-from handlers.run.cuda import CudaRunner
+from handlers.run.cuda import CudaRunner, cuda_wait
 
 
 def runner_for(model, spec, device: torch.device, config=None) -> Runner:
@@ -27,10 +27,6 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
 
 def _runner(model, spec, device: torch.device, config: HandlerConfig) -> Runner:
     if device.type == "cuda":
-        # imported here, not at the top: the engine process (handlers/engine/) runs these runners and
-        # imports nothing of handlers/torchserve where it runs on the CPU (tests/test_engine_core.py)
-        from handlers.torchserve.threads import cuda_wait
-
         # auto with no worker count is the lone-worker choice; the handler resolves auto with
         # its worker count before it gets here
         return CudaRunner(model, spec, device, dataclasses.replace(config, cuda_sync=cuda_wait(config.cuda_sync, None, 1)[0]))

@@ -67,25 +67,6 @@ def decide(device_kind: str, configured: int, workers: Optional[int], cores: int
     return ThreadBudget(share, 1, f"CPU worker: ({cores} usable core(s) - 1 for the frontend) / {who}")
 
 
-def cuda_wait(configured: str, workers: Optional[int], gpus: int) -> tuple:
-    """How a CUDA worker waits for its GPU, and why: (spin|block|hybrid, reason). `configured`
-    spin, block or hybrid wins (handler.cuda_sync). `auto` spins while this worker is alone on
-    its GPU and waits hybrid (polls up to handler.cuda_spin_us, then sleeps) when several of this
-    model's workers share one (workers spread round-robin over `gpus`): a wait that spins for the
-    whole GPU call takes cores from sibling workers and the frontend, one that only sleeps pays a
-    wake-up on every short call. Measured end to end on one H100, 6 workers, 64 clients, in the
-    same run (revision ca0af4a's files, in git history at 1673c9e): ResNet-50 hybrid
-    6302 req/s vs block 4953; MLP hybrid 23421 vs block 20980 and p50 at one client 2.44 vs
-    3.1 ms. Alone on a GPU at batch 1 spin's p50 was 0.08 ms under block (_b1_h100)."""
-    if configured in ("spin", "block", "hybrid"):
-        return configured, "handler.cuda_sync"
-    per_gpu = -(-(workers or 1) // max(1, gpus))
-    if per_gpu > 1:
-        return "hybrid", f"auto: {per_gpu} workers share a GPU"
-    why = "worker count not in model-config.yaml, assumed alone" if workers is None else "one worker per GPU"
-    return "spin", f"auto: {why}"
-
-
 def apply(budget: ThreadBudget) -> ThreadBudget:
     """Sets torch's pools. The inter-op pool can be sized only before its first use; a worker
     that already used it keeps its size (reported in the returned budget)."""
