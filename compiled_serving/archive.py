@@ -332,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=os.path.join(ROOT, "model_store"),
                    help="the model store to write NAME.mar into (default: this checkout's model_store/)")
     p.add_argument("--version", default="1.0")
-    # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings",
-    # docs/results/e2e_*): 6 workers per GPU, batches of up to 8, 1 ms batch delay.
+    # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings" and
+    # "One engine per GPU", docs/results/e2e_*, engine_*): 3 workers per 4 cores feeding the
+    # engine (6 per GPU where each worker runs the model), batches of up to 8, 1 ms batch delay.
     p.add_argument("--workers", type=int, default=None,
-                   help="worker processes for the model (default: for a CUDA artifact 6, the measured "
-                        "setting per GPU, or fewer where the GPU's memory holds fewer copies of the weights "
-                        "(printed with the arithmetic); for a CPU artifact one per 4 cores of this machine, "
-                        "at least 1)")
+                   help="worker processes for the model (default: for a CUDA artifact 3 per 4 cores of this "
+                        "machine, feeding one engine process per GPU (handler.engine auto); for a decoder or "
+                        "with engine=off 6, the measured setting per GPU, or fewer where the GPU's memory holds "
+                        "fewer copies of the weights (printed with the arithmetic); for a CPU artifact one per "
+                        "4 cores of this machine, at least 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory of the GPU that will serve a CUDA artifact (default: GPU 0 of this machine; "
                         f"without one {worker_sizing.DEFAULT_GPU_GIB:g}, the L4/A10G class, printed as assumed)")

@@ -173,7 +173,7 @@ OPTIONS = (
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
                            "that GPU, which then holds no CUDA context; decoders still run in their workers; "
                            "on a CPU worker one engine process for the CPU"))),
-    Option("engine_timeout_s", float, 60.0, "engine: on: how long a request waits for the engine; past it the "
+    Option("engine_timeout_s", float, 60.0, "with the engine: how long a request waits for it; past it the "
            "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
            "least 5 s) is hung: the worker kills it and starts its successor", positive=True),
     Option("crash_safe_load", bool, True, "try the load and one call in a child process first (catches "
