@@ -218,7 +218,9 @@ def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> 
     """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS), plus
     our pod's fronts (nginx, the status process, the gRPC bridge) where our runtime serves, and the
     frontend's capped JVM at the pod's body limit."""
-    n = sum(workers(m) for m in mars)
+    # an archive served by the engine (gpuSizing.engine) runs one more process per GPU: counted as a
+    # worker (its host memory on a GPU was not measured here; a CPU worker's is WORKER_CPU_MIB)
+    n = sum(workers(m) + (gpus if device == "gpu" and by_engine(m) else 0) for m in mars)
     mem = frontend_mib(body_limit(mars)) + (FRONTS_MIB if fronts else 0) + n * WORKER_CPU_MIB
     res = {"cpu": str(n * CPU_PER_WORKER + (FRONTS_CPU if fronts else 0)), "memory": f"{mem}Mi"}
     out = {"requests": dict(res), "limits": dict(res)}
@@ -228,21 +230,33 @@ def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> 
     return out
 
 
+def by_engine(m: dict) -> bool:
+    """Whether the archive was sized for the engine (handler.engine auto or on: one engine process
+    per GPU holds the model, the workers no GPU memory; compiled_serving/worker_sizing.py record)."""
+    return bool((m["config"].get("gpuSizing") or {}).get("engine"))
+
+
 def gpu_memory_need(mars: list, gpus: int) -> tuple | None:
     """(MiB each of the pod's `gpus` GPUs needs for the archives' workers, the statement of what each
     archive's count was sized for); None where no archive states a worker's need (CPU archives,
     archives built before compiled_serving/worker_sizing.py, handler.worker_gpu_mb: 0). TorchServe hands a
-    model's workers to the GPUs round-robin, so a GPU holds at most ceil(workers / gpus) of them."""
+    model's workers to the GPUs round-robin, so a GPU holds at most ceil(workers / gpus) of them; an
+    archive sized for the engine states the engine's need, held once on each GPU."""
     total, parts = 0, []
     for m in mars:
         need = (m["config"].get("handler") or {}).get("worker_gpu_mb") or 0
         if not isinstance(need, (int, float)) or need <= 0:
             continue
-        n = math.ceil(workers(m) / gpus)
-        total += n * need
         sized = m["config"].get("gpuSizing") or {}
-        parts.append(f"{m['name']}: {n} worker(s) per GPU x {need:g} MiB, counted for a "
-                     f"{sized.get('gpuMiB', '?')} MiB GPU ({sized.get('gpuMemory', 'not recorded')})")
+        if by_engine(m):  # each GPU its one engine; the workers hold nothing there
+            total += need
+            held = f"one engine per GPU x {need:g} MiB"
+        else:
+            n = math.ceil(workers(m) / gpus)
+            total += n * need
+            held = f"{n} worker(s) per GPU x {need:g} MiB"
+        parts.append(f"{m['name']}: {held}, counted for a {sized.get('gpuMiB', '?')} MiB GPU "
+                     f"({sized.get('gpuMemory', 'not recorded')})")
     return (math.ceil(total), "; ".join(parts)) if parts else None
 
 

@@ -182,4 +182,7 @@ class Sizing:
         """What model-config.yaml keeps of the sizing (gpuSizing, beside handler.worker_gpu_mb = need_mib),
         for compiled_serving/kserve.py. TorchServe's frontend skips top-level keys it does not know
         (ModelConfig.build's `default: break`) and the handler reads only deviceType and handler."""
-        return {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom}
+        record = {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom}
+        if self.engine:  # worker_gpu_mb is the engine's, held once per GPU whatever the worker count
+            record["engine"] = True
+        return record

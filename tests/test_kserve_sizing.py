@@ -18,19 +18,33 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def sized_mars(artifacts, tmp_path_factory):
-    """Two archives of a CUDA-labelled exported program (not loaded here): one sized for a 4 GiB GPU
-    with a 1000 MiB overhead (memory caps the count), one with 3 workers chosen by hand."""
+def cuda_program(artifacts):
+    """A CUDA-labelled exported program (archived, never loaded here)."""
     art = artifacts.copy("cls_export", "kserve_sizing_cuda")
     repin(art, device="cuda")
+    return art
+
+
+@pytest.fixture(scope="module")
+def sized_mars(cuda_program, tmp_path_factory):
+    """Archives of the program with each worker running the model (engine=off): one sized for a
+    4 GiB GPU with a 1000 MiB overhead (memory caps the count), one with 3 workers chosen by hand."""
+    art = cuda_program
     store = tmp_path_factory.mktemp("sized_store")
     r = subprocess.run([*cs_command("archive"), "--artifact", str(art), "--name", "sized", "--out", str(store),
-                        "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000"],
+                        "--gpu-memory-gib", "4", "--worker-overhead-mib", "1000", "--handler-option", "engine=off"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "memory caps it" in r.stdout, r.stdout + r.stderr
     # build_mar passes --workers 1 first; a later --workers wins in argparse
-    hand = build_mar(art, "hand", store, "--workers", "3", "--gpu-memory-gib", "80")
+    hand = build_mar(art, "hand", store, "--workers", "3", "--gpu-memory-gib", "80", "--handler-option", "engine=off")
     return store / "sized.mar", hand
+
+
+@pytest.fixture(scope="module")
+def engine_mar(cuda_program, sized_mars):
+    """The same program archived without engine=off (handler.engine auto: one engine per GPU holds it)."""
+    return build_mar(cuda_program, "eng", sized_mars[0].parent, "--workers", "4", "--gpu-memory-gib", "4",
+                     "--worker-overhead-mib", "1000")
 
 
 def _config(mar):
@@ -78,3 +92,19 @@ def test_two_gpus_halve_what_each_needs_and_the_affinity_can_be_left_out(sized_m
     r = _layout(sized_mars, tmp_path / "none", "--device", "gpu", "--protocol", "v1", "--no-gpu-memory-affinity")
     doc = yaml.safe_load((tmp_path / "none" / "manifests" / "sized-v1-gpu.yaml").read_text())
     assert "affinity" not in doc["spec"]["predictor"] and "no node affinity" in r.stderr
+
+
+def test_an_archive_served_by_the_engine_needs_its_engine_once_per_gpu(sized_mars, engine_mar, tmp_path):
+    """Its worker_gpu_mb is the engine's (weights and overhead, once per GPU), not a worker's: the
+    GPUs' need does not grow with the worker count, and the host counts the engine as a process."""
+    per_worker, eng = _config(sized_mars[1]), _config(engine_mar)
+    assert eng["gpuSizing"]["engine"] is True and "engine" not in per_worker["gpuSizing"]
+    for gpus in (1, 2):
+        out = tmp_path / f"g{gpus}"
+        _layout([sized_mars[1], engine_mar], out, "--device", "gpu", "--protocol", "v1", "--gpus", str(gpus))
+        doc = yaml.safe_load((out / "manifests" / "sized-v1-gpu.yaml").read_text())
+        need = -(-3 // gpus) * per_worker["handler"]["worker_gpu_mb"] + eng["handler"]["worker_gpu_mb"]
+        note = doc["metadata"]["annotations"][SIZING_ANNOTATION]
+        assert note.startswith(f"each GPU needs {need:g} MiB") and "eng: one engine per GPU x" in note, note
+        # the host: the workers of both, one engine per GPU, the fronts' core
+        assert doc["spec"]["predictor"]["model"]["resources"]["requests"]["cpu"] == str(3 + 4 + gpus + 1)
