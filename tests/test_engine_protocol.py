@@ -143,6 +143,22 @@ def test_a_ref_outside_the_arena_is_refused():
             a.view(p.TensorRef("x", "float32", (1000,), 0, 4000))
 
 
+def test_a_ref_whose_shape_is_not_its_bytes_is_refused_and_views_match_a_plain_slice():
+    """A view is one as_strided call on the mapping as its dtype, so the shape is checked against
+    the bytes the bounds were checked for: a ref claiming more elements than its nbytes hold (a
+    bug, or a hostile peer reading past its block) is refused, as is a negative size."""
+    with Arena.create(1 << 12, 1 << 12) as a:
+        with pytest.raises(ValueError, match="is 4000 bytes, the ref says 40"):
+            a.view(p.TensorRef("x", "float32", (10, 100), 0, 40))
+        with pytest.raises(ValueError, match="negative"):
+            a.view(p.TensorRef("x", "float32", (-1, 4), 0, 16))
+        for dt, shape in ((torch.float32, (3, 5)), (torch.int64, (2, 1, 4)), (torch.float16, (7,)), (torch.bool, (2, 3))):
+            ref = a.put("t", torch.arange(torch.Size(shape).numel()).view(shape).to(dt))
+            plain = a.base[ref.offset:ref.offset + ref.nbytes].view(dt).view(shape)
+            seen = a.view(ref)
+            assert seen.is_contiguous() and seen.data_ptr() == plain.data_ptr() and torch.equal(seen, plain)
+
+
 def memfd_mappings():
     return [line for line in open("/proc/self/maps") if "/memfd:cs-arena" in line]
 

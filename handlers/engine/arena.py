@@ -87,6 +87,10 @@ class Arena:
         # export: a tensor outliving close() would read unmapped memory). Views are slices of
         # it (a slice keeps its base alive), so one block costs a slice, not a new buffer.
         self.base = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
+        # the mapping as each dtype a view asked for (views of `base`: the same storage), so a
+        # block's view is one as_strided call rather than a slice and two reinterpretations
+        # (the engine makes one per input and output of every job)
+        self._typed: dict = {}
         own = (0, worker_bytes) if side == "worker" else (worker_bytes, engine_bytes)
         self.allocator = Allocator(*own)
         self.side = side
@@ -147,9 +151,18 @@ class Arena:
         size = dtype.itemsize
         if ref.offset % size:  # a view of another dtype must start at a multiple of its element size
             raise ValueError(f"{ref.name}: offset {ref.offset} is not a multiple of {ref.dtype}'s {size} bytes")
+        strides, n = _contiguous(ref.shape)
+        if n * size != ref.nbytes:  # the bounds above are the nbytes': the shape must not reach past them
+            raise ValueError(f"{ref.name}: shape {tuple(ref.shape)} of {ref.dtype} is {n * size} bytes, "
+                             f"the ref says {ref.nbytes}")
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=dtype)
-        return self.base[ref.offset:ref.offset + ref.nbytes].view(dtype).view(ref.shape)
+        typed = self._typed.get(dtype)
+        if typed is None:
+            if self.size % size:  # a mapping that is no whole number of elements: slice and reinterpret
+                return self.base[ref.offset:ref.offset + ref.nbytes].view(dtype).view(ref.shape)
+            typed = self._typed[dtype] = self.base.view(dtype)
+        return typed.as_strided(ref.shape, strides, ref.offset // size)
 
     def release(self, ref: TensorRef) -> None:
         """Frees a block this side allocated (the other side's blocks are its to free)."""
@@ -164,6 +177,7 @@ class Arena:
             return
         self.closed = True
         self.base = None  # its memoryview goes with the last view of it
+        self._typed = {}
         mm, self._mm = self._mm, None
         try:
             mm.close()
@@ -177,3 +191,13 @@ class Arena:
     def __exit__(self, *exc):
         self.close()
 
+
+def _contiguous(shape) -> tuple:
+    """(C-contiguous strides in elements, element count) of `shape`; a negative size is refused."""
+    strides, n = [], 1
+    for d in reversed(shape):
+        if d < 0:
+            raise ValueError(f"shape {tuple(shape)} has a negative size")
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides)), n
