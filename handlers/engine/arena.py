@@ -17,6 +17,7 @@ free list that merges neighbours on release; a request that finds no block raise
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 import os
 import threading
@@ -192,7 +193,8 @@ class Arena:
         self.close()
 
 
-def _contiguous(shape) -> tuple:
+@functools.lru_cache(maxsize=4096)  # a model's jobs repeat a few shapes; bounded against a peer's many
+def _contiguous(shape: tuple) -> tuple:
     """(C-contiguous strides in elements, element count) of `shape`; a negative size is refused."""
     strides, n = [], 1
     for d in reversed(shape):
