@@ -54,7 +54,9 @@
 #                               ours_perworker (engine=off: each worker its own GPU context), ours_engineN (engine: on: N CPU
 #                               workers, which hold no GPU, one engine process on the GPU) for each N of
 #                               EWORKERS (default "12 24") and echo, 1, 64, 128 clients; wrk on cores of its
-#                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy)
+#                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
+#                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
+#                               CS_ENGINE_SAMPLE=PATH: each engine's own account (then python -m bench.engine_seconds)
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
 #                               (EMODES: bench_shared's modes, default shared,engine)
 #                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
