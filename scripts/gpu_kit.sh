@@ -38,6 +38,22 @@ jlink --strip-debug --no-man-pages --no-header-files --output "$scratch/jre" --a
     java.base,java.desktop,java.instrument,java.logging,java.management,java.naming,java.scripting,java.sql,java.xml,jdk.crypto.ec,jdk.management,jdk.unsupported
 XZ_OPT="-T0 -6" tar -C "$scratch" -cJf "$OUT/jre.txz" jre
 
+echo "== load generator: Debian's wrk and the libraries it links (bench/native_load.py, LOADGEN)"
+if command -v apt-get >/dev/null; then
+  (cd "$scratch" && apt-get download -q wrk libluajit-5.1-2 libssl3 >/dev/null 2>&1) || true
+  mkdir -p "$OUT/loadgen/lib" "$scratch/deb"
+  for d in "$scratch"/*.deb; do [ -e "$d" ] && dpkg -x "$d" "$scratch/deb"; done
+  if [ -x "$scratch/deb/usr/bin/wrk" ]; then
+    cp "$scratch/deb/usr/bin/wrk" "$OUT/loadgen/"
+    cp -L "$scratch"/deb/usr/lib/x86_64-linux-gnu/{libluajit-5.1.so.2,libssl.so.3,libcrypto.so.3} "$OUT/loadgen/lib/"
+    printf '#!/bin/sh\nd="$(cd "$(dirname "$0")" && pwd)"; t="$1"; shift\nLD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/$t" "$@"\n' \
+      > "$OUT/loadgen/run"
+    chmod +x "$OUT/loadgen/run"
+  else
+    echo "gpu_kit.sh: wrk not packed (apt-get download failed): the benchmarks' --load-generator native needs it" >&2
+  fi
+fi
+
 cat > "$OUT/kit_env.sh" <<'ENV'
 # Sourced on the GPU machine: unpack the kit once per machine, then put it on PATH/PYTHONPATH.
 _kit=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -55,6 +71,7 @@ if [ ! -x "$_to/jre/bin/java" ]; then
 fi
 export JAVA_HOME="$_to/jre" PATH="$_to/bin:$_to/jre/bin:$PATH"
 export PYTHONPATH="$_to/py${PYTHONPATH:+:$PYTHONPATH}"
+[ -x "$_kit/loadgen/run" ] && export LOADGEN="$_kit/loadgen/run"  # wrk, for --load-generator native
 # g++ 13 on the GPU image builds AOTInductor wrappers that crash at load (std::regex while parsing
 # the device string); g++-12 works. An explicit CXX wins.
 if [ -z "${CXX:-}" ] && command -v g++-12 >/dev/null; then export CXX=g++-12; fi
