@@ -154,5 +154,14 @@ class Worker:
         return bool(self._deferred)
 
     def describe(self) -> dict:
-        """`GET /models/NAME?customized=true` shows this (the management API's describe)."""
-        return self.health.describe()
+        """`GET /models/NAME?customized=true` shows this (the management API's describe). A worker
+        served by the engine adds the engine's state, and is not ready while its engine is gone
+        (every request gets EngineDead 503 until the successor answers): the pod's readiness
+        (pod/state.py) reads it."""
+        info = self.health.describe()
+        state = getattr(getattr(self.loaded, "runner", None), "engine_state", None)
+        if callable(state):
+            info["engine"] = engine = state()
+            if info["ready"] and not engine["connected"]:
+                info["ready"], info["engine_down"] = False, engine["reason"]
+        return info

@@ -100,7 +100,11 @@ def handler_state(entry: dict) -> tuple:
     if info.get("ready"):
         return READY, None
     reason = info.get("load_error") or info.get("device_fault")
-    return (FAILED, reason) if reason else (LOADING, "the handler is loading")
+    if reason:
+        return FAILED, reason
+    if info.get("engine_down"):  # its engine restarts (handlers/worker.py describe): back in seconds
+        return LOADING, info["engine_down"]
+    return LOADING, "the handler is loading"
 
 
 def model_state(cfg, model, io_error, live: bool) -> tuple:

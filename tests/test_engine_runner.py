@@ -122,6 +122,24 @@ def test_the_engines_replay_times_decide_which_buckets_the_worker_sends_as_one_j
         client.close()
 
 
+def test_the_workers_description_shows_its_engine_and_is_not_ready_while_the_engine_is_gone(served):
+    """handlers/worker.py describe (the management API's customized description, which the pod's
+    readiness reads) from the runner's engine_state."""
+    from types import SimpleNamespace
+    from handlers.worker import Worker
+
+    _, runner, client = served
+    worker = Worker("m")
+    worker.loaded = SimpleNamespace(runner=runner)
+    worker.health.ready()
+    info = worker.describe()
+    assert info["ready"] and info["engine"]["connected"] and "engine_down" not in info
+    client.engine_dead("killed")
+    info = worker.describe()
+    assert not info["ready"] and not info["engine"]["connected"] and "killed" in info["engine_down"]
+    assert info["state"] == "ready"  # the worker itself is fine: no load error, no device fault
+
+
 def test_a_dead_engine_answers_every_request_503_at_once(served):
     _, runner, client = served
     runner._reconnect = lambda: (_ for _ in ()).throw(OSError("no engine here"))

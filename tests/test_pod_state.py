@@ -187,6 +187,19 @@ def test_a_model_with_no_ready_worker_is_not_ready_at_once(tmp_path):
     assert "m: loading: no worker is READY yet" in server_problem(snapshot)
 
 
+def test_a_model_whose_engine_is_gone_is_not_ready_with_the_reason():
+    """handlers/worker.py describe: a worker served by the engine says engine_down while it
+    reaches the engine's successor; the pod is not ready meanwhile, and it is no failure."""
+    import json
+
+    from pod.state import handler_state
+    down = {"ready": False, "state": "ready", "engine_down": "the engine is gone (killed); its successor is being reached"}
+    entry = {"workers": [{"status": "READY"}], "customizedMetadata": json.dumps(down)}
+    assert handler_state(entry) == (LOADING, down["engine_down"])
+    up = dict(down, ready=True, engine_down=None, engine={"pid": 7, "connected": True, "reason": None})
+    assert handler_state(dict(entry, customizedMetadata=json.dumps(up))) == (READY, None)
+
+
 def test_a_model_that_served_and_lost_its_worker_fails_liveness_after_the_bound(monkeypatch, tmp_path):
     """Readiness fails at the first poll with no READY worker; liveness only once the model has
     not served for WORKER_LOST_S (the kubelet then restarts the container); a worker back in

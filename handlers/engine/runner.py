@@ -161,6 +161,14 @@ class EngineRunner(Runner):
     def describe_sync(self) -> str:
         return "requests batched with every worker's by the engine (handlers/engine)"
 
+    def engine_state(self) -> dict:
+        """The engine as this worker sees it (the worker's description): its pid, whether it
+        answers, and why not (gone, its successor being reached)."""
+        client = self.client
+        return {"pid": getattr(getattr(client, "ready", None), "pid", None), "connected": client.dead is None,
+                "reason": None if client.dead is None else f"the engine is gone ({client.dead}); its successor is "
+                                                           "being reached"}
+
 
 def replay_table(client) -> ReplayTable:
     """The replay times of the engine's graphs, from its Ready (empty without graphs, or in process)."""
