@@ -71,6 +71,8 @@ def test_every_worker_of_a_model_is_served_by_its_one_engine(engine_server):
         lines = served_lines(ts, model)
         assert len(lines) == 2 and len(set(lines)) == 1 and lines[0] in running, ts.log()[-3000:]
         answers_right(ts, model)
+        info = ts.describe(model)  # the management API's description names the engine (the pod reads it)
+        assert info["ready"] and info["engine"]["pid"] == lines[0] and info["engine"]["connected"], info
 
 
 def test_the_workers_hold_no_model(engine_server):
@@ -140,6 +142,10 @@ def test_a_killed_engine_answers_every_request_in_flight_and_a_successor_serves(
     assert old not in now and other in now and len(now) == len(MODELS), (old, other, now)
     assert pids(ts, "en_aoti") == workers  # the workers stayed; they reconnected
     assert 503 in statuses or 200 in statuses
+    deadline = time.time() + 30  # the description asks one worker; each reconnects on its own thread
+    while not (info := ts.describe("en_aoti")).get("ready") and time.time() < deadline:
+        time.sleep(0.5)
+    assert info["ready"] and info["engine"]["connected"] and info["engine"]["pid"] in now - {old}, info
 
 
 def test_a_hung_engine_is_answered_504_then_killed_and_a_successor_serves(engine_server):
