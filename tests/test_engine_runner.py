@@ -67,29 +67,34 @@ class Doubler(torch.nn.Module):
         return ids * 2
 
 
-def test_the_worker_pads_to_buckets_sends_one_job_per_bucket_and_cuts_back():
+@pytest.fixture
+def doubled():
+    """A Doubler behind an in-process engine, and a worker's runner of it padding ids (named
+    dimension S, 1..16) to their buckets: (model, client, runner(): made after a test sets
+    client.ready, as a worker makes its runner once connected)."""
     model = Doubler()
     spec = module_spec({"ids": (torch.int64, ("S",))}, {"out": (torch.int64, ("S",))}, batch_max=64)
     spec = type(spec)(**{**spec.__dict__, "dims": {"S": (1, 16)}})
     engine = Engine(module_runner(model, {"ids": (torch.int64, (None,))}, {"out": (torch.int64, (None,))}, 64))
     thread, stop = start(engine)
     client = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
-    try:
-        pad = PadPlan.of(spec, {"ids": 0}, ())
-        runner = EngineRunner(client, spec, reconnect=lambda: client, pad=pad)
-        reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 4, 7, 16)]
-        outs = runner.run(reqs)
-        for req, out in zip(reqs, outs):
-            assert torch.equal(out["out"], req["ids"] * 2)
-        assert sorted(model.lengths) == [4, 8, 16]  # 3 and 4 share the bucket 4: one job
-    finally:
-        stop.set()
-        thread.join(5)
-        client.close()
+    yield model, client, lambda: EngineRunner(client, spec, reconnect=lambda: client, pad=PadPlan.of(spec, {"ids": 0}, ()))
+    stop.set()
+    thread.join(5)
+    client.close()
+
+
+def test_the_worker_pads_to_buckets_sends_one_job_per_bucket_and_cuts_back(doubled):
+    model, _, runner = doubled
+    reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 4, 7, 16)]
+    outs = runner().run(reqs)
+    for req, out in zip(reqs, outs):
+        assert torch.equal(out["out"], req["ids"] * 2)
+    assert sorted(model.lengths) == [4, 8, 16]  # 3 and 4 share the bucket 4: one job
 
 
 @pytest.mark.parametrize("two_rows_ms, lengths", [(0.06, [16]), (5.0, [4, 8, 16])])
-def test_the_engines_replay_times_decide_which_buckets_the_worker_sends_as_one_job(two_rows_ms, lengths):
+def test_the_engines_replay_times_decide_which_buckets_the_worker_sends_as_one_job(doubled, two_rows_ms, lengths):
     """The engine's Ready carries its graphs' replay times (as a msgpack frame would): where one
     job at the longest bucket costs less than one per bucket (each job's fixed 0.2 ms), the worker
     pads the whole batch to it; where a replay of more rows is dear, the groups stay apart."""
@@ -101,25 +106,13 @@ def test_the_engines_replay_times_decide_which_buckets_the_worker_sends_as_one_j
                          for rows in (1, 2, 4)])
     graphs = type("Graphs", (), {"table": table})()
     ready = p.Ready("engine", 1, 64, costs=replay_costs(type("R", (), {"graphs": graphs})()))
-    ready = p.Decoder().feed(p.Encoder().frame(ready))[0]  # over the wire
-    model = Doubler()
-    spec = module_spec({"ids": (torch.int64, ("S",))}, {"out": (torch.int64, ("S",))}, batch_max=64)
-    spec = type(spec)(**{**spec.__dict__, "dims": {"S": (1, 16)}})
-    engine = Engine(module_runner(model, {"ids": (torch.int64, (None,))}, {"out": (torch.int64, (None,))}, 64))
-    thread, stop = start(engine)
-    client = InProcessEngine(engine, "w", 1 << 16, 1 << 16)
-    client.ready = ready
-    try:
-        runner = EngineRunner(client, spec, reconnect=lambda: client, pad=PadPlan.of(spec, {"ids": 0}, ()))
-        reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 7, 16)]
-        outs = runner.run(reqs)
-        for req, out in zip(reqs, outs):
-            assert torch.equal(out["out"], req["ids"] * 2)  # cut back to each request's length
-        assert sorted(model.lengths) == lengths
-    finally:
-        stop.set()
-        thread.join(5)
-        client.close()
+    model, client, runner = doubled
+    client.ready = p.Decoder().feed(p.Encoder().frame(ready))[0]  # over the wire
+    reqs = [{"ids": torch.arange(n).view(1, n) + 1} for n in (3, 7, 16)]
+    outs = runner().run(reqs)
+    for req, out in zip(reqs, outs):
+        assert torch.equal(out["out"], req["ids"] * 2)  # cut back to each request's length
+    assert sorted(model.lengths) == lengths
 
 
 def test_the_workers_description_shows_its_engine_and_is_not_ready_while_the_engine_is_gone(served):

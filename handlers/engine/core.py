@@ -246,9 +246,8 @@ class Engine:
                 self.device.landed(flight)
                 self._count(flight.jobs)
                 now = time.perf_counter()
-                for job in flight.jobs:  # launched to answered, summed
-                    self.clock["job_flight"] += now - job.t
                 for job in flight.jobs:
+                    self.clock["job_flight"] += now - job.t  # launched to answered, summed
                     self._settle(job, flight.outs[job])
         except Exception as e:  # noqa: BLE001 - an error the device reports late (a fault in a kernel)
             self.die(f"the device failed a step: {plain_message(str(e))}")

@@ -111,7 +111,6 @@ class Loop:
             clock = self.engine.clock
             clock["poll" if busy else "idle"] += t1 - t0
             clock["read"] += time.perf_counter() - t1
-            clock["turns"] += 1
             self.engine.step(0)
 
     def _take_new(self) -> None:
