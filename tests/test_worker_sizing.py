@@ -278,7 +278,11 @@ def test_a_sibling_still_starting_is_counted_and_waited_for(monkeypatch, tmp_pat
     sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         ledger.write_text(json.dumps({str(sibling.pid): 5000}))
-        done = threading.Timer(0.3, lambda: ledger.write_text("{}"))  # the sibling's start is over
+        def sibling_done():  # the sibling's start is over: it releases as a worker does, under the ledger's lock
+            with room._entries(ledger) as entries:  # (a plain write could be overwritten by the check's write-back)
+                entries.pop(str(sibling.pid), None)
+
+        done = threading.Timer(0.3, sibling_done)
         done.start()
         t0 = time.monotonic()
         release = room.check(5500, Placement("cuda", 0), workers=2, wait_s=0.05, ledger_dir=tmp_path)
