@@ -48,7 +48,9 @@ class Generation:
 
 
 def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
-    """One answer per request (an Encoded or a Failed); `send(idx, Encoded)` streams a chunk."""
+    """One answer per request (an Encoded or a Failed); `send(idx, Encoded, ending)` streams a
+    chunk; `ending`, given with a stream's first chunk, makes the event that ends it after an
+    error (Route.error_event: the worker's adapter keeps one ready in case the worker dies)."""
     refusal = worker.health.refusal()
     answers = []
     for idx, (request, h) in enumerate(zip(data, headers)):
@@ -56,7 +58,7 @@ def serve(worker, data: list, headers: list, send: Optional[Callable]) -> list:
         if refusal is not None:
             answers.append(_failed(refusal, route))
             continue
-        answers.append(_one(worker, request, h, route, (lambda body, i=idx: send(i, body)) if send else None))
+        answers.append(_one(worker, request, h, route, (lambda body, ending=None, i=idx: send(i, body, ending)) if send else None))
         refusal = worker.health.refusal()  # a sticky fault refuses the rest of the batch
     return answers
 
@@ -94,7 +96,8 @@ def _one(worker, request, h, route: Route, send) -> object:
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
                 return Encoded(route.final(event, streaming), route.media_type(streaming), {})
             if streaming:
-                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type(), {}))
+                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type(), {}),
+                     route.error_event if sent == 0 else None)
                 sent += 1
     except Exception as e:  # noqa: BLE001  (the worker lives; the client is told)
         err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")

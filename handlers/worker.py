@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from handlers import continuous, engine_worker, faults, generating, pipeline, startup, warmup
 from handlers.health import Health
 from handlers.loaded import Loaded
-from handlers.torchserve import frontend_frames, restart
+from handlers.torchserve import frontend_frames, guardian, restart
 from handlers.generation import metrics
 from handlers.torchserve.stage_timings import batch_profiler, generation_sink, metric_sink
 
@@ -81,6 +81,7 @@ class Worker:
                     warmup.slots(self.loaded, steps, self.broken)
                 else:
                     warmup.decoder(self.loaded, steps)
+                    guardian.ends_streams()  # its streams end with an error event if it dies
                 self.health.ready()
                 startup.log_decoder(self.loaded, plan.placement, steps,
                                     frontend_frames.install(plan.config.buffered_reader, self.between_batches))

@@ -4,10 +4,25 @@ The entry (handlers/ts_entry.py) and the request-path warm-up (handlers/warmup.p
 through here, so the warm-up runs exactly the clients' path."""
 from __future__ import annotations
 
-from handlers.torchserve import headers, replies
+from handlers.torchserve import guardian, headers, replies
 
 
 def handle(worker, data: list, context) -> list:
     """The bodies of one batch's answers, their statuses and headers set on `context`."""
     each = [headers.read(context, i) for i in range(len(data))]  # once per request
-    return replies.write(context, worker.serve(data, each, lambda idx, answer: replies.send_chunk(context, idx, answer)))
+    try:
+        return replies.write(context, worker.serve(data, each, lambda idx, answer, ending=None: _chunk(
+            context, idx, answer, ending)))
+    finally:
+        # told before TorchServe writes the batch's last frames (ts/model_service_worker.py, after
+        # this returns): a death after it leaves those answers to the frontend, never a second end
+        if guardian.active():
+            guardian.ended(tuple(context.request_ids.values()))
+
+
+def _chunk(context, idx: int, answer, ending=None) -> None:
+    """One chunk of request idx's streamed answer; `ending` (with a stream's first chunk) makes
+    the error event that ends the stream: the guardian holds it in case the worker dies."""
+    if ending is not None and guardian.active():
+        guardian.streaming(context.request_ids[idx], ending(guardian.DIED), answer.media_type)
+    replies.send_chunk(context, idx, answer)

@@ -1,5 +1,6 @@
 """The return of an async worker (model-config asyncCommunication: a slot decoder's continuous
-batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit.
+batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit; and
+the end of the streams of a sync worker that dies (a one-sequence decoder: ends_streams, below).
 
 TorchServe 0.12 never brings such a worker back. Its frontend restarts a dead worker by running
 the same WorkerThread object again (WorkerThread.retry: `manager.submitTask(this)`), and
@@ -78,18 +79,49 @@ def install() -> str:
     main = sys.modules.get("__main__")
     if os.path.basename(getattr(main, "__file__", "") or "") != "model_service_worker.py":
         return "not a TorchServe worker process"
-    if not frontend_frames.async_worker():
-        return "not an async worker (TorchServe restarts its ordinary worker itself)"
     try:
-        from ts import async_service
+        from ts import service
         from ts.version import __version__
     except ImportError as e:
         return f"no guardian ({e})"
     if not __version__.startswith(TESTED_VERSIONS):
         return f"no guardian (TorchServe {__version__}; written against {', '.join(TESTED_VERSIONS)}x)"
+    if not frontend_frames.async_worker():
+        _patch_sync(service)
+        return "a guardian ends this worker's streams if it dies (started once it streams: ends_streams)"
+    from ts import async_service
+
     _patch(async_service)
     process.record("guardian", "started with the async service; brings the worker back if it dies")
     return "a guardian brings this async worker back if it dies"
+
+
+_streams = False  # a sync worker whose answers stream (ends_streams): its guardian starts with its connection
+
+
+def ends_streams() -> None:
+    """This sync worker streams answers (a one-sequence decoder, handlers/generating.py): its
+    guardian starts once TorchServe hands the service its connection (after the load's answer).
+    TorchServe restarts a sync worker itself, but ends a stream its dead worker had begun with a
+    whole new HTTP response (RestJob.sendError), which Netty refuses on a chunked answer already
+    under way: the client's connection closes mid-answer, with no error event. The guardian
+    writes the stream's error event and last frame first (death_frames), then lets go."""
+    global _streams
+    _streams = True
+
+
+def _patch_sync(service) -> None:
+    """ts/service.py's Service.set_cl_socket (ts/model_service_worker.py handle_connection calls it
+    right after the load's answer) starts the guardian where the worker streams."""
+    original = service.Service.set_cl_socket
+
+    def set_cl_socket(self, cl_socket):
+        original(self, cl_socket)
+        if _streams and _pipe is None:
+            start(cl_socket, self.context, "sync")
+            process.record("guardian", "started with the connection; ends this worker's streams if it dies")
+
+    service.Service.set_cl_socket = set_cl_socket
 
 
 class _Frame(bytearray):
@@ -110,7 +142,7 @@ def _patch(async_service) -> None:
         return frame
 
     def run(self):
-        start(self.service.cl_socket, self.service.context)
+        start(self.service.cl_socket, self.service.context, "async")
         return original_run(self)
 
     original_retrieve = async_service.retrieve_msg
@@ -157,8 +189,9 @@ def quiet_print(*args, **kwargs) -> None:
     builtins.print(*args, **kwargs)
 
 
-def start(sock, context) -> None:
-    """Starts the guardian with a duplicate of `sock` (the frontend connection)."""
+def start(sock, context, mode: str) -> None:
+    """Starts the guardian with a duplicate of `sock` (the frontend connection); `mode`: "async"
+    (it brings the worker back) or "sync" (it only ends the streams; TorchServe restarts the worker)."""
     global _pipe
     manifest = getattr(context, "manifest", None) or {}
     model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion")}
@@ -168,7 +201,7 @@ def start(sock, context) -> None:
     _template[:] = refusal(PLACEHOLDER).split(_rid_field(PLACEHOLDER))
     template = [base64.b64encode(part).decode() for part in _template]
     args = [sys.executable, "-m", "handlers.torchserve.guardian_main", str(sock.fileno()), str(read_end),
-            str(os.getppid()), json.dumps(model), json.dumps(template)]
+            str(os.getppid()), json.dumps(model), json.dumps(template), mode]
     subprocess.Popen(args, pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
     os.close(read_end)
     _pipe = write_end
@@ -244,6 +277,11 @@ def answered(rid: str, media_type: str) -> None:
 def _hold(rid: str, frames: bytes) -> None:
     if _pipe is not None:
         _tell(["S", rid, base64.b64encode(frames).decode()])
+
+
+def active() -> bool:
+    """Whether this worker's guardian runs (the records above reach it)."""
+    return _pipe is not None
 
 
 def ended(rids) -> None:

@@ -1,7 +1,12 @@
 """The guardian process of an async worker (handlers/torchserve/guardian.py says why and what it
 does). Standard library only: it starts in a fraction of a second and holds no model memory.
 
-    python -m handlers.torchserve.guardian_main SOCK_FD PIPE_FD FRONTEND_PID MODEL_JSON TEMPLATE_JSON
+    python -m handlers.torchserve.guardian_main SOCK_FD PIPE_FD FRONTEND_PID MODEL_JSON TEMPLATE_JSON MODE
+
+MODE "async": the death frames, then the worker replaced (scaled to 0 and back); "sync" (a
+one-sequence decoder's worker, which TorchServe restarts itself): the death frames of the streams
+under way, then the connection let go, at once where none was under way (the frontend sees the
+death only once every holder of the worker's end of the connection has closed it).
 """
 from __future__ import annotations
 
@@ -203,14 +208,41 @@ def replace_workers(frontend_pid: int, model: dict, last=lambda: None) -> None:
     log(f"model {model['name']}: workers scaled to 0 and back to {low}..{high}")
 
 
+def end_streams(sock: socket.socket, held: dict) -> int:
+    """A sync worker died with streams under way: their error events and last frames written
+    (the frontend's WorkerThread passes them on and ends each answer), read, then the connection
+    closed: the frontend sees the death and restarts the worker (WorkerThread.retry). A request the
+    WorkerThread took from the queue in between (it takes the next once an answer has ended) gets
+    TorchServe's own answer for a request sent to a worker that died (507 "Worker died.", which
+    the pod answers 503 retry); the others wait in the queue for the new worker."""
+    log(f"the worker died; ending {len(held)} stream(s) with an error event")
+    try:
+        sock.sendall(b"".join(held.values()))
+        # closed once the frontend has read them: a close it sees first interrupts its WorkerThread
+        # (the channel's closeFuture listener) before it takes the last frame from its replies
+        wait_read(sock)
+    except OSError as e:
+        log(f"could not end the streams: {type(e).__name__}: {e}")
+        return 1
+    finally:
+        sock.close()
+    return 0
+
+
 def main(argv: list) -> int:
     sock_fd, pipe_fd, frontend_pid, model = int(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4])
     template = [base64.b64decode(part) for part in json.loads(argv[5])]
+    sync = argv[6:7] == ["sync"]
     sock = socket.socket(fileno=sock_fd)
     held = read_records(pipe_fd)
+    if sync and not held:
+        sock.close()  # nothing of ours to end: the frontend's own handling of the death, now
+        return 0
     time.sleep(SETTLE_S)
     if not frontend_holds(sock):
         return 0  # a stop on purpose, or the frontend is gone
+    if sync:
+        return end_streams(sock, held)
     log(f"the worker of model {model['name']} died; ending {len(held)} stream(s) and replacing its worker")
     try:
         sock.sendall(b"".join(held.values()))
