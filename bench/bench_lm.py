@@ -253,7 +253,7 @@ def hf_batch(args, ckpt: Path, prompts: list, n: int) -> dict:
             if i:  # the first call warms up (its CUDA graphs, the manager)
                 rates.append(sum(made) / wall)
         return {"tok_s": statistics.median(rates), "rounds_tok_s": rates, "tokens_per_request": [min(made), max(made)],
-                "manager_kept": bool(keep), "attn_implementation": model.config._attn_implementation}
+                "manager_kept": bool(keep), "loaded_attn_implementation": model.config._attn_implementation}
     finally:
         if hasattr(model, "destroy_cached_continuous_batching_manager"):
             model.destroy_cached_continuous_batching_manager()
@@ -360,7 +360,7 @@ def transformers_lines(r: dict) -> list:
         if "tok_s" in one else one.get("error", ""))]
     for n, b in hf["batch"].items():
         lines.append(f"transformers generate_batch, {n} prompts: " + (
-            f"{b['tok_s']:.0f} tokens/s ({b['attn_implementation']}, manager kept between calls: {b['manager_kept']})"
+            f"{b['tok_s']:.0f} tokens/s (loaded with {b['loaded_attn_implementation']}, manager kept between calls: {b['manager_kept']})"
             if "tok_s" in b else b.get("error", b.get("skipped", ""))))
     return lines
 
