@@ -428,10 +428,11 @@ def main(argv=None) -> int:
     counts = [int(x) for x in args.streams.split(",")]
     # the stream clients forked before this process starts CUDA (bench_slots' main says why)
     with mp.get_context("fork").Pool(max(counts)) as pool, tempfile.TemporaryDirectory() as tmp:
-        keep = Path(args.work) if args.work else Path(tmp)
+        keep = Path(args.work).resolve() if args.work else Path(tmp)
         keep.mkdir(parents=True, exist_ok=True)
         parts = run(args, counts, pool, keep, Path(tmp))
     if parts is None:
+        print(f"exported into {args.work or 'a temporary directory'} (--export-only)")
         return 0
     report = report_of(args, argv, counts, parts)
     write_pages(args.out + ".json", report, page(report))
