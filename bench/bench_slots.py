@@ -125,6 +125,14 @@ def stream_once(a) -> dict:
     return {"t0": t0, "times": times[:-1], "end": times[-1], "tokens": last["token_ids"]}
 
 
+def make_prompts(vocab: int, length: int, count: int) -> list:
+    """`count` seeded random prompts of `length` token ids; the first two the same (one stream
+    alone against the same prompt in a crowd)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(max(count, 2))]
+    return [prompts[0]] * 2 + prompts[2:count]
+
+
 def pct(xs: list, q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -208,12 +216,19 @@ def _pin(cores) -> None:
 
 
 def served(args, program: Path, pkg: Path, work: Path, pool, counts: list) -> dict:
+    return serve_archive(args, ["--artifact", str(pkg), "--program", str(program)], work, pool, counts)
+
+
+def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
+    """cs-archive `artifact` (its arguments) --name lm with no options, served by TorchServe; the
+    points at each stream count (args: vocab, prompt, decode, warmup, rounds, log)."""
     store = work / "store"
-    cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
-           "--name", "lm", "--out", str(store)]
+    cmd = [sys.executable, "-m", "compiled_serving.archive", *artifact, "--name", "lm", "--out", str(store)]
+    t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stdout + r.stderr)
+    archive_s = time.perf_counter() - t0
     ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
     try:
         ts.wait_ready(timeout=500)
@@ -222,10 +237,9 @@ def served(args, program: Path, pkg: Path, work: Path, pool, counts: list) -> di
         print(next((ln.split("MODEL_LOG - ", 1)[1] for ln in ts.log().splitlines() if "loaded aoti decoder" in ln),
                    "no load line"), flush=True)
         port, token = ts.ports["inf"], ts.key()
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(max(counts))]
-        prompts = [prompts[0]] * 2 + prompts[2:]  # streams 0 and 1 share a prompt: alone against in a crowd
-        out = {"archive": r.stdout.strip().splitlines(), "points": []}
+        prompts = make_prompts(args.vocab, args.prompt, max(counts))
+        out = {"archive": r.stdout.strip().splitlines(), "archive_command": cmd[2:], "archive_s": archive_s,
+               "points": []}
         for n in counts:
             warm = time.time()  # warm-up rounds for --warmup seconds, at least one
             while True:

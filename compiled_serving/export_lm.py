@@ -3,7 +3,8 @@
 (examples/slot_decoder.py's contract: many sequences on one compiled cache, served by continuous
 batching) as an artifact directory `cs-archive --artifact OUT_DIR` takes with no options:
 
-  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots 8] [--max-seq 512] [--package]
+  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots 8] [--max-seq 512] [--device cpu]
+      [--package]
   cs-archive --artifact OUT_DIR --name lm
 
 OUT_DIR holds the program (torch.export, or with --package its AOTInductor package beside
@@ -36,8 +37,9 @@ class ExportError(SystemExit):
         super().__init__(f"cs-export-lm: error: {msg}")
 
 
-def load(path: str, dtype: str):
-    """The model in eval mode, in the checkpoint's dtype (`auto`) or the one named."""
+def load(path: str, dtype: str, device: str = "cpu"):
+    """The model in eval mode on `device` (where the program is exported, checked and compiled),
+    in the checkpoint's dtype (`auto`) or the one named."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -47,7 +49,10 @@ def load(path: str, dtype: str):
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
     except (OSError, ValueError, KeyError) as e:
         raise ExportError(f"--model {path}: transformers cannot load it as a causal LM ({type(e).__name__}: {e})")
-    return model.eval()
+    try:
+        return model.to(device).eval()
+    except (RuntimeError, AssertionError) as e:  # no such device (torch's own error, named)
+        raise ExportError(f"--device {device}: {type(e).__name__}: {str(e)[:300]}")
 
 
 def tokenizer_of(path: str, vocab: int):
@@ -237,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="size the cache for the GPU that will serve it, of this much memory (the cache is saved in "
                         "the artifact, so it is not sized unless asked)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model is exported, checked and (--package) compiled: cpu (default), or cuda / "
+                        "cuda:N for a program and package that run on that GPU")
     p.add_argument("--package", action="store_true",
                    help="also compile it with AOTInductor and serve the package (program.pt2 kept beside it)")
     return p
@@ -244,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    model = load(args.model, args.dtype)
+    model = load(args.model, args.dtype, args.device)
     check_lengths(model, args.slots or 2, args.max_seq or 2)  # what was given, before any sizing
     sizing = size_cache(model, args)
     args.slots, args.max_seq = sizing.slots, sizing.max_seq

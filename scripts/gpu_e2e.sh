@@ -67,6 +67,10 @@
 #   spy_{mlp,resnet50,text_encoder}_fp16_<tag>  ours and echo at 1 and 64 clients with py-spy on
 #                               every worker (--spy): the workers' time per request by stage, in
 #                               the server under load (needs py-spy: PYSPY or on PATH)
+#   lm_qwen15b_bf16_<tag>       issue 65 item 7: Qwen2.5-1.5B's shapes (random bf16 weights) through cs-export-lm
+#                               --package --device cuda and cs-archive, TorchServe at 1, 8, 32, 64 streams, against
+#                               transformers' compiled generate and generate_batch in the same run (bench/bench_lm.py;
+#                               the checkpoint and artifact kept in $W/lm; LM_ARGS: more options, e.g. --rounds 1)
 # PARTS selects (default "main b1 cpu"); BATCH, WORKERS, DELAY set the serving settings; ROUNDS
 # measures every point that often, every other round in reverse order (default 2; 1 for mlp).
 set -euo pipefail
@@ -255,6 +259,7 @@ for part in $PARTS; do
          $PY -m bench.bench_e2e "${src[@]}" --rounds "${ROUNDS:-1}" --out "$RESULTS/heavy_${model}_fp16_$TAG" --gpus 1 \
            --clients 1,64,128 --seconds "${SECONDS_PER_POINT:-6}" --batch-size "$BATCH" --workers-per-gpu "$WORKERS" \
            --max-batch-delay "$DELAY" --load-generator native --timeline "${serving[@]}" ;;
-    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small, heavy_bert, heavy_r50, heavy_mlp, engine_bert, engine_r50, engine_mlp, engine_mem)"; exit 2 ;;
+    lm) $PY -m bench.bench_lm --preset qwen25-1.5b --work "$W/lm" --out "$RESULTS/lm_qwen15b_bf16_$TAG" ${LM_ARGS:-} ;;
+    *) echo "unknown part $part (main, b1, cpu, scaling, frames, bench, export, check, percall, mps, text, hf_bert, mlp, pod, podtext, podwide, start, profile, reader, spy, small, heavy_bert, heavy_r50, heavy_mlp, engine_bert, engine_r50, engine_mlp, engine_mem, lm)"; exit 2 ;;
   esac
 done

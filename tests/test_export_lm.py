@@ -252,3 +252,10 @@ def test_the_aotinductor_package_gives_the_same_tokens(tmp_path):
         h.submit(i, p, n)
     got = h.wait(list(PROMPTS))
     assert {i: got[i] for i in PROMPTS} == {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_it(tmp_path):
+    """--device: where the model is exported and compiled; one that is not there is refused, named."""
+    checkpoint("gpt2", tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="--device cuda:99: "):
+        export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--device", "cuda:99"])
