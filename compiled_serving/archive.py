@@ -512,7 +512,7 @@ def run_archiver(args, cfg, stage, tmp) -> None:
     cmd = ["torch-model-archiver", "--model-name", args.name, "--version", args.version,
            "--handler", os.path.join(stage, "handlers", "ts_entry.py"),
            "--extra-files", stage, "--config-file", config_path,
-           "--export-path", args.out, "--force"]
+           "--export-path", args.out, "--force", "--archive-format", "zip-store"]
     exe = shutil.which("torch-model-archiver") or os.path.join(os.path.dirname(sys.executable),
                                                                 "torch-model-archiver")
     cmd[0] = exe
