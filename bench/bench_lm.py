@@ -273,18 +273,22 @@ def guarded(name: str, fn, *a) -> dict:
     return out
 
 
-def transformers_baselines(args, ckpt: Path, vocab: int, counts: list) -> dict:
-    """transformers on the same device after the server stopped: one stream, then each larger count."""
+def transformers_baselines(args, ckpt: Path, vocab: int, counts: list, each=lambda out: None) -> dict:
+    """transformers on the same device after the server stopped: each larger count's continuous
+    batching, then one stream (its compile is the longest part); `each(out)` after each, so a run
+    cut short keeps what was measured."""
     import transformers
 
     prompts = make_prompts(vocab, args.prompt, max(counts))
-    out = {"version": transformers.__version__, "one_stream": guarded("transformers 1", hf_one_stream, args, ckpt,
-                                                                       prompts[0]), "batch": {}}
+    out = {"version": transformers.__version__, "one_stream": {"error": "not reached"}, "batch": {}}
     for n in (c for c in counts if c > 1):
         if args.device != "cuda" and not args.batch_on_cpu:
             out["batch"][str(n)] = {"skipped": "generate_batch on the CPU (pass --batch-on-cpu)"}
             continue
         out["batch"][str(n)] = guarded(f"transformers generate_batch {n}", hf_batch, args, ckpt, prompts, n)
+        each(out)
+    out["one_stream"] = guarded("transformers 1", hf_one_stream, args, ckpt, prompts[0])
+    each(out)
     return out
 
 
@@ -387,8 +391,9 @@ def plot(r: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run(args, counts: list, pool, keep: Path, work: Path):
-    """The checkpoint, the export, the limits, the served points and the baselines: the report's parts."""
+def run(args, counts: list, pool, keep: Path, work: Path, save=lambda parts: None):
+    """The checkpoint, the export, the limits, the served points and the baselines: the report's
+    parts, saved (`save`) once the served points are in and after each baseline."""
     model = checkpoint(args, keep / "ckpt")
     exported = export(args, keep / "ckpt", keep / "artifact")
     if args.export_only:
@@ -397,8 +402,11 @@ def run(args, counts: list, pool, keep: Path, work: Path):
     ns = SimpleNamespace(vocab=model["vocab"], prompt=args.prompt, decode=args.decode, warmup=args.warmup,
                          rounds=args.rounds, log=args.log)
     ours = serve_archive(ns, ["--artifact", str(keep / "artifact")], work, pool, counts)
-    hf = ({"skipped": "--no-transformers"} if args.no_transformers
-          else transformers_baselines(args, keep / "ckpt", model["vocab"], counts))
+    if args.no_transformers:
+        return model, exported, lim, ours, {"skipped": "--no-transformers"}
+    save((model, exported, lim, ours, {"skipped": "not reached (the run ended before the transformers baselines)"}))
+    hf = transformers_baselines(args, keep / "ckpt", model["vocab"], counts,
+                                lambda out: save((model, exported, lim, ours, out)))
     return model, exported, lim, ours, hf
 
 
@@ -419,7 +427,7 @@ def report_of(args, argv, counts, parts) -> dict:
     one = hf.get("one_stream", {}) if "skipped" not in hf else {}
     if one.get("tokens"):
         r["transformers_vs_ours_first_difference"] = first_difference(one["tokens"], pts[0]["tokens"][0])
-        one.pop("tokens")
+        r["transformers"] = {**hf, "one_stream": {k: v for k, v in one.items() if k != "tokens"}}
     return r
 
 
@@ -430,19 +438,25 @@ def main(argv=None) -> int:
     with mp.get_context("fork").Pool(max(counts)) as pool, tempfile.TemporaryDirectory() as tmp:
         keep = Path(args.work).resolve() if args.work else Path(tmp)
         keep.mkdir(parents=True, exist_ok=True)
-        parts = run(args, counts, pool, keep, Path(tmp))
+        parts = run(args, counts, pool, keep, Path(tmp), lambda parts: save(args, argv, counts, parts))
     if parts is None:
         print(f"exported into {args.work or 'a temporary directory'} (--export-only)")
         return 0
+    report = save(args, argv, counts, parts)
+    print(page(report))
+    print(json.dumps(report["summary"]))
+    return 0
+
+
+def save(args, argv, counts: list, parts) -> dict:
+    """The report of what was measured so far, written (.json, .md, .png)."""
     report = report_of(args, argv, counts, parts)
     write_pages(args.out + ".json", report, page(report))
     try:
         plot(report, args.out + ".png")
     except ImportError as e:
         print(f"no plot ({e})")
-    print(page(report))
-    print(json.dumps(report["summary"]))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

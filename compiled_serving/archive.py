@@ -58,8 +58,6 @@ def default_workers(devices, cpus: int):
 
 def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_sizing.Sizing:
     """The memory arithmetic for the largest of the CUDA variants (a worker loads one)."""
-    from handlers.artifact.decoder import of as decoder_of
-
     if args.worker_overhead_mib is not None and args.worker_overhead_mib < 0:
         fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB a worker holds beside its weights")
     if not 0 <= args.gpu_memory_headroom < 1:
@@ -76,19 +74,19 @@ def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_s
         gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
     except worker_sizing.SizingError as e:
         fail(str(e))
-    # a decoder's workers run it themselves even with engine: on (handlers/engine_worker.py wanted)
-    engine = serves_by_engine(handler_opts) and not any(decoder_of(s) is not None for s in cuda_specs)
+    engine = serves_by_engine(handler_opts, cuda_specs)
     return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap,
                                 shared=not engine and shares_weights(cuda_specs, handler_opts), engine=engine,
                                 cores=os.cpu_count() or 1)
 
 
-def serves_by_engine(handler_opts: dict) -> bool:
-    """Whether GPU workers are served by the engine: handler.engine on, or auto (the default), as
-    the worker reads it (handlers/engine_worker.py wanted; only GPU variants are sized here)."""
+def serves_by_engine(handler_opts: dict, cuda_specs: list) -> bool:
+    """Whether GPU workers of these variants are served by the engine: the worker's own decision
+    (handlers/engine_worker.py serves) for a worker given a GPU, with the settings as it reads them."""
     from handlers.config import parse_config
+    from handlers.engine_worker import serves
 
-    return parse_config({"handler": handler_opts}).engine in ("on", "auto")
+    return serves(parse_config({"handler": handler_opts}).engine, cuda_specs, on_gpu=True)
 
 
 def shares_weights(cuda_specs, handler_opts: dict) -> bool:

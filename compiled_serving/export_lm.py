@@ -3,7 +3,7 @@
 (examples/slot_decoder.py's contract: many sequences on one compiled cache, served by continuous
 batching) as an artifact directory `cs-archive --artifact OUT_DIR` takes with no options:
 
-  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots 8] [--max-seq 512] [--device cpu]
+  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots 8] [--max-seq 512] [--device auto]
       [--package]
   cs-archive --artifact OUT_DIR --name lm
 
@@ -242,9 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="size the cache for the GPU that will serve it, of this much memory (the cache is saved in "
                         "the artifact, so it is not sized unless asked)")
-    p.add_argument("--device", default="cpu",
-                   help="where the model is exported, checked and (--package) compiled: cpu (default), or cuda / "
-                        "cuda:N for a program and package that run on that GPU")
+    p.add_argument("--device", default="auto",
+                   help="where the model is exported, checked and (--package) compiled, so where the package runs: "
+                        "auto (default: cuda where this machine has a GPU, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--package", action="store_true",
                    help="also compile it with AOTInductor and serve the package (program.pt2 kept beside it)")
     return p
@@ -252,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.device == "auto":  # a package runs only on the kind of device it was compiled for
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load(args.model, args.dtype, args.device)
     check_lengths(model, args.slots or 2, args.max_seq or 2)  # what was given, before any sizing
     sizing = size_cache(model, args)

@@ -33,28 +33,31 @@ logger = logging.getLogger(__name__)
 
 
 def wanted(context) -> Optional[HandlerConfig]:
-    """The worker's settings where it is served by an engine, else None: the per-worker start
-    (handlers/startup.py) reads them again. handler.engine on: any stateless archive; auto (the
-    default): a stateless archive built for CUDA, on a worker TorchServe gave a GPU (gpu_id set,
-    device_type not cpu). Asked without any CUDA call: the worker must hold no CUDA context."""
+    """The worker's settings where it is served by an engine (serves), else None: the per-worker
+    start (handlers/startup.py) reads them again. Asked without any CUDA call: the worker must
+    hold no CUDA context."""
     _, config = settings(context)
     if config.engine == "off":
         return None
     specs = [read_spec(d) for d in find_variants(context.system_properties["model_dir"])]
-    if any(decoder_of(s) is not None for s in specs):
-        if config.engine == "on":
-            logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each "
-                           "worker runs itself")
-        return None
-    if config.engine == "auto" and not given_a_gpu(context, config, specs):
-        return None
-    return config
+    # a GPU TorchServe assigned: gpu_id set, and device_type not cpu
+    on_gpu = context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
+    if serves(config.engine, specs, on_gpu):
+        return config
+    if config.engine == "on":
+        logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each "
+                       "worker runs itself")
+    return None
 
 
-def given_a_gpu(context, config: HandlerConfig, specs: list) -> bool:
-    """Whether the worker serves a CUDA artifact on the GPU TorchServe assigned it."""
-    return (context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
-            and any(s.device == "cuda" for s in specs))
+def serves(setting: str, specs: list, on_gpu: bool) -> bool:
+    """Whether an archive of these variants is served by the engine (handler.engine `setting`),
+    for a worker given a GPU or not: never with off, never a decoder (its workers run it); with
+    on, any other archive; with auto (the default), an archive built for CUDA on a GPU worker.
+    The worker's decision (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
+    if setting == "off" or any(decoder_of(s) is not None for s in specs):
+        return False
+    return setting == "on" or (on_gpu and any(s.device == "cuda" for s in specs))
 
 
 def load(context, config: HandlerConfig, emit, steps) -> Loaded:

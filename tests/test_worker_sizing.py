@@ -372,8 +372,10 @@ def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
     so the engine's arithmetic must not count them as holding nothing."""
     from types import SimpleNamespace
     from compiled_serving import archive
+    from handlers import engine_worker
 
-    monkeypatch.setattr("handlers.artifact.decoder.of", lambda spec: object() if spec == "dec" else None)
+    # the decision is the worker's own (engine_worker.serves), which holds its decoder_of
+    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: object() if spec == "dec" else None)
     monkeypatch.setattr(archive, "weight_bytes", lambda spec: SimpleNamespace(mib=100.0, bytes=100 << 20, how="test"))
     monkeypatch.setattr(archive, "shares_weights", lambda specs, opts: False)
     args = SimpleNamespace(worker_overhead_mib=None, gpu_memory_headroom=0.1, gpu_memory_gib=24.0)
