@@ -8,6 +8,7 @@ marks them, and the workers end them within a step.
 One pod serves both forms of a decoder with a 512-position cache: `one` (one sequence per worker,
 one worker) and `slots` (4 slots, a queue of 4)."""
 import json
+import os
 import socket
 import time
 
@@ -141,3 +142,30 @@ def test_a_client_can_neither_name_its_generation_nor_ask_for_describe(pod):
                                "Content-Type": "application/json"})
     assert r.status_code == 200, r.text
     assert r.json()["model_name"] == "one" and len(r.json()["output_ids"]) == 4, r.text
+
+
+@pytest.mark.server
+def test_a_stream_whose_one_sequence_worker_is_killed_ends_with_an_error_event(pod):
+    """Issue 63 item 9: a one-sequence generate_stream cut by its worker's death (kill -9, as the
+    OOM killer does) was a 200 ending mid-chunk with no event. Now its last event is the error
+    (retry: the worker is coming back) and the answer ends whole; the pod serves again after.
+    Runs last: the worker is new afterwards."""
+    import signal
+
+    r = requests.post(f"{pod.base}/v2/models/one/generate_stream", data=body(LONG),
+                      headers={"Content-Type": "application/json"}, stream=True, timeout=120)
+    assert r.status_code == 200, r.text
+    events, lines = [], r.iter_lines()
+    for line in lines:
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[len(b"data: "):]))
+            break
+    (worker,) = pod.management("/models/one").json()[0]["workers"]
+    os.kill(worker["pid"], signal.SIGKILL)
+    events += [json.loads(line[len(b"data: "):]) for line in lines if line.startswith(b"data: ")]  # whole: no raise
+    assert 1 < len(events) < LONG + 1, len(events)
+    last = events[-1]
+    assert last.get("finish_reason") == "error" and "died" in last["error"] and "token_ids" not in last, last
+    pod.wait("ready", timeout=120)
+    again = requests.post(f"{pod.base}/v2/models/one/generate", data=body(4), timeout=120)
+    assert again.status_code == 200 and len(again.json()["output_ids"]) == 4, again.text

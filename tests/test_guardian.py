@@ -57,3 +57,16 @@ def test_unread_requests_get_the_refusal_and_a_part_is_kept():
         assert rest == _frame(b"r2")[:5]
         frontend.settimeout(2)
         assert frontend.recv(1 << 16) == guardian.refusal("r1")
+
+
+def test_a_worker_whose_guardian_is_gone_serves_on(monkeypatch):
+    """The guardian killed (the OOM killer may pick it): the worker's next record meets a closed
+    pipe, which must not fail the batch being answered; the worker goes on without a guardian."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the guardian's end, gone
+    monkeypatch.setattr(guardian, "_pipe", write_end)
+    guardian.ended(("a", "b"))  # EPIPE (Python ignores SIGPIPE): caught
+    assert guardian._pipe is None and not guardian.active()
+    guardian.streaming("c", "data: {}\n\n", "text/event-stream")  # and nothing more is told

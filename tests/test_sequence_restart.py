@@ -19,7 +19,10 @@ from test_slot_restart import FAULT_POINT, NO_HANG_S, answered, back_within, pid
 
 from examples import tiny_decoder
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("results_file")]
+# with FAULT_RESULTS=PATH (tests/conftest.py results_file): seconds from the kill to a READY worker
+# that answers, and how the cut stream ended
+RESULTS = {"sequence_restart_s": {}, "sequence_cut_stream": {}}
 BACK_S = 15  # as test_slot_restart's: the sync form came back in 4.1-5.5 s on this CPU
 
 
@@ -78,6 +81,7 @@ def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(s
         t.start()
     time.sleep(0.05)  # the two wait in TorchServe's queue behind the first
     os.kill(pid, signal.SIGKILL)
+    killed = time.time()
     for t in [first, *queued]:
         t.join(NO_HANG_S + 5)
     assert len(outcomes) == 3, outcomes
@@ -95,7 +99,12 @@ def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(s
         assert status != 507 or lines == [{"code": 507, "type": "InternalServerException", "message": "Worker died."}]
     # the old WorkerThread takes at most the one request after the stream's end (guardian_main.end_streams)
     assert sum(o[0] == 200 for o in queued) >= 1, queued
-    print(f"back in {back_within(seq_ts, pid, seq_ts.back_s):.1f}s")
+    back_within(seq_ts, pid, seq_ts.back_s)
+    RESULTS["sequence_restart_s"]["busy"] = round(time.time() - killed, 2)
+    RESULTS["sequence_cut_stream"] = {"status": status, "ended_whole": whole, "last_event_error": True,
+                                      "tokens_before_the_error": len(lines) - 1,
+                                      "queued_statuses": sorted(o[0] for o in queued)}
+    print(f"back {RESULTS['sequence_restart_s']['busy']:.1f}s after the kill")
 
 
 def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts):
@@ -119,4 +128,5 @@ def test_an_idle_worker_killed_comes_back_as_soon_as_without_a_guardian(seq_ts):
     pid = pid_of(seq_ts)
     os.kill(pid, signal.SIGKILL)
     took = back_within(seq_ts, pid, seq_ts.back_s)
+    RESULTS["sequence_restart_s"]["idle"] = round(took, 2)
     print(f"idle kill: back in {took:.1f}s")

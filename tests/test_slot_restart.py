@@ -18,7 +18,10 @@ from examples import slot_decoder
 from examples.tiny_decoder import Config
 from handlers.torchserve import guardian
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("results_file")]
+# with FAULT_RESULTS=PATH (tests/conftest.py results_file): seconds from the kill to a READY worker
+# that answers, per case
+RESULTS = {"slot_restart_s": {}}
 # the one-sequence and stateless forms come back in 4.1-5.5 s on this CPU; a host short of CPU
 # (tests beside this one) loads slower: the bound is then no more than this server's own start
 # took, plus 10 s (seen: a load of 22 s where it takes 4 s alone)
@@ -148,6 +151,7 @@ def test_an_idle_slot_worker_killed_comes_back(slot_ts):
     pid = pid_of(slot_ts)
     os.kill(pid, signal.SIGKILL)
     took = back_within(slot_ts, pid, slot_ts.back_s)
+    RESULTS["slot_restart_s"]["idle"] = round(took, 2)
     print(f"idle kill: back in {took:.1f}s")
 
 
@@ -192,6 +196,7 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
         cut += errored
     assert cut >= 1, [lines[-1] for _s, lines, _t in outcomes]
     took = back_within(slot_ts, pid, slot_ts.back_s)
+    RESULTS["slot_restart_s"]["busy"] = round(took, 2)
     print(f"busy kill: back in {took:.1f}s")
 
 

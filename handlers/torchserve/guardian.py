@@ -208,8 +208,15 @@ def start(sock, context, mode: str) -> None:
 
 
 def _tell(record: list) -> None:
-    if _pipe is not None:
+    global _pipe
+    if _pipe is None:
+        return
+    try:
         os.write(_pipe, (json.dumps(record) + "\n").encode())  # one write under PIPE_BUF: whole
+    except OSError as e:  # the guardian is gone (killed): the worker serves on without one
+        logger.warning("the guardian is gone (%s): this worker's streams are no longer ended if it dies", e)
+        os.close(_pipe)
+        _pipe = None
 
 
 class WorkerDied(ServingError):
