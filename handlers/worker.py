@@ -114,7 +114,8 @@ class Worker:
     def serve(self, data: list, headers: list, send: Optional[Callable] = None) -> list:
         """One answer per request of a TorchServe batch (`headers`: each request's
         handlers.torchserve.headers.RequestHeaders), an Encoded or a Failed; a decoder streams
-        its tokens through `send(idx, Encoded)` (handlers/generating.py) before its last answer."""
+        its tokens through `send(idx, Encoded, ending)` (handlers/generating.py: `ending`, with a
+        stream's first chunk, makes its error event) before its last answer."""
         if continuous.serves(self):
             return self.loaded.generation.serve(self, data, headers)
         if self.loaded is not None and self.loaded.generation is not None:

@@ -44,14 +44,14 @@ def test_an_error_after_the_first_token_ends_the_stream_and_the_worker_serves_on
     worker.loaded.generation = Generation(runner, None, config, 1 << 20)
     sent = []
     body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
-    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: sent.append(a))
+    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a, ending=None: sent.append(a))
     # the step queued ahead of the host's read fails: tokens before it went out, then the error
     assert 1 <= len(sent) <= 3 and all("token_ids" in json.loads(a.body) for a in sent)
     last = json.loads(answers[0].body)
     assert last["finish_reason"] == "error" and "the model's kernel failed" in last["error"]
     assert worker.health.refusal() is None  # not a device fault: the worker serves on
     runner.fail_at = 0
-    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
+    answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a, ending=None: None)
     assert json.loads(answers[0].body)["completion_tokens"] == 8
 
 
@@ -75,7 +75,7 @@ def test_a_sticky_fault_breaks_the_worker_and_its_exit_never_ends_the_test_proce
     body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 8}}).encode()
     asked = len(conftest.EXITS_ASKED)
     try:
-        answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a: None)
+        answers = worker.serve([{"body": body}], [RequestHeaders("application/json")], lambda i, a, ending=None: None)
         assert "device-side assert" in json.loads(answers[0].body)["error"]
         assert worker.health.refusal() is not None and restart.exiting()
         deadline = time.monotonic() + 30  # the exit's timer fires after restart.EXIT_DELAY_S
