@@ -74,8 +74,16 @@ class Container(LocalPod):
                                 headers={"Authorization": f"Bearer {keys['management']['key']}"}, timeout=10)
 
     def worker_rss_mib(self):
-        workers = [p for p in self.processes() if "model_service_worker" in " ".join(p.cmdline())]
-        return [p.memory_info().rss / 2**20 for p in workers]
+        import psutil
+
+        rss = []
+        for p in self.processes():
+            try:  # a process that ended between the listing and its reading (a guardian, a reaper) is skipped
+                if "model_service_worker" in " ".join(p.cmdline()):
+                    rss.append(p.memory_info().rss / 2**20)
+            except psutil.NoSuchProcess:
+                continue
+        return rss
 
 
 def grpc_infer_request(name: str, inputs: list, raw: list | None = None, params=(), rid: str = "") -> bytes:
