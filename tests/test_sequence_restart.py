@@ -15,7 +15,8 @@ import pytest
 import requests
 import torch
 from conftest import build_mar
-from test_slot_restart import FAULT_POINT, NO_HANG_S, answered, back_within, pid_of
+from test_slot_restart import (NO_HANG_S, answered, back_within, cut_before_its_first_chunk, pid_of,
+                               served_with_fault_point)
 
 from examples import tiny_decoder
 
@@ -32,17 +33,7 @@ def seq_ts(serve, tmp_path_factory):
     path = d / "lm.pt2"
     # a cache of 1024 positions: a stream long enough (a second or more here) to be killed mid-way
     torch.export.save(tiny_decoder.export(tiny_decoder.build(tiny_decoder.Config(max_seq_length=1024)), "torchchat"), path)
-    build_mar(path, "lm", d / "store")
-    (d / "hook").mkdir()
-    (d / "hook" / "sitecustomize.py").write_text(FAULT_POINT)
-    (d / "armed").mkdir()
-    with pytest.MonkeyPatch.context() as mp:  # the frontend's environment, which its workers inherit
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "hook"), os.environ.get("PYTHONPATH", "")]))
-        mp.setenv("SLOT_RESTART_ARMED", str(d / "armed"))
-        t0 = time.time()
-        ts = serve({"lm": d / "store" / "lm.mar"})
-    ts.armed, ts.back_s = d / "armed", max(BACK_S, time.time() - t0 + 10)
-    return ts
+    return served_with_fault_point(serve, d, build_mar(path, "lm", d / "store"), BACK_S)
 
 
 def stream(ts, body, outcomes, started=None) -> None:
@@ -108,17 +99,7 @@ def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(s
 
 
 def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts):
-    """The worker dies after telling the guardian a stream began, before its first token chunk
-    went out: the guardian's frames open the answer (200) with the error event and end it."""
-    assert answered(seq_ts)[0] == 200
-    pid = pid_of(seq_ts)
-    (seq_ts.armed / "streaming").touch()
-    t0 = time.time()
-    status, lines = answered(seq_ts)
-    assert status == 200 and time.time() - t0 < NO_HANG_S, (status, lines)
-    assert len(lines) == 1 and "error" in json.loads(lines[0]) and "token_ids" not in json.loads(lines[0]), lines
-    assert not (seq_ts.armed / "streaming").exists()  # the fault point was reached
-    back_within(seq_ts, pid, seq_ts.back_s)
+    cut_before_its_first_chunk(seq_ts)
 
 
 def test_an_idle_worker_killed_comes_back_as_soon_as_without_a_guardian(seq_ts):

@@ -78,6 +78,12 @@ def slot_ts(serve, tmp_path_factory):
     path = d / "slots.pt2"
     torch.export.save(slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8)), path)
     archive(path, "lm", d / "store")
+    return served_with_fault_point(serve, d, d / "store" / "lm.mar", BACK_S)
+
+
+def served_with_fault_point(serve, d, mar, back_s: float):
+    """TorchServe serving `mar` as model lm, its workers under FAULT_POINT (armed in d / "armed"),
+    with `back_s`, the bound on a restart: at least `back_s`, else this server's own start + 10 s."""
     (d / "hook").mkdir()
     (d / "hook" / "sitecustomize.py").write_text(FAULT_POINT)
     (d / "armed").mkdir()
@@ -85,8 +91,8 @@ def slot_ts(serve, tmp_path_factory):
         mp.setenv("PYTHONPATH", os.pathsep.join([str(d / "hook"), os.environ.get("PYTHONPATH", "")]))
         mp.setenv("SLOT_RESTART_ARMED", str(d / "armed"))
         t0 = time.time()
-        ts = serve({"lm": d / "store" / "lm.mar"})
-    ts.armed, ts.back_s = d / "armed", max(BACK_S, time.time() - t0 + 10)
+        ts = serve({"lm": mar})
+    ts.armed, ts.back_s = d / "armed", max(back_s, time.time() - t0 + 10)
     return ts
 
 
@@ -200,18 +206,23 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
     print(f"busy kill: back in {took:.1f}s")
 
 
-def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(slot_ts):
+def cut_before_its_first_chunk(ts) -> None:
     """The worker dies after telling the guardian a stream began, before its first token chunk
-    went out: the guardian's frames open the answer (200) with the error event and end it."""
-    assert answered(slot_ts)[0] == 200
-    pid = pid_of(slot_ts)
-    (slot_ts.armed / "streaming").touch()
+    went out (the fault point `streaming`): the guardian's frames open the answer (200) with the
+    error event and end it; the worker comes back."""
+    assert answered(ts)[0] == 200
+    pid = pid_of(ts)
+    (ts.armed / "streaming").touch()
     t0 = time.time()
-    status, lines = answered(slot_ts)
+    status, lines = answered(ts)
     assert status == 200 and time.time() - t0 < NO_HANG_S, (status, lines)
     assert len(lines) == 1 and "error" in json.loads(lines[0]) and "token_ids" not in json.loads(lines[0]), lines
-    assert not (slot_ts.armed / "streaming").exists()  # the fault point was reached
-    back_within(slot_ts, pid, slot_ts.back_s)
+    assert not (ts.armed / "streaming").exists()  # the fault point was reached
+    back_within(ts, pid, ts.back_s)
+
+
+def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(slot_ts):
+    cut_before_its_first_chunk(slot_ts)
 
 
 def test_an_answer_cut_before_it_went_out_is_a_retryable_503(slot_ts):
