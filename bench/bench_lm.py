@@ -299,6 +299,8 @@ def summary(points: list, hf: dict) -> dict:
     ratio = {n: ours[n] / t for n, t in theirs.items() if t and n in ours}
     x32 = ours["32"] / ours["1"] if "32" in ours and "1" in ours else None
     return {"tok_s": ours, "transformers_tok_s": theirs, "ours_over_transformers": ratio, "streams32_over_1": x32,
+            "ttft_ms_p50_one_stream": points[0].get("ttft_ms_p50"),
+            "worker_ttft_ms_one_stream": points[0].get("worker_ttft_ms_mean"),
             "targets": {"ahead_of_transformers_at_every_count": bool(ratio) and len(ratio) == len(ours)
                         and all(r > 1 for r in ratio.values()),
                         "streams32_over_1_at_least_12": None if x32 is None else x32 >= 12}}
@@ -334,6 +336,7 @@ def page(r: dict) -> str:
     lines += ["", f"Targets: ahead of transformers at every count: {s['targets']['ahead_of_transformers_at_every_count']}; "
                   f"32 streams >= 12x one stream: {s['targets']['streams32_over_1_at_least_12']} "
                   f"({s['streams32_over_1']})." if s["streams32_over_1"] else "", ""]
+    lines += ttft_lines(r)
     lines += transformers_lines(r) + ["", f"Greedy tokens alone and among {r['crowd']['crowd']}: "
                                           f"{r['crowd']['same_tokens']} ({r['crowd'].get('first_difference')}).", "",
                                       f"Export: `cs-export-lm {' '.join(m['export_command'][1:])}`", ""]
@@ -341,6 +344,20 @@ def page(r: dict) -> str:
     lines += ["", f"Archive: `cs-archive {' '.join(m['archive_command'][1:])}`", ""]
     lines += [f"    {ln}" for ln in r["archive"]] + ["", f"Worker's load line: {r['load_line']}", ""]
     return "\n".join(lines)
+
+
+def ttft_lines(r: dict) -> list:
+    """One stream's time to first token split: the package's own prefill (step limits), the
+    worker's (its metrics: the request in the worker to the first token handed back), the client's."""
+    pts = r["step_limits"].get("points") or [{}]
+    one = r["points"][0]
+    pre, worker = pts[0].get("prefill_ms"), one.get("worker_ttft_ms_mean")
+    if pre is None and worker is None:
+        return []
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    return [f"Time to first token of one stream ({r['prompt']}-token prompt): the package's own prefill and "
+            f"first token {fmt(pre)} ms; in the worker (mean) {fmt(worker)} ms; at the client p50 "
+            f"{one['ttft_ms_p50']:.2f} ms.", ""]
 
 
 def row(p: dict, one: float, hf, limit) -> str:
@@ -421,6 +438,10 @@ def report_of(args, argv, counts, parts) -> dict:
          "points": [{k: v for k, v in p.items() if k != "tokens"} for p in pts], "transformers": hf,
          "summary": summary(pts, hf if "skipped" not in hf else {}), "step_limits": lim, "crowd": crowd_check(pts),
          "archive": ours["archive"], "load_line": ours["load_line"], "worker_gpu_mib": ours["gpu_mib"]}
+    pre = (lim.get("points") or [{}])[0].get("prefill_ms")
+    r["ttft_one_stream"] = {"prefill_ms": pre, "worker_mean_ms": pts[0].get("worker_ttft_ms_mean"),
+                            "client_p50_ms": pts[0]["ttft_ms_p50"],
+                            "client_p50_over_prefill_ms": None if pre is None else pts[0]["ttft_ms_p50"] - pre}
     if max(counts) > exported["slots"]:
         r["queued"] = (f"The export chose {exported['slots']} slots: past that many streams the rest queue "
                        f"(at {', '.join(str(c) for c in counts if c > exported['slots'])} streams).")

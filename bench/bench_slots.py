@@ -202,11 +202,56 @@ def step_limits(args, pkg: Path, counts: list) -> list:
             out.append({"streams": n, "step_ms": ms, "tok_s": n / ms * 1e3})
             print(out[-1], flush=True)
     out[0]["graphs"] = note
+    out[0]["prefill_ms"] = prefill_ms(runner, args.prompt, args.slots)
     del runner, compiled
     gc.collect()  # the graphs and the loaded package, before the server's worker starts beside this process
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def worker_ttft(ts, before=None):
+    """The worker's own time to first token (handlers/generation/metrics.py: from the request
+    reaching the worker to its first token handed to the frontend), from the metrics port's
+    histogram: (sum s, count) now, or with `before` the mean ms since then (None without one)."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ts.ports['metrics']}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    got = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'(?m)^generation_time_to_first_token_seconds_(sum|count)\{[^}]*ModelName="lm"[^}]*\} (\S+)$', text)}
+    now = (got.get("sum", 0.0), got.get("count", 0.0))
+    if before is None:
+        return now
+    n = now[1] - before[1]
+    return (now[0] - before[0]) / n * 1e3 if n > 0 else None
+
+
+def prefill_ms(runner, prompt: int, slots: int, repeats: int = 20) -> float:
+    """A lone `prompt`-token prompt as the engine fills it with no sequence decoding
+    (handlers/generation/engine.py `_fill`: chunks of the runner's chunk_limit into slot 0), its
+    first token picked and read back to the host: the package's own share of a one-stream TTFT."""
+    ids = [(7 * k) % 97 + 1 for k in range(prompt)]
+    spare = [(s, 0) for s in range(1, slots)]
+
+    def once() -> int:
+        logits, filled = None, 0
+        while filled < prompt:
+            chunk = ids[filled:filled + runner.chunk_limit]
+            logits = runner.prefill_rows([0], [chunk], [filled], spare)
+            filled += len(chunk)
+        return int(logits[0].argmax())  # the host waits for the device here, as the engine's .tolist()
+
+    for _ in range(3):
+        once()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - t0) / repeats * 1e3
 
 
 def _pin(cores) -> None:
@@ -246,8 +291,10 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
                 one_point(pool, port, token, prompts, n, args.decode, 1)
                 if time.time() - warm >= args.warmup:
                     break
+            before = worker_ttft(ts)
             point = one_point(pool, port, token, prompts, n, args.decode, args.rounds)
-            time.sleep(1.0)  # the engine logs its turns when it goes idle
+            time.sleep(2.0)  # the engine logs its turns when it goes idle; the metrics flush each second
+            point["worker_ttft_ms_mean"] = worker_ttft(ts, before)
             point["engine"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in reversed(ts.log().splitlines())
                                     if "continuous batching:" in ln), "")
             print({k: v for k, v in point.items() if k != "tokens"}, flush=True)

@@ -33,7 +33,11 @@ def test_bench_lm_tiny_on_the_cpu_end_to_end(tmp_path):
     m = result["model"]
     assert m["export_command"][:1] == ["cs-export-lm"] and "--package" in m["export_command"], m
     assert m["slots"] == 8 and m["max_seq"] == 512 and m["export_s"] > 0, m
-    assert out.with_suffix(".md").is_file()
+    # one stream's TTFT split: the package's own prefill, the worker's (its metrics), the client's
+    t = result["ttft_one_stream"]
+    assert t["prefill_ms"] > 0, t  # (on this CPU its threads contend with the rest: no ordering asserted)
+    assert t["worker_mean_ms"] is not None and 0 < t["worker_mean_ms"] <= t["client_p50_ms"], t  # a part of it
+    assert "Time to first token of one stream" in out.with_suffix(".md").read_text()
 
 
 def test_the_summary_compares_each_count_and_the_crowd():
