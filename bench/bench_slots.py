@@ -201,8 +201,9 @@ def step_limits(args, pkg: Path, counts: list) -> list:
             ms = (time.perf_counter() - t0) / 50 * 1e3
             out.append({"streams": n, "step_ms": ms, "tok_s": n / ms * 1e3})
             print(out[-1], flush=True)
+        # the graphs' buffers are inference tensors, written in place only in inference mode
+        out[0]["prefill_ms"] = prefill_ms(runner, args.prompt, args.slots)
     out[0]["graphs"] = note
-    out[0]["prefill_ms"] = prefill_ms(runner, args.prompt, args.slots)
     del runner, compiled
     gc.collect()  # the graphs and the loaded package, before the server's worker starts beside this process
     if dev.type == "cuda":
