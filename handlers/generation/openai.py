@@ -24,7 +24,7 @@ the text; with max_tokens 0 the prompt alone). The log probabilities are the mod
 (handlers/generation/logprobs.py), each token named by text.Text.token_texts. `echo` with
 `logprobs` would need the prompt tokens' log probabilities, which the prefill does not keep (the
 runners keep the logits of the prompt's last position: run/slots.py reads that row inside its prompt
-graphs, run/decoder.py takes it from the call, some exports return no other): a 400 that says so.
+graphs, run/decoder.py takes it from the call, an export may return no other): a 400 that says so.
 """
 from __future__ import annotations
 
