@@ -202,17 +202,23 @@ def slot_program():
     return slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8))
 
 
-def test_the_engines_turns_give_each_row_the_logprobs_it_asked_for(slot_program):
+@pytest.mark.parametrize("device_path", [False, True])
+def test_the_engines_turns_give_each_row_the_logprobs_it_asked_for(slot_program, device_path):
     """The slot engine's turns (handlers/generation/engine.py) with rows that asked for log
     probabilities beside rows that did not, greedy and sampled, one prompt filled while others
     decode (a prompt call whose rows finish apart): each asking row's values equal log_softmax of
     the eager slot model's logits for the same prefix (to 1e-4), the others get none, and every
-    row's tokens are those it makes without log probabilities."""
-    from test_continuous import Harness
+    row's tokens are those it makes without log probabilities. `device_path`: the engine's CUDA
+    path on the CPU (test_continuous's stand-in events): each turn's table through the two host
+    buffers of tables, read after its event's wait."""
+    from test_continuous import Harness, _Event
 
     from examples import slot_decoder
 
     h, got = Harness(slot_program, budget=engines.Budget(4, 4), start=False), {}
+    log = []
+    if device_path:
+        h.engine.events, h.runner.cuda = [_Event(log, 0), _Event(log, 1)], True
     h.engine.deliver = lambda updates: got.update({j.tag: e for j, evs, err in updates for e in evs
                                                    if isinstance(e, loop.Finished)})
     asks = {"greedy3": dict(logprobs=3), "greedy": {}, "sampled5": dict(temperature=1.0, seed=3, logprobs=5),
@@ -246,6 +252,7 @@ def test_the_engines_turns_give_each_row_the_logprobs_it_asked_for(slot_program)
             assert lp.prev == ids[len(p) + i - 1]
         if tag.startswith("greedy"):
             assert all(lp.logprob == lp.top[0][1] for lp in done.logprobs)
+    assert not device_path or [w for w, _ in log].count("wait") > 10
 
 
 # --- through real TorchServe -------------------------------------------------------------------
