@@ -36,6 +36,7 @@ from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
 from handlers.generation.metrics import OFF
 from handlers.generation.openai import route_for
+from handlers.generation.request import choices
 from handlers.torchserve import headers as ts_headers
 from handlers.torchserve import guardian, replies
 from handlers.wire.base import Encoded, Failed
@@ -45,16 +46,38 @@ LOCK = replies.FRAME_LOCK  # this worker's own frame writers (replies.send_chunk
 
 
 class Client:
-    """One request's side of its sequence: how its answer is encoded, the chunks sent so far, and
-    the future that its last answer resolves."""
+    """One request's side of its sequences (one per choice, OpenAI's n: each engine Job's tag is
+    (client, choice)): how its answer is encoded, the chunks sent so far, each choice's Finished,
+    and the future that its last answer resolves."""
 
-    __slots__ = ("route", "streaming", "rest", "request_id", "future", "sent", "own_chunk")
+    __slots__ = ("route", "streaming", "rest", "request_id", "future", "sent", "own_chunk", "jobs", "dones", "over")
 
     def __init__(self, route: Route, rest: bool, request_id: str, own_chunk: bool):
         self.route, self.rest, self.request_id = route, rest, request_id
         self.streaming, self.sent = False, 0
         self.own_chunk = own_chunk and rest  # async REST: an answer without chunks goes as one (module docstring)
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs, self.dones, self.over = [], [], False  # over: its last answer is out
+
+    def event(self, ev, index: int) -> tuple:
+        """(a chunk to send or None, the last answer or None) for choice `index`'s event: a
+        token's chunk where it streams; at a Finished, the last answer once every choice is done,
+        else (streaming) the chunk that ends this choice."""
+        route = self.route
+        if isinstance(ev, loop.Finished):
+            self.dones[index] = ev
+            if all(d is not None for d in self.dones):
+                self.over = True
+                return None, Encoded(route.final(self.dones, self.streaming), route.media_type(self.streaming), {})
+            body = route.choice_end(ev, index) if self.streaming else ""
+        else:
+            body = route.token(ev, index) if self.streaming else ""
+        if not body:
+            return None, None
+        if self.sent == 0:
+            guardian.streaming(self.request_id, route.error_event(guardian.DIED), route.media_type())
+        self.sent += 1
+        return (self.request_id, Encoded(body, route.media_type(), {})), None
 
     def last(self, answer) -> tuple:
         """(the chunk to send first or None, the last answer)."""
@@ -115,12 +138,8 @@ class Continuous:
                 if direct is not None:
                     self._finish([(c, direct)])
                     continue
-                req = c.route.parse(request, h.content_type, self.max_body_bytes, self.text)
-                dec = self.runner.dec
-                plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
-                c.streaming = c.route.streams(req.params.stream)
-                seq = loop.Sequence(req, plan, self.text, self.metrics, started)
-                self.engine.submit(engines.Job(seq, c, key=key_of(h.request_key)))
+                self._queue(c, c.route.parse(request, h.content_type, self.max_body_bytes, self.text), started,
+                            key_of(h.request_key))
             except Exception as e:  # noqa: BLE001  (a raise here would fail every request the async frontend holds)
                 if not isinstance(e, ServingError):
                     logger.exception("request %s could not be queued", rid)
@@ -128,25 +147,42 @@ class Continuous:
                 self._finish([(c, _failed(e, c.route))])
         return clients
 
+    def _queue(self, c: Client, req, started: float, key) -> None:
+        """The request's sequences, one per choice, queued together (Busy for all where there is
+        no room for all); a plan of no tokens (echo with max_tokens 0) answered without the engine."""
+        dec = self.runner.dec
+        plan = loop.plan(req, self.text, dec.vocab, dec.cache_length, self.config)
+        c.streaming = c.route.streams(req.params.stream)
+        c.jobs = [engines.Job(loop.Sequence(r, plan, self.text, self.metrics, started), (c, i), key=key)
+                  for i, r in enumerate(choices(req))]
+        c.dones = [None] * len(c.jobs)
+        if plan.max_tokens == 0:
+            self._deliver([(job, job.seq.finish(), None) for job in c.jobs])
+        else:
+            self.engine.submit(*c.jobs)
+
     def _deliver(self, updates: list) -> None:
         """The engine's turn, on its thread: every token chunk of the turn in one frame, then the
-        last answers."""
+        last answers. A choice that failed fails its request, whose other choices are cancelled."""
         chunks, last = [], []
         for job, events, err in updates:
-            c: Client = job.tag
+            c, index = job.tag
+            if c.over:
+                continue
             if err is not None:
+                c.over = True
+                others = [j for j in c.jobs if j is not job]
+                if others:
+                    self.engine.cancel(others)
                 last.append((c, _failed(err, c.route) if c.sent == 0 else
                              Encoded(c.route.error_event(err), c.route.media_type(), {})))
                 continue
             for ev in events:
-                if isinstance(ev, loop.Finished):
-                    last.append((c, Encoded(c.route.final(ev, c.streaming), c.route.media_type(c.streaming), {})))
-                elif c.streaming:
-                    if c.sent == 0:
-                        guardian.streaming(c.request_id, c.route.error_event(guardian.DIED), c.route.media_type())
-                    chunks.append((c.request_id, Encoded(c.route.token([ev.id] if ev.id is not None else [], ev.text),
-                                                         c.route.media_type(), {})))
-                    c.sent += 1
+                chunk, answer = c.event(ev, index)
+                if chunk is not None:
+                    chunks.append(chunk)
+                if answer is not None:
+                    last.append((c, answer))
         self._finish(last, chunks)
 
     def _finish(self, last: list, chunks: list = ()) -> None:

@@ -22,6 +22,7 @@ from handlers.generation.abandon import Marks, key_of
 from handlers.generation.formats import Route
 from handlers.generation.metrics import OFF
 from handlers.generation.openai import route_for
+from handlers.generation.request import choices
 from handlers.wire.base import Encoded, Failed
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def _failed(err: ServingError, route: Route) -> Failed:
 
 
 def _one(worker, request, h, route: Route, send) -> object:
+    """One request's answer: its choices (OpenAI's n) generated one after another on the one
+    cache, each streamed as it goes where the request streams."""
     gen: Generation = worker.loaded.generation
     started = gen.metrics.clock()  # the request has reached the worker
     try:
@@ -79,34 +82,61 @@ def _one(worker, request, h, route: Route, send) -> object:
         plan = loop.plan(req, gen.text, gen.runner.dec.vocab, gen.runner.dec.cache_length, gen.config)
     except ServingError as e:
         return _failed(e, route)
-    streaming = route.streams(req.params.stream) and send is not None
+    out = _Out(route, send if route.streams(req.params.stream) else None)
     key = key_of(h.request_key)
     if gen.marks.is_gone(key):  # it waited in TorchServe's queue while its client went
         return _failed(gen.marks.error("before its generation started"), route)
-    sent, t0 = 0, time.perf_counter()
+    dones = []
+    for i, one in enumerate(choices(req)):
+        done = _choice(worker, gen, one, plan, out, i, key, started)
+        if not isinstance(done, loop.Finished):
+            return done  # the request's error answer
+        dones.append(done)
+        if i + 1 < req.n and out.streaming:
+            out.send(route.choice_end(done, i))
+    return Encoded(route.final(dones, out.streaming), route.media_type(out.streaming), {})
+
+
+class _Out:
+    """A request's streamed chunks (`send` None: it does not stream) and how many went out."""
+
+    def __init__(self, route: Route, send):
+        self.route, self._send, self.sent = route, send, 0
+        self.streaming = send is not None
+
+    def send(self, body: str) -> None:
+        if self._send is not None and body:
+            self._send(Encoded(body, self.route.media_type(), {}), self.route.error_event if self.sent == 0 else None)
+            self.sent += 1
+
+    def error(self, err) -> object:
+        """The answer of a request that failed: whole before its first chunk, else its stream's last event."""
+        return _failed(err, self.route) if self.sent == 0 else Encoded(self.route.error_event(err),
+                                                                        self.route.media_type(), {})
+
+
+def _choice(worker, gen: Generation, req, plan, out: _Out, index: int, key, started) -> object:
+    """Choice `index`'s sequence, its tokens streamed: its Finished, or the request's error answer."""
+    t0 = time.perf_counter()
     events = loop.generate(gen.runner, req, plan, gen.text, gen.metrics, started)
     gen.metrics.state(1, None, 1)  # one sequence running on the one cache; the queue is the frontend's
     try:
         for event in events:
             if gen.marks.is_gone(key):  # one stat per token
-                err = gen.marks.error(f"after {sent} streamed tokens")
+                err = gen.marks.error(f"after {out.sent} streamed tokens")
                 logger.info("request %s: %s", key, err.message)
-                return _failed(err, route) if sent == 0 else Encoded(route.error_event(err), route.media_type(), {})
+                return out.error(err)
             if isinstance(event, loop.Finished):
                 logger.debug("generated %d tokens in %.3fs (%s)", len(event.ids), time.perf_counter() - t0, event.reason)
-                return Encoded(route.final(event, streaming), route.media_type(streaming), {})
-            if streaming:
-                send(Encoded(route.token([event.id] if event.id is not None else [], event.text), route.media_type(), {}),
-                     route.error_event if sent == 0 else None)
-                sent += 1
+                return event
+            if out.streaming:
+                out.send(out.route.token(event, index))
     except Exception as e:  # noqa: BLE001  (the worker lives; the client is told)
         err = e if isinstance(e, ServingError) else ServingError(f"generation failed: {type(e).__name__}: {e}")
         if faults.is_sticky(e):
             worker.broken(f"generation: {type(e).__name__}: {e}")
-        logger.exception("generation failed after %d streamed tokens", sent)
-        if sent == 0:
-            return _failed(err, route)
-        return Encoded(route.error_event(err), route.media_type(), {})
+        logger.exception("generation failed after %d streamed tokens", out.sent)
+        return out.error(err)
     finally:
         events.close()  # a stopped generation leaves its inference mode and stream context now
         gen.metrics.state(0, None, 0)

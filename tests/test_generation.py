@@ -17,11 +17,13 @@ from test_state import Counter
 
 from compiled_serving import contract
 from examples import tiny_decoder, transformers_decoder
+from examples.tiny_decoder import Config
 from handlers.artifact.decoder import recognise
 from handlers.artifact.state import program_state
 from handlers.errors import RequestError
 from handlers.config import parse_config
-from handlers.generation import loop, sampling
+from handlers.generation import engine as engines
+from handlers.generation import logprobs, loop, sampling
 from handlers.generation.request import GenerateRequest, Params, parse
 from handlers.generation.text import Detokenizer, StopText, Text
 
@@ -166,6 +168,91 @@ def test_no_temperature_or_top_p_makes_sampling_fail():
               Params(temperature=1.0, top_p=1e-300, seed=1), Params(temperature=100.0, top_k=2**62, seed=1)):
         got = int(sampling.pick(logits, p, sampling.generator(p, torch.device("cpu"))))
         assert 0 <= got < 300 and (got == best or p.temperature == 100.0), p
+
+
+def test_the_logprob_table_equals_log_softmax_row_by_row():
+    """handlers/generation/logprobs.py against torch.log_softmax on random logits: rows that asked
+    (k of 0, 3, 20) beside rows that did not, in every dtype a step's logits come in; the chosen
+    token's value and the top k by value, ids exact (float64 holds them); no row asking, no table."""
+    g = torch.Generator().manual_seed(5)
+    asks = [None, 0, 3, None, 20, 5, None]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        logits = (torch.randn(len(asks), 300, generator=g) * 4).to(dtype)
+        tokens = torch.randint(0, 300, (len(asks),), generator=g)
+        want = torch.log_softmax(logits.float(), -1)
+        tids, lps = logprobs.read(logprobs.pack(tokens, logits, asks), asks)
+        assert tids == tokens.tolist()
+        for i, (k, lp) in enumerate(zip(asks, lps)):
+            if k is None:
+                assert lp is None
+                continue
+            assert lp.id == tids[i] and abs(lp.logprob - want[i, tids[i]].item()) < 1e-6, (dtype, i)
+            vals, ids = torch.topk(want[i], k)
+            assert [t for t, _ in lp.top] == ids.tolist() and len(lp.top) == k, (dtype, i)
+            assert torch.allclose(torch.tensor([v for _, v in lp.top], dtype=torch.float64), vals.double(), atol=1e-6)
+            assert all(v <= 0 for _, v in lp.top) and lp.logprob <= 0
+    assert logprobs.pack(tokens, logits, [None] * len(asks)) is None
+    assert logprobs.read(tokens, [None] * len(asks)) == (tokens.tolist(), [None] * len(asks))
+
+
+@pytest.fixture(scope="module")
+def slot_program():
+    from examples import slot_decoder
+
+    return slot_decoder.export(slot_decoder.build(Config(max_seq_length=128), slots=8))
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_the_engines_turns_give_each_row_the_logprobs_it_asked_for(slot_program, device_path):
+    """The slot engine's turns (handlers/generation/engine.py) with rows that asked for log
+    probabilities beside rows that did not, greedy and sampled, one prompt filled while others
+    decode (a prompt call whose rows finish apart): each asking row's values equal log_softmax of
+    the eager slot model's logits for the same prefix (to 1e-4), the others get none, and every
+    row's tokens are those it makes without log probabilities. `device_path`: the engine's CUDA
+    path on the CPU (test_continuous's stand-in events): each turn's table through the two host
+    buffers of tables, read after its event's wait."""
+    from test_continuous import Harness, _Event
+
+    from examples import slot_decoder
+
+    h, got = Harness(slot_program, budget=engines.Budget(4, 4), start=False), {}
+    log = []
+    if device_path:
+        h.engine.events, h.runner.cuda = [_Event(log, 0), _Event(log, 1)], True
+    h.engine.deliver = lambda updates: got.update({j.tag: e for j, evs, err in updates for e in evs
+                                                   if isinstance(e, loop.Finished)})
+    asks = {"greedy3": dict(logprobs=3), "greedy": {}, "sampled5": dict(temperature=1.0, seed=3, logprobs=5),
+            "sampled": dict(temperature=1.0, seed=3), "late0": dict(logprobs=0), "late9": dict(logprobs=9)}
+    prompts = {"greedy3": [5, 9, 13], "greedy": [5, 9, 13], "sampled5": [7, 1, 2, 8], "sampled": [7, 1, 2, 8],
+               "late0": [4, 4, 4], "late9": list(range(20, 31))}
+    for tag in ("greedy3", "greedy", "sampled5", "sampled"):
+        h.submit(tag, prompts[tag], 12, **asks[tag])
+    for turn in range(200):
+        if turn == 3:  # joins while the others decode: its prompt over several turns, with late0's beside it
+            h.submit("late9", prompts["late9"], 8, **asks["late9"])
+            h.submit("late0", prompts["late0"], 8, **asks["late0"])
+        if len(got) == len(asks):
+            break
+        h.turn()
+    assert got["greedy3"].ids == got["greedy"].ids and got["sampled5"].ids == got["sampled"].ids
+    assert got["greedy"].logprobs is None and got["sampled"].logprobs is None
+    model = slot_decoder.build(Config(max_seq_length=128), slots=8)
+    for tag in ("greedy3", "sampled5", "late0", "late9"):
+        done, p = got[tag], prompts[tag]
+        ids = p + done.ids
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids]), torch.arange(len(ids)).view(1, -1),
+                                          torch.tensor([0])).float(), -1)[0, len(p) - 1:-1]
+        assert [lp.id for lp in done.logprobs] == done.ids and len(done.logprobs) == len(done.ids)
+        for i, lp in enumerate(done.logprobs):
+            assert abs(lp.logprob - ref[i, lp.id].item()) < 1e-4, (tag, i)
+            vals, top = torch.topk(ref[i], asks[tag]["logprobs"])
+            assert [t for t, _ in lp.top] == top.tolist(), (tag, i)
+            assert max(abs(v - w) for (_, v), w in zip(lp.top, vals.tolist())) < 1e-4 if lp.top else True
+            assert lp.prev == ids[len(p) + i - 1]
+        if tag.startswith("greedy"):
+            assert all(lp.logprob == lp.top[0][1] for lp in done.logprobs)
+    assert not device_path or [w for w, _ in log].count("wait") > 10
 
 
 # --- through real TorchServe -------------------------------------------------------------------

@@ -15,7 +15,8 @@ Each turn of the loop:
    sequences' next token by at most about one step. With no sequence decoding, every waiting
    prompt goes in whole, as many sequences per call as the runner takes;
 4. the last turn's step's tokens read back (one copy and one wait for all rows, while this
-   turn's step and prompt chunk run on the GPU), each turned into its sequence's event
+   turn's step and prompt chunk run on the GPU; with the log probabilities of the rows whose
+   request asked, in the same copy: handlers/generation/logprobs.py), each turned into its sequence's event
    (handlers/generation/loop.Sequence) and handed to `deliver`; a sequence that stops frees its slot.
 
 A sequence's tokens do not depend on what runs beside it: its rows read only its own slot, and
@@ -34,7 +35,7 @@ import torch
 
 from handlers import faults
 from handlers.errors import ServingError
-from handlers.generation import sampling
+from handlers.generation import logprobs, sampling
 from handlers.generation.abandon import Marks
 from handlers.generation.loop import Sequence
 from handlers.generation.metrics import OFF
@@ -62,6 +63,8 @@ class Job:
     token: Optional[torch.Tensor] = None  # int64[1] on the device: the next step's input
     queued: float = 0.0  # time.monotonic() at submit
     key: Optional[str] = None  # the pod's name for its request, whose mark says its client went (abandon.py)
+    first: Optional[torch.Tensor] = None  # its first token's logprobs.pack row, where its request asked
+    cancelled: bool = False  # `Engine.cancel`: its request was answered without it (a sibling choice failed)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,9 @@ class Budget:
 
 @dataclass
 class Step:
-    """A launched decode step: its rows, their tokens' host copy and the event recorded after it."""
+    """A launched decode step: its rows, their tokens' host copy (int64[n], or the float64 table of
+    handlers/generation/logprobs.py where a row asked for log probabilities) and the event
+    recorded after it."""
     rows: list
     host: torch.Tensor
     event: Optional[object]
@@ -104,6 +109,10 @@ class Engine:
         # read (after a wait on its event) in turn t + 1, before step t + 2 copies into its buffer
         cuda = runner.cuda
         self.hosts = [torch.empty(self.slots, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        # and, in a turn where a row asked for log probabilities, its table through one of these
+        self.tables = [torch.empty(self.slots * (2 + 2 * logprobs.MAX_TOP), dtype=torch.float64, pin_memory=cuda)
+                       for _ in range(2)]
+        self.cancels = 0  # jobs marked cancelled and not yet taken out (`cancel`)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.launched = 0
         self.stats = TurnStats()
@@ -112,16 +121,27 @@ class Engine:
         self.thread.start()
         return self
 
-    def submit(self, job: Job) -> None:
-        """Queues `job`; raises Busy when every slot is busy and the queue is full."""
-        job.gen = sampling.generator(job.seq.params, self.runner.device)
-        job.queued = time.monotonic()
+    def submit(self, *jobs: Job) -> None:
+        """Queues `jobs` (a request's choices: all or none); raises Busy when every slot is busy
+        and the queue has no room for them."""
+        for job in jobs:
+            job.gen = sampling.generator(job.seq.params, self.runner.device)
+            job.queued = time.monotonic()
         with self.cond:
-            if len(self.waiting) - len(self.free) >= self.queue_size:  # every slot taken, and the queue
+            if len(self.waiting) + len(jobs) - len(self.free) > self.queue_size:  # every slot taken, and the queue
                 raise Busy(f"all {self.slots} sequence slots are busy and {len(self.waiting)} sequences wait "
                            f"(handler.queue_size {self.queue_size}); retry after {RETRY_AFTER_S} s")
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.cond.notify()
+
+    def cancel(self, jobs: list) -> None:
+        """Takes `jobs` out at the next turn, wherever they are (as `_abandon` takes out those whose
+        client went): their request has been answered without them."""
+        with self.cond:
+            for job in jobs:
+                if not job.cancelled and job.seq.reason is None:
+                    job.cancelled = True
+                    self.cancels += 1
 
     def _run(self) -> None:
         """The engine's thread: turns while there is work. It never ends on an error: a failed
@@ -181,17 +201,18 @@ class Engine:
         this turn's step is launched, so that step and the prompt call no longer run it. Last
         turn's step, already on the stream, still writes its slot: a newcomer given the slot
         writes that position (its prompt, or its own step, which writes before it attends)
-        before it reads it, as for any sequence that stopped."""
-        if self.marks.directory is None:  # no pod: nothing is ever marked
+        before it reads it, as for any sequence that stopped. The sequences `cancel` named are
+        taken out the same way."""
+        if self.marks.directory is None and not self.cancels:  # no pod: nothing is ever marked
             return []
         decoding = [j for j in (self.inflight.rows if self.inflight else []) if j.seq.reason is None]
         held = list(self.waiting) + self.filling + self.ready + decoding
         gone = self.marks.gone(j.key for j in held)
-        if not gone:
+        if not gone and not self.cancels:
             return []
-        out = []
+        out, self.cancels = [], 0
         for job in held:
-            if job.key not in gone or job.seq.reason is not None:
+            if (job.key not in gone and not job.cancelled) or job.seq.reason is not None:
                 continue
             job.seq.reason = "abandoned"  # the read of last turn's step passes it by (_turn)
             for queue in (self.waiting, self.filling, self.ready):
@@ -224,10 +245,11 @@ class Engine:
         if prev is not None:
             if prev.event is not None:
                 prev.event.synchronize()
-            live = [(j, tid) for j, tid in zip(prev.rows, prev.host.tolist()) if j.seq.reason is None]
-            updates += self._take([j for j, _ in live], [tid for _, tid in live])
+            tids, lps = logprobs.read(prev.host, [j.seq.params.logprobs for j in prev.rows])
+            updates += self._take([(j, tid, lp) for j, tid, lp in zip(prev.rows, tids, lps) if j.seq.reason is None])
         if started:
-            updates += self._take(started, torch.cat([j.token for j in started]).tolist())
+            host = logprobs.stacked([j.token for j in started], [j.first for j in started])
+            updates += self._take(list(zip(started, *logprobs.read(host, [j.seq.params.logprobs for j in started]))))
             self.ready = [j for j in self.ready if j.seq.reason is None]
         self.stats.lap("wait", t)
         return updates
@@ -238,24 +260,27 @@ class Engine:
         spare = [(s, 0) for s in sorted(self.free)] + [(j.slot, j.filled) for j in self.filling]
         logits = self.runner.step([j.slot for j in rows], torch.cat([j.token for j in rows]), [j.pos for j in rows],
                                   spare)
-        nxt = self._pick(logits, rows)
+        nxt, table = self._pick(logits, rows)
         for i, j in enumerate(rows):
             j.token, j.pos = nxt[i:i + 1], j.pos + 1
         k, self.launched = self.launched % 2, self.launched + 1
+        out = nxt if table is None else table
         if not self.runner.cuda:
-            return Step(rows, nxt, None)
-        host = self.hosts[k][:len(rows)]
-        host.copy_(nxt, non_blocking=True)
+            return Step(rows, out, None)
+        host = (self.hosts[k] if table is None else self.tables[k])[:out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)
         self.events[k].record()
         return Step(rows, host, self.events[k])
 
-    def _pick(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
-        """int64[n]: each row's next token (greedy rows in one argmax, sampled rows by their own generator)."""
+    def _pick(self, logits: torch.Tensor, rows: list) -> tuple:
+        """(int64[n]: each row's next token (greedy rows in one argmax, sampled rows by their own
+        generator), and the table of log probabilities where a row's request asked, else None).
+        A row None is passed by (a prompt not yet whole: its generator draws nothing)."""
         out = logits.argmax(-1)
         for i, j in enumerate(rows):
-            if j.gen is not None:
+            if j is not None and j.gen is not None:
                 out[i:i + 1] = sampling.pick(logits[i], j.seq.params, j.gen).view(1)
-        return out
+        return out, logprobs.pack(out, logits, [j.seq.params.logprobs if j is not None else None for j in rows])
 
     def _fill(self, budget: Optional[Budget]) -> list:
         """Prompt chunks of the filling sequences, oldest first: with sequences decoding, one call
@@ -269,17 +294,28 @@ class Engine:
             jobs = self.filling[:rows]
             chunks = [j.seq.plan.prompt[j.filled:j.filled + tokens] for j in jobs]
             logits = runner.prefill_rows([j.slot for j in jobs], chunks, [j.filled for j in jobs], self._spare(jobs))
-            for i, (job, chunk) in enumerate(zip(jobs, chunks)):
+            for job, chunk in zip(jobs, chunks):
                 job.filled += len(chunk)
-                if job.filled == len(job.seq.plan.prompt):
-                    job.token = sampling.pick(logits[i], job.seq.params, job.gen).view(1)
-                    job.pos = job.filled
-                    self.filling.remove(job)
-                    started.append(job)
-                    self.ready.append(job)
+            whole = [j if j.filled == len(j.seq.plan.prompt) else None for j in jobs]
+            if any(whole):
+                started += self._first_tokens(whole, logits)
             if budget is not None:
                 break
         return started
+
+    def _first_tokens(self, jobs: list, logits: torch.Tensor) -> list:
+        """The first tokens of the `jobs` whose prompts are whole (None: a row whose is not;
+        `logits` the prompt call's rows), picked as a step's are; each moved to `ready`."""
+        tokens, table = self._pick(logits, jobs)
+        out = []
+        for i, job in enumerate(jobs):
+            if job is not None:
+                job.token, job.first = tokens[i:i + 1], table[i] if table is not None else None
+                job.pos = job.filled
+                self.filling.remove(job)
+                self.ready.append(job)
+                out.append(job)
+        return out
 
     def _spare(self, jobs: list) -> list:
         """Where a prompt call's padding rows may write (handlers/run/slots.py), outside `jobs`:
@@ -292,10 +328,11 @@ class Engine:
                 + [(j.slot, j.filled) for j in self.filling if j.slot not in inside]
                 + [(j.slot, j.pos) for j in decoding if j.slot >= 0])
 
-    def _take(self, jobs: list, tids: list) -> list:
+    def _take(self, read: list) -> list:
+        """The updates of [(job, token id, TokenLogprob or None)] read back."""
         updates = []
-        for job, tid in zip(jobs, tids):
-            events = [job.seq.take(tid)]
+        for job, tid, lp in read:
+            events = [job.seq.take(tid, lp)]
             if job.seq.reason is not None:
                 events += job.seq.finish()
                 self._release(job)

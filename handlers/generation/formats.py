@@ -73,12 +73,21 @@ class Route:
     def _head(self) -> dict:
         return {"model_name": self.model, "model_version": self.version}
 
-    def token(self, ids: list, text: str) -> str:
+    def token(self, ev, index: int = 0) -> str:
+        """A streamed token's chunk (`ev` a loop.Token of choice `index`: always 0 here, where a
+        request makes one sequence)."""
+        ids = [ev.id] if ev.id is not None else []
         if self.name == "generate_stream":
-            return _sse({**self._head(), "text_output": text, "token_ids": ids})
-        return json.dumps({"token_ids": ids, "text": text}) + "\n"
+            return _sse({**self._head(), "text_output": ev.text, "token_ids": ids})
+        return json.dumps({"token_ids": ids, "text": ev.text}) + "\n"
 
-    def final(self, done, streamed: bool) -> str:
+    def choice_end(self, done, index: int) -> str:
+        """The chunk that ends choice `index` of a stream while others go on (OpenAI's n; none here)."""
+        return ""
+
+    def final(self, dones: list, streamed: bool) -> str:
+        """The last answer, or the stream's last chunk, from each choice's loop.Finished."""
+        done = dones[0]
         counts = {"finish_reason": done.reason, "prompt_tokens": done.prompt_tokens,
                   "completion_tokens": len(done.ids)}
         if self.name == "predictions":

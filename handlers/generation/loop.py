@@ -10,13 +10,13 @@ wrote the cache only at a position the next sequence overwrites before reading (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
 
 from handlers.errors import RequestError
-from handlers.generation import sampling
+from handlers.generation import logprobs, sampling
 from handlers.generation.metrics import OFF
 from handlers.generation.request import GenerateRequest
 from handlers.generation.text import Detokenizer, StopText, Text
@@ -26,6 +26,7 @@ from handlers.generation.text import Detokenizer, StopText, Text
 class Token:
     id: Optional[int]  # None: text held back for a stop sequence, released at the end
     text: str  # the text this token completes ("" without a tokenizer or inside a character)
+    logprob: Optional[logprobs.TokenLogprob] = None  # where the request asked (Params.logprobs)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Finished:
     prompt_tokens: int
     ids: list = field(default_factory=list)
     text: str = ""
+    logprobs: Optional[list] = None  # a TokenLogprob per generated token, where the request asked
 
 
 @dataclass(frozen=True)
@@ -113,22 +115,30 @@ def _encode(prompt: str, text: Text, cache_length: int, special_tokens: bool = T
 
 
 class _HostToken:
-    """The sampled token's copy to (pinned) host memory and the event the host waits on."""
+    """The sampled token's copy to (pinned) host memory and the event the host waits on; where
+    the request asked for log probabilities (`top`, Params.logprobs), the token's row of
+    handlers/generation/logprobs.pack instead, in the same one copy."""
 
-    def __init__(self, device):
+    def __init__(self, device, top: Optional[int] = None):
         cuda = device.type == "cuda"
-        self.buf = torch.empty(1, 1, dtype=torch.int64, pin_memory=cuda)
+        self.top = top
+        shape, dtype = ((1, 1), torch.int64) if top is None else ((1, 2 + 2 * top), torch.float64)
+        self.buf = torch.empty(*shape, dtype=dtype, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
 
-    def send(self, token: torch.Tensor) -> None:
+    def send(self, token: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.top is not None:
+            token = logprobs.pack(token.view(1), logits.view(1, -1), [self.top])
         self.buf.copy_(token, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
 
-    def read(self) -> int:
+    def read(self) -> tuple:
+        """(the token id, its TokenLogprob or None)."""
         if self.event is not None:
             self.event.synchronize()
-        return int(self.buf[0, 0])
+        tids, lps = logprobs.read(self.buf, [self.top])
+        return tids[0], lps[0]
 
 
 class Sequence:
@@ -145,14 +155,19 @@ class Sequence:
         self.detok = Detokenizer(text, p.prompt) if text else None
         self.stops = StopText(req.params.stop) if req.params.stop else None
         self.ids, self.text, self.reason = [], [], None  # reason: None while it goes on
+        self.logprobs = [] if req.params.logprobs is not None else None
 
-    def take(self, tid: int) -> Token:
-        """The event for generated token `tid`; `reason` is set where it ends the sequence."""
+    def take(self, tid: int, lp: Optional[logprobs.TokenLogprob] = None) -> Token:
+        """The event for generated token `tid` (with `lp`, its log probabilities where the request
+        asked); `reason` is set where it ends the sequence."""
         self.metrics.token(self.timing)
+        if lp is not None:
+            lp = replace(lp, prev=self.ids[-1] if self.ids else self.plan.prompt[-1])
+            self.logprobs.append(lp)
         self.ids.append(tid)
         if tid in self.plan.stop_ids:
             self.reason = "eos_token"
-            return Token(tid, "")
+            return Token(tid, "", lp)
         piece = self.detok.add(tid) if self.detok else ""
         if self.stops is not None:
             piece, hit = self.stops.add(piece)
@@ -161,7 +176,7 @@ class Sequence:
         self.text.append(piece)
         if self.reason is None and len(self.ids) >= self.plan.max_tokens:
             self.reason = "length"
-        return Token(tid, piece)
+        return Token(tid, piece, lp)
 
     def finish(self) -> list:
         """The last events: text held back for a stop sequence that never completed, then Finished."""
@@ -172,24 +187,31 @@ class Sequence:
             self.text.append(tail)
             if tail:
                 out.append(Token(None, tail))
-        return out + [Finished(self.reason or "length", len(self.plan.prompt), self.ids, "".join(self.text))]
+        return out + [Finished(self.reason or "length", len(self.plan.prompt), self.ids, "".join(self.text),
+                               self.logprobs)]
 
 
 def generate(runner, req: GenerateRequest, p: Plan, text: Optional[Text], metrics=OFF,
              started: Optional[float] = None) -> Iterator:
-    """Yields a Token per generated token, then one Finished (`metrics`, `started`: Sequence's)."""
+    """Yields a Token per generated token, then one Finished (`metrics`, `started`: Sequence's).
+    A plan of no tokens (OpenAI's echo with max_tokens 0) runs nothing."""
     gen = sampling.generator(req.params, runner.device)
     seq = Sequence(req, p, text, metrics, started)
-    host = [_HostToken(runner.device), _HostToken(runner.device)]  # two in flight: one read while the next is sampled
+    top = req.params.logprobs
+    # two in flight: one read while the next is sampled
+    host = [_HostToken(runner.device, top), _HostToken(runner.device, top)]
     with torch.inference_mode(), runner.stream_context():
-        ids = torch.tensor([p.prompt], dtype=torch.int64).to(runner.device, non_blocking=True)
-        token = sampling.pick(runner.prefill(ids), req.params, gen)
-        host[0].send(token)
+        if p.max_tokens:
+            ids = torch.tensor([p.prompt], dtype=torch.int64).to(runner.device, non_blocking=True)
+            logits = runner.prefill(ids)
+            token = sampling.pick(logits, req.params, gen)
+            host[0].send(token, logits)
         for i in range(p.max_tokens):
             if i + 1 < p.max_tokens:  # queue the next step before reading this token
-                nxt = sampling.pick(runner.step(token, len(p.prompt) + i), req.params, gen)
-                host[(i + 1) % 2].send(nxt)
-            yield seq.take(host[i % 2].read())
+                logits = runner.step(token, len(p.prompt) + i)
+                nxt = sampling.pick(logits, req.params, gen)
+                host[(i + 1) % 2].send(nxt, logits)
+            yield seq.take(*host[i % 2].read())
             if seq.reason is not None:
                 break
             token = nxt

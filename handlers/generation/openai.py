@@ -13,18 +13,30 @@ version and has no name for "the default version" in this path.
 
 OpenAI's defaults are kept where they differ from /predictions': `temperature` 1 (sampling),
 `max_tokens` 16 on completions (the legacy endpoint's documented default; chat: up to the cache or
-handler.max_new_tokens), `stream` false. Parameters this server cannot honour (n above 1,
-logprobs, top_logprobs, echo, best_of, suffix, penalties, logit_bias, tools) are a 400 naming the
-parameter rather than ignored; an unknown field is a 400 too, as OpenAI answers one.
+handler.max_new_tokens), `stream` false. Parameters this server cannot honour (best_of, suffix,
+penalties, logit_bias, tools) are a 400 naming the parameter rather than ignored; an unknown field
+is a 400 too, as OpenAI answers one.
+
+Taken as OpenAI defines them: `n` (1..MAX_N independent sequences of the prompt, choice i seeded
+with seed + i: request.choices), chat's `logprobs` and `top_logprobs` (0..20), completions'
+`logprobs` (0..20: OpenAI caps it at 5, this server at chat's bound) and `echo` (the prompt before
+the text; with max_tokens 0 the prompt alone). The log probabilities are the model's own
+(handlers/generation/logprobs.py), each token named by text.Text.token_texts. `echo` with
+`logprobs` would need the prompt tokens' log probabilities, which the prefill does not keep (the
+runners keep the logits of the prompt's last position: run/slots.py reads that row inside its prompt
+graphs, run/decoder.py takes it from the call, an export may return no other): a 400 that says so.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from handlers.errors import ModelNotFound, RequestError
 from handlers.generation.formats import JSON, SSE, Route
+from handlers.generation.logprobs import MAX_TOP
 from handlers.generation.request import GenerateRequest, json_body, parameters, unicode
 from handlers.wire.base import Encoded
 
@@ -33,16 +45,22 @@ PATHS = (COMPLETIONS, CHAT, MODELS)
 # parameters taken as the generation's own (request.PARAMETERS); top_k, ignore_eos and
 # stop_token_ids are vLLM's extras, which clients send through the openai client's extra_body
 SAMPLING = ("temperature", "top_p", "seed", "stop", "top_k", "ignore_eos", "stop_token_ids")
-TAKEN = {COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "user", *SAMPLING},
+TAKEN = {COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "user", "n", "logprobs", "echo",
+                       *SAMPLING},
          CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "user",
-                "response_format", *SAMPLING}}
+                "response_format", "n", "logprobs", "top_logprobs", *SAMPLING}}
+MAX_N = 8  # the most choices (`n`) one request makes: n sequences take n of the engine's slots
 # name -> the values that ask for nothing this server lacks (any other value is a 400 naming it)
-UNSUPPORTED = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                "function_call": (None, "none"), "parallel_tool_calls": (None, False, True)}
 NAMES = set().union(*TAKEN.values(), UNSUPPORTED)  # every parameter an error may name
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+UNLIKELY = -9999.0  # OpenAI's logprob for a token of no probability (a -inf logit)
+ECHO_WITH_LOGPROBS = ("echo with logprobs asks for the prompt tokens' log probabilities, which this server does not "
+                      "compute: its prefill keeps the logits of the prompt's last position only (its compiled prompt "
+                      "graphs read that row alone). Send echo without logprobs (the prompt text before the "
+                      "completion), or logprobs without echo (the generated tokens' log probabilities)")
 CREATED = int(time.time())  # /v1/models' `created`: when this worker started
 EXAMPLE = "{\"model\": NAME, \"prompt\": \"...\"} or {\"model\": NAME, \"messages\": [...]}"
 
@@ -64,14 +82,17 @@ def route_for(headers, model: str, version: str) -> Route:
 
 
 class OpenAIRoute(Route):
-    """One request's OpenAI answer: its id and time, whether it streams and how."""
+    """One request's OpenAI answer: its id and time, whether it streams and how, and each choice's
+    state while it streams (role sent, echo sent, finish sent, text offset)."""
 
     def __init__(self, path: str, model: str, version: str):
         super().__init__("predictions", model, version)
         self.path, self.chat = path, path == CHAT
-        self.stream = self.usage = self.began = False
+        self.stream = self.usage = False
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.top = self.echo = self.text = None  # logprobs asked (k), the prompt to echo, the tokenizer
+        self.began, self.ended, self.offsets = set(), set(), {}
 
     def direct(self):
         if self.path == MODELS:
@@ -99,17 +120,18 @@ class OpenAIRoute(Route):
             raise ModelNotFound(f"The model `{model}` does not exist; this route serves `{self.model}`")
         self.stream = _stream(body)
         self.usage = self.stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        params = _params(body, self.chat, self.stream)
+        n, self.top, self.text = _n(body.get("n")), _top(body, self.chat), text
+        params = replace(_params(body, self.chat, self.stream), logprobs=self.top)
         if self.chat:
             messages = _messages(body.get("messages"))
             if text is None or text.chat is None:
                 raise BadParameter("this model's archive has no chat template (tokenizer_config.json's "
                                    "chat_template): use v1/completions with a prompt, or archive the model with "
                                    "cs-archive --tokenizer-config", "messages", "no_chat_template")
-            return GenerateRequest(text.chat.render(messages), None, params,
-                                   special_tokens=False)
+            return GenerateRequest(text.chat.render(messages), None, params, special_tokens=False, n=n)
         prompt, ids = _prompt(body.get("prompt"))
-        return GenerateRequest(prompt, ids, params)
+        self.echo = _echo(body.get("echo"), prompt, ids, text, self.top)
+        return GenerateRequest(prompt, ids, params, n=n)
 
     def streams(self, stream_param: bool) -> bool:
         return self.stream
@@ -127,35 +149,95 @@ class OpenAIRoute(Route):
             obj["usage"] = usage
         return "data: " + json.dumps(obj) + "\n\n"
 
-    def _delta(self, text: str, finish=None) -> dict:
+    def _delta(self, text: str, index: int, finish=None, lps=None) -> dict:
+        """A streamed chunk's choice: a token's text (the prompt first where echoed) and its log
+        probabilities (`lps`), or the finish; chat's first delta of a choice names the role."""
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        delta = {} if finish is not None and self.began else {"content": text}
-        if not self.began:
+            if self.echo and index not in self.began:
+                text = self.echo + text
+            self.began.add(index)
+            return {"index": index, "text": text, "logprobs": self._completion_logprobs(lps, index),
+                    "finish_reason": finish}
+        delta = {} if finish is not None and index in self.began else {"content": text}
+        if index not in self.began:
             delta = {"role": "assistant", **delta}
-            self.began = True
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            self.began.add(index)
+        return {"index": index, "delta": delta, "logprobs": self._chat_logprobs(lps), "finish_reason": finish}
 
-    def token(self, ids: list, text: str) -> str:
-        return self._chunk(self._delta(text))
+    def token(self, ev, index: int = 0) -> str:
+        return self._chunk(self._delta(ev.text, index, lps=[ev.logprob] if ev.logprob is not None else None))
 
-    def final(self, done, streamed: bool) -> str:
-        usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.ids),
-                 "total_tokens": done.prompt_tokens + len(done.ids)}
-        reason = FINISH.get(done.reason, done.reason)
+    def choice_end(self, done, index: int) -> str:
+        self.ended.add(index)
+        return self._chunk(self._delta("", index, FINISH.get(done.reason, done.reason)))
+
+    def final(self, dones: list, streamed: bool) -> str:
+        completion = sum(len(d.ids) for d in dones)
+        usage = {"prompt_tokens": dones[0].prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": dones[0].prompt_tokens + completion}
         if streamed:
-            last = self._chunk(self._delta("", reason))
+            last = "".join(self.choice_end(d, i) for i, d in enumerate(dones) if i not in self.ended)
             if self.usage:
                 last += self._chunk(None, usage)
             return last + "data: [DONE]\n\n"
-        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}} if self.chat
-                  else {"index": 0, "text": done.text})
         return json.dumps({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                            "created": self.created, "model": self.model,
-                           "choices": [{**choice, "logprobs": None, "finish_reason": reason}], "usage": usage})
+                           "choices": [self._choice(d, i) for i, d in enumerate(dones)], "usage": usage})
+
+    def _choice(self, done, index: int) -> dict:
+        """A choice of the answer without streaming."""
+        if self.chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": done.text},
+                      "logprobs": self._chat_logprobs(done.logprobs)}
+        else:
+            choice = {"index": index, "text": (self.echo or "") + done.text,
+                      "logprobs": self._completion_logprobs(done.logprobs, index)}
+        return {**choice, "finish_reason": FINISH.get(done.reason, done.reason)}
+
+    def _named(self, lp) -> list:
+        """[(text, bytes or None, logprob)]: the chosen token, then its step's most likely."""
+        ids = [lp.id] + [t for t, _ in lp.top]
+        names = (self.text.token_texts(ids, lp.prev) if self.text is not None
+                 else [(f"token_id:{i}", None) for i in ids])  # vLLM's name where there is no tokenizer
+        values = [lp.logprob] + [v for _, v in lp.top]
+        return [(t, b, v if v > UNLIKELY else UNLIKELY) for (t, b), v in zip(names, values)]
+
+    def _chat_logprobs(self, lps):
+        """Chat's choice logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        if lps is None:
+            return None
+        out = []
+        for lp in lps:
+            (token, raw, value), *top = self._named(lp)
+            out.append({**_entry(token, raw, value), "top_logprobs": [_entry(*t) for t in top]})
+        return {"content": out}
+
+    def _completion_logprobs(self, lps, index: int):
+        """Completions' choice logprobs: {tokens, token_logprobs, top_logprobs: [{token: logprob}]
+        (the k most likely and the chosen token: up to k + 1, as OpenAI documents), text_offset:
+        where in the choice's text each token begins, counted from the tokens' bytes}."""
+        if lps is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        decoder, at = self.offsets.get(index) or (codecs.getincrementaldecoder("utf-8")("replace"), 0)
+        for lp in lps:
+            (token, raw, value), *top = self._named(lp)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(value)
+            tops = {t: v for t, _, v in top}
+            tops.setdefault(token, value)
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(at)
+            at += len(decoder.decode(raw if raw is not None else token.encode("utf-8")))
+        self.offsets[index] = (decoder, at)
+        return out
 
     def error_event(self, err) -> str:
         return "data: " + json.dumps(error_body(err)) + "\n\ndata: [DONE]\n\n"
+
+
+def _entry(token: str, raw, value: float) -> dict:
+    return {"token": token, "logprob": value, "bytes": list(raw) if raw is not None else None}
 
 
 def error_body(err) -> dict:
@@ -194,10 +276,57 @@ def _check_fields(body: dict, path: str) -> None:
 
 
 def _same(value, default) -> bool:
-    """`value` is `default`, a bool only a bool (0 == False in Python, but logprobs 0 on
-    completions asks for the sampled token's log probability, and n true is no count)."""
+    """`value` is `default`, a bool only a bool (0 == False in Python, but best_of true is no count
+    and parallel_tool_calls 1 no flag)."""
     return value is default if default is None or isinstance(default, bool) or isinstance(value, bool) \
         else value == default
+
+
+def _int_in(name: str, value, low: int, high: int, what: str):
+    """`value` where it is an integer in [low, high] (None stays None); else a 400 naming `name`."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+        return value
+    raise BadParameter(f"{name} is {json.dumps(value)}: expected an integer from {low} to {high} ({what})", name)
+
+
+def _n(value) -> int:
+    n = _int_in("n", value, 1, MAX_N, "the number of choices; this server makes at most "
+                f"{MAX_N} per request")
+    return 1 if n is None else n
+
+
+def _top(body: dict, chat: bool):
+    """The number of most likely tokens to report beside each token's log probability, or None
+    where none are asked for: chat's logprobs (true or false) and top_logprobs, completions'
+    logprobs (an integer)."""
+    if not chat:
+        return _int_in("logprobs", body.get("logprobs"), 0, MAX_TOP, "on completions, the number of most likely "
+                       "tokens to list beside each token's log probability; OpenAI caps it at 5, this server at "
+                       f"{MAX_TOP}")
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise BadParameter(f"logprobs is {json.dumps(asked)}: expected true or false (on chat completions; "
+                           "top_logprobs takes the number of most likely tokens)", "logprobs")
+    top = _int_in("top_logprobs", top, 0, MAX_TOP, "the number of most likely tokens at each position")
+    if top and not asked:
+        raise BadParameter(f"top_logprobs {top} needs logprobs true", "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _echo(echo, prompt, ids, text, top):
+    """The prompt's text to put before each choice's text, or None: `echo` true on completions."""
+    if echo is None or echo is False:
+        return None
+    if echo is not True:
+        raise BadParameter(f"echo is {json.dumps(echo)}: expected true or false", "echo")
+    if top is not None:
+        raise BadParameter(ECHO_WITH_LOGPROBS, "echo", "unsupported_parameter")
+    if prompt is not None:
+        return prompt
+    if text is None:
+        raise BadParameter("echo of a prompt of token ids needs the archive's tokenizer (tokenizer.json) to write "
+                           "it as text: send the prompt as text, or leave echo out", "echo")
+    return text.decode(ids)
 
 
 def _stream(body: dict) -> bool:
@@ -224,6 +353,8 @@ def _params(body: dict, chat: bool, stream: bool):
     raw["max_tokens"] = most if most is not None else body.get("max_tokens", None if chat else 16)
     raw.setdefault("temperature", 1.0)  # OpenAI's default: sampling
     raw["stream"] = stream
+    if not chat and body.get("echo") is True and raw["max_tokens"] == 0 and type(raw["max_tokens"]) is int:
+        return replace(parameters({**raw, "max_tokens": None}), max_tokens=0)  # the prompt alone: no generation
     if chat and most is not None:
         try:
             return parameters(raw)

@@ -11,7 +11,7 @@ The body is a JSON object, the Open Inference Protocol's generate request
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from handlers.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
@@ -50,6 +50,9 @@ class Params:
     ignore_eos: bool = False
     details: bool = False
     stream: bool = True
+    # not a /predictions parameter: OpenAI's logprobs (handlers/generation/openai.py), the number of
+    # most likely tokens to report beside each generated token's log probability; None: none
+    logprobs: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,15 @@ class GenerateRequest:
     # False: `text` already holds the model's special tokens (a rendered chat template, as
     # transformers' apply_chat_template tokenizes it), so the tokenizer adds none
     special_tokens: bool = True
+    n: int = 1  # independent sequences for the prompt (OpenAI's n; `choices`)
+
+
+def choices(req: GenerateRequest) -> list:
+    """The request of each of `req.n` sequences: with a seed, choice i draws from seed + i (mod
+    2**63), so choice 0 is the request's own and the same seed gives the same n sequences."""
+    seed = req.params.seed
+    return [req if i == 0 or seed is None else replace(req, params=replace(req.params, seed=(seed + i) % 2**63))
+            for i in range(req.n)]
 
 
 def _typed(name: str, value, kind):

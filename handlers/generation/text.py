@@ -9,7 +9,9 @@ it ends in U+FFFD (an unfinished character), as Text Generation Inference and vL
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Optional
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -26,6 +28,7 @@ class Text:
         self.eos_ids = tuple(i for i in (self.tokenizer.token_to_id(n) for n in EOS_NAMES) if i is not None)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
         self.chat = None  # the archive's ChatTemplate (handlers/generation/chat.py), set by in_dir
+        self._raw = None  # id -> the token's own bytes (token_texts), made at its first use
 
     @classmethod
     def in_dir(cls, model_dir: str) -> Optional["Text"]:
@@ -43,6 +46,63 @@ class Text:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_texts(self, ids: list, prev: Optional[int]) -> list:
+        """[(text, UTF-8 bytes or None)] of each of `ids` as the token after `prev` (OpenAI's log
+        probabilities name tokens so): a token's own bytes where the vocabulary holds them (a
+        byte-level BPE's, a byte-fallback `<0xNN>`, a special token's content), its text their
+        UTF-8 with a part of a character written as \\xNN; else the text it adds after `prev`
+        (a SentencePiece word's leading space), bytes None where that is no whole character."""
+        if self._raw is None:
+            self._raw = _raw_bytes(self.tokenizer)
+        raw = [self._raw(t) for t in ids]
+        out = [None if b is None else (b.decode("utf-8", "backslashreplace"), b) for b in raw]
+        rest = [i for i, o in enumerate(out) if o is None]
+        if rest:
+            ctx = [prev] if prev is not None else []
+            before = self.tokenizer.decode(ctx, skip_special_tokens=False)
+            after = self.tokenizer.decode_batch([ctx + [ids[i]] for i in rest], skip_special_tokens=False)
+            for i, a in zip(rest, after):
+                s = a[len(before):] if a.startswith(before) else \
+                    self.tokenizer.decode([ids[i]], skip_special_tokens=False)
+                out[i] = (s, None if "\ufffd" in s else s.encode("utf-8"))
+        return out
+
+
+def _raw_bytes(tokenizer):
+    """id -> the token's own bytes, or None where the vocabulary's string is no byte sequence
+    (a SentencePiece word piece: its text is its decode in context); cached per id."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    table = _byte_level_table() if "ByteLevel" in kinds else None
+    added = {i: t.content.encode("utf-8") for i, t in tokenizer.get_added_tokens_decoder().items()}
+    cache: dict = {}
+
+    def raw(tid: int) -> Optional[bytes]:
+        if tid in cache:
+            return cache[tid]
+        piece, out = tokenizer.id_to_token(tid), added.get(tid)
+        if out is None and piece is not None:
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if byte:
+                out = bytes([int(byte.group(1), 16)])
+            elif table is not None and all(c in table for c in piece):
+                out = bytes(table[c] for c in piece)
+        cache[tid] = out
+        return out
+    return raw
+
+
+def _byte_level_table() -> dict:
+    """A byte-level BPE's character -> byte (GPT-2's bytes_to_unicode, inverted)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def max_token_bytes(tokenizer) -> int:
