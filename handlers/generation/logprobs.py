@@ -2,8 +2,9 @@
 own distribution at each step, `log_softmax` of the step's raw logits in float32 (before
 temperature, top-k and top-p), the chosen token's value and the k most likely tokens by value.
 
-Computed on the device in the step that picked the token, only for the rows whose request asked
-(a turn without such a row runs exactly as before: the tokens' argmax and their int64 copy out),
+Computed on the device in the step that picked the token, in a turn where some row's request
+asked (for every row of it: `pack`; a turn without such a row runs exactly as before: the
+tokens' argmax and their int64 copy out),
 and read back with the tokens in the same copy: a turn with such a row copies out one float64
 table, a row per sequence, instead of the tokens alone:
 
@@ -52,13 +53,12 @@ def pack(tokens: torch.Tensor, logits: torch.Tensor, asks: list) -> Optional[tor
     if not want:
         return None
     top = max(asks[i] for i in want)
-    out = torch.zeros(len(asks), 2 + 2 * top, dtype=torch.float64, device=tokens.device)
+    # every row's, though some did not ask: a log_softmax of a few rows more costs the device
+    # microseconds, where picking the rows that asked would copy their indices from the host,
+    # which waits for the stream (a pageable copy) and so for the step already in flight
+    out = torch.empty(len(asks), 2 + 2 * top, dtype=torch.float64, device=tokens.device)
     out[:, 0] = tokens
-    if len(want) == len(asks):
-        out[:, 1:] = table(logits, tokens, top)
-    else:
-        idx = torch.tensor(want, device=tokens.device)
-        out[idx, 1:] = table(logits.index_select(0, idx), tokens.index_select(0, idx), top)
+    out[:, 1:] = table(logits, tokens, top)
     return out
 
 
