@@ -214,7 +214,7 @@ def step_limits(args, pkg: Path, counts: list) -> list:
 def worker_ttft(ts, before=None):
     """The worker's own time to first token (handlers/generation/metrics.py: from the request
     reaching the worker to its first token handed to the frontend), from the metrics port's
-    histogram: (sum s, count) now, or with `before` the mean ms since then (None without one)."""
+    histogram: (sum s, count) now, or with `before` (mean ms, count) since then (None without any)."""
     import re
     import urllib.request
 
@@ -229,7 +229,7 @@ def worker_ttft(ts, before=None):
     if before is None:
         return now
     n = now[1] - before[1]
-    return (now[0] - before[0]) / n * 1e3 if n > 0 else None
+    return ((now[0] - before[0]) / n * 1e3, int(n)) if n > 0 else None
 
 
 def prefill_ms(runner, prompt: int, slots: int, repeats: int = 20) -> float:
@@ -292,10 +292,11 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
                 one_point(pool, port, token, prompts, n, args.decode, 1)
                 if time.time() - warm >= args.warmup:
                     break
+            time.sleep(2.0)  # the warm-up's metrics flushed (each second) before they are read as the base
             before = worker_ttft(ts)
             point = one_point(pool, port, token, prompts, n, args.decode, args.rounds)
             time.sleep(2.0)  # the engine logs its turns when it goes idle; the metrics flush each second
-            point["worker_ttft_ms_mean"] = worker_ttft(ts, before)
+            point["worker_ttft_ms_mean"], point["worker_ttft_count"] = worker_ttft(ts, before) or (None, 0)
             point["engine"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in reversed(ts.log().splitlines())
                                     if "continuous batching:" in ln), "")
             print({k: v for k, v in point.items() if k != "tokens"}, flush=True)

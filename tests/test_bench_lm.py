@@ -37,6 +37,7 @@ def test_bench_lm_tiny_on_the_cpu_end_to_end(tmp_path):
     t = result["ttft_one_stream"]
     assert t["prefill_ms"] > 0, t  # (on this CPU its threads contend with the rest: no ordering asserted)
     assert t["worker_mean_ms"] is not None and 0 < t["worker_mean_ms"] <= t["client_p50_ms"], t  # a part of it
+    assert result["points"][0]["worker_ttft_count"] == 1, result["points"][0]  # the measured stream's only
     assert "Time to first token of one stream" in out.with_suffix(".md").read_text()
 
 
