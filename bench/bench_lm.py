@@ -306,6 +306,21 @@ def summary(points: list, hf: dict) -> dict:
                         "streams32_over_1_at_least_12": None if x32 is None else x32 >= 12}}
 
 
+def served_over_limits(points: list, lim: dict) -> dict:
+    """Per stream count, the served tokens/s over the package's own: its decode step alone
+    (`served_over_step_limit`) and its round's whole work, prompts included (`served_over_limit`,
+    the figure issue 64's decoder target reads)."""
+    by_n = {p["streams"]: p for p in lim.get("points", [])}
+    step, whole = {}, {}
+    for p in points:
+        q = by_n.get(p["streams"])
+        if q:
+            step[str(p["streams"])] = p["aggregate_tok_s"] / q["tok_s"]
+            if q.get("round_tok_s"):
+                whole[str(p["streams"])] = p["aggregate_tok_s"] / q["round_tok_s"]
+    return {"served_over_step_limit": step, "served_over_limit": whole}
+
+
 def crowd_check(points: list) -> dict:
     """The greedy tokens of stream 0 alone against the same prompt among 32 (else the largest count)."""
     by_n = {p["streams"]: p for p in points}
@@ -330,7 +345,8 @@ def page(r: dict) -> str:
     if r.get("queued"):
         lines += [r["queued"], ""]
     lines += ["| streams | tokens/s | x one stream | TTFT p50 / p99 (ms) | inter-token p50 / p99 (ms) | transformers "
-              "tokens/s | ours / transformers | step limit tokens/s | served / limit |", "|---|---|---|---|---|---|---|---|---|"]
+              "tokens/s | ours / transformers | step limit tokens/s | served / limit | round limit tokens/s | "
+              "served / round limit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [row(p, r["points"][0]["aggregate_tok_s"], s["transformers_tok_s"].get(str(p["streams"])),
                   lim.get(p["streams"])) for p in r["points"]]
     lines += ["", f"Targets: ahead of transformers at every count: {s['targets']['ahead_of_transformers_at_every_count']}; "
@@ -364,9 +380,11 @@ def row(p: dict, one: float, hf, limit) -> str:
     """A stream count's table row: ours, transformers' (hf: tokens/s or None), the step limit's."""
     tok = p["aggregate_tok_s"]
     lim = limit["tok_s"] if limit else None
+    whole = (limit or {}).get("round_tok_s")
     return (f"| {p['streams']} | {tok:.0f} | {tok / one:.2f} | {p['ttft_ms_p50']:.1f} / {p['ttft_ms_p99']:.1f} | "
             f"{p['itl_ms_p50']:.2f} / {p['itl_ms_p99']:.2f} | {f'{hf:.0f}' if hf else '-'} | "
-            f"{f'{tok / hf:.2f}' if hf else '-'} | {f'{lim:.0f}' if lim else '-'} | {f'{tok / lim:.2f}' if lim else '-'} |")
+            f"{f'{tok / hf:.2f}' if hf else '-'} | {f'{lim:.0f}' if lim else '-'} | {f'{tok / lim:.2f}' if lim else '-'} | "
+            f"{f'{whole:.0f}' if whole else '-'} | {f'{tok / whole:.2f}' if whole else '-'} |")
 
 
 def transformers_lines(r: dict) -> list:
@@ -436,7 +454,8 @@ def report_of(args, argv, counts, parts) -> dict:
              "export_printed": exported["printed"], "archive_command": ["cs-archive", *ours["archive_command"][1:]]}
     r = {**header(device, argv), "model": model, "prompt": args.prompt, "decode": args.decode,
          "points": [{k: v for k, v in p.items() if k != "tokens"} for p in pts], "transformers": hf,
-         "summary": summary(pts, hf if "skipped" not in hf else {}), "step_limits": lim, "crowd": crowd_check(pts),
+         "summary": {**summary(pts, hf if "skipped" not in hf else {}), **served_over_limits(pts, lim)},
+         "step_limits": lim, "crowd": crowd_check(pts),
          "archive": ours["archive"], "load_line": ours["load_line"], "worker_gpu_mib": ours["gpu_mib"]}
     pre = (lim.get("points") or [{}])[0].get("prefill_ms")
     r["ttft_one_stream"] = {"prefill_ms": pre, "worker_mean_ms": pts[0].get("worker_ttft_ms_mean"),

@@ -199,7 +199,7 @@ def step_limits(args, pkg: Path, counts: list) -> list:
             if runner.cuda:
                 runner.stream.synchronize()
             ms = (time.perf_counter() - t0) / 50 * 1e3
-            out.append({"streams": n, "step_ms": ms, "tok_s": n / ms * 1e3})
+            out.append({"streams": n, "step_ms": ms, "tok_s": n / ms * 1e3, **round_limit(runner, args, n, ms)})
             print(out[-1], flush=True)
         # the graphs' buffers are inference tensors, written in place only in inference mode
         out[0]["prefill_ms"] = prefill_ms(runner, args.prompt, args.slots)
@@ -232,20 +232,32 @@ def worker_ttft(ts, before=None):
     return ((now[0] - before[0]) / n * 1e3, int(n)) if n > 0 else None
 
 
-def prefill_ms(runner, prompt: int, slots: int, repeats: int = 20) -> float:
-    """A lone `prompt`-token prompt as the engine fills it with no sequence decoding
-    (handlers/generation/engine.py `_fill`: chunks of the runner's chunk_limit into slot 0), its
-    first token picked and read back to the host: the package's own share of a one-stream TTFT."""
+def round_limit(runner, args, n: int, step_ms: float) -> dict:
+    """The package's own time for a round's whole work at n streams, no server: n prompts filled
+    in calls of as many rows as the runner takes (as the engine fills prompts that arrive
+    together), then `decode` steps of n rows; the tokens/s that allows. The step limit alone
+    leaves the prompts out, which a served round pays for."""
+    rows = min(n, runner.prompt_rows)
+    calls = -(-n // rows)
+    fill = calls * prefill_ms(runner, args.prompt, args.slots, rows, repeats=5)
+    return {"prefill_round_ms": fill, "round_tok_s": n * args.decode / (fill + args.decode * step_ms) * 1e3}
+
+
+def prefill_ms(runner, prompt: int, slots: int, rows: int = 1, repeats: int = 20) -> float:
+    """`rows` prompts of `prompt` tokens in one call per chunk, as the engine fills prompts with
+    no sequence decoding (handlers/generation/engine.py `_fill`: chunks of the runner's
+    chunk_limit into slots 0..rows-1), the first tokens picked and read back to the host; with
+    one row, the package's own share of a one-stream TTFT."""
     ids = [(7 * k) % 97 + 1 for k in range(prompt)]
-    spare = [(s, 0) for s in range(1, slots)]
+    spare = [(s, 0) for s in range(rows, slots)]
 
     def once() -> int:
         logits, filled = None, 0
         while filled < prompt:
             chunk = ids[filled:filled + runner.chunk_limit]
-            logits = runner.prefill_rows([0], [chunk], [filled], spare)
+            logits = runner.prefill_rows(list(range(rows)), [chunk] * rows, [filled] * rows, spare)
             filled += len(chunk)
-        return int(logits[0].argmax())  # the host waits for the device here, as the engine's .tolist()
+        return logits.argmax(-1).tolist()  # the host waits for the device here, as the engine's .tolist()
 
     for _ in range(3):
         once()

@@ -86,6 +86,24 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
+def the_runs_tmpdir_after_each_test():
+    """A worker driven in this process points TMPDIR at a scratch directory of its own
+    (handlers/torchserve/scratch.enter), and its exit after a sticky fault removes that directory
+    (restart._exit_now: scratch.remove_now) while this process goes on: every later test's
+    subprocess would inherit a TMPDIR that is gone (cs-export-lm's AOTInductor load failed with
+    "Error generating temporary directory" in a CI run). Each test ends with the run's own back."""
+    before = os.environ.get("TMPDIR")
+    yield
+    if os.environ.get("TMPDIR") != before:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = None  # Python's tempfile re-reads TMPDIR
+    os.makedirs(_RUN_TMP, exist_ok=True)
+
+
+@pytest.fixture(autouse=True)
 def no_worker_exit_in_the_test_process():
     """Fails a test after which an in-process worker has an exit pending (restart.exit_soon: a
     sticky device fault), and clears it so the next test starts with none."""

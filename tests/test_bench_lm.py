@@ -30,6 +30,10 @@ def test_bench_lm_tiny_on_the_cpu_end_to_end(tmp_path):
     assert result["crowd"]["same_tokens"] is True, result["crowd"]
     assert result["transformers_vs_ours_first_difference"] is None  # fp32 on the CPU: generate's own tokens
     assert [p["streams"] for p in result["step_limits"]["points"]] == [1, 2], result["step_limits"]
+    for q in result["step_limits"]["points"]:  # the round's limit pays for the prompts too
+        assert q["prefill_round_ms"] > 0 and 0 < q["round_tok_s"] < q["tok_s"], q
+    assert set(s["served_over_limit"]) == set(s["served_over_step_limit"]) == {"1", "2"}, s
+    assert all(s["served_over_limit"][n] > s["served_over_step_limit"][n] for n in ("1", "2")), s
     m = result["model"]
     assert m["export_command"][:1] == ["cs-export-lm"] and "--package" in m["export_command"], m
     assert m["slots"] == 8 and m["max_seq"] == 512 and m["export_s"] > 0, m
