@@ -251,7 +251,7 @@ def prefill_ms(runner, prompt: int, slots: int, rows: int = 1, repeats: int = 20
     ids = [(7 * k) % 97 + 1 for k in range(prompt)]
     spare = [(s, 0) for s in range(rows, slots)]
 
-    def once() -> int:
+    def once() -> list:
         logits, filled = None, 0
         while filled < prompt:
             chunk = ids[filled:filled + runner.chunk_limit]
@@ -305,10 +305,10 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
                 if time.time() - warm >= args.warmup:
                     break
             time.sleep(2.0)  # the warm-up's metrics flushed (each second) before they are read as the base
-            before = worker_ttft(ts)
+            before = worker_ttft(ts)  # None: no metrics to read, and no worker TTFT below
             point = one_point(pool, port, token, prompts, n, args.decode, args.rounds)
             time.sleep(2.0)  # the engine logs its turns when it goes idle; the metrics flush each second
-            point["worker_ttft_ms_mean"], point["worker_ttft_count"] = worker_ttft(ts, before) or (None, 0)
+            point["worker_ttft_ms_mean"], point["worker_ttft_count"] = (before and worker_ttft(ts, before)) or (None, 0)
             point["engine"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in reversed(ts.log().splitlines())
                                     if "continuous batching:" in ln), "")
             print({k: v for k, v in point.items() if k != "tokens"}, flush=True)
