@@ -564,3 +564,14 @@ def test_a_raw_content_of_a_length_its_datatype_cannot_hold_is_the_requests_faul
     for name, dtype, shape, raw, words in cases:
         with pytest.raises(stream_infer.BadRequest, match=words):
             stream_infer.generation_body(grpc_infer_request("lm", [(name, dtype, shape, None)], [raw]))
+
+
+def test_the_byte_level_table_is_transformers_own_inverted():
+    """handlers/generation/text.py keeps its own copy of GPT-2's byte <-> character table (the
+    worker imports no transformers); it must be the library's, inverted, for every byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from handlers.generation.text import _byte_level_table
+
+    theirs = {ch: b for b, ch in bytes_to_unicode().items()}
+    assert _byte_level_table() == theirs and len(theirs) == 256
