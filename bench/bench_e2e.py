@@ -45,6 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured window of the first round: their time per request by stage "
                         "(bench/worker_spy.py)")
     p.add_argument("--cpu", action="store_true", help="serve on CPU workers (deviceType: cpu) even with GPUs")
+    p.add_argument("--limit-batches", default="", metavar="N,N,...",
+                   help="also measure the GPU limit (the artifact alone, gpu_limit) at these batch sizes: "
+                        "what the GPU allows when one step runs N rows, beside the served batch size's")
     return heavy_options(p)
 
 
@@ -291,6 +295,18 @@ def gpu_limit(spec, device, batch: int, sizes: list, pad: dict, iters: int = 30,
     return out
 
 
+def limits_by_batch(args, spec, device, sizes, pad, pad_buckets) -> dict:
+    """{batch: rows/s and mean ms of one call} of gpu_limit at each --limit-batches size: the
+    rows per second one GPU allows when every call runs that many rows (every call of one size,
+    so an upper bound for calls of mixed lengths padded together)."""
+    out = {}
+    for b in [int(x) for x in args.limit_batches.split(",") if x.strip()]:
+        lim = gpu_limit(spec, device, b, sizes, pad, pad_buckets=pad_buckets)
+        ms = round(lim["batch"] / lim["img_s"] * 1e3, 4)
+        out[str(lim["batch"])] = {"img_s": lim["img_s"], "mean_batch_ms": ms}
+    return out
+
+
 def imported(args, stack) -> None:
     """--artifact FILE.pt2 is imported as the archive imports a user's file (compiled_serving/import_artifact.py:
     the contract, the checks, padding tried on the program) into a directory kept for the run;
@@ -348,9 +364,12 @@ def archive_baseline(args, store: Path, name: str, handler: str, workers: int, d
     return store / f"{name}.mar"
 
 
-def chosen_threads(log: str, name: str) -> int:
+def chosen_threads(log: str, name: str) -> Optional[int]:
     """The intra-op count our default worker logged in its load line ("CPU threads: N intra-op";
-    the sweep archives log "(handler.cpu_threads)" and are skipped)."""
+    the sweep archives log "(handler.cpu_threads)" and are skipped); None where the engine serves
+    the model (its workers run no model: handlers/engine_worker.py logs "served by the engine")."""
+    if "served by the engine" in log and "CPU threads: " not in log:
+        return None
     found = re.findall(r"CPU threads: (\d+) intra-op / \d+ inter-op thread\(s\) \((?!handler)", log)
     if not found:
         raise SystemExit(f"no 'CPU threads:' load line for {name} in the model log")
@@ -421,7 +440,8 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     try:
         ready_s = server.wait_ready()
         logged = chosen_threads(server.log(), "ours")
-        if logged != budget:
+        args.ours_engine = "served by the engine" in server.log() and logged is None
+        if logged is not None and logged != budget:
             raise SystemExit(f"our worker logged {logged} CPU threads, the benchmark expected {budget}")
         # what each of our variants launches with (CUDA graphs or why not), as its load line says
         for note in sorted(set(re.findall(r"; ((?:no )?CUDA graphs[^;]*);", server.log()))):
@@ -581,9 +601,10 @@ def _mean_cores(rounds: list) -> dict:
     return out
 
 
-def summary(points: list, limits: dict) -> dict:
+def summary(points: list, limits: dict, ours_engine: bool = False) -> dict:
     """Ratios a reader asks for: ours over stock and over the transport limit per point, the
-    thread-budget default against the best tried, and scaling across GPUs."""
+    thread-budget default against the best tried, and scaling across GPUs; issue 64's keys
+    (`engine_keys`) where an engine served (`ours_engine`: ours itself, the archive's default)."""
     by = {(p["handler"], p["gpus"], p["clients"]): p for p in points}
 
     def ratios(p, n, c, h="ours") -> dict:
@@ -624,30 +645,33 @@ def summary(points: list, limits: dict) -> dict:
                 scaling.append({"gpus": n, "clients_1gpu": c, "clients_all": c * n,
                                 "speedup": round(many["req_s"] / one["req_s"], 2)})
     return {"ours": rows, "variants": variant_rows, "thread_budget": thread_rows, "scaling": scaling,
-            **engine_keys(by)}
+            **engine_keys(by, ours_engine)}
 
 
 ENGINE_NOT_HERE = ("gpu_mib_all_processes", "worker_restart_s", "engine_restart_s")
 
 
-def engine_keys(by: dict) -> dict:
+def engine_keys(by: dict, ours_engine: bool = False) -> dict:
     """Issue 64's keys where the run served ours_engine (engine: on) beside ours (a worker per
-    GPU context) and echo on one GPU: the engine over echo at 64 and 128 clients, its p50 at one
-    client less the per-worker path's, and the per-worker figures beside. The memory and restart
-    keys come from bench/bench_shared.py --modes ...,engine, not from this run (None here)."""
+    GPU context), or ours was itself served by the engine (`ours_engine`, handler.engine auto),
+    and echo on one GPU: the engine over echo at 64 and 128 clients, its p50 at one client less
+    the per-worker path's (where the run served one), and the per-worker figures beside. The
+    memory and restart keys come from bench/bench_shared.py --modes ...,engine, not from this
+    run (None here)."""
     def ratio(h, c):
         p, echo = by.get((h, 1, c)), by.get(("echo", 1, c))
         return round(p["req_s"] / echo["req_s"], 3) if p and echo and echo["req_s"] else None
 
-    engines = list(dict.fromkeys(k[0] for k in by if k[0].startswith("ours_engine")))
+    engines = (["ours"] if ours_engine else []) + list(dict.fromkeys(k[0] for k in by if k[0].startswith("ours_engine")))
     if not engines:
         return {}
-    # the issue's keys are the engine served with the archive's own worker count (ours_engine),
-    # else the first engine variant of the command (gpu_e2e.sh names the shipped count first)
-    main = "ours_engine" if "ours_engine" in engines else engines[0]
+    # the issue's keys are the engine served with the archive's own worker count (ours where the
+    # engine served it, else ours_engine), else the first engine variant of the command
+    # (gpu_e2e.sh names the shipped count first)
+    main = "ours" if ours_engine else "ours_engine" if "ours_engine" in engines else engines[0]
     # the per-worker path: ours_perworker (engine=off) where the run served it, else ours (the
     # archive's default, which was the per-worker path before handler.engine's auto)
-    pw = "ours_perworker" if any(k[0] == "ours_perworker" for k in by) else "ours"
+    pw = "ours_perworker" if any(k[0] == "ours_perworker" for k in by) else None if ours_engine else "ours"
     one, per_worker = by.get((main, 1, 1)), by.get((pw, 1, 1))
     return {"engine_variant": main, "ours_over_echo_c64": ratio(main, 64), "ours_over_echo_c128": ratio(main, 128),
             "c1_p50_delta_ms": round(one["p50_ms"] - per_worker["p50_ms"], 3) if one and per_worker else None,
@@ -678,6 +702,8 @@ def write_markdown(path: Path, result: dict):
               "buckets, over the sizes' mean time):", ""]
     for n, lim in result["limits"].items():
         lines.append(f"- {n} GPU(s): {lim}")
+    for b, lim in result.get("limits_by_batch", {}).items():
+        lines.append(f"- one GPU at batch {b}: {lim['img_s']} rows/s (a call of {lim['mean_batch_ms']} ms)")
     s = result["summary"]
     lines += ["", "| handler | GPUs | clients | req/s | / stock eager | / stock AOTI | / transport "
               "| / GPU limit |", "|---|---|---|---|---|---|---|---|"]
@@ -815,7 +841,7 @@ def main(argv=None):
         path = Path(argv[1])
         result = json.loads(path.read_text())
         if "--summary" in argv[2:]:  # the summary computed again from the same points (keys added since)
-            result["summary"] = summary(result["points"], result["limits"])
+            result["summary"] = summary(result["points"], result["limits"], result["settings"].get("ours_engine", False))
             path.write_text(json.dumps(result, indent=1) + "\n")
         if "--markdown" in argv[2:]:  # older pages were edited by hand: rewritten only when asked
             write_markdown(path.with_suffix(".md"), result)
@@ -849,6 +875,7 @@ def run(args, argv, from_cli: bool) -> int:
     one = gpu_limit(spec, device, args.batch_size, sizes, pad, pad_buckets=pad_buckets)
     sets = device_sets(args, n_gpu)
     limits = {str(n): {**one, "img_s": round(one["img_s"] * max(n, 1), 1)} for n in sets}
+    by_batch = limits_by_batch(args, spec, device, sizes, pad, pad_buckets)
     torch.cuda.empty_cache() if n_gpu else None
     points, firsts = [], []
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
@@ -867,9 +894,12 @@ def run(args, argv, from_cli: bool) -> int:
                      "workers_per_gpu": args.workers_per_gpu, "cpu_workers": args.cpu_workers,
                      "seconds": args.seconds, "rounds": args.rounds, "tolerance": tol,
                      "serving": args.serving, "load_generator": args.load_generator,
-                     "load_generator_cores": args.loadgen_cpus},
-        "limits": limits, "points": points, "summary": summary(points, limits),
+                     "load_generator_cores": args.loadgen_cpus,
+                     "ours_engine": getattr(args, "ours_engine", False)},
+        "limits": limits, "points": points, "summary": summary(points, limits, getattr(args, "ours_engine", False)),
     }
+    if by_batch:
+        result["limits_by_batch"] = by_batch
     if firsts:
         result["first_requests"] = firsts
     out = Path(args.out)

@@ -25,7 +25,7 @@ from quoted_figures import backed, json_numbers, quoted_numbers
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MAX_FILES = 78
+MAX_FILES = 81  # 27 sets of three; raise only with a set no newer run supersedes (engine_bert_..._s73: the GPU bound of issue 64)
 
 _FENCE = re.compile(r"(?ms)^```.*?^```")
 _SPAN = re.compile(r"`([^`]*)`")
