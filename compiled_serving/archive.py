@@ -133,7 +133,10 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
     slotted = slot_decoder(specs)
-    if slotted is not None:  # one engine batches every sequence: a second worker is a second copy
+    if slotted is not None and serves_by_engine(handler_opts, specs):  # the engine process holds the one batch
+        speed, why = 1, (f"a slot-form decoder served by the engine: its one batch runs all {slotted.slots} sequence "
+                         "slots for every worker, which tokenize and stream (more workers: more of that CPU work)")
+    elif slotted is not None:  # one engine batches every sequence: a second worker is a second copy
         speed, why = 1, (f"a slot-form decoder: one worker's engine runs all {slotted.slots} sequence slots on one "
                          "cache; another worker would hold another copy of the weights and the cache")
     cuda = [s for s in specs if s.device != "cpu"]

@@ -166,13 +166,15 @@ OPTIONS = (
     # workers it served the BERT classifier 2.04x, ResNet-50 1.30x and the MLP 1.19x the per-worker
     # path at 128 clients, one client within +0.25 ms, in a third of the GPU memory
     # (docs/results/engine_*_h200_s70, engine_memory_big_mlp_fp16_h200_s69). On the CPU it was not
-    # measured against the per-worker path, and decoders still run in their workers.
-    Option("engine", str, "auto", "where a stateless model runs",
-           choices=(("auto", "on for a worker given a GPU and an archive built for CUDA, off otherwise"),
+    # measured against the per-worker path. A slot-form decoder's batch moves with on only: its
+    # engine path (handlers/engine/generation.py) is tested on the CPU, not yet measured on a GPU.
+    Option("engine", str, "auto", "where a stateless model or a slot-form decoder's batch runs",
+           choices=(("auto", "on for a worker given a GPU and a stateless archive built for CUDA, off otherwise"),
                     ("off", "in each worker"),
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
-                           "that GPU, which then holds no CUDA context; decoders still run in their workers; "
-                           "on a CPU worker one engine process for the CPU"))),
+                           "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "
+                           "too (one-sequence decoders still run in their workers); on a CPU worker one "
+                           "engine process for the CPU"))),
     Option("engine_timeout_s", float, 60.0, "with the engine: how long a request waits for it; past it the "
            "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
            "least 5 s) is hung: the worker kills it and starts its successor", positive=True),

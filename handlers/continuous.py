@@ -109,6 +109,11 @@ class Continuous:
         self.engine = engines.Engine(self.runner, self._deliver, self.config.queue_size, budget, broken,
                                      self.config.queue_timeout_s, Marks.from_env(), self.metrics).start()
 
+    def serve_through(self, remote, note: str) -> None:
+        """The batch is the engine's (handlers/engine/sequences.RemoteBatch: the same submit and
+        cancel, the same updates to `_deliver`), not a thread of this worker's."""
+        self.budget_note, self.engine = note, remote
+
     def describe(self) -> str:
         return (f"{self.runner.dec.describe()}; continuous batching of up to {self.runner.dec.slots} sequences, "
                 f"{self.config.queue_size} more waiting; {self.budget_note}; {self.runner.graph_note}; "

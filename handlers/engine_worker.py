@@ -4,8 +4,11 @@ encodes requests on the CPU and hands the tensors to the one engine process of i
 anything, so it holds no CUDA context: the engine chooses the variant for the device and names
 it in its Ready, whose artifact.json is then this worker's spec (admission, limits, encoding).
 
-A decoder's workers still run it themselves (generation stays per worker in this step): an
-archive with a decoder variant is served the per-worker way, with a warning.
+A slot-form decoder is served by the engine with handler.engine `on` (auto keeps it per worker
+until the engine's generation is measured on a GPU): the engine runs the one continuous batch
+(handlers/engine/generation.py), the worker tokenizes, checks, streams and detokenizes
+(handlers/continuous.py over handlers/engine/sequences.py). A one-sequence decoder's workers
+run it themselves, with a warning under `on`.
 """
 from __future__ import annotations
 
@@ -45,19 +48,23 @@ def wanted(context) -> Optional[HandlerConfig]:
     if serves(config.engine, specs, on_gpu):
         return config
     if config.engine == "on":
-        logger.warning("handler.engine: on serves stateless models; this archive is a decoder, which each "
-                       "worker runs itself")
+        logger.warning("handler.engine: on serves stateless models and slot-form decoders; this archive is a "
+                       "one-sequence decoder, which each worker runs itself")
     return None
 
 
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:
     """Whether an archive of these variants is served by the engine (handler.engine `setting`),
-    for a worker given a GPU or not: never with off, never a decoder (its workers run it); with
-    on, any other archive; with auto (the default), an archive built for CUDA on a GPU worker.
-    The worker's decision (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
-    if setting == "off" or any(decoder_of(s) is not None for s in specs):
+    for a worker given a GPU or not: never with off, never a one-sequence decoder (its workers
+    run it); with on, any other archive; with auto (the default), an archive built for CUDA on a
+    GPU worker that is not a decoder. The worker's decision (wanted) and cs-archive's sizing
+    (on_gpu: the GPU variants it sizes)."""
+    decoders = [decoder_of(s) for s in specs]
+    if setting == "off" or any(d is not None and not d.slotted for d in decoders):
         return False
-    return setting == "on" or (on_gpu and any(s.device == "cuda" for s in specs))
+    if setting == "on":
+        return True
+    return on_gpu and not any(decoders) and any(s.device == "cuda" for s in specs)
 
 
 def load(context, config: HandlerConfig, emit, steps) -> Loaded:
@@ -76,6 +83,8 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
                                 gpu, engine_gpu, name)
     client = connect()
     spec = read_spec(client.ready.variant)
+    if client.ready.generation is not None:
+        return _generating(context, config, emit, steps, client, connect, spec)
     # each request padded to its own bucket here, by the plan the engine's runner has (the same
     # settings); the engine may pad jobs of neighbouring buckets to one (handlers/engine/artifact.py)
     runner = EngineRunner(client, spec, connect, PadPlan.of(spec, config.pad or None, config.pad_buckets),
@@ -86,9 +95,34 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
                   device=torch.device("cpu"), stages=StageTimes(emit, config.stage_metrics_s))
 
 
+def _generating(context, config: HandlerConfig, emit, steps, client, connect, spec) -> Loaded:
+    """A slot-form decoder's worker: its requests' sequences run in the engine's batch."""
+    from handlers.continuous import Continuous
+    from handlers.engine.sequences import RemoteBatch, RemoteSlots
+    from handlers.generation.text import Text
+
+    info = client.ready.generation
+    limits = Limits.of(config, spec)
+    slots = RemoteSlots(decoder_of(spec), info.describe)
+    cont = Continuous(slots, Text.in_dir(context.system_properties["model_dir"]), config, limits.max_json_bytes)
+    slots.remote = remote = RemoteBatch(connect, cont._deliver)
+    remote.attach(client)
+    cont.serve_through(remote, f"the batch of engine pid {client.ready.pid} ({info.slots} slots, shared by every "
+                               f"worker of this GPU)")
+    steps.note("engine", f"engine pid {client.ready.pid}: {client.ready.describe}")
+    steps.done("load")
+    return Loaded(config=config, spec=spec, limits=limits, model=None, runner=cont.runner,
+                  device=torch.device("cpu"), stages=StageTimes(emit, config.stage_metrics_s), generation=cont)
+
+
 def log_loaded(loaded: Loaded, steps, reader: str) -> None:
     """The load line of a worker served by the engine."""
     spec = loaded.spec
+    if loaded.generation is not None:
+        logger.info("served by the engine: %s; worker started in %s; %s; %s", steps.notes.get("engine", ""),
+                    steps.describe(), loaded.generation.describe(), reader)
+        logger.info("process-wide changes: %s", process.describe())
+        return
     logger.info("served by the engine: %s; worker started in %s; inputs %s; batch range [%d, %d]; %s; %s",
                 steps.notes.get("engine", ""), steps.describe(), ", ".join(s.describe() for s in spec.inputs),
                 spec.batch_min, spec.batch_max, loaded.limits.values.describe(), reader)

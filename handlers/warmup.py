@@ -54,22 +54,14 @@ def decoder(loaded: Loaded, steps) -> None:
 
 
 def slots(loaded: Loaded, steps, broken) -> None:
-    """A slot decoder's warm-up: a prompt of the longest chunk one call takes and a step of every
-    slot (kernels and allocator), the steps' CUDA graphs, the prompt budget per turn timed on
-    this device (handlers/generation/engine.py), then the engine's thread."""
-    import torch
-
-    from handlers.generation.engine import measure_budget
+    """A slot decoder's warm-up (handlers/generation/engine.warm), the steps' CUDA graphs, the
+    prompt budget per turn timed on this device (measure_budget), then the engine's thread."""
+    from handlers.generation.engine import measure_budget, warm as warm_slots
 
     runner, cont = loaded.runner, loaded.generation
-    dec = runner.dec
-    with torch.inference_mode(), runner.stream_context():
-        if loaded.config.warmup:
-            n = max(1, min(dec.chunk_max, dec.cache_length - 4))
-            runner.prefill(0, torch.arange(n, device=runner.device).view(1, n) % dec.vocab, 0)
-            runner.step(list(range(dec.slots)), torch.zeros(dec.slots, dtype=torch.int64, device=runner.device),
-                        [n] * dec.slots)
-            steps.done("warm-up")
+    if loaded.config.warmup:
+        warm_slots(runner)
+        steps.done("warm-up")
     steps.note("graphs", runner.capture(loaded.config.cuda_graphs))
     steps.done("CUDA graphs")
     cont.start(*measure_budget(runner), broken)

@@ -26,6 +26,11 @@ EVERY = [
     p.State(3),
     p.State(3, queued=5, clients=2, calls=11, rows=40, held=1),
     p.EngineDead("sticky CUDA error"),
+    p.Ready("engine", 43, 1, generation=p.GenerationInfo(32, 320, 512, 256, "slots")),
+    p.Generate(11, (1, 2, 3), 16, (0, 2), p.Sampling(0.7, 40, 0.9, 5, 2), "pod-key"),
+    p.Generate(12, (4,), 1, ()),
+    p.Tokens((p.Emitted(11, (5, 6), (p.Logprob(-0.1, ((5, -0.1), (9, -2.5))), p.Logprob(-0.3)), "length"),
+              p.Emitted(12, (7,)))),
 ]
 
 

@@ -147,10 +147,13 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     (None, 1, "cpu", ("cuda",), False, False),  # device_type: cpu
     (None, 0, None, ("cpu",), False, False),  # a CPU artifact runs in its workers
     (None, 0, None, ("cpu", "cuda"), False, True),
-    (None, 0, None, ("cuda",), True, False),  # a decoder runs in its workers
+    (None, 0, None, ("cuda",), "one", False),  # a decoder runs in its workers
+    (None, 0, None, ("cuda",), "slots", False),  # auto: a slot-form decoder too, until measured on a GPU
     ("off", 0, None, ("cuda",), False, False),
     ("on", None, None, ("cpu",), False, True),  # on: the CPU too
-    ("on", 0, None, ("cuda",), True, False),
+    ("on", 0, None, ("cuda",), "one", False),  # a one-sequence decoder: never
+    ("on", 0, None, ("cuda",), "slots", True),  # on: a slot-form decoder's batch in the engine
+    ("on", None, None, ("cpu",), "slots", True),
 ])
 def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, device_type, devices, decoder,
                                          served):
@@ -162,7 +165,8 @@ def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, 
     dirs = [str(tmp_path / d) for d in devices]
     monkeypatch.setattr(engine_worker, "find_variants", lambda model_dir: dirs)
     monkeypatch.setattr(engine_worker, "read_spec", lambda d: SimpleNamespace(device=d.rsplit("/", 1)[1], decoder=decoder))
-    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: object() if spec.decoder else None)
+    monkeypatch.setattr(engine_worker, "decoder_of",
+                        lambda spec: SimpleNamespace(slotted=spec.decoder == "slots") if spec.decoder else None)
     raw = {"handler": {"engine": engine} if engine else {}}
     if device_type:
         raw["deviceType"] = device_type  # TorchServe's own key, at the top level

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Optional
 
 import torch
 
@@ -41,6 +42,8 @@ class EngineModel:
     variant_dir: str
     where: str
     describe: str
+    config: object = None
+    budget: Optional[tuple] = None  # a slot-form decoder's (Budget, its note): the engine generates
 
 
 def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> EngineModel:
@@ -55,11 +58,15 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
         logger.warning("%s", note)
     kind = kind_of(spec)
     require_checked(spec, kind)
-    if decoder_of(spec) is not None:
-        raise LoadError("handler.engine: on serves stateless models; this archive is a decoder, which its "
-                        "workers still run themselves. Fix: leave handler.engine off for it")
+    decoder = decoder_of(spec)
+    if decoder is not None and not decoder.slotted:
+        raise LoadError("handler.engine: on serves stateless models and slot-form decoders; this archive is a "
+                        "one-sequence decoder, which its workers run themselves. Fix: leave handler.engine off "
+                        "for it, or export it in the slot form (cs-export-lm)")
     _threads(placement.kind, config.cpu_threads)
     model = load_artifact(spec, placement, config)
+    if decoder is not None:
+        return _slots(model, spec, decoder, placement, config, t0)
     runner = runner_for(model, spec, placement.torch_device, config)
     padding = verify_padding(model, runner, spec, placement.torch_device) if runner.pad else "no padding"
     t1 = time.perf_counter()
@@ -75,6 +82,24 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
                 f"load {t1 - t0:.2f}s, warm-up and graphs {t2 - t1:.2f}s; {graphs}; {runner.describe_sync()}; "
                 f"padding: {padding}" + (f" (to {plan.describe()}: each batch by its worker, jobs shared by the engine)" if plan else "") + f"; CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe)
+
+
+def _slots(model, spec, decoder, placement, config, t0: float) -> EngineModel:
+    """A slot-form decoder's runner, warmed up, its graphs captured and its prompt budget per turn
+    timed (handlers/generation/engine.py), for the engine's generation (handlers/engine/generation.py)."""
+    from handlers.generation.engine import measure_budget, warm as warm_slots
+    from handlers.run.slots import SlotRunner
+
+    runner = SlotRunner(model, decoder, placement.torch_device, config)
+    t1 = time.perf_counter()
+    if config.warmup:
+        warm_slots(runner)
+    graphs = runner.capture(config.cuda_graphs)
+    budget = measure_budget(runner)
+    describe = (f"{spec.backend} slot-form decoder {spec.artifact} ({model.loader}) on {placement.where} "
+                f"[{placement.note}]; load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; "
+                f"{graphs}; CPU threads {torch.get_num_threads()}")
+    return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
 
 
 def _threads(kind: str, configured: int) -> None:

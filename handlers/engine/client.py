@@ -78,6 +78,7 @@ class Client:
         self._lock = threading.Lock()
         self.dead: Optional[str] = None
         self.on_dead = None  # called once, with the reason, when the engine is found gone
+        self.streams = None  # a generating worker's handlers/engine/sequences.RemoteBatch (Tokens, their Failed)
 
     def _send(self, msg: p.Message) -> None:
         raise NotImplementedError
@@ -88,6 +89,22 @@ class Client:
             self._send(msg)
         except (OSError, errors.EngineUnavailable):
             pass
+
+    send_quiet = _send_quiet
+
+    def new_id(self) -> int:
+        """An id for a message whose answers `streams` takes (a Generate)."""
+        with self._lock:
+            return next(self._ids)
+
+    def send_stream(self, msg: p.Message) -> None:
+        """Sends a Generate; a dead engine raises EngineDead (and a failed send fails every
+        sequence in flight, this one too, through `streams`)."""
+        self._check_alive()
+        try:
+            self._send(msg)
+        except OSError as e:
+            self.engine_dead(f"sending to the engine failed: {e}")
 
     def submit(self, inputs: dict) -> int:
         """Writes `inputs` ({name: tensor, or a list of row blocks sent as one tensor}) into the
@@ -176,6 +193,12 @@ class Client:
         if isinstance(msg, p.EngineDead):
             self.engine_dead(msg.reason)
             return
+        if isinstance(msg, p.Tokens):
+            if self.streams is not None:
+                self.streams.tokens(msg)
+            return
+        if isinstance(msg, p.Failed) and self.streams is not None and self.streams.failed(msg):
+            return
         with self._lock:
             pending = self._pending.get(msg.id)
             if pending is None or pending.done.is_set():
@@ -204,6 +227,8 @@ class Client:
                     self._settle(pending, errors.EngineDead(f"the engine is gone: {reason}"))
                 if pending.abandoned:
                     del self._pending[job_id]
+        if self.streams is not None:
+            self.streams.dead(reason)
         if first and self.on_dead is not None:
             self.on_dead(reason)
 

@@ -67,14 +67,19 @@ class Job:
 
 
 class Engine:
-    def __init__(self, runner, max_rows: Optional[int] = None, name: str = "engine", device="auto"):
+    def __init__(self, runner, max_rows: Optional[int] = None, name: str = "engine", device="auto",
+                 generation=None):
         """`device`: the DeviceSteps a step is launched through ("auto": the runner's where it is
-        a CUDA runner with graphs; None: every step through the runner's own call, waited for)."""
-        self.runner = runner
-        self.device = DeviceSteps.for_runner(runner) if device == "auto" else device
+        a CUDA runner with graphs; None: every step through the runner's own call, waited for).
+        `generation`: an engine of a slot-form decoder (handlers/engine/generation.Generation),
+        which answers Generate and takes no Infer; its batch runs on a thread of its own."""
+        self.runner, self.generation = runner, generation
+        if generation is not None:
+            generation.on_fault = lambda reason: self.die(reason)
+        self.device = None if generation is not None else DeviceSteps.for_runner(runner) if device == "auto" else device
         self.flights = collections.deque()  # launched steps (device.Flight), oldest first
-        self.spec = runner.spec
-        self.max_rows = max_rows or self.spec.batch_max
+        self.spec = None if generation is not None else runner.spec
+        self.max_rows = max_rows or (self.spec.batch_max if self.spec is not None else 1)
         self.name = name
         self.queue = collections.deque()
         self.cv = threading.Condition()
@@ -106,6 +111,8 @@ class Engine:
             mine = [j for j in self.queue if j.session is session]
             for j in mine:
                 self.queue.remove(j)
+        if self.generation is not None:
+            self.generation.disconnect(session)
         with session.lock:
             session.closed = True
             session.held.clear()
@@ -121,8 +128,11 @@ class Engine:
             self.submit(session, msg)
         elif isinstance(msg, p.Release):
             self._release(session, msg.id)
+        elif isinstance(msg, p.Generate):
+            self._generate(session, msg)
         elif isinstance(msg, p.Abort):
-            self._abort(session, msg.id)
+            if self.generation is None or not self.generation.abort(session, msg.id):
+                self._abort(session, msg.id)
         elif isinstance(msg, p.State):
             with self.cv:
                 queued, clients = len(self.queue), len(self.sessions)
@@ -130,9 +140,20 @@ class Engine:
         else:
             raise RequestError(f"the engine takes no {type(msg).__name__} here")
 
+    def _generate(self, session: Session, msg: p.Generate) -> None:
+        if self.dead:
+            session.reply(_failed(msg.id, EngineUnavailable(f"the engine is dead: {self.dead}")))
+        elif self.generation is None:
+            session.reply(_failed(msg.id, RequestError("this engine runs a model that does not generate: send Infer")))
+        else:
+            self.generation.submit(session, msg)
+
     def submit(self, session: Session, msg: p.Infer) -> None:
         """Queues the job, or answers Failed at once (a ref the arena does not hold, inputs that
         are not the model's: 400; a dead engine: 503)."""
+        if self.generation is not None:
+            session.reply(_failed(msg.id, RequestError("this engine generates (a decoder): send Generate")))
+            return
         try:
             job = self._job(session, msg)
         except ServingError as e:
@@ -366,6 +387,8 @@ class Engine:
         """The engine cannot serve again: the jobs at hand get 500 with the reason, queued ones
         and every worker EngineDead (they reconnect to the engine's successor)."""
         logger.error("%s: dead: %s", self.name, reason)
+        if self.generation is not None:
+            self.generation.stop()
         flights, self.flights = list(self.flights), collections.deque()
         for job in list(jobs) + [j for f in flights for j in f.jobs]:
             self._answer_failed(job, ServingError(reason))

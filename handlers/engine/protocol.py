@@ -16,6 +16,19 @@ The conversation, one Unix stream socket per worker:
     worker -> engine   State(id)                engine -> worker State(id, counts)
     engine -> worker   EngineDead(reason)       a fault that ends the engine; the socket closes
 
+Generation (a slot-form decoder's engine, handlers/engine/generation.py; Ready carries its
+`generation` facts): token ids cross, never text (the workers tokenize and detokenize):
+
+    worker -> engine   Generate(id, prompt ids, max_tokens, stop ids, sampling, key)
+    engine -> worker   Tokens(items)            one per worker per turn: each sequence's new
+                                                token ids (and log probabilities where asked),
+                                                `done` the reason where the engine ended it
+                       | Failed(id, ...)        the sequence failed (503 Busy: no slot and no
+                                                room in the queue; 499: its client went)
+    worker -> engine   Abort(id)                the worker ended it (a stop string, its client
+                                                gone, a sibling choice failed): its slot is freed
+                                                at the engine's next turn, and no answer follows
+
 Who owns which bytes: the worker allocates the inputs in its half of the arena and frees them
 when the Infer's one answer arrives (the engine reads them until then); the engine allocates a
 Result's outputs in its half and frees them on Release (or Abort, or the worker's disconnect).
@@ -84,6 +97,16 @@ class ReplayCost(msgspec.Struct, array_like=True, frozen=True):
     ms: float
 
 
+class GenerationInfo(msgspec.Struct, array_like=True, frozen=True):
+    """What a worker needs of the engine's slot decoder to check and plan a request itself."""
+
+    slots: int  # sequences generated at once
+    vocab: int
+    cache_length: int  # positions per sequence, prompt and generated tokens together
+    queue_size: int  # sequences that may wait for a slot (more: 503 Busy)
+    describe: str = ""  # the engine's account of its decoder, budget and graphs
+
+
 class Ready(_Msg, tag="ready"):
     engine: str
     pid: int
@@ -94,6 +117,7 @@ class Ready(_Msg, tag="ready"):
     # its graphs' replay times: the worker pads its batch's length groups to shared buckets where
     # one job is cheaper (batch.PadPlan.targets), as a runner with the graphs pads its own batch
     costs: tuple[ReplayCost, ...] = ()
+    generation: Optional[GenerationInfo] = None  # set by an engine that generates (a slot-form decoder)
 
 
 class Infer(_Msg, tag="infer"):
@@ -107,6 +131,45 @@ class Infer(_Msg, tag="infer"):
 class Result(_Msg, tag="result"):
     id: int
     outputs: tuple[TensorRef, ...]
+
+
+class Sampling(msgspec.Struct, array_like=True, frozen=True):
+    """A sequence's sampling (handlers/generation/request.Params' fields the engine reads)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    logprobs: Optional[int] = None  # top alternatives per token; None: no log probabilities
+
+
+class Generate(_Msg, tag="generate"):
+    id: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_ids: tuple[int, ...]  # ids that end the sequence (end-of-sequence and the request's own)
+    sampling: Sampling = Sampling()
+    key: str = ""  # the pod's name for the request (handlers/generation/abandon.py), "" without one
+
+
+class Logprob(msgspec.Struct, array_like=True, frozen=True):
+    """One token's log probability and its step's most likely alternatives ((id, logprob), ...)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Emitted(msgspec.Struct, array_like=True, frozen=True):
+    """A sequence's tokens of one turn."""
+
+    id: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()  # one per token where the request asked
+    done: str = ""  # why the engine ended the sequence (eos_token, length); "": it goes on
+
+
+class Tokens(_Msg, tag="tokens"):
+    items: tuple[Emitted, ...]
 
 
 class Failed(_Msg, tag="failed"):
@@ -138,8 +201,8 @@ class EngineDead(_Msg, tag="engine_dead"):
     reason: str
 
 
-Message = Union[Hello, Ready, Infer, Result, Failed, Release, Abort, State, EngineDead]
-MESSAGES = (Hello, Ready, Infer, Result, Failed, Release, Abort, State, EngineDead)
+Message = Union[Hello, Ready, Infer, Result, Failed, Release, Abort, State, EngineDead, Generate, Tokens]
+MESSAGES = (Hello, Ready, Infer, Result, Failed, Release, Abort, State, EngineDead, Generate, Tokens)
 
 
 class Encoder:

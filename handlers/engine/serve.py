@@ -200,6 +200,11 @@ def build(args) -> tuple:
     from handlers.engine import artifact
 
     model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root)
+    if model.budget is not None:  # a slot-form decoder: the engine generates
+        from handlers.engine.generation import Generation
+
+        gen = Generation(model.runner, model.config, *model.budget)
+        return Engine(model.runner, 1, args.name, generation=gen), model.variant_dir, model.describe
     engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name)
     return engine, model.variant_dir, model.describe
 
@@ -247,8 +252,11 @@ def main(argv=None) -> int:
         logger.exception("the engine could not load")
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 2
+    gen = engine.generation
     ready = functools.partial(p.Ready, engine.name, os.getpid(), engine.max_rows, variant=variant, describe=describe,
-                              costs=replay_costs(engine.runner))
+                              costs=() if gen else replay_costs(engine.runner), generation=gen and gen.info())
+    if gen is not None:
+        gen.start()
     listener = listen(args.socket)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

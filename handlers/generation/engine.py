@@ -395,6 +395,17 @@ class TurnStats:
         self.__init__()
 
 
+def warm(runner) -> None:
+    """A slot decoder's warm-up before it serves: a prompt of the longest chunk one call takes
+    and a step of every slot (its kernels and its allocator's blocks)."""
+    dec = runner.dec
+    with torch.inference_mode(), runner.stream_context():
+        n = max(1, min(dec.chunk_max, dec.cache_length - 4))
+        runner.prefill(0, torch.arange(n, device=runner.device).view(1, n) % dec.vocab, 0)
+        runner.step(list(range(dec.slots)), torch.zeros(dec.slots, dtype=torch.int64, device=runner.device),
+                    [n] * dec.slots)
+
+
 def measure_budget(runner, repeats: int = 3) -> tuple:
     """(Budget, the note): the prompt call that takes no longer than a decode step of every slot,
     timed on this device: the most tokens of one chunk (powers of two up to the runner's chunk
