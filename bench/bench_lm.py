@@ -86,6 +86,8 @@ def build_parser():
     p.add_argument("--work", help="keep the checkpoint and the artifact here, taken from here when present")
     p.add_argument("--export-only", action="store_true", help="stop after the export (with --work: a first call)")
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
+    p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
@@ -435,7 +437,7 @@ def run(args, counts: list, pool, keep: Path, work: Path, save=lambda parts: Non
         return None
     lim = {"skipped": "--no-limits"} if args.no_limits else limits(args, exported, model["vocab"], counts)
     ns = SimpleNamespace(vocab=model["vocab"], prompt=args.prompt, decode=args.decode, warmup=args.warmup,
-                         rounds=args.rounds, log=args.log)
+                         rounds=args.rounds, log=args.log, handler_option=args.handler_option)
     ours = serve_archive(ns, ["--artifact", str(keep / "artifact")], work, pool, counts)
     if args.no_transformers:
         return model, exported, lim, ours, {"skipped": "--no-transformers"}

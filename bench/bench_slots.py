@@ -72,6 +72,8 @@ def build_parser():
     p.add_argument("--reuse", help="a directory to keep the program and package in and take them from when "
                                    "present (a second run on a machine still warm skips the compile)")
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
+    p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     p.add_argument("--baseline", help="the .json of an earlier run of this bench (other code, same machine and "
                                       "package): its points are set beside this run's")
@@ -277,11 +279,17 @@ def served(args, program: Path, pkg: Path, work: Path, pool, counts: list) -> di
     return serve_archive(args, ["--artifact", str(pkg), "--program", str(program)], work, pool, counts)
 
 
+def is_load_line(line: str) -> bool:
+    """The worker's load line: its own decoder's, or (handler.engine on) the line naming the engine."""
+    return "MODEL_LOG - " in line and ("loaded aoti decoder" in line or "served by the engine" in line)
+
+
 def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
     """cs-archive `artifact` (its arguments) --name lm with no options, served by TorchServe; the
     points at each stream count (args: vocab, prompt, decode, warmup, rounds, log)."""
     store = work / "store"
-    cmd = [sys.executable, "-m", "compiled_serving.archive", *artifact, "--name", "lm", "--out", str(store)]
+    cmd = [sys.executable, "-m", "compiled_serving.archive", *artifact, "--name", "lm", "--out", str(store),
+           *[x for kv in getattr(args, "handler_option", None) or () for x in ("--handler-option", kv)]]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
@@ -292,7 +300,7 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
         ts.wait_ready(timeout=500)
         # the load line now, not only in the page: a run cut off by its time limit still shows
         # what the worker serves prompts with (graphs kept or not)
-        print(next((ln.split("MODEL_LOG - ", 1)[1] for ln in ts.log().splitlines() if "loaded aoti decoder" in ln),
+        print(next((ln.split("MODEL_LOG - ", 1)[1] for ln in ts.log().splitlines() if is_load_line(ln)),
                    "no load line"), flush=True)
         port, token = ts.ports["inf"], ts.key()
         prompts = make_prompts(args.vocab, args.prompt, max(counts))
@@ -317,8 +325,7 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
         log = ts.log()
         if args.log:
             Path(args.log).write_text(log)
-        out["load_line"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in log.splitlines()
-                                 if "loaded aoti decoder" in ln), "")
+        out["load_line"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in log.splitlines() if is_load_line(ln)), "")
         return out
     finally:
         ts.stop()
