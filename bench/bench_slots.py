@@ -72,6 +72,8 @@ def build_parser():
     p.add_argument("--reuse", help="a directory to keep the program and package in and take them from when "
                                    "present (a second run on a machine still warm skips the compile)")
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
+    p.add_argument("--frontend-warmup", type=int, default=64,
+                   help="one-token requests sent one after another before the points (TorchServe's JIT warm-up)")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
@@ -125,6 +127,21 @@ def stream_once(a) -> dict:
     if resp.status != 200 or last is None or "token_ids" not in last:
         raise RuntimeError(f"status {resp.status}: {last}")
     return {"t0": t0, "times": times[:-1], "end": times[-1], "tokens": last["token_ids"]}
+
+
+def warm_frontend(port, token, prompt: list, n: int) -> dict:
+    """`n` one-token requests, one after another, before any point: TorchServe's frontend (a JVM)
+    answers its first requests slowly while its JIT compiles the request path (measured on an
+    H200 host with bench/ttft_hops: a request's way into the worker took 10-15 ms for the first
+    4-21 requests after the start, 2-3 ms after), which a point of a few streams' rounds would
+    otherwise measure. The TTFT of the first and the last ten, p50, ms."""
+    if n <= 0:
+        return {"requests": 0}
+    ttft = []
+    for _ in range(n):
+        r = stream_once((port, token, prompt, 1, time.time()))
+        ttft.append(((r["times"][0] if r["times"] else r["end"]) - r["t0"]) * 1e3)
+    return {"requests": n, "ttft_ms_p50_first10": pct(ttft[:10], 0.5), "ttft_ms_p50_last10": pct(ttft[-10:], 0.5)}
 
 
 def make_prompts(vocab: int, length: int, count: int) -> list:
@@ -305,7 +322,9 @@ def serve_archive(args, artifact: list, work: Path, pool, counts: list) -> dict:
         port, token = ts.ports["inf"], ts.key()
         prompts = make_prompts(args.vocab, args.prompt, max(counts))
         out = {"archive": r.stdout.strip().splitlines(), "archive_command": cmd[2:], "archive_s": archive_s,
+               "frontend_warmup": warm_frontend(port, token, prompts[0], getattr(args, "frontend_warmup", 64)),
                "points": []}
+        print(f"frontend warm-up: {out['frontend_warmup']}", flush=True)
         for n in counts:
             warm = time.time()  # warm-up rounds for --warmup seconds, at least one
             while True:
@@ -448,7 +467,7 @@ def main(argv=None) -> int:
                              if len(crowd["tokens"]) > 1 else None),
         "memory": {"worker_mib": ours["gpu_mib"], "weights_mib": round(params * 2 / 2**20, 1),
                    "cache_mib": round(cache / 2**20, 1)},
-        "archive": ours["archive"], "load_line": ours["load_line"]}
+        "archive": ours["archive"], "load_line": ours["load_line"], "frontend_warmup": ours.get("frontend_warmup")}
     if args.baseline:
         base = json.loads(Path(args.baseline).read_text())
         report["baseline"] = {k: base.get(k) for k in ("command", "date", "points", "targets", "load_line",

@@ -47,11 +47,19 @@ class Side:
         self.gen = Generation(self.runner, cfg, batching.Budget(4, 16), "test budget")
         self.engine = Engine(self.runner, 1, "test-engine", generation=self.gen)
         self.gen.start()
-        self.client = InProcessEngine(self.engine, "w1", 1 << 20, 1 << 20)
+        self.client = InProcessEngine(self.engine, "gen-w1", 1 << 20, 1 << 20)
         self.connects = 0
         self.remote = RemoteBatch(self._no_successor, self._deliver)
         self.remote.attach(self.client)
         self.done, self.tokens, self.cond = {}, {}, threading.Condition()
+        self.closed = False
+
+    def close(self):
+        """The client's arena and the engine's mapping of it closed (a later test counts the
+        process's arena mappings: tests/test_engine_device.py)."""
+        if not self.closed:
+            self.closed = True
+            self.client.close()
 
     def _no_successor(self):
         self.connects += 1
@@ -95,8 +103,20 @@ class Side:
         return False
 
 
-def test_sequences_through_the_engine_equal_the_model_alone(program):
-    side = Side(program)
+@pytest.fixture
+def make_side(program):
+    made = []
+
+    def make(**kw):
+        made.append(Side(program, **kw))
+        return made[-1]
+    yield make
+    for side in made:
+        side.close()
+
+
+def test_sequences_through_the_engine_equal_the_model_alone(program, make_side):
+    side = make_side()
     g = torch.Generator().manual_seed(3)
     prompts = {i: torch.randint(0, 256, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
                for i in range(40)}
@@ -109,8 +129,8 @@ def test_sequences_through_the_engine_equal_the_model_alone(program):
     assert side.all_free(), "slots left held after every sequence ended"
 
 
-def test_seeded_sampling_and_logprobs_as_the_batch_in_process(program):
-    side, h = Side(program), Harness(program)
+def test_seeded_sampling_and_logprobs_as_the_batch_in_process(program, make_side):
+    side, h = make_side(), Harness(program)
     params = dict(temperature=0.8, top_k=20, seed=11, logprobs=2)
     side.submit("s", [4, 8, 15], 10, **params)
     h.submit("s", [4, 8, 15], 10, **params)
@@ -130,8 +150,8 @@ class StopsAtThird(loop.Sequence):
         return ev
 
 
-def test_a_sequence_the_worker_ends_is_aborted_and_its_slot_freed(program):
-    side = Side(program)
+def test_a_sequence_the_worker_ends_is_aborted_and_its_slot_freed(program, make_side):
+    side = make_side()
     jobs = [side.job(i, [1 + i, 2, 3], 100, seq_class=StopsAtThird) for i in range(SLOTS)]
     side.remote.submit(*jobs)
     got = side.wait(list(range(SLOTS)))
@@ -141,8 +161,8 @@ def test_a_sequence_the_worker_ends_is_aborted_and_its_slot_freed(program):
     assert all(len(side.tokens[i]) == 3 for i in range(SLOTS))
 
 
-def test_a_full_queue_is_busy_with_its_class_and_the_rest_run(program):
-    side = Side(program, queue_size=0)
+def test_a_full_queue_is_busy_with_its_class_and_the_rest_run(program, make_side):
+    side = make_side(queue_size=0)
     for i in range(SLOTS + 6):
         side.submit(i, [3, 4, 5 + i], 40)
     got = side.wait(list(range(SLOTS + 6)))
@@ -151,19 +171,19 @@ def test_a_full_queue_is_busy_with_its_class_and_the_rest_run(program):
     assert sum(isinstance(v, loop.Finished) for v in got.values()) == SLOTS
 
 
-def test_a_worker_that_goes_frees_its_slots(program):
-    side = Side(program)
+def test_a_worker_that_goes_frees_its_slots(program, make_side):
+    side = make_side()
     for i in range(8):
         side.submit(i, [9, 9, i], 120)
     deadline = time.monotonic() + 30
     while len(side.gen.batch.free) > SLOTS - 8 and time.monotonic() < deadline:
         time.sleep(0.01)
-    side.client.close()
+    side.close()
     assert side.all_free(), "a gone worker's sequences kept their slots"
 
 
-def test_an_engine_that_dies_fails_every_sequence_with_a_retryable_503(program):
-    side = Side(program)
+def test_an_engine_that_dies_fails_every_sequence_with_a_retryable_503(program, make_side):
+    side = make_side()
     for i in range(4):
         side.submit(i, [2, 3, i], 120)
     side.engine.die("a test fault")
@@ -178,6 +198,13 @@ def test_an_engine_that_dies_fails_every_sequence_with_a_retryable_503(program):
     while side.connects == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert side.connects >= 1, "nobody tried to reach the engine's successor"
+
+
+def test_no_arena_of_these_tests_stays_mapped():
+    """Every Side closed its client: no arena of theirs left in this process's mappings."""
+    with open("/proc/self/maps") as f:
+        left = [line for line in f if "/memfd:cs-arena-gen-" in line]
+    assert not left, left[:3]
 
 
 # --- through real TorchServe ---

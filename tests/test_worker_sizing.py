@@ -375,7 +375,8 @@ def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
     from handlers import engine_worker
 
     # the decision is the worker's own (engine_worker.serves), which holds its decoder_of
-    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: object() if spec == "dec" else None)
+    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: SimpleNamespace(slotted=spec == "slots")
+                        if spec in ("dec", "slots") else None)
     monkeypatch.setattr(archive, "weight_bytes", lambda spec: SimpleNamespace(mib=100.0, bytes=100 << 20, how="test"))
     monkeypatch.setattr(archive, "shares_weights", lambda specs, opts: False)
     args = SimpleNamespace(worker_overhead_mib=None, gpu_memory_headroom=0.1, gpu_memory_gib=24.0)
@@ -383,3 +384,5 @@ def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
     plain = archive.gpu_sizing(args, ["plain"], 6, {"engine": "on"})
     assert not dec.engine and dec.per_worker_mib > 0 and dec.workers <= 6
     assert plain.engine and plain.per_worker_mib == 0
+    slots = archive.gpu_sizing(args, ["slots"], 6, {"engine": "on"})  # a slot-form decoder: the engine's batch
+    assert slots.engine and slots.per_worker_mib == 0
