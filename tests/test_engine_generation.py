@@ -200,6 +200,26 @@ def test_an_engine_that_dies_fails_every_sequence_with_a_retryable_503(program, 
     assert side.connects >= 1, "nobody tried to reach the engine's successor"
 
 
+def test_an_engine_that_dies_while_a_request_is_sent_fails_each_choice_once(make_side, monkeypatch):
+    """The send fails (the engine's socket closed under it): every choice of the request is
+    answered EngineDead exactly once through the updates, and submit itself raises nothing (a
+    raise there would answer the request a second time: handlers/continuous.py)."""
+    side = make_side()
+    delivered = []
+    inner = side.remote.deliver
+    side.remote.deliver = lambda updates: (delivered.extend(j.tag for j, _e, _err in updates), inner(updates))
+
+    def broken(msg):
+        raise OSError("the engine's socket closed")
+    monkeypatch.setattr(side.client, "_send", broken)
+    side.remote.submit(side.job("a", [1, 2], 5), side.job("b", [3, 4], 5))
+    got = side.wait(["a", "b"])
+    assert all(isinstance(v, EngineDead) for v in got.values()) and sorted(delivered) == ["a", "b"], delivered
+    with pytest.raises(EngineDead):  # found dead before anything is sent: the caller answers it
+        side.remote.submit(side.job("c", [5], 2))
+    assert "c" not in delivered
+
+
 def test_no_arena_of_these_tests_stays_mapped():
     """Every Side closed its client: no arena of theirs left in this process's mappings."""
     with open("/proc/self/maps") as f:

@@ -93,8 +93,10 @@ class RemoteBatch:
                                                            "being reached"}
 
     def submit(self, *jobs) -> None:
-        """Sends each job's Generate (a request's choices together); a dead engine raises
-        EngineDead (503, retry) at once; a refusal comes back as each job's Failed."""
+        """Sends each job's Generate (a request's choices together); an engine found dead before
+        raises EngineDead (503, retry), nothing sent; a refusal comes back as each job's Failed.
+        An engine that dies while they are sent fails them through `deliver`, once: whichever
+        of this call and the client's sweep (`dead`) takes a job from `jobs` answers it."""
         client = self.client
         if client.dead:
             raise errors.EngineDead(f"the engine is gone ({client.dead}); a new one is starting: retry")
@@ -104,8 +106,22 @@ class RemoteBatch:
                 job_id = client.new_id()
                 self.jobs[job_id], self.ids[job] = job, job_id
                 msgs.append(generate_message(job_id, job))
-        for msg in msgs:
-            client.send_stream(msg)
+        try:
+            for msg in msgs:
+                client.send_stream(msg)
+        except errors.EngineDead:
+            pass
+        if client.dead:  # it died meanwhile, maybe before its sweep could see these
+            self._fail([m.id for m in msgs], errors.EngineDead(f"the engine is gone ({client.dead}); retry"))
+
+    def _fail(self, job_ids: list, err: errors.ServingError) -> None:
+        """Fails the jobs of these ids still held (each answered once: taken under the lock)."""
+        with self.lock:
+            jobs = [self.jobs.pop(i) for i in job_ids if i in self.jobs]
+            for job in jobs:
+                self.ids.pop(job, None)
+        if jobs:
+            self.deliver([(job, [], err) for job in jobs])
 
     def cancel(self, jobs) -> None:
         """The worker ended these (a sibling choice failed): Abort each the engine still runs."""
