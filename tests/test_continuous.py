@@ -539,12 +539,16 @@ def archive(path, name: str, store, *extra):
     return r
 
 
+def saved_program(program, tmp_path_factory, name: str) -> tuple:
+    """(the program saved as a .pt2 file, a model store beside it) in a new directory `name`."""
+    d = tmp_path_factory.mktemp(name)
+    torch.export.save(program, d / "slots.pt2")
+    return d / "slots.pt2", d / "store"
+
+
 @pytest.fixture(scope="module")
 def slot_server(program, serve, tmp_path_factory):
-    d = tmp_path_factory.mktemp("slots")
-    path = d / "slots.pt2"
-    torch.export.save(program, path)
-    store = d / "store"
+    path, store = saved_program(program, tmp_path_factory, "slots")
     r = archive(path, "lm", store)
     archive(path, "lm_q0", store, "--handler-option", "queue_size=0")
     ts = serve({"lm": store / "lm.mar", "lm_q0": store / "lm_q0.mar"})

@@ -22,7 +22,8 @@ import time
 
 import pytest
 import torch
-from test_continuous import SLOTS, Harness, archive, ask, one_sequence_greedy, program  # noqa: F401 (fixture)
+from test_continuous import (SLOTS, Harness, archive, ask, one_sequence_greedy, program,  # noqa: F401 (fixture)
+                             saved_program)
 
 from handlers.config import parse_config
 from handlers.engine import protocol as p
@@ -239,10 +240,7 @@ def engine_pids(ts) -> list:
 
 @pytest.fixture(scope="module")
 def engine_slots(program, serve, tmp_path_factory):
-    d = tmp_path_factory.mktemp("engine_slots")
-    path = d / "slots.pt2"
-    torch.export.save(program, path)
-    store = d / "store"
+    path, store = saved_program(program, tmp_path_factory, "engine_slots")
     archive(path, "lm_engine", store, "--handler-option", "engine=on", "--workers", "2")
     return serve({"lm_engine": store / "lm_engine.mar"})
 

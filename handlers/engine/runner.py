@@ -45,7 +45,7 @@ class EngineRunner(Runner):
         self.costs = replay_table(client)
         self._held: list = []  # the last run's replies, released at the next
         self._retired: list = []  # clients of dead engines, closed once their replies are released
-        self._reconnecting = threading.Lock()
+        self._successor = Successor(lambda: self._reconnect(), self._adopt)
         self._probing = threading.Lock()
         client.on_dead = self._engine_gone
 
@@ -136,27 +136,13 @@ class EngineRunner(Runner):
     def _engine_gone(self, reason: str) -> None:
         """The client's reader found the engine gone: connect to its successor on a thread of its
         own (the batches meanwhile get EngineDead at once)."""
-        logger.error("the engine is gone (%s); connecting to its successor", reason)
-        if self._reconnecting.acquire(blocking=False):
-            threading.Thread(target=self._connect_again, name="engine-reconnect", daemon=True).start()
+        self._successor.reach(reason)
 
-    def _connect_again(self) -> None:
-        try:
-            for attempt in range(10 ** 6):
-                time.sleep(RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)])
-                try:
-                    client = self._reconnect()
-                except Exception as e:  # noqa: BLE001 - an engine that cannot load yet: try again
-                    logger.warning("the engine's successor is not reachable yet: %s", e)
-                    continue
-                client.on_dead = self._engine_gone
-                self._retired.append(self.client)
-                self.client = client
-                self.costs = replay_table(client)
-                logger.info("connected to the engine's successor (pid %s)", getattr(getattr(client, "ready", None), "pid", "?"))
-                return
-        finally:
-            self._reconnecting.release()
+    def _adopt(self, client) -> None:
+        client.on_dead = self._engine_gone
+        self._retired.append(self.client)
+        self.client = client
+        self.costs = replay_table(client)
 
     def describe_sync(self) -> str:
         return "requests batched with every worker's by the engine (handlers/engine)"
@@ -168,6 +154,38 @@ class EngineRunner(Runner):
         return {"pid": getattr(getattr(client, "ready", None), "pid", None), "connected": client.dead is None,
                 "reason": None if client.dead is None else f"the engine is gone ({client.dead}); its successor is "
                                                            "being reached"}
+
+
+class Successor:
+    """A dead engine's successor reached on a thread of its own, one attempt loop at a time:
+    `connect()` tried after each of RECONNECT_S's waits (the last repeats) until it answers,
+    then `adopt(client)`. The worker's side of both kinds of engine (EngineRunner and
+    handlers/engine/sequences.RemoteBatch) use it; the request's own thread never waits for it."""
+
+    def __init__(self, connect: Callable[[], object], adopt: Callable[[object], None]):
+        self.connect, self.adopt = connect, adopt
+        self._lock = threading.Lock()
+
+    def reach(self, reason: str) -> None:
+        logger.error("the engine is gone (%s); connecting to its successor", reason)
+        if self._lock.acquire(blocking=False):
+            threading.Thread(target=self._run, name="engine-reconnect", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            for attempt in range(10 ** 6):
+                time.sleep(RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)])
+                try:
+                    client = self.connect()
+                except Exception as e:  # noqa: BLE001 - an engine that cannot load yet: try again
+                    logger.warning("the engine's successor is not reachable yet: %s", e)
+                    continue
+                self.adopt(client)
+                logger.info("connected to the engine's successor (pid %s)",
+                            getattr(getattr(client, "ready", None), "pid", "?"))
+                return
+        finally:
+            self._lock.release()
 
 
 def replay_table(client) -> ReplayTable:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Callable, Optional
 
 from handlers import errors
 from handlers.engine import protocol as p
 from handlers.engine.client import remote_error
-from handlers.engine.runner import RECONNECT_S
+from handlers.engine.runner import Successor
 from handlers.generation import engine as batching
 from handlers.generation.logprobs import TokenLogprob
 
@@ -55,7 +54,7 @@ class RemoteBatch:
         self.jobs: dict = {}  # the engine's id -> job, while the engine runs it
         self.ids: dict = {}  # job -> its id
         self.client = None
-        self._reconnecting = threading.Lock()
+        self._successor = Successor(self.connect, self.attach)
 
     def attach(self, client) -> None:
         """Answers come from `client` from now on (a dead predecessor's no longer reach here)."""
@@ -66,24 +65,7 @@ class RemoteBatch:
 
     def _gone(self, reason: str) -> None:
         """The client found its engine gone: its successor is connected on a thread of its own."""
-        logger.error("the engine is gone (%s); connecting to its successor", reason)
-        if self._reconnecting.acquire(blocking=False):
-            threading.Thread(target=self._connect_again, name="engine-reconnect", daemon=True).start()
-
-    def _connect_again(self) -> None:
-        try:
-            for attempt in range(10 ** 6):
-                time.sleep(RECONNECT_S[min(attempt, len(RECONNECT_S) - 1)])
-                try:
-                    client = self.connect()
-                except Exception as e:  # noqa: BLE001 - an engine that cannot load yet: try again
-                    logger.warning("the engine's successor is not reachable yet: %s", e)
-                    continue
-                self.attach(client)
-                logger.info("connected to the engine's successor (pid %s)", client.ready.pid)
-                return
-        finally:
-            self._reconnecting.release()
+        self._successor.reach(reason)
 
     def engine_state(self) -> dict:
         """The engine as this worker sees it (handlers/worker.Worker.describe: the pod's readiness)."""
