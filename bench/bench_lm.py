@@ -88,6 +88,9 @@ def build_parser():
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
     p.add_argument("--frontend-warmup", type=int, default=64,
                    help="one-token requests sent one after another before the points (TorchServe's JIT warm-up)")
+    p.add_argument("--engine-compare", action="store_true",
+                   help="serve the archive a second time with handler.engine=on (the GPU in one engine process "
+                        "fed by the workers) and report both against the same limits")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
@@ -325,6 +328,17 @@ def served_over_limits(points: list, lim: dict) -> dict:
     return {"served_over_step_limit": step, "served_over_limit": whole}
 
 
+def engine_part(eng: dict, lim: dict, per_worker: list) -> dict:
+    """The points served through the engine (--engine-compare), against the same limits; its one
+    stream's greedy tokens against the per-worker path's (the same package at one row: equal)."""
+    pts = [{k: v for k, v in p.items() if k != "tokens"} for p in eng["points"]]
+    return {"points": pts, "served": served_over_limits(eng["points"], lim), "load_line": eng["load_line"],
+            "gpu_mib": eng["gpu_mib"], "archive_command": eng["archive_command"][1:],
+            "frontend_warmup": eng.get("frontend_warmup"),
+            "first_difference_alone_vs_per_worker": first_difference(per_worker[0]["tokens"][0],
+                                                                     eng["points"][0]["tokens"][0])}
+
+
 def crowd_check(points: list) -> dict:
     """The greedy tokens of stream 0 alone against the same prompt among 32 (else the largest count)."""
     by_n = {p["streams"]: p for p in points}
@@ -356,7 +370,7 @@ def page(r: dict) -> str:
     lines += ["", f"Targets: ahead of transformers at every count: {s['targets']['ahead_of_transformers_at_every_count']}; "
                   f"32 streams >= 12x one stream: {s['targets']['streams32_over_1_at_least_12']} "
                   f"({s['streams32_over_1']})." if s["streams32_over_1"] else "", ""]
-    lines += ttft_lines(r)
+    lines += engine_lines(r) + ttft_lines(r)
     lines += transformers_lines(r) + ["", f"Greedy tokens alone and among {r['crowd']['crowd']}: "
                                           f"{r['crowd']['same_tokens']} ({r['crowd'].get('first_difference')}).", "",
                                       f"Export: `cs-export-lm {' '.join(m['export_command'][1:])}`", ""]
@@ -364,6 +378,28 @@ def page(r: dict) -> str:
     lines += ["", f"Archive: `cs-archive {' '.join(m['archive_command'][1:])}`", ""]
     lines += [f"    {ln}" for ln in r["archive"]] + ["", f"Worker's load line: {r['load_line']}", ""]
     return "\n".join(lines)
+
+
+def engine_lines(r: dict) -> list:
+    """--engine-compare: the same archive served through the engine (handler.engine=on)."""
+    e = r.get("engine")
+    if not e:
+        return []
+    lines = ["The same archive with `--handler-option engine=on` (the GPU in one engine process, the workers "
+             f"CPU-only), in a TorchServe of its own: `cs-archive {' '.join(e['archive_command'])}`; its one "
+             f"stream's greedy tokens against the per-worker path's: first difference at "
+             f"{e['first_difference_alone_vs_per_worker']}.", "",
+             "| streams | per-worker tokens/s | engine tokens/s | engine / per-worker | TTFT p50 (ms) | "
+             "inter-token p50 / p99 (ms) | engine / step limit | engine / round limit |", "|---|---|---|---|---|---|---|---|"]
+    ours = {p["streams"]: p["aggregate_tok_s"] for p in r["points"]}
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for p in e["points"]:
+        n, tok = p["streams"], p["aggregate_tok_s"]
+        lines.append(f"| {n} | {ours.get(n, 0):.0f} | {tok:.0f} | {fmt(tok / ours[n] if ours.get(n) else None)} | "
+                     f"{p['ttft_ms_p50']:.1f} | {p['itl_ms_p50']:.2f} / {p['itl_ms_p99']:.2f} | "
+                     f"{fmt(e['served']['served_over_step_limit'].get(str(n)))} | "
+                     f"{fmt(e['served']['served_over_limit'].get(str(n)))} |")
+    return lines + ["", f"Engine's load line: {e['load_line']}", ""]
 
 
 def ttft_lines(r: dict) -> list:
@@ -446,9 +482,15 @@ def run(args, counts: list, pool, keep: Path, work: Path, save=lambda parts: Non
                          rounds=args.rounds, log=args.log, handler_option=args.handler_option,
                          frontend_warmup=args.frontend_warmup)
     ours = serve_archive(ns, ["--artifact", str(keep / "artifact")], work, pool, counts)
+    skipped = {"skipped": "--no-transformers" if args.no_transformers else
+               "not reached (the run ended before the transformers baselines)"}
+    save((model, exported, lim, ours, skipped))  # a run cut off by its time limit keeps what was measured
+    if args.engine_compare:  # the same archive's points through the engine, in a TorchServe of its own
+        eng = SimpleNamespace(**{**vars(ns), "log": None, "handler_option": [*args.handler_option, "engine=on"]})
+        ours["engine"] = serve_archive(eng, ["--artifact", str(keep / "artifact")], work / "engine", pool, counts)
+        save((model, exported, lim, ours, skipped))
     if args.no_transformers:
-        return model, exported, lim, ours, {"skipped": "--no-transformers"}
-    save((model, exported, lim, ours, {"skipped": "not reached (the run ended before the transformers baselines)"}))
+        return model, exported, lim, ours, skipped
     hf = transformers_baselines(args, keep / "ckpt", model["vocab"], counts,
                                 lambda out: save((model, exported, lim, ours, out)))
     return model, exported, lim, ours, hf
@@ -467,6 +509,10 @@ def report_of(args, argv, counts, parts) -> dict:
          "step_limits": lim, "crowd": crowd_check(pts),
          "archive": ours["archive"], "load_line": ours["load_line"], "worker_gpu_mib": ours["gpu_mib"],
          "frontend_warmup": ours.get("frontend_warmup")}
+    if "engine" in ours:
+        r["engine"] = engine_part(ours["engine"], lim, pts)
+        r["summary"]["engine"] = {"tok_s": {str(p["streams"]): p["aggregate_tok_s"] for p in r["engine"]["points"]},
+                                  **r["engine"]["served"]}
     pre = (lim.get("points") or [{}])[0].get("prefill_ms")
     r["ttft_one_stream"] = {"prefill_ms": pre, "worker_mean_ms": pts[0].get("worker_ttft_ms_mean"),
                             "client_p50_ms": pts[0]["ttft_ms_p50"],
