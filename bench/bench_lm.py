@@ -336,7 +336,8 @@ def engine_part(eng: dict, lim: dict, per_worker: list) -> dict:
             "gpu_mib": eng["gpu_mib"], "archive_command": eng["archive_command"][1:],
             "frontend_warmup": eng.get("frontend_warmup"),
             "first_difference_alone_vs_per_worker": first_difference(per_worker[0]["tokens"][0],
-                                                                     eng["points"][0]["tokens"][0])}
+                                                                     eng["points"][0]["tokens"][0]),
+            "tokens_alone": eng["points"][0]["tokens"][0]}
 
 
 def crowd_check(points: list) -> dict:
@@ -508,7 +509,7 @@ def report_of(args, argv, counts, parts) -> dict:
          "summary": {**summary(pts, hf if "skipped" not in hf else {}), **served_over_limits(pts, lim)},
          "step_limits": lim, "crowd": crowd_check(pts),
          "archive": ours["archive"], "load_line": ours["load_line"], "worker_gpu_mib": ours["gpu_mib"],
-         "frontend_warmup": ours.get("frontend_warmup")}
+         "frontend_warmup": ours.get("frontend_warmup"), "tokens_alone": pts[0]["tokens"][0]}
     if "engine" in ours:
         r["engine"] = engine_part(ours["engine"], lim, pts)
         r["summary"]["engine"] = {"tok_s": {str(p["streams"]): p["aggregate_tok_s"] for p in r["engine"]["points"]},

@@ -160,8 +160,10 @@ def pct(xs: list, q: float) -> float:
 def one_point(pool, port, token, prompts, n: int, decode: int, rounds: int) -> dict:
     """`rounds` rounds of n streams started together: aggregate tokens/s the median round's (each
     round's every token over its wall time), TTFT and inter-token percentiles over every round's
-    streams pooled; the first round's tokens."""
-    rates, walls, ttft, itl, tokens = [], [], [], [], None
+    streams pooled; the first round's tokens, and where each later round's first differ from them
+    (None: the same; greedy, so one stream alone gives the same tokens every round unless its
+    kernels differ between rounds; in a crowd the steps' batches may differ too)."""
+    rates, walls, ttft, itl, tokens, drift = [], [], [], [], None, []
     for _ in range(rounds):
         start = time.time() + 1.0
         runs = pool.map(stream_once, [(port, token, prompts[i], decode, start) for i in range(n)])
@@ -171,7 +173,10 @@ def one_point(pool, port, token, prompts, n: int, decode: int, rounds: int) -> d
         ttft += [(r["times"][0] - r["t0"]) * 1e3 for r in runs]
         itl += [(b - a) * 1e3 for r in runs for a, b in zip(r["times"], r["times"][1:])]
         tokens = tokens or [r["tokens"] for r in runs]
+        at = [d for d in (first_difference(a, r["tokens"]) for a, r in zip(tokens, runs)) if d is not None]
+        drift.append(min(at, default=None))
     return {"streams": n, "aggregate_tok_s": statistics.median(rates), "rounds_tok_s": rates, "wall_s": walls,
+            "rounds_first_difference": drift[1:],
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99), "tokens": tokens}
 
