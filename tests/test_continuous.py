@@ -638,24 +638,24 @@ def crowd_on_a_queue_of_none(ts) -> list:
 def test_a_full_queue_is_503_with_retry_after_and_the_worker_serves_on(slot_server):
     """No condition says when every slot is busy from outside the worker (a sequence's 120
     tokens take a fraction of a second), so the crowd is sent up to three times until some of it
-    is refused; every round's refusals carry the retry hint and at least a slot's worth is served."""
+    is refused; every round's refusals carry the retry hint, at least a slot's worth is served,
+    and every request is answered: one of the 96 was once left unanswered after 60 s in 2 of 3
+    full runs (the generation metrics' first emission of a name changed TorchServe's context while
+    its async predict deep-copied it for that request: stage_timings.generation_sink)."""
     ts = slot_server.ts
-    unanswered = []
     for _ in range(3):
         statuses = crowd_on_a_queue_of_none(ts)
-        unanswered += [s for s in statuses if s[0] == "timeout"]
+        unanswered = [s for s in statuses if s[0] == "timeout"]
+        assert not unanswered, f"{len(unanswered)} request(s) of the burst unanswered after 60 s"
         busy = [s for s in statuses if s[0] == 503]
         assert all(s[1] == "1" and "slots are busy" in s[2] for s in busy), busy[:3]
         assert sum(s[0] == 200 for s in statuses) >= SLOTS and len(statuses) == SLOTS * 3
-        assert {s[0] for s in statuses} <= {200, 503, "timeout"}, {s[0] for s in statuses}
+        assert {s[0] for s in statuses} <= {200, 503}, {s[0] for s in statuses}
         if busy:
             break
     assert busy, "96 requests at once were never refused in three rounds"
     r, lines = ask(ts, "lm_q0", {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 3}})
     assert r.status_code == 200 and len(lines) == 4
-    if unanswered:  # seen in 2 of 3 full runs on 2026-11-29 (one request of 96), never in 40 rounds alone
-        pytest.xfail(f"{len(unanswered)} request(s) of the burst unanswered after 60 s: a known, not yet "
-                     "understood hang of the per-worker slot path under a burst (issue 64's note, stop 73)")
 
 
 @pytest.mark.server

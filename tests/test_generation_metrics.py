@@ -151,6 +151,44 @@ def test_the_sink_writes_torchserves_metric_lines_and_never_raises(caplog):
     generation_sink(SimpleNamespace(), "lm")(gm.TOKENS, "counter", 1)  # no metrics object: nothing raised
 
 
+def test_the_sink_adds_no_name_to_the_contexts_own_metrics_cache():
+    """TorchServe 0.12's async worker deep-copies the service's context for every batch on its
+    event loop (ts/async_service.py predict) while the flusher's thread emits: a name added to
+    that context's cache during a copy raised there, outside predict's try, and the batch's
+    request was never answered (one of 96 in tests/test_continuous.py's burst). The sink emits
+    through a cache of its own, copied at load: the context's dicts never change after it."""
+    import copy
+    import threading
+
+    import ts
+    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+    cache = MetricsCacheYamlImpl(os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml"))
+    cache.initialize_cache()
+    context = SimpleNamespace(metrics=cache, model_name="lm")
+    names = lambda: {kind: sorted(metrics) for kind, metrics in cache.cache.items()}  # noqa: E731
+    before = names()
+    emit = generation_sink(context, "lm")
+    failures, done = [], threading.Event()
+
+    def copier():  # TorchServe's event loop, a batch after another
+        while not done.is_set():
+            try:
+                copy.deepcopy(context)
+            except RuntimeError as e:
+                failures.append(e)
+    t = threading.Thread(target=copier)
+    t.start()
+    try:
+        for i in range(200):  # the flusher, each name new
+            for name, kind in ((gm.TOKENS, "counter"), (gm.TIME_TO_FIRST_TOKEN, "histogram"), (gm.RUNNING, "gauge")):
+                emit(f"{name}_{i}", kind, 1)
+    finally:
+        done.set()
+        t.join()
+    assert names() == before and not failures, (names(), failures[:1])
+
+
 # --- through real TorchServe -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

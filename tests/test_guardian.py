@@ -70,3 +70,38 @@ def test_a_worker_whose_guardian_is_gone_serves_on(monkeypatch):
     guardian.ended(("a", "b"))  # EPIPE (Python ignores SIGPIPE): caught
     assert guardian._pipe is None and not guardian.active()
     guardian.streaming("c", "data: {}\n\n", "text/event-stream")  # and nothing more is told
+
+
+def test_a_batch_whose_predict_raises_outside_its_try_is_answered_500():
+    """TorchServe 0.12's call_predict runs as a future nobody reads (AsyncService.fetch_batches):
+    a raise in predict before or after its own try (its copy.deepcopy of the service's context,
+    which a thread changing that context made raise) dropped the batch, its requests unanswered
+    for good. The patched call_predict answers each a whole 500 and its last frame."""
+    import asyncio
+    import types
+
+    class AsyncService:
+        def run(self):
+            pass
+
+        def send_responses(self):
+            pass
+
+        async def call_predict(self, batch):
+            raise RuntimeError("dictionary changed size during iteration")
+
+    fake = types.SimpleNamespace(AsyncService=AsyncService, create_predict_response=lambda *a, **k: b"",
+                                 retrieve_msg=lambda conn: (b"", None))
+    guardian._patch(fake)
+    service = AsyncService()
+
+    async def run():
+        service.out_queue = asyncio.Queue()
+        await service.call_predict([{"requestId": b"r1"}, {"requestId": b"r2"}])
+        return service.out_queue.get_nowait()
+    frame = asyncio.run(run())
+    assert frame.rids == ("r1", "r2")
+    assert bytes(frame) == bytes(guardian.unanswered(["r1", "r2"], RuntimeError(
+        "dictionary changed size during iteration")))
+    assert frame.count(struct.pack("!i", 500)) == 2 and b"could not start this request" in frame
+    assert frame.count(b"ts_stream_next") == 2  # each request's last frame: the frontend forgets it

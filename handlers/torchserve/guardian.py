@@ -169,6 +169,20 @@ def _patch(async_service) -> None:
             with LOCK:  # whole frames, beside the engine's chunks (replies.send_chunks)
                 self.service.cl_socket.sendall(frame)
 
+    original_call = async_service.AsyncService.call_predict
+
+    async def call_predict(self, batch):
+        # fetch_batches never reads the future of this coroutine: a raise in predict outside its
+        # own try (copy.deepcopy(self.context), the batch's parsing, its reply's framing) would
+        # leave the batch's requests in the frontend's jobs_in_backend, unanswered for good
+        try:
+            await original_call(self, batch)
+        except Exception as e:  # noqa: BLE001
+            rids = [r["requestId"].decode("utf-8") for r in batch]
+            logger.exception("TorchServe's predict raised outside its error handling: %s answered 500", rids)
+            await self.out_queue.put(unanswered(rids, e))
+
+    async_service.AsyncService.call_predict = call_predict
     async_service.create_predict_response = create_predict_response
     async_service.print = quiet_print  # a module global shadows the builtin in that module alone
     async_service.retrieve_msg = retrieve_msg
@@ -267,6 +281,20 @@ def refusal(rid: str) -> bytes:
 
     died = wire.ERRORS.error(DIED, None, "")
     return death_frames(rid, Failed(DIED, died, None), died.media_type)
+
+
+def unanswered(rids: list, e: Exception) -> _Frame:
+    """The frames that answer requests `rids`, whose batch TorchServe's predict dropped with `e`,
+    a whole 500 each (death_frames), as one frame of send_responses (its `rids` told ended)."""
+    from handlers import wire
+    from handlers.wire.base import Failed
+
+    err = ServingError(f"the worker could not start this request (TorchServe's predict raised "
+                       f"{type(e).__name__}: {e}); retry")
+    encoded = wire.ERRORS.error(err, None, "")
+    frame = _Frame(b"".join(death_frames(rid, Failed(err, encoded, None), encoded.media_type) for rid in rids))
+    frame.rids = tuple(rids)
+    return frame
 
 
 def _rid_field(rid: str) -> bytes:

@@ -18,6 +18,7 @@ records (CI CPU, torch 2.13), three per batch, so the stages are labelled only w
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import time
@@ -106,17 +107,28 @@ def generation_sink(context, model_name: str) -> Callable[[str, str, float], Non
     (the frontend adds Hostname). Both dimensions are passed each time: add_metric adds only the
     defaults that are missing, and a metric emitted once with other dimension names than those it
     was first cached with is refused (ts/metrics/caching_metric.py, `add_or_update`). A metric that
-    cannot be recorded never fails a request."""
+    cannot be recorded never fails a request.
+
+    The metrics are added to a copy of the context's metrics cache of the sink's own, made here
+    (at load, before TorchServe's threads serve): `emit` runs on the flusher's thread, and the
+    first emission of each name adds it to the cache's dicts, while TorchServe 0.12's async
+    worker deep-copies the service's context for every batch (ts/async_service.py predict,
+    `copy.deepcopy(self.context)`, on its event loop and outside its try). A name added to the
+    context's own cache during such a copy makes it raise RuntimeError ("dictionary changed size
+    during iteration"), which call_predict's future, never read, swallows: that request got no
+    frame and its client waited forever (one of a 96-request burst, tests/test_continuous.py).
+    The line a metric prints is the same from either cache."""
     from ts.metrics.dimension import Dimension
     from ts.metrics.metric_type_enum import MetricTypes
 
     kinds = {"counter": MetricTypes.COUNTER, "gauge": MetricTypes.GAUGE, "histogram": MetricTypes.HISTOGRAM}
     units = {"counter": "count", "gauge": "count", "histogram": "seconds"}
+    metrics = copy.deepcopy(getattr(context, "metrics", None))
 
     def emit(name: str, kind: str, value: float) -> None:
         try:
             dims = [Dimension("ModelName", model_name), Dimension("Level", "Model")]
-            context.metrics.add_metric(name, value, units[kind], None, dims, kinds[kind])
+            metrics.add_metric(name, value, units[kind], None, dims, kinds[kind])
         except Exception as e:  # noqa: BLE001
             logger.debug("metric %s not recorded: %s", name, e)
 
