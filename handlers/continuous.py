@@ -101,8 +101,13 @@ class Continuous:
         self.metrics = OFF  # handlers/generation/metrics.py, set by the worker before the engine starts
 
     def use(self, metrics) -> None:
-        """Counts and times generation in `metrics`, given the gauges by the engine `start` makes."""
+        """Counts and times generation in `metrics`, given the gauges by the engine `start` makes,
+        or, where the batch is the engine process's (`serve_through` came first), asked of it at
+        each of the metrics' flushes (every worker reports the one batch of its GPU)."""
         self.metrics = metrics
+        remote_gauges = getattr(self.engine, "gauges", None)
+        if remote_gauges is not None and hasattr(metrics, "poll"):
+            metrics.poll = remote_gauges
 
     def start(self, budget: "engines.Budget", note: str, broken: Callable) -> None:
         self.budget_note = note

@@ -172,6 +172,34 @@ def test_a_full_queue_is_busy_with_its_class_and_the_rest_run(program, make_side
     assert sum(isinstance(v, loop.Finished) for v in got.values()) == SLOTS
 
 
+def test_the_engines_state_carries_its_batchs_gauges_to_the_workers_metrics(program, make_side):
+    """A worker's generation gauges are the engine's batch (State at each flush of its metrics):
+    slots held while 8 long sequences run, none after; a non-generating answer leaves them."""
+    from handlers.generation.metrics import GenerationMetrics
+
+    side, emitted = make_side(), []
+    metrics = GenerationMetrics(lambda *m: emitted.append(m), 0)
+    metrics.poll = side.remote.gauges
+    assert metrics.flush() == 3 and emitted == [("generation_running_sequences", "gauge", 0),
+                                               ("generation_waiting_sequences", "gauge", 0),
+                                               ("generation_slots_in_use", "gauge", 0)]
+    for i in range(8):
+        side.submit(i, [9, 8, i], 120)
+    deadline, seen = time.monotonic() + 30, None
+    while time.monotonic() < deadline and (seen is None or seen[2] < 8):
+        seen = side.remote.gauges()
+    assert seen is not None and seen[2] == 8 and seen[0] <= 8 and seen[1] == 0, seen
+    side.wait(list(range(8)))
+    deadline = time.monotonic() + 10
+    while side.remote.gauges() != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert side.remote.gauges() == (0, 0, 0)
+    side.engine.die("a test fault")  # no answer: the gauges keep their last values
+    assert side.remote.gauges() is None
+    emitted.clear()
+    assert metrics.flush() == 0 and emitted == []
+
+
 def test_a_worker_that_goes_frees_its_slots(program, make_side):
     side = make_side()
     for i in range(8):
@@ -276,6 +304,30 @@ def test_the_engines_batch_serves_every_worker_and_each_stream_as_alone(program,
         *tokens, last = lines
         assert [t["token_ids"][0] for t in tokens] == last["token_ids"] == one_sequence_greedy(program, prompts[i], 10)
     assert len(engine_pids(ts)) == 1
+
+
+@pytest.mark.server
+def test_engine_served_workers_emit_the_engines_gauges_and_their_own_tokens(engine_slots):
+    """Each worker counts its own tokens and times; the gauges are the one batch's, asked of
+    the engine: 0 slots in use once every stream ended."""
+    from test_generation_metrics import scrape
+
+    ts = engine_slots
+    before = scrape(ts).get(("generation_tokens_total", "lm_engine"), 0)
+    got, errors = streams(ts, {i: [3, 4, 5 + i] for i in range(6)}, 7)
+    assert not errors and all(status == 200 for status, _ in got.values()), (errors, got)
+    deadline, seen = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:
+        seen = scrape(ts)
+        if seen.get(("generation_tokens_total", "lm_engine"), 0) - before == 42 and \
+                seen.get(("generation_slots_in_use", "lm_engine")) == 0:
+            break
+        time.sleep(0.5)
+    mine = {k: v for k, v in seen.items() if k[1] == "lm_engine"}
+    assert seen.get(("generation_tokens_total", "lm_engine"), 0) - before == 42, mine
+    assert seen.get(("generation_slots_in_use", "lm_engine")) == 0, mine
+    assert seen.get(("generation_running_sequences", "lm_engine")) == 0, mine
+    assert seen.get(("generation_waiting_sequences", "lm_engine")) == 0, mine
 
 
 @pytest.mark.server

@@ -136,7 +136,8 @@ class Engine:
         elif isinstance(msg, p.State):
             with self.cv:
                 queued, clients = len(self.queue), len(self.sessions)
-            session.reply(p.State(msg.id, queued, clients, self.calls, self.rows, len(session.held)))
+            gauges = self.generation.gauges.now if self.generation is not None else (-1, -1, -1)
+            session.reply(p.State(msg.id, queued, clients, self.calls, self.rows, len(session.held), *gauges))
         else:
             raise RequestError(f"the engine takes no {type(msg).__name__} here")
 

@@ -25,6 +25,7 @@ from handlers.errors import ServingError
 from handlers.generation import engine as batching
 from handlers.generation.abandon import Marks
 from handlers.generation.logprobs import TokenLogprob
+from handlers.generation.metrics import Off
 from handlers.generation.request import Params
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,19 @@ def logprob_of(lp: Optional[TokenLogprob]) -> Optional[p.Logprob]:
     return None if lp is None else p.Logprob(float(lp.logprob), tuple((int(i), float(v)) for i, v in lp.top))
 
 
+class Gauges(Off):
+    """The batch's running, waiting and slots in use as its thread last set them (each turn and
+    when it goes idle), read by the engine's State answer: the workers emit them as their
+    generation gauges (handlers/generation/metrics.py `poll`). One tuple, replaced whole: a
+    reader sees one turn's three values, never a mix."""
+
+    def __init__(self):
+        self.now = (0, 0, 0)
+
+    def state(self, running, waiting, slots) -> None:
+        self.now = (running, waiting, slots)
+
+
 class Generation:
     """The engine's continuous batch and the workers' sequences in it: each job's tag is
     (session, the worker's id). `on_fault(reason)` (handlers/engine/core.Engine sets its `die`)
@@ -78,8 +92,9 @@ class Generation:
         self.runner, self.note = runner, note
         self.queue_size = config.queue_size
         self.on_fault: Callable[[str], None] = lambda reason: logger.error("generation: %s", reason)
+        self.gauges = Gauges()
         self.batch = batching.Engine(runner, self._deliver, config.queue_size, budget, lambda r: self.on_fault(r),
-                                     config.queue_timeout_s, Marks.from_env())
+                                     config.queue_timeout_s, Marks.from_env(), self.gauges)
         self.lock = threading.Lock()
         self.jobs: dict = {}  # (session, id) -> the job, until its last message is sent
 

@@ -13,7 +13,8 @@ The conversation, one Unix stream socket per worker:
     worker -> engine   Release(id)              after reading a Result's outputs
     worker -> engine   Abort(id)                the worker gave up; the Infer still gets its
                                                 one answer (Failed 499 where it was dropped)
-    worker -> engine   State(id)                engine -> worker State(id, counts)
+    worker -> engine   State(id)                engine -> worker State(id, counts; a generating
+                                                engine's running, waiting, slots in use)
     engine -> worker   EngineDead(reason)       a fault that ends the engine; the socket closes
 
 Generation (a slot-form decoder's engine, handlers/engine/generation.py; Ready carries its
@@ -195,6 +196,10 @@ class State(_Msg, tag="state"):
     calls: int = 0  # model calls since start
     rows: int = 0  # rows run since start
     held: int = 0  # Results of this worker not released yet
+    # a generating engine's batch (handlers/generation/engine.py's gauges); -1: the engine does not generate
+    running: int = -1  # sequences decoding
+    waiting: int = -1  # sequences waiting for a slot
+    slots_in_use: int = -1  # slots held (decoding or filling a prompt)
 
 
 class EngineDead(_Msg, tag="engine_dead"):

@@ -74,6 +74,18 @@ class RemoteBatch:
                 "reason": None if client.dead is None else f"the engine is gone ({client.dead}); its successor is "
                                                            "being reached"}
 
+    def gauges(self) -> Optional[tuple]:
+        """The engine's batch now, (running, waiting, slots in use), asked with State; None where
+        the engine does not answer within a second (gone, or its successor loading): a gauge
+        keeps its last value rather than report a batch nobody measured."""
+        client = self.client
+        try:
+            s = client.state(timeout=1.0)
+        except Exception as e:  # noqa: BLE001  (the metrics' thread asks; a request never waits on it)
+            logger.debug("engine state not read: %s", e)
+            return None
+        return None if s.running < 0 else (s.running, s.waiting, s.slots_in_use)
+
     def submit(self, *jobs) -> None:
         """Sends each job's Generate (a request's choices together); an engine found dead before
         raises EngineDead (503, retry), nothing sent; a refusal comes back as each job's Failed.

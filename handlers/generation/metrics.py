@@ -62,6 +62,9 @@ class GenerationMetrics:
         self._state: tuple = (None, None, None)  # running, waiting, slots in use; None: not known here
         self._emitted_state: tuple = (None, None, None)
         self._thread: Optional[threading.Thread] = None
+        # where the batch runs in another process (handlers/engine/sequences.RemoteBatch.gauges):
+        # its (running, waiting, slots) asked at each flush, None where it did not answer
+        self.poll: Optional[Callable[[], Optional[tuple]]] = None
 
     def begin(self, at: Optional[float] = None) -> Timing:
         """A sequence's clock, started `at` (this clock's time its request reached the worker) or now."""
@@ -87,6 +90,9 @@ class GenerationMetrics:
 
     def flush(self) -> int:
         """Emits what changed since the last flush; the number of metrics emitted."""
+        polled = self.poll() if self.poll is not None else None
+        if polled is not None:
+            self.state(*polled)
         out = []
         tokens = self._tokens
         if tokens != self._emitted_tokens:
