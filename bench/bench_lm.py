@@ -26,6 +26,9 @@ real TorchServe, against transformers on the same GPU in the same run (issue 65 
   python -m bench.bench_lm --preset qwen25-1.5b --out docs/results/lm_qwen15b_bf16_h200
   python -m bench.bench_lm --device cpu --preset tiny --streams 1,2 --decode 8 --rounds 1 --out /tmp/lm  (a check)
 
+--engine-compare serves the archive per worker (handler.engine=off) and then through the engine
+(on, the default on a GPU), each in a TorchServe of its own, both against the same limits.
+
 --work DIR keeps the checkpoint and the artifact and takes them from there when present (a second
 call on a machine still warm skips the export's compile); --export-only stops after the export.
 """
@@ -89,8 +92,9 @@ def build_parser():
     p.add_argument("--frontend-warmup", type=int, default=64,
                    help="one-token requests sent one after another before the points (TorchServe's JIT warm-up)")
     p.add_argument("--engine-compare", action="store_true",
-                   help="serve the archive a second time with handler.engine=on (the GPU in one engine process "
-                        "fed by the workers) and report both against the same limits")
+                   help="serve the archive per worker (handler.engine=off) and then with handler.engine=on (the "
+                        "GPU in one engine process fed by the workers, the default on a GPU) and report both "
+                        "against the same limits")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
@@ -330,7 +334,9 @@ def served_over_limits(points: list, lim: dict) -> dict:
 
 def engine_part(eng: dict, lim: dict, per_worker: list) -> dict:
     """The points served through the engine (--engine-compare), against the same limits; its one
-    stream's greedy tokens against the per-worker path's (the same package at one row: equal)."""
+    stream's greedy tokens against the per-worker path's (equal in fp32 on the CPU; in bf16 on a
+    GPU one stream's tokens differed even from one round to the next on either path, each point's
+    rounds_first_difference)."""
     pts = [{k: v for k, v in p.items() if k != "tokens"} for p in eng["points"]]
     return {"points": pts, "served": served_over_limits(eng["points"], lim), "load_line": eng["load_line"],
             "gpu_mib": eng["gpu_mib"], "archive_command": eng["archive_command"][1:],
@@ -480,8 +486,9 @@ def run(args, counts: list, pool, keep: Path, work: Path, save=lambda parts: Non
         return None
     lim = {"skipped": "--no-limits"} if args.no_limits else limits(args, exported, model["vocab"], counts)
     ns = SimpleNamespace(vocab=model["vocab"], prompt=args.prompt, decode=args.decode, warmup=args.warmup,
-                         rounds=args.rounds, log=args.log, handler_option=args.handler_option,
-                         frontend_warmup=args.frontend_warmup)
+                         rounds=args.rounds, log=args.log, frontend_warmup=args.frontend_warmup,
+                         # compared: the first served per worker (on a GPU the default is the engine)
+                         handler_option=[*args.handler_option, *(["engine=off"] if args.engine_compare else [])])
     ours = serve_archive(ns, ["--artifact", str(keep / "artifact")], work, pool, counts)
     skipped = {"skipped": "--no-transformers" if args.no_transformers else
                "not reached (the run ended before the transformers baselines)"}

@@ -386,3 +386,19 @@ def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
     assert plain.engine and plain.per_worker_mib == 0
     slots = archive.gpu_sizing(args, ["slots"], 6, {"engine": "on"})  # a slot-form decoder: the engine's batch
     assert slots.engine and slots.per_worker_mib == 0
+
+
+def test_auto_serves_cuda_archives_on_a_gpu_through_the_engine_slot_decoders_too(monkeypatch):
+    """handler.engine auto: a GPU worker of a CUDA archive, stateless or a slot-form decoder, is
+    served by the engine; a CPU worker, a CPU archive and a one-sequence decoder are not; off never."""
+    from types import SimpleNamespace
+    from handlers import engine_worker
+
+    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: SimpleNamespace(slotted=spec.name == "slots")
+                        if spec.name in ("one", "slots") else None)
+    spec = lambda name, device="cuda": SimpleNamespace(name=name, device=device)  # noqa: E731
+    serves = engine_worker.serves
+    assert serves("auto", [spec("plain")], on_gpu=True) and serves("auto", [spec("slots")], on_gpu=True)
+    assert not serves("auto", [spec("slots")], on_gpu=False) and not serves("auto", [spec("slots", "cpu")], True)
+    assert not serves("auto", [spec("one")], on_gpu=True) and not serves("on", [spec("one")], on_gpu=True)
+    assert not serves("off", [spec("slots")], on_gpu=True) and serves("on", [spec("slots", "cpu")], on_gpu=False)
