@@ -148,7 +148,7 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     (None, 0, None, ("cpu",), False, False),  # a CPU artifact runs in its workers
     (None, 0, None, ("cpu", "cuda"), False, True),
     (None, 0, None, ("cuda",), "one", False),  # a decoder runs in its workers
-    (None, 0, None, ("cuda",), "slots", False),  # auto: a slot-form decoder too, until measured on a GPU
+    (None, 0, None, ("cuda",), "slots", True),  # auto: a slot-form decoder's batch too
     ("off", 0, None, ("cuda",), False, False),
     ("on", None, None, ("cpu",), False, True),  # on: the CPU too
     ("on", 0, None, ("cuda",), "one", False),  # a one-sequence decoder: never
