@@ -12,6 +12,8 @@ Modes (--modes, in order):
   engine  --workers CPU-only workers fed to one engine process that owns the GPU (engine: on,
           issue 64); also the engine killed: seconds until a request is answered 200 again, and
           the statuses of the requests sent meanwhile
+  engine_exec  the same with CS_PREFORK=off: every worker started by `python` itself (a killed
+          worker's successor is otherwise forked from cs-worker-python's warm process)
 For each: nvidia-smi's memory.used on the GPU after READY less what it used before the server
 started, and each process's own (--query-compute-apps: the workers, the holder); the SHA-256 of
 the answer to one fixed request sent 12 times by one client (one request per batch, so the same
@@ -48,7 +50,10 @@ from compiled_serving.local_server import LocalTorchServe
 # each mode's handler options and worker count (None: --workers); the per-worker modes pin
 # engine=off, which handler.engine's default (auto) replaces on a GPU
 MODES = {"one": (("engine=off", "shared_weights=off"), 1), "own": (("engine=off", "shared_weights=off"), None),
-         "shared": (("engine=off",), None), "engine": (("engine=on",), None)}
+         "shared": (("engine=off",), None), "engine": (("engine=on",), None), "engine_exec": (("engine=on",), None)}
+# engine_exec: the engine with every worker started by `python` itself, as before config.properties'
+# python=cs-worker-python (compiled_serving/prefork.py), whose restarted workers are forked
+MODE_ENV = {"engine_exec": {"CS_PREFORK": "off"}}
 
 
 def parse_args(argv):
@@ -154,8 +159,9 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
                  [args.gpu] if args.gpu >= 0 else [], extra)
     before = device_used(args.gpu)
     t0 = time.perf_counter()
-    server = LocalTorchServe(work / mode, store, {mode: store / f"{mode}.mar"})
-    point = {"mode": mode, "workers": n}
+    env = {**os.environ, **MODE_ENV.get(mode, {})}
+    server = LocalTorchServe(work / mode, store, {mode: store / f"{mode}.mar"}, env=env)
+    point = {"mode": mode, "workers": n, "env": MODE_ENV.get(mode, {})}
     try:
         wait_until(lambda: ready(server, mode, n), args.timeout)
         point["start_to_all_ready_s"] = round(time.perf_counter() - t0, 3)
@@ -179,11 +185,18 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
         keep_logs(args, server, mode)
         server.stop()
     t1 = time.perf_counter()
-    while (holders(work / mode) or engines(work / mode)) and time.perf_counter() - t1 < 5:
+    while (holders(work / mode) or engines(work / mode) or zygotes()) and time.perf_counter() - t1 < 5:
         time.sleep(0.1)
     point["holders_left_5s_after_stop"] = len(holders(work / mode))
     point["engines_left_5s_after_stop"] = len(engines(work / mode))
+    point["zygotes_left_5s_after_stop"] = len(zygotes())
     return point
+
+
+def zygotes() -> list:
+    """Pids of cs-worker-python's warm processes (compiled_serving/prefork.py) of any server."""
+    out = subprocess.run(["pgrep", "-af", "prefork.py --zygote"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "pgrep" not in line]
 
 
 def keep_logs(args, server, mode: str) -> None:
@@ -240,6 +253,8 @@ def engine_summary(points: dict) -> dict:
     out = {"gpu_mib_all_processes": e["device_used_mib"], "engine_workers_with_gpu_memory": len(e["workers_mib"]),
            "worker_restart_s": max(r["kill_to_ready_s"] for r in e["restarts"]),
            "engine_restart_s": e["engine_kill"]["kill_to_answer_s"]}
+    if "engine_exec" in points:  # the same, every worker started by `python` (no prefork)
+        out["worker_restart_exec_s"] = max(r["kill_to_ready_s"] for r in points["engine_exec"]["restarts"])
     for m in ("one", "own", "shared"):
         if m in points and points[m]["device_used_mib"]:
             out[f"engine_over_{m}_memory"] = round(e["device_used_mib"] / points[m]["device_used_mib"], 3)

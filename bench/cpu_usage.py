@@ -29,7 +29,9 @@ def _host() -> tuple:
 def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     if b"org.pytorch.serve" in cmdline and b"java" in cmdline:
         return "frontend"
-    if b"model_service_worker" in cmdline:
+    # a worker forked by cs-worker-python keeps its zygote's command line (compiled_serving/prefork.py),
+    # counted with the workers as the zygote is (idle between forks)
+    if b"model_service_worker" in cmdline or b"prefork.py\x00--zygote" in cmdline:
         return "workers"
     if b"py-spy" in cmdline:  # bench_e2e --spy's samplers: measuring, not load (counted as other)
         return None

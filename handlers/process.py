@@ -32,6 +32,17 @@ def age_s():
         return None
 
 
+# set by compiled_serving/prefork.py in a worker it forked: that worker's parent is the warm
+# process it was forked from, not TorchServe's frontend
+FRONTEND_ENV = "CS_FRONTEND_PID"
+
+
+def frontend_pid() -> int:
+    """The pid of the TorchServe frontend that started this worker: its parent, or, in a worker
+    forked from compiled_serving/prefork.py's warm process, the one that process names."""
+    return int(os.environ.get(FRONTEND_ENV) or os.getppid())
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` exists in this pid namespace (signal 0 only asks; a process of
     another user exists too)."""

@@ -45,6 +45,16 @@ if ! (cd / && "$venv_py" -c "import compiled_serving, handlers" 2>/dev/null) || 
     && [ -x .venv/bin/cs-archive ] \
     || { cat .venv/editable-install.log >&2; echo "setup: installing the console commands failed" >&2; exit 1; }
 fi
+# TorchServe's workers forked from a warm process that has imported torch (compiled_serving/prefork.py:
+# a killed worker is back about TorchServe's 1 s back-off later): the hook's one line in this
+# environment's site-packages, which site reads at every interpreter start; the line imports the
+# module only in a process running TorchServe's worker (CS_PREFORK=off in TorchServe's environment
+# turns it off)
+site_dir=$("$venv_py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+pth_line=$(cd / && "$venv_py" -m compiled_serving.prefork --pth)
+if [ "$(cat "$site_dir/cs_prefork.pth" 2>/dev/null)" != "$pth_line" ]; then
+  printf '%s\n' "$pth_line" > "$site_dir/cs_prefork.pth"
+fi
 # apt-get waits up to 5 minutes for another apt (unattended upgrades, another install) to let go
 # of its lock, and a failure says what to do rather than apt's message alone.
 apt_install() {

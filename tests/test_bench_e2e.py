@@ -150,6 +150,7 @@ def test_py_spy_started_by_the_benchmark_is_not_load():
     assert _group("7", b"/v/bin/py-spy\x00record\x00--pid\x0012", me, me) is None
     assert _group("8", b"/v/bin/python\x00-c\x00from multiprocessing.spawn", me, me) == "load_generator"
     assert _group("9", b"python3\x00/ts/model_service_worker.py", 1, me) == "workers"
+    assert _group("9", b"python3\x00/r/compiled_serving/prefork.py\x00--zygote\x00k", 1, me) == "workers"
 
 
 @pytest.mark.server

@@ -427,3 +427,28 @@ def test_the_frontend_watch_leaves_once_the_parent_is_gone():
     assert t.is_alive() and not left
     frontend_watch.watch(os.getppid() + 1 if os.getppid() != 1 else 2, 0.01, left.append)  # not the parent
     assert left == [os.getppid() + 1 if os.getppid() != 1 else 2]
+
+
+def test_a_forked_workers_watch_leaves_once_its_frontend_ends(monkeypatch):
+    """A worker forked from compiled_serving/prefork.py's warm process takes its frontend from
+    CS_FRONTEND_PID (not its parent) and watches that process until it ends."""
+    import subprocess
+    import sys
+    import threading
+
+    from handlers import process
+    from handlers.torchserve import frontend_watch
+
+    assert process.frontend_pid() == os.getppid()
+    front = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setenv(process.FRONTEND_ENV, str(front.pid))
+    assert process.frontend_pid() == front.pid
+    left = []
+    t = threading.Thread(target=frontend_watch.watch_pid, args=(front.pid, 0.01, left.append), daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not left
+    front.kill()
+    front.wait()
+    t.join(5)
+    assert left == [front.pid]

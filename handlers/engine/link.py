@@ -34,7 +34,7 @@ def paths(root: str, model_dir: str, yaml_config, gpu: Optional[str]) -> dict:
     so another TorchServe on the same files gets its own engine, tied to its own lifetime; so are
     the model's directory (one per registered archive and version), its settings and the GPU as
     the host names it (`gpu`: the worker's CUDA_VISIBLE_DEVICES entry; None: the CPU)."""
-    key = f"{os.path.realpath(model_dir)}|{json.dumps(yaml_config, sort_keys=True, default=str)}|{gpu}|{os.getppid()}"
+    key = f"{os.path.realpath(model_dir)}|{json.dumps(yaml_config, sort_keys=True, default=str)}|{gpu}|{process.frontend_pid()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     d = os.path.join(root, "engines")
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -71,7 +71,7 @@ def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "handlers.engine.serve", p["sock"], "--model-dir", model_dir,
            "--config-json", json.dumps(yaml_config, default=str), "--verdict-root", root,
-           "--frontend", str(os.getppid()), "--idle-exit-s", str(IDLE_EXIT_S),
+           "--frontend", str(process.frontend_pid()), "--idle-exit-s", str(IDLE_EXIT_S),
            "--name", f"engine-{os.path.basename(os.path.normpath(model_dir))}"]
     if gpu_id is not None:
         cmd += ["--gpu-id", str(gpu_id)]  # 0 where the worker is confined to its GPU

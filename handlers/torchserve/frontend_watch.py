@@ -12,12 +12,15 @@ exits, so only the async worker is watched.
 
 The watch is a daemon thread that asks every POLL_S whether the process that started this one
 is still its parent: a parent that dies hands its children to init (or a subreaper), so
-os.getppid() changes, and a reused pid cannot fool it.
+os.getppid() changes, and a reused pid cannot fool it. A worker forked from
+compiled_serving/prefork.py's warm process has that process as its parent: it waits on a pidfd
+of its frontend (handlers.process.frontend_pid), which a reused pid cannot fool either.
 """
 from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -37,8 +40,9 @@ def start() -> str:
         return "not a TorchServe worker process"
     if not frontend_frames.async_worker():
         return "not an async worker (its loop ends on the frontend's closed socket)"
-    parent = os.getppid()
-    threading.Thread(target=watch, args=(parent,), name="frontend-watch", daemon=True).start()
+    parent = process.frontend_pid()
+    target = watch if parent == os.getppid() else watch_pid
+    threading.Thread(target=target, args=(parent,), name="frontend-watch", daemon=True).start()
     how = f"exits within {POLL_S}s once its frontend (pid {parent}) is gone (TorchServe's async threads hold it)"
     process.record("frontend watch", how)
     return how
@@ -49,6 +53,18 @@ def watch(parent: int, poll_s: float = POLL_S, leave=None) -> None:
     while os.getppid() == parent:
         time.sleep(poll_s)
     (leave or _leave)(parent)
+
+
+def watch_pid(frontend: int, poll_s: float = POLL_S, leave=None) -> None:
+    """As `watch`, for a frontend that is not this process's parent: until it ends (a pidfd;
+    where none can be opened, its pid asked every `poll_s`)."""
+    try:
+        fd = os.pidfd_open(frontend)
+        select.select([fd], [], [])
+    except OSError:
+        while process.alive(frontend):
+            time.sleep(poll_s)
+    (leave or _leave)(frontend)
 
 
 def _leave(parent: int) -> None:

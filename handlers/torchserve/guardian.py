@@ -215,7 +215,7 @@ def start(sock, context, mode: str) -> None:
     _template[:] = refusal(PLACEHOLDER).split(_rid_field(PLACEHOLDER))
     template = [base64.b64encode(part).decode() for part in _template]
     args = [sys.executable, "-m", "handlers.torchserve.guardian_main", str(sock.fileno()), str(read_end),
-            str(os.getppid()), json.dumps(model), json.dumps(template), mode]
+            str(process.frontend_pid()), json.dumps(model), json.dumps(template), mode]
     subprocess.Popen(args, pass_fds=(sock.fileno(), read_end), env=env, stdin=subprocess.DEVNULL)
     os.close(read_end)
     _pipe = write_end

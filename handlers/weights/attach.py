@@ -155,7 +155,7 @@ def _paths(root: str, spec, placement) -> dict:
     # files gets its own holder, tied to its own lifetime
     # and so is the artifact's digest: a file changed in place gets a new holder, not the old weights
     # and the GPU by its identity: every confined worker calls its own GPU cuda:0 (confine.py)
-    key = f"{os.path.realpath(spec.artifact_path)}|{spec.sha256}|{gpu_identity(placement)}|{os.getppid()}"
+    key = f"{os.path.realpath(spec.artifact_path)}|{spec.sha256}|{gpu_identity(placement)}|{process.frontend_pid()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     d = os.path.join(root, "weights")
     os.makedirs(d, mode=0o700, exist_ok=True)
@@ -196,7 +196,7 @@ def _start_holder(paths: dict, root: str, spec, placement) -> int:
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     index = placement.index if placement.index is not None else -1
     cmd = [sys.executable, "-m", "handlers.weights.holder", spec.variant_dir, placement.kind, str(index),
-           paths["sock"], str(os.getppid())]
+           paths["sock"], str(process.frontend_pid())]
     with open(paths["log"], "ab") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=pkg_parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=log, start_new_session=True, close_fds=True)
