@@ -13,7 +13,7 @@ Modes (--modes, in order):
           issue 64); also the engine killed: seconds until a request is answered 200 again, and
           the statuses of the requests sent meanwhile
   engine_exec  the same with CS_PREFORK=off: every worker started by `python` itself (a killed
-          worker's successor is otherwise forked from cs-worker-python's warm process)
+          worker's successor is otherwise forked from compiled_serving/prefork.py's warm process)
 For each: nvidia-smi's memory.used on the GPU after READY less what it used before the server
 started, and each process's own (--query-compute-apps: the workers, the holder); the SHA-256 of
 the answer to one fixed request sent 12 times by one client (one request per batch, so the same
@@ -51,8 +51,8 @@ from compiled_serving.local_server import LocalTorchServe
 # engine=off, which handler.engine's default (auto) replaces on a GPU
 MODES = {"one": (("engine=off", "shared_weights=off"), 1), "own": (("engine=off", "shared_weights=off"), None),
          "shared": (("engine=off",), None), "engine": (("engine=on",), None), "engine_exec": (("engine=on",), None)}
-# engine_exec: the engine with every worker started by `python` itself, as before config.properties'
-# python=cs-worker-python (compiled_serving/prefork.py), whose restarted workers are forked
+# engine_exec: the engine with every worker started by `python` itself, as before
+# compiled_serving/prefork.py, whose restarted workers are forked
 MODE_ENV = {"engine_exec": {"CS_PREFORK": "off"}}
 
 
@@ -137,14 +137,26 @@ def context_mib(gpu: int) -> int:
         proc.wait()
 
 
-def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12) -> list:
-    """SHA-256 (16 hex) of the answers to `body` sent n times by one client, distinct values."""
-    seen = set()
+def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12, retry: dict | None = None) -> list:
+    """SHA-256 (16 hex) of the answers to `body` sent n times by one client, distinct values. With
+    `retry` (after a kill), a 503 (retryable) is sent again after 0.1 s for up to 30 s, and
+    `retry` gets how many were and the seconds until the n-th answer."""
+    seen, t0, retried = set(), time.perf_counter(), 0
     for _ in range(n):
-        req = urllib.request.Request(f"{server.base}/predictions/{name}", data=body, method="POST",
-                                     headers={**server.auth(), "Content-Type": ct})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            seen.add(hashlib.sha256(r.read()).hexdigest()[:16])
+        while True:
+            req = urllib.request.Request(f"{server.base}/predictions/{name}", data=body, method="POST",
+                                         headers={**server.auth(), "Content-Type": ct})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    seen.add(hashlib.sha256(r.read()).hexdigest()[:16])
+                break
+            except urllib.error.HTTPError as e:
+                if retry is None or e.code != 503 or time.perf_counter() - t0 > 30:
+                    raise
+                retried += 1
+                time.sleep(0.1)
+    if retry is not None:
+        retry.update(retried_503=retried, all_answered_s=round(time.perf_counter() - t0, 3))
     return sorted(seen)
 
 
@@ -178,7 +190,8 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
         point["kill_all"] = kill_all(server, mode, n, body, ct, args.timeout)
         if mode == "engine":
             point["engine_kill"] = kill_engine(server, mode, body, ct, args.timeout)
-        point["answers_sha256_after_kills"] = answer_hashes(server, mode, body, ct)
+        point["after_kills"] = {}  # a worker may reach the engine's successor after another has answered
+        point["answers_sha256_after_kills"] = answer_hashes(server, mode, body, ct, retry=point["after_kills"])
         point["load_lines"] = [line for line in server.log().splitlines() if "weights held by" in line
                                or "own copy (" in line or "served by the engine" in line][-2:]
     finally:
@@ -194,7 +207,7 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
 
 
 def zygotes() -> list:
-    """Pids of cs-worker-python's warm processes (compiled_serving/prefork.py) of any server."""
+    """Pids of compiled_serving/prefork.py's warm processes, of any server."""
     out = subprocess.run(["pgrep", "-af", "prefork.py --zygote"], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines() if "pgrep" not in line]
 

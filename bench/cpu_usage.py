@@ -29,7 +29,7 @@ def _host() -> tuple:
 def _group(pid: str, cmdline: bytes, ppid: int, me: int) -> Optional[str]:
     if b"org.pytorch.serve" in cmdline and b"java" in cmdline:
         return "frontend"
-    # a worker forked by cs-worker-python keeps its zygote's command line (compiled_serving/prefork.py),
+    # a worker forked by compiled_serving/prefork.py keeps its warm process's command line,
     # counted with the workers as the zygote is (idle between forks)
     if b"model_service_worker" in cmdline or b"prefork.py\x00--zygote" in cmdline:
         return "workers"
