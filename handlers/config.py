@@ -165,7 +165,7 @@ OPTIONS = (
     # handlers/engine (issue 64): the GPU leaves the workers. auto takes it on a GPU: with 12 CPU
     # workers it served the BERT classifier 2.04x, ResNet-50 1.30x and the MLP 1.19x the per-worker
     # path at 128 clients, one client within +0.25 ms, in a third of the GPU memory
-    # (docs/results/engine_*_h200_s70, engine_memory_big_mlp_fp16_h200_s69), and a slot-form
+    # (docs/results/engine_*_h200_s70, engine_memory_big_mlp_fp16_h200_s74), and a slot-form
     # decoder's continuous batch 1.01-1.04x its per-worker batch's tokens/s at 1-64 streams with a
     # lower time to first token (docs/results/lm_engine_qwen15b_bf16_h200). On the CPU it was not
     # measured against the per-worker path.
