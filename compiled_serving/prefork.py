@@ -239,7 +239,10 @@ class Zygote:
                     return job
 
     def accept(self):
+        """One launcher's request: in the zygote None (the child forked, its pid answered, or the
+        request refused); in the forked child (request, its three descriptors)."""
         conn, _ = self.listener.accept()
+        fds: list = []
         try:
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             if struct.unpack("3i", creds)[1] != os.getuid():
@@ -248,11 +251,16 @@ class Zygote:
             head, fds, _, _ = socket.recv_fds(conn, 4, 3)
             body = b""
             while len(body) < struct.unpack("!I", head)[0]:
-                body += conn.recv(65536)
+                chunk = conn.recv(65536)
+                if not chunk:
+                    raise ValueError("the launcher closed its request half-sent")
+                body += chunk
             req = json.loads(body)
             if len(fds) != 3:
                 raise ValueError(f"{len(fds)} descriptors, not stdin, stdout and stderr")
         except (OSError, ValueError, struct.error) as e:
+            for fd in fds:
+                os.close(fd)
             _send(conn, {"error": str(e)})
             conn.close()
             return None
@@ -290,7 +298,6 @@ class Zygote:
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 _send(conn, {"status": code})
                 conn.close()
-
 
 
 def _send(conn: socket.socket, msg: dict) -> None:

@@ -22,6 +22,8 @@ import pytest
 
 from compiled_serving import prefork
 
+pytestmark = pytest.mark.server  # every test starts interpreters, the warm process, or TorchServe
+
 LAUNCHER = sys.executable  # TorchServe runs the worker with the interpreter of its `torchserve` command
 WORKER = textwrap.dedent("""
     import json, os, sys, time
@@ -171,7 +173,6 @@ def _zygote_of(frontend: int) -> list:
             and p.info["cmdline"][p.info["cmdline"].index("--frontend") + 1] == str(frontend)]
 
 
-@pytest.mark.server
 def test_through_torchserve_a_killed_worker_comes_back_forked_and_answers(artifacts, serve, tmp_path):
     """The first worker is TorchServe's child, and its start starts the zygote; after a kill -9 the
     new worker is the zygote's child, READY again and answering as the first did; the zygote ends
