@@ -397,7 +397,8 @@ def engine_lines(r: dict) -> list:
              f"stream's greedy tokens against the per-worker path's: first difference at "
              f"{e['first_difference_alone_vs_per_worker']}.", "",
              "| streams | per-worker tokens/s | engine tokens/s | engine / per-worker | TTFT p50 (ms) | "
-             "inter-token p50 / p99 (ms) | engine / step limit | engine / round limit |", "|---|---|---|---|---|---|---|---|"]
+             "inter-token p50 / p99 (ms) | engine / step limit | engine / round limit |",
+             "|---|---|---|---|---|---|---|---|"]
     ours = {p["streams"]: p["aggregate_tok_s"] for p in r["points"]}
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for p in e["points"]:

@@ -34,7 +34,8 @@ def paths(root: str, model_dir: str, yaml_config, gpu: Optional[str]) -> dict:
     so another TorchServe on the same files gets its own engine, tied to its own lifetime; so are
     the model's directory (one per registered archive and version), its settings and the GPU as
     the host names it (`gpu`: the worker's CUDA_VISIBLE_DEVICES entry; None: the CPU)."""
-    key = f"{os.path.realpath(model_dir)}|{json.dumps(yaml_config, sort_keys=True, default=str)}|{gpu}|{process.frontend_pid()}"
+    settings = json.dumps(yaml_config, sort_keys=True, default=str)
+    key = f"{os.path.realpath(model_dir)}|{settings}|{gpu}|{process.frontend_pid()}"
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     d = os.path.join(root, "engines")
     os.makedirs(d, mode=0o700, exist_ok=True)
