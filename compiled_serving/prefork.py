@@ -308,6 +308,9 @@ def _send(conn: socket.socket, msg: dict) -> None:
 
 
 def alive(pid: int) -> bool:
+    """handlers/process.py's `alive`, written again: this module may import nothing of `handlers`
+    (an archive's copy comes first on a worker's PYTHONPATH), and `handlers` nothing of this
+    build package (an archive does not carry it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -338,7 +341,8 @@ def become_worker(req: dict, fds: list, frontend: int) -> None:
 
 
 def _die_with(launcher: int) -> None:
-    """The launcher is the process TorchServe holds and kills: its end ends this worker."""
+    """The launcher is the process TorchServe holds and kills: its end ends this worker. (The
+    same wait as handlers/torchserve/frontend_watch.watch_pid, apart for the reason `alive` says.)"""
     try:
         fd = os.pidfd_open(launcher)
         select.select([fd], [], [])
