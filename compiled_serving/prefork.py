@@ -316,8 +316,13 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:  # a zombie is dead: signal 0 succeeds on it until it is reaped
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
         return True
-    return True
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 def become_worker(req: dict, fds: list, frontend: int) -> None:

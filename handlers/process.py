@@ -44,15 +44,28 @@ def frontend_pid() -> int:
 
 
 def alive(pid: int) -> bool:
-    """Whether process `pid` exists in this pid namespace (signal 0 only asks; a process of
-    another user exists too)."""
+    """Whether process `pid` runs in this pid namespace (signal 0 only asks; a process of
+    another user exists too). A zombie is dead: signal 0 succeeds on it until its parent reaps
+    it, and one whose parent exited waits for pid 1, which in a container may never reap (a
+    killed weights holder stayed "alive" so, and its directory was never swept)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not zombie(pid)
+
+
+def zombie(pid: int) -> bool:
+    """Whether /proc says `pid` has ended and is not reaped (state Z, or X while it goes); the
+    state is the field after the command name, which is in parentheses and may hold any byte."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone meanwhile, or no /proc: signal 0's answer stands
+        return False
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def uncompiled_imports(module) -> "str | None":

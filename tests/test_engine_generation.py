@@ -306,6 +306,21 @@ def test_the_engines_batch_serves_every_worker_and_each_stream_as_alone(program,
     assert len(engine_pids(ts)) == 1
 
 
+def settled_tokens(ts, scrape) -> float:
+    """The frontend's token counter once no earlier stream's count is still on its way: each
+    worker flushes every generation_metrics_s (1 s), so a count unchanged over 3 s is complete."""
+    last, since = None, time.monotonic()
+    deadline = since + 30
+    while time.monotonic() < deadline:
+        now = scrape(ts).get(("generation_tokens_total", "lm_engine"), 0)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 3:
+            return now
+        time.sleep(0.5)
+    raise AssertionError(f"the token counter kept moving for 30 s with no stream running (last {last})")
+
+
 @pytest.mark.server
 def test_engine_served_workers_emit_the_engines_gauges_and_their_own_tokens(engine_slots):
     """Each worker counts its own tokens and times; the gauges are the one batch's, asked of
@@ -313,7 +328,7 @@ def test_engine_served_workers_emit_the_engines_gauges_and_their_own_tokens(engi
     from test_generation_metrics import scrape
 
     ts = engine_slots
-    before = scrape(ts).get(("generation_tokens_total", "lm_engine"), 0)
+    before = settled_tokens(ts, scrape)
     got, errors = streams(ts, {i: [3, 4, 5 + i] for i in range(6)}, 7)
     assert not errors and all(status == 200 for status, _ in got.values()), (errors, got)
     deadline, seen = time.monotonic() + 30, {}

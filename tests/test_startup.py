@@ -452,3 +452,30 @@ def test_a_forked_workers_watch_leaves_once_its_frontend_ends(monkeypatch):
     front.wait()
     t.join(5)
     assert left == [front.pid]
+
+
+def test_a_zombie_is_not_alive_to_either_watch():
+    """A killed process its parent has not reaped still answers signal 0; every liveness check
+    (holder sweep, frontend and launcher watches) must call it dead, or a dead weights holder's
+    directory is never swept where pid 1 does not reap (a container's)."""
+    import subprocess
+    import time
+
+    from compiled_serving import prefork
+    from handlers import process
+
+    running = subprocess.Popen(["sleep", "30"])
+    ended = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while not process.zombie(ended.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process.zombie(ended.pid), "the unreaped child never showed state Z"
+        os.kill(ended.pid, 0)  # signal 0 still finds it: what the check must see through
+        assert not process.alive(ended.pid) and not prefork.alive(ended.pid)
+        assert process.alive(running.pid) and prefork.alive(running.pid) and not process.zombie(running.pid)
+    finally:
+        running.kill()
+        running.wait()
+        ended.wait()
+    assert not process.alive(ended.pid) and not prefork.alive(ended.pid)
