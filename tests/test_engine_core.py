@@ -200,6 +200,53 @@ def test_an_engine_killed_mid_request_is_engine_dead_not_a_hang(engine_process):
     c.close()
 
 
+def test_the_waiting_thread_reads_its_own_answer_and_an_idle_client_sees_the_engine_die(engine_process):
+    """The thread waiting for an answer reads the socket itself (no reader thread hands it
+    over); the watch thread, which sleeps on the socket's hang-up only, still finds an engine
+    killed while nobody waits, at once; two threads waiting at once both get their rows."""
+    proc, sock = engine_process()
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    seen = []
+    deliver = c.on_message
+    c.on_message = lambda msg: (seen.append((type(msg).__name__, threading.current_thread().name)), deliver(msg))
+    model = kit.Recorder()
+    req = kit.request(2, 3)
+    check(model, req, c.infer(req, timeout=10))
+    assert seen == [("Result", threading.current_thread().name)]
+    got = {}
+
+    def waiter(i):
+        r = kit.request(1 + i % 3, 10 + i)
+        got[i] = (r, c.infer(r, timeout=10))
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(got) == 6 and all(check(model, r, out) is None for r, out in got.values())
+    gone = threading.Event()
+    c.on_dead = lambda reason: gone.set()
+    proc.send_signal(signal.SIGKILL)
+    assert gone.wait(3), "an idle client did not see its engine die"
+    assert c.dead  # "closed", or a reset where the engine died with our Releases unread
+    c.close()
+
+
+def test_a_client_reading_continuously_delivers_what_nobody_waits_for(engine_process):
+    """A generating worker's client (read_continuously): its watch thread reads every message,
+    and a waiter gets its answer from it."""
+    proc, sock = engine_process()
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    c.read_continuously()
+    readers = []
+    deliver = c.on_message
+    c.on_message = lambda msg: (readers.append(threading.current_thread().name), deliver(msg))
+    req = kit.request(3, 4)
+    check(kit.Recorder(), req, c.infer(req, timeout=10))
+    assert readers == ["w1-engine-watch"]
+    c.close()
+
+
 VICTIM = """
 import sys, time
 import engine_kit as kit

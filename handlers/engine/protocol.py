@@ -288,12 +288,12 @@ class Connection:
             if msgs or fds:
                 return msgs, fds
 
-    def read_available(self) -> tuple:
-        """(messages, end of stream) of one read of a socket that is ready to read (epoll said
-        so: the read returns at once): the whole frames it completes (a partial frame waits for
-        the next read)."""
+    def read_available(self, size: int = 1 << 20) -> tuple:
+        """(messages, end of stream) of one read of at most `size` bytes from a socket that is
+        ready to read (epoll said so: the read returns at once): the whole frames it completes (a
+        partial frame waits for the next read)."""
         try:
-            data = self.sock.recv(1 << 20)
+            data = self.sock.recv(size)
         except (BlockingIOError, InterruptedError):
             return [], False
         if not data:

@@ -61,6 +61,7 @@ class RemoteBatch:
         if self.client is not None and self.client is not client:
             self.client.streams = None
         client.streams, client.on_dead = self, self._gone
+        client.read_continuously()  # Tokens come with nobody waiting for them
         self.client = client
 
     def _gone(self, reason: str) -> None:
