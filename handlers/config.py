@@ -177,6 +177,13 @@ OPTIONS = (
                            "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "
                            "too (one-sequence decoders still run in their workers); on a CPU worker one "
                            "engine process for the CPU"))),
+    # eager until measured otherwise: late is the hypothesis that larger steps win where a replay's
+    # fixed cost dominates (handlers/engine/core.py), not yet run on a GPU
+    Option("engine_launch", str, "eager", "with the engine on a GPU: when a step is launched behind the one "
+           "the device runs",
+           choices=(("eager", "as soon as a request is queued"),
+                    ("late", "once the queued rows fill a step, or the running step is about to end (its "
+                             "graphs' replay times say when), so the requests arriving meanwhile join it"))),
     Option("engine_timeout_s", float, 60.0, "with the engine: how long a request waits for it; past it the "
            "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
            "least 5 s) is hung: the worker kills it and starts its successor", positive=True),

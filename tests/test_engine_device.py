@@ -5,6 +5,7 @@ requests (differential). The CUDA parts (pinning, the stream, the events) run on
 only (bench/bench_e2e.py's engine variant compares every answer with the eager model there)."""
 import gc
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -209,3 +210,54 @@ def test_a_step_in_flight_for_a_worker_that_is_gone_is_dropped_and_the_others_an
     assert ja and eng.jobs == 2 and len(eng.sessions) == 1
     assert to_a == [] and a.session.held == {}  # the gone worker's job was dropped, nothing held for it
     b.close()
+
+
+@pytest.mark.parametrize("launch", ["eager", "late"])
+def test_late_launch_holds_jobs_until_the_step_on_the_device_is_due_or_a_step_is_full(launch):
+    """eager: a job queued behind a running step is launched at once. late: it waits while the
+    running step is not due to end, and goes once the queued rows fill the largest graph or the
+    step is due; every job is then answered as the runner alone would."""
+    eng, plain, graphs = engine(launch=launch)
+    eng.device.new_event = lambda **kw: Event(10 ** 6)  # no step ends until synchronize()
+    c = InProcessEngine(eng, "w")
+    reqs = requests(7, 12, max_rows=2)
+    padded = [PLAN.pad(r, {"S": PLAN.bucket("S", r["ids"].shape[1])}) for r in reqs]
+    ids = [c.submit(padded[0])]
+    assert eng.step() == 1 and len(eng.flights) == 1
+    eng.flights[-1].due = time.perf_counter() + 60  # the device is busy for a long while
+    ids.append(c.submit(padded[1]))
+    eng.step()
+    if launch == "eager":
+        assert len(eng.flights) == 2 and not eng.queue
+    else:
+        assert len(eng.flights) == 1 and len(eng.queue) == 1  # held: more may join it
+        eng.flights[-1].due = time.perf_counter()  # about to end: launched now
+        assert eng.step() == 1 and len(eng.flights) == 2 and not eng.queue
+        for f in eng.flights:
+            f.event.synchronize()
+        eng.step()
+        assert not eng.flights
+        ids.append(c.submit(padded[2]))
+        assert eng.step() == 1
+        eng.flights[-1].due = time.perf_counter() + 60
+        full = min(eng.max_rows, eng.device.largest)
+        queued = 0
+        for r in padded[3:]:  # rows enough to fill the largest graph go at once
+            if queued >= full:
+                break
+            ids.append(c.submit(r))
+            queued += r["ids"].shape[0]
+            eng.step()
+            assert len(eng.flights) == (2 if queued >= full else 1)
+        assert queued >= full and len(eng.flights) == 2 and not eng.queue
+    for f in eng.flights:
+        f.event.synchronize()
+    while eng.flights or eng.queue:
+        for f in eng.flights:
+            f.event.synchronize()
+        eng.step()
+    for job_id, r in zip(ids, reqs):
+        with c.wait(job_id, 5) as reply:
+            got = PLAN.cut(dict(reply.outputs), PLAN.sizes(r))
+            assert equal({k: v.clone() for k, v in got.items()}, alone(plain, r))
+    c.close()

@@ -52,6 +52,8 @@ class Flight:
     keep: list = field(default_factory=list)
     start: object = None  # an event before its first copy (DeviceSteps.timing: the GPU's busy time)
     replays: int = 0
+    device_ms: float = 0.0  # its replays' measured times (the graphs' capture-time replay_ms), summed
+    due: float = 0.0  # time.perf_counter() the device is expected to finish it (Engine._launch sets it)
 
     def done(self) -> bool:
         return self.event.query()
@@ -157,7 +159,8 @@ class DeviceSteps:
         (ref, writable view) in the job's arena or raises ServingError (that job alone is answered
         with it); `free(job, ref)` returns a block. Where queueing fails, every block it took is
         returned once the device is idle, and the error is raised."""
-        flight = Flight([job for r in replays for job, _, _ in r.parts], {}, None, replays=len(replays))
+        flight = Flight([job for r in replays for job, _, _ in r.parts], {}, None, replays=len(replays),
+                        device_ms=sum(getattr(r.bucket, "replay_ms", None) or 0.0 for r in replays))
         try:
             with self._on_stream():
                 if self.timing:

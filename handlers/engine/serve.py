@@ -205,7 +205,7 @@ def build(args) -> tuple:
 
         gen = Generation(model.runner, model.config, *model.budget)
         return Engine(model.runner, 1, args.name, generation=gen), model.variant_dir, model.describe
-    engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name)
+    engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name, launch=model.config.engine_launch)
     return engine, model.variant_dir, model.describe
 
 
