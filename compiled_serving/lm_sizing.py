@@ -7,9 +7,9 @@ each (cs-export-lm's --slots and --max-seq defaults), with the arithmetic printe
 The cache's bytes per position come from the model's own run (slot_lm.layer_shapes: per layer its
 key-value heads and head dimensions) and the dtype; the overhead is the per-process figure
 compiled_serving/worker_sizing.py measured (CUDA context, allocator, activations, graph pools).
-The cache is the program's buffers, and torch.export.save writes them into the artifact (zeros,
-as large as the cache), so a GPU's size is used only where asked (--gpu-memory-gib); without it
-the defaults are the CPU's: 8 slots of at most 512 positions.
+The cache is not in the artifact (artifact.json records it and the loader allocates it:
+handlers/artifact/cache.py); a GPU's size is used where asked (--gpu-memory-gib); without it the
+defaults are the CPU's: 8 slots of at most 512 positions.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ MAX_SLOTS = 64  # the largest continuous batch served and benchmarked (issue 65:
 GPU_SEQ = 2048  # positions per sequence on a GPU unless the model has fewer
 CPU_SLOTS, CPU_SEQ = 8, 512
 MIB = 1 << 20
+ALLOCATED = "allocated when the artifact loads (not in it)"
 
 
 class LmSizingError(ValueError):
@@ -51,7 +52,7 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
         n = slots or CPU_SLOTS
         return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the default'}; pass "
                                 f"--gpu-memory-gib G to size the cache for the GPU that will serve it); cache "
-                                f"{n * seq * per_pos / MIB:.0f} MiB, saved in the artifact")
+                                f"{n * seq * per_pos / MIB:.0f} MiB, {ALLOCATED}")
     seq = max_seq or min(GPU_SEQ, positions or GPU_SEQ)
     usable = math.floor(gpu.mib * (1 - headroom)) * MIB - weights_bytes - OVERHEAD_MIB * MIB
     per_slot = seq * per_pos
@@ -71,4 +72,4 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
     n = min(MAX_SLOTS, fit)
     cap = f"at most {MAX_SLOTS}" if n == MAX_SLOTS else "all that fit"
     return LmSizing(n, seq, f"{n} slots x {seq} positions ({how}; {cap}; pass --slots N --max-seq L to choose); "
-                            f"cache {n * per_slot / MIB:.0f} MiB, saved in the artifact")
+                            f"cache {n * per_slot / MIB:.0f} MiB, {ALLOCATED}")
