@@ -21,8 +21,9 @@ fit is refused with what did not.
 The KV cache is not written into the artifact (handlers/artifact/cache.py): the program holds a
 one-element placeholder of each cache tensor, the package leaves them out of its constants, and
 artifact.json records them (`extra.cache`: names, dtype, shapes) for the loader to allocate as zeros
-on the serving device. --slots and --max-seq default to small values for the CPU, or with
---gpu-memory-gib to what that GPU holds (compiled_serving/lm_sizing.py, the arithmetic printed).
+on the serving device. So --slots and --max-seq default to what the export GPU's memory holds
+(compiled_serving/lm_sizing.py, with the arithmetic printed; --gpu-memory-gib names another GPU's),
+and to 8 slots of 512 positions on the CPU.
 """
 from __future__ import annotations
 
@@ -235,16 +236,24 @@ def write(args, model, ep, tok, eos) -> None:
     print(f"wrote {', '.join(names)}; end-of-sequence ids {eos or 'none'} (from {source})")
 
 
-def size_cache(model, args):
-    """The slots and positions (lm_sizing) for the GPU named (--gpu-memory-gib), else the small
-    defaults; ExportError with the numbers where they do not fit."""
-    from compiled_serving import lm_sizing, slot_lm, worker_sizing
+def target_gpu(args):
+    """The GPU the cache is sized for (worker_sizing.GpuMemory): --gpu-memory-gib where given, else
+    the export device where it is a GPU (lm_sizing.device_memory), else None (the CPU's defaults)."""
+    from compiled_serving import lm_sizing, worker_sizing
 
-    gpu = None
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
-        gpu = worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+        return worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+    return lm_sizing.device_memory(args.device) if str(args.device).startswith("cuda") else None
+
+
+def size_cache(model, args):
+    """The slots and positions (lm_sizing) for the GPU that will serve it (target_gpu), else the
+    CPU's small defaults; ExportError with the numbers where they do not fit."""
+    from compiled_serving import lm_sizing, slot_lm
+
+    gpu = target_gpu(args)
     p = next(model.parameters())
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     try:
@@ -264,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the weights' and cache's dtype (auto: the checkpoint's own)")
     p.add_argument("--slots", type=int, default=None,
-                   help="sequences the cache holds at once (default: with --gpu-memory-gib what that GPU holds, at "
-                        "most 64; else 8)")
+                   help="sequences the cache holds at once (default: exported on a GPU or with --gpu-memory-gib, "
+                        "what that GPU's memory holds, at most 64; on the CPU 8)")
     p.add_argument("--max-seq", type=int, default=None,
-                   help="positions per sequence, prompt and generated (default: 2048 with --gpu-memory-gib, else 512, "
+                   help="positions per sequence, prompt and generated (default: 2048 for a GPU, 512 on the CPU, "
                         "or the model's positions if fewer)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="size the cache for the GPU that will serve it, of this much memory; the cache is not in "
-                        "the artifact: it is allocated when it loads")
+                   help="size the cache for a GPU of this much memory (default: the export device's own memory "
+                        "where it is a GPU); the cache is not in the artifact: it is allocated when it loads")
     p.add_argument("--device", default="auto",
                    help="where the model is exported, checked and (--package) compiled, so where the package runs: "
                         "auto (default: cuda where this machine has a GPU, else cpu), cpu, cuda or cuda:N")

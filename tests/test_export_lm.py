@@ -396,6 +396,35 @@ def test_a_package_written_with_its_cache_inside_still_loads(tmp_path):
     assert h.wait([0, 3]) == {i: generate(model, *PROMPTS[i]) for i in (0, 3)}
 
 
+def test_exported_on_a_gpu_the_cache_is_sized_for_its_memory(monkeypatch):
+    """--device cuda and no --gpu-memory-gib: the export device's whole memory
+    (torch.cuda.mem_get_info's total, faked here: this machine has no GPU) is what lm_sizing divides,
+    its arithmetic printed; --gpu-memory-gib still wins; the CPU keeps 8 slots (of at most 512 positions)."""
+    from types import SimpleNamespace
+
+    from compiled_serving import lm_sizing
+
+    model = random_model("llama")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (5 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = SimpleNamespace(device="cuda", gpu_memory_gib=None, slots=None, max_seq=None)
+    s = export_lm.size_cache(model, args)
+    assert (s.slots, s.max_seq) == (lm_sizing.MAX_SLOTS, 256)  # the model's 256 positions, 64 slots fit easily
+    assert "GPU memory 81920 MiB (cuda:0, Fake GPU, the export device)" in s.line and "not in it" in s.line, s.line
+    assert export_lm.target_gpu(SimpleNamespace(device="cuda:0", gpu_memory_gib=1.5)).mib == 1536
+    assert export_lm.target_gpu(SimpleNamespace(device="cpu", gpu_memory_gib=None)) is None
+    cpu = export_lm.size_cache(model, SimpleNamespace(device="cpu", gpu_memory_gib=None, slots=None, max_seq=None))
+    assert (cpu.slots, cpu.max_seq) == (8, 256)
+
+
+def random_model(family: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config(family)).eval()
+
+
 def test_a_device_this_machine_lacks_is_refused_naming_it(tmp_path):
     """--device: where the model is exported and compiled; one that is not there is refused, named."""
     checkpoint("gpt2", tmp_path / "ckpt")
