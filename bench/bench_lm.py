@@ -80,7 +80,7 @@ def build_parser():
     p.add_argument("--slots", type=int, default=None, help="passed to cs-export-lm (default: its own choice; on "
                    "CUDA what the GPU's memory holds, at most 64)")
     p.add_argument("--max-seq", type=int, default=512, help="passed to cs-export-lm (0: its default, 2048 on a GPU): "
-                   "512 holds the 384 positions of a stream; the cache is saved in the program, the package and the .mar")
+                   "512 holds the 384 positions of a stream; the cache is allocated when the artifact loads, not saved in it")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of warm-up rounds before each point")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds per point, ours and transformers'")
     p.add_argument("--no-limits", action="store_true", help="skip the package's own step limits")

@@ -191,21 +191,38 @@ def gpu_memory_mib() -> dict:
     return {int(p): float(m) for p, m in (ln.split(",") for ln in out.strip().splitlines() if ln.strip())}
 
 
+def loaded_package(pkg: Path, dev):
+    """(tokens, positions, slots) -> {"logits": ...} of the package, its runner single-threaded (CUDA
+    graphs): loaded as the handler loads it where the artifact.json beside it names it (cs-export-lm's
+    package keeps its weights outside its library and its cache out of them, which torch's
+    aoti_load_package does not load: handlers/artifact/kinds/aoti_constants.py), else by aoti_load_package."""
+    from handlers.artifact.metadata import METADATA_FILE, read_spec
+
+    if (pkg.parent / METADATA_FILE).is_file() and read_spec(str(pkg.parent)).artifact == pkg.name:
+        from handlers.artifact.device import Placement
+        from handlers.artifact.kinds.aoti_package import load_aoti_package
+
+        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else None
+        return load_aoti_package(read_spec(str(pkg.parent)), Placement(dev.type, index), "aoti_package", True)
+    from torch._inductor import aoti_load_package
+
+    compiled = aoti_load_package(str(pkg), run_single_threaded=True)
+    return lambda *a: {"logits": compiled(*a)}
+
+
 def step_limits(args, pkg: Path, counts: list) -> list:
     """The package's own decode step in this process, no server: for each stream count, the
     handler's runner (handlers/run/slots.py: CUDA graphs, rows padded to the graph's size) timed
     over 50 steps at position prompt + decode / 2; the tokens/s the GPU allows at that count."""
     from types import SimpleNamespace
 
-    from torch._inductor import aoti_load_package
-
     from handlers.run.slots import SlotRunner
 
-    compiled = aoti_load_package(str(pkg), run_single_threaded=True)
     dec = SimpleNamespace(slots=args.slots, cache_length=args.max_seq, vocab=args.vocab, logits="logits",
                           chunk_max=args.max_seq, all_positions=True)
     dev = torch.device(args.device)
-    runner = SlotRunner(lambda *a: {"logits": compiled(*a)}, dec, dev, SimpleNamespace(stream_priority=0))
+    compiled = loaded_package(pkg, dev)
+    runner = SlotRunner(compiled, dec, dev, SimpleNamespace(stream_priority=0))
     out = []
     with torch.inference_mode(), runner.stream_context():
         note = runner.capture("auto")

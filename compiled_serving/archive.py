@@ -177,11 +177,13 @@ def copy_variant(src: str, dest: str):
         fail(str(e))
     if sha256_file(spec.artifact_path) != spec.sha256:
         fail(f"{spec.artifact_path} does not match the SHA-256 in {METADATA_FILE}; recompile it")
+    from handlers.artifact import cache
     from handlers.artifact.kinds import kind_of
     from handlers.artifact.state import require_checked
 
     try:
         require_checked(spec, kind_of(spec))  # the worker would refuse it: say so now
+        cache.read(spec)  # a malformed cache record likewise
     except LoadError as e:
         fail(str(e))
     os.makedirs(dest, exist_ok=True)

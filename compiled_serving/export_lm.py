@@ -3,8 +3,8 @@
 (examples/slot_decoder.py's contract: many sequences on one compiled cache, served by continuous
 batching) as an artifact directory `cs-archive --artifact OUT_DIR` takes with no options:
 
-  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots 8] [--max-seq 512] [--device auto]
-      [--package]
+  cs-export-lm --model CHECKPOINT_DIR --out OUT_DIR [--dtype auto] [--slots N] [--max-seq L] [--device auto]
+      [--gpu-memory-gib G] [--package]
   cs-archive --artifact OUT_DIR --name lm
 
 OUT_DIR holds the program (torch.export, or with --package its AOTInductor package beside
@@ -16,8 +16,14 @@ config (artifact.json `extra.generation.eos_token_ids`, which cs-archive declare
 Built on transformers' own modeling code (compiled_serving/slot_lm.py: a Cache of a row per
 slot, the positions and masks as the model's own arguments); before export the slot form's logits
 are checked against the model's own forward, prompt and decode step, and a family that does not
-fit is refused with what did not. --slots and --max-seq default to small values for the CPU;
-sizing them by the GPU's memory (with the arithmetic printed) is a later step.
+fit is refused with what did not.
+
+The KV cache is not written into the artifact (handlers/artifact/cache.py): the program holds a
+one-element placeholder of each cache tensor, the package leaves them out of its constants, and
+artifact.json records them (`extra.cache`: names, dtype, shapes) for the loader to allocate as zeros
+on the serving device. So --slots and --max-seq default to what the export GPU's memory holds
+(compiled_serving/lm_sizing.py, with the arithmetic printed; --gpu-memory-gib names another GPU's),
+and to 8 slots of 512 positions on the CPU.
 """
 from __future__ import annotations
 
@@ -149,14 +155,34 @@ def build_program(model, args):
                           f"form ({type(e).__name__}: {first[:400]})")
 
 
-def package(ep, path: str) -> None:
-    from torch._inductor import aoti_compile_and_package
+# The package's constants outside its library, each in data/weights/ (torch/_inductor/config.py), so
+# that the cache can be left out of them (handlers/artifact/kinds/aoti_constants.py loads the rest).
+PACKAGE_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False,
+                   "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
 
+
+def package(ep, path: str, cache: tuple) -> None:
+    """`ep` compiled with AOTInductor into the package `path`, its constants outside its library and the
+    cache (`cache`: their names) not among them: aoti_compile_and_package's own two steps (torch 2.13
+    torch/_inductor/__init__.py: aot_compile of ep.module() on its example inputs, then package_aoti
+    of the files it lists), the list's Weights (a dict {fqn: (tensor, properties)}) filtered between them."""
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
+    from torch.export.pt2_archive._package_weights import Weights
+
+    args, kwargs = ep.example_inputs
     try:
-        aoti_compile_and_package(ep, package_path=path)
+        files = aot_compile(ep.module(check_guards=False), args, kwargs, options=dict(PACKAGE_OPTIONS))
     except Exception as e:  # noqa: BLE001  (inductor's own error, named)
-        raise ExportError(f"aoti_compile_and_package failed ({type(e).__name__}: {str(e)[:400]}); export without "
+        raise ExportError(f"AOTInductor's compile failed ({type(e).__name__}: {str(e)[:400]}); export without "
                           "--package to serve the program itself")
+    held = [f for f in files if isinstance(f, Weights)]
+    if len(held) != 1 or not set(cache) <= set(held[0]):
+        raise ExportError(f"AOTInductor's compile listed {len(held)} weight set(s) without every cache tensor "
+                          f"({', '.join(cache)}) in them: this torch packages its constants otherwise; export "
+                          "without --package to serve the program itself")
+    package_aoti(path, [Weights({k: v for k, v in f.items() if k not in cache}) if f is held[0] else f
+                        for f in files])
 
 
 def write_tokenizer(src: str, tok, out: str) -> list:
@@ -181,19 +207,25 @@ def record_generation(out: str, eos: list, source: str) -> None:
 
 
 def write(args, model, ep, tok, eos) -> None:
-    """OUT_DIR: the program (or its package) imported with its checks, the tokenizer, the eos ids."""
+    """OUT_DIR: the program (or its package) imported with its checks, its cache left out (recorded
+    by the import), the tokenizer, the eos ids."""
     import torch
 
     from compiled_serving.import_artifact import ImportError_, import_artifact
 
+    from handlers.artifact import cache
+    from handlers.artifact.state import program_state
+
+    written = program_state(ep).mutated  # the state the slot form writes: its cache, nothing else
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         program = os.path.join(args.out if args.package else tmp, "program.pt2")
-        torch.export.save(ep, program)
         artifact = program
-        if args.package:
+        if args.package:  # compiled from the program with its cache, packaged without it
             artifact = os.path.join(tmp, "package.pt2")
-            package(ep, artifact)
+            package(ep, artifact, written)
+        with cache.left_out(ep, written):  # one element of each cache tensor; the import records them
+            torch.export.save(ep, program)
         try:
             import_artifact(artifact, args.out, program if args.package else None, find_pad=False)
         except ImportError_ as e:
@@ -204,17 +236,24 @@ def write(args, model, ep, tok, eos) -> None:
     print(f"wrote {', '.join(names)}; end-of-sequence ids {eos or 'none'} (from {source})")
 
 
-def size_cache(model, args):
-    """The slots and positions (lm_sizing) for the GPU named (--gpu-memory-gib), else the small
-    defaults (the cache is saved in the artifact: a GPU's worth only where asked); ExportError
-    with the numbers where they do not fit."""
-    from compiled_serving import lm_sizing, slot_lm, worker_sizing
+def target_gpu(args):
+    """The GPU the cache is sized for (worker_sizing.GpuMemory): --gpu-memory-gib where given, else
+    the export device where it is a GPU (lm_sizing.device_memory), else None (the CPU's defaults)."""
+    from compiled_serving import lm_sizing, worker_sizing
 
-    gpu = None
     if args.gpu_memory_gib is not None:
         if args.gpu_memory_gib <= 0:
             raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
-        gpu = worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+        return worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+    return lm_sizing.device_memory(args.device) if str(args.device).startswith("cuda") else None
+
+
+def size_cache(model, args):
+    """The slots and positions (lm_sizing) for the GPU that will serve it (target_gpu), else the
+    CPU's small defaults; ExportError with the numbers where they do not fit."""
+    from compiled_serving import lm_sizing, slot_lm
+
+    gpu = target_gpu(args)
     p = next(model.parameters())
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     try:
@@ -234,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the weights' and cache's dtype (auto: the checkpoint's own)")
     p.add_argument("--slots", type=int, default=None,
-                   help="sequences the cache holds at once (default: with --gpu-memory-gib what that GPU holds, at "
-                        "most 64; else 8)")
+                   help="sequences the cache holds at once (default: exported on a GPU or with --gpu-memory-gib, "
+                        "what that GPU's memory holds, at most 64; on the CPU 8)")
     p.add_argument("--max-seq", type=int, default=None,
-                   help="positions per sequence, prompt and generated (default: 2048 with --gpu-memory-gib, else 512, "
+                   help="positions per sequence, prompt and generated (default: 2048 for a GPU, 512 on the CPU, "
                         "or the model's positions if fewer)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="size the cache for the GPU that will serve it, of this much memory (the cache is saved in "
-                        "the artifact, so it is not sized unless asked)")
+                   help="size the cache for a GPU of this much memory (default: the export device's own memory "
+                        "where it is a GPU); the cache is not in the artifact: it is allocated when it loads")
     p.add_argument("--device", default="auto",
                    help="where the model is exported, checked and (--package) compiled, so where the package runs: "
                         "auto (default: cuda where this machine has a GPU, else cpu), cpu, cuda or cuda:N")

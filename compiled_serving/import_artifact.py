@@ -30,6 +30,7 @@ import shutil
 import sys
 import zipfile
 
+from handlers.artifact import cache
 from handlers.artifact.metadata import ArtifactSpec, TensorSpec, read_spec, sha256_file, write_spec
 from compiled_serving import contract
 
@@ -199,6 +200,8 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
     on = check_device(saved.device, aoti and device == "cuda", device_index)
     print(f"cs-import: the checks run on {on} (the program was exported on {saved.device}; "
           f"this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0} GPU(s))")
+    left = cache.of_program(ep, found.state.get("mutated", ()))  # the cache the program leaves out (artifact/cache.py)
+    cache.materialize(ep, left, found.state.get("mutated", ()), on, program or path)  # zeros, for the checks below
     ep = relocate_program(ep, on)
     os.makedirs(out, exist_ok=True)
     dest = os.path.join(out, ARTIFACT)
@@ -210,7 +213,8 @@ def import_artifact(path: str, out: str, program: str | None = None, input_range
         outputs=tuple(TensorSpec(n, dt, tuple(s)) for n, dt, s in found.outputs), dims=found.dims,
         output_structure=structure, batch_min=lo, batch_max=hi, torch_version=torch.__version__,
         platform=sys.platform, machine=platform.machine(), variant_dir=out,
-        extra={"imported_from": os.path.basename(path), "state": found.state}, **_compat_facts(kind, dest, device))
+        extra={"imported_from": os.path.basename(path), "state": found.state,
+               **({cache.KEY: cache.record(left)} if left else {})}, **_compat_facts(kind, dest, device))
     write_spec(spec, out)
     worst = check(spec, ep, found, on, saved.device)
     print(f"imported {path} as {kind} ({device}, batch {lo}..{hi}) into {out}; max |artifact - program| = "

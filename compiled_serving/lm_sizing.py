@@ -7,9 +7,11 @@ each (cs-export-lm's --slots and --max-seq defaults), with the arithmetic printe
 The cache's bytes per position come from the model's own run (slot_lm.layer_shapes: per layer its
 key-value heads and head dimensions) and the dtype; the overhead is the per-process figure
 compiled_serving/worker_sizing.py measured (CUDA context, allocator, activations, graph pools).
-The cache is the program's buffers, and torch.export.save writes them into the artifact (zeros,
-as large as the cache), so a GPU's size is used only where asked (--gpu-memory-gib); without it
-the defaults are the CPU's: 8 slots of at most 512 positions.
+The GPU is the export device where it is one (its whole memory, torch.cuda.mem_get_info's total:
+the model already on it takes from what is free, and is counted as the weights), or the one
+--gpu-memory-gib names. The cache is not in the artifact (artifact.json records it and the loader
+allocates it: handlers/artifact/cache.py), so a GPU's worth costs no file size. Exported on the CPU
+without --gpu-memory-gib: 8 slots of at most 512 positions.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ MAX_SLOTS = 64  # the largest continuous batch served and benchmarked (issue 65:
 GPU_SEQ = 2048  # positions per sequence on a GPU unless the model has fewer
 CPU_SLOTS, CPU_SEQ = 8, 512
 MIB = 1 << 20
+ALLOCATED = "allocated when the artifact loads (not in it)"
 
 
 class LmSizingError(ValueError):
@@ -34,6 +37,16 @@ class LmSizing:
     slots: int
     max_seq: int
     line: str  # what cs-export-lm prints: the choice and its arithmetic
+
+
+def device_memory(device) -> GpuMemory:
+    """The memory of GPU `device` (e.g. "cuda", "cuda:1"): torch.cuda.mem_get_info's total, with its name."""
+    import torch
+
+    dev = torch.device(device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
+    _free, total = torch.cuda.mem_get_info(dev)
+    return GpuMemory(total // MIB, f"{dev}, {torch.cuda.get_device_name(dev)}, the export device")
 
 
 def position_bytes(shapes: list, element_size: int) -> int:
@@ -49,9 +62,9 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
     if gpu is None:
         seq = max_seq or min(CPU_SEQ, positions or CPU_SEQ)
         n = slots or CPU_SLOTS
-        return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the default'}; pass "
-                                f"--gpu-memory-gib G to size the cache for the GPU that will serve it); cache "
-                                f"{n * seq * per_pos / MIB:.0f} MiB, saved in the artifact")
+        return LmSizing(n, seq, f"{n} slots x {seq} positions ({'given' if slots else 'the default on the CPU'}; "
+                                f"pass --gpu-memory-gib G to size the cache for the GPU that will serve it); cache "
+                                f"{n * seq * per_pos / MIB:.0f} MiB, {ALLOCATED}")
     seq = max_seq or min(GPU_SEQ, positions or GPU_SEQ)
     usable = math.floor(gpu.mib * (1 - headroom)) * MIB - weights_bytes - OVERHEAD_MIB * MIB
     per_slot = seq * per_pos
@@ -71,4 +84,4 @@ def size(shapes: list, element_size: int, weights_bytes: int, positions: Optiona
     n = min(MAX_SLOTS, fit)
     cap = f"at most {MAX_SLOTS}" if n == MAX_SLOTS else "all that fit"
     return LmSizing(n, seq, f"{n} slots x {seq} positions ({how}; {cap}; pass --slots N --max-seq L to choose); "
-                            f"cache {n * per_slot / MIB:.0f} MiB, saved in the artifact")
+                            f"cache {n * per_slot / MIB:.0f} MiB, {ALLOCATED}")

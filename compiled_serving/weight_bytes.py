@@ -11,7 +11,9 @@ Per kind (artifact.json "backend"):
   `_binary_constants_bin_start` and `_binary_constants_bin_end` (AOTInductor links the weights in as
   a binary object; on a test package both spans equal the wrapper.cpp table exactly).
 - export (torch.export.save): the tensor files of the archive (`data/weights/*`, `data/constants/*`,
-  older torch's `serialized_state_dict.pt` / `serialized_constants.pt`), configuration JSON excluded.
+  older torch's `serialized_state_dict.pt` / `serialized_constants.pt`), configuration JSON excluded,
+  and the KV cache a slot-form program leaves out for the loader to allocate (artifact.json's
+  `extra.cache`; a package's constants table lists its cache, left out too, with the weights).
 - tensorrt and anything unread: the file's size, an upper bound (engines and code included).
 """
 from __future__ import annotations
@@ -120,6 +122,23 @@ def _exported_program(path: str) -> WeightBytes | None:
 READERS = {"aoti": _aoti_package, "aoti_so": _aoti_so, "export": _exported_program}
 
 
+def with_cache(found: WeightBytes, spec) -> WeightBytes:
+    """`found` and, for an exported program, the KV cache it leaves out and the loader allocates
+    (artifact.json's extra.cache: handlers/artifact/cache.py); a package's constants table already
+    lists the cache with its weights."""
+    from handlers.artifact import cache
+    from handlers.errors import LoadError
+
+    try:
+        extra = cache.nbytes(spec) if spec.backend == "export" else 0
+    except LoadError as e:
+        raise SystemExit(f"weight_bytes: error: {e}") from e
+    if not extra:
+        return found
+    return WeightBytes(found.bytes + extra, f"{found.how} and the {extra / 2**20:.1f} MiB cache allocated at load "
+                       "(artifact.json extra.cache)", found.upper_bound)
+
+
 def weight_bytes(spec) -> WeightBytes:
     """The weights of the artifact `spec` (an ArtifactSpec) describes, with how they were read."""
     path = spec.artifact_path
@@ -129,7 +148,7 @@ def weight_bytes(spec) -> WeightBytes:
     except (zipfile.BadZipFile, OSError, struct.error) as e:
         raise SystemExit(f"weight_bytes: error: cannot read the weights of {path}: {e}") from e
     if found is not None:
-        return found
+        return with_cache(found, spec)
     why = ("engines and code included" if spec.backend == "tensorrt"
            else f"its {spec.backend} weights could not be read apart")
     return WeightBytes(os.path.getsize(path), f"the size of {os.path.basename(path)}, an upper bound ({why})",

@@ -5,7 +5,9 @@ the command writes, driven by the slot engine (handlers/generation/engine.py: pr
 chunks into their slots, decode steps over every busy slot at once), gives the greedy tokens of
 transformers' `generate(do_sample=False)`, alone and with six sequences of different lengths
 sharing four slots; its directory goes through cs-archive with no options (tokenizer and
-end-of-sequence ids taken from it) and is served by real TorchServe."""
+end-of-sequence ids taken from it) and is served by real TorchServe. The artifact carries no KV
+cache (artifact.json records it, the loader allocates it: handlers/artifact/cache.py), so each run
+here loads it as the handler does; an artifact written the old way, its cache inside, still loads."""
 import json
 import subprocess
 
@@ -89,12 +91,28 @@ PROMPTS = {0: ([5, 9, 13, 2, 7, 7, 1], 12), 1: ([(7 * k + 3) % VOCAB for k in ra
            5: ([(5 * k + 1) % VOCAB for k in range(18)], 30)}
 
 
+def served(out):
+    """The artifact directory `out` as the handler loads it on the CPU (handlers/artifact/load.py)."""
+    from handlers.artifact.device import Placement
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.metadata import read_spec
+
+    return load_artifact(read_spec(str(out)), Placement("cpu", None))
+
+
+def harness(out, program="model.pt2"):
+    """The slot engine over the artifact in `out` as the handler loads it (`program`: the file the
+    decoder is read from; the package's is program.pt2 beside it)."""
+    h = Harness(torch.export.load(str(out / program)))
+    h.runner.model = served(out)
+    return h
+
+
 def test_greedy_tokens_equal_generate_alone_and_sharing_the_cache(exported):
     family, model, out = exported
-    program = torch.export.load(str(out / "model.pt2"))
     want = {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
     assert len({t for w in want.values() for t in w}) >= 8, want  # not a model that repeats one token
-    h = Harness(program)
+    h = harness(out)
     for i in (0, 3):
         h.submit(("alone", i), *PROMPTS[i])
         assert h.wait([("alone", i)])[("alone", i)] == want[i], (family, i)
@@ -110,7 +128,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd_of_the_family(exported
     """A sampled stream with a seed gives the same tokens alone and among greedy and other seeded
     streams on the same slots (its generator is its own); another seed gives others."""
     family, _, out = exported
-    h = Harness(torch.export.load(str(out / "model.pt2")))
+    h = harness(out)
     prompt, n = PROMPTS[1]
     h.submit("alone", prompt, n, temperature=0.9, top_k=20, seed=7)
     alone = h.wait(["alone"])["alone"]
@@ -129,6 +147,10 @@ def test_the_directory_holds_the_tokenizer_and_the_eos_ids(exported):
     dec = spec["extra"]["state"]["decoder"]
     assert (dec["slots"], dec["cache_length"], dec["vocab"], dec["slot_input"]) == (SLOTS, MAX_SEQ, VOCAB, "slots")
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    # the cache is recorded, not carried: each tensor the decoder writes, (slots, heads, positions, dim)
+    recorded = spec["extra"]["cache"]["tensors"]
+    assert sorted(t["name"] for t in recorded) == sorted(dec["mutated"]) and spec["format"] == 4
+    assert all(t["shape"][0] == SLOTS and t["shape"][2] == MAX_SEQ and t["dtype"] == "float32" for t in recorded)
 
 
 def test_a_model_the_slot_form_cannot_hold_is_refused_naming_the_family_and_why(tmp_path, monkeypatch):
@@ -227,31 +249,180 @@ def test_cs_export_lm_then_cs_archive_with_no_options_served_by_torchserve(tmp_p
     assert resp.status_code == 200 and lines[-1]["finish_reason"] in ("length", "eos_token"), resp.text
 
 
-def test_the_aotinductor_package_gives_the_same_tokens(tmp_path):
-    """--package: the slot form of a Qwen2 checkpoint (whose one-sequence static-cache export could
-    not be packaged, issue 65) compiles with AOTInductor, is imported as the served artifact with
-    program.pt2 beside it, and the package run by the engine gives generate's greedy tokens."""
-    from torch._inductor import aoti_load_package
+def cache_bytes(out) -> int:
+    from handlers.artifact import cache
+    from handlers.artifact.metadata import read_spec
+
+    return cache.nbytes(read_spec(str(out)))
+
+
+def test_the_artifact_does_not_grow_with_the_cache(tmp_path):
+    """The program of 4 slots x 16 positions and of 64 x 256 (an 8 MiB cache, 256 times the other's)
+    differ by less than 4 KiB (the graph's recorded bounds), each cache tensor a one-element entry."""
+    import zipfile
+
+    checkpoint("llama", tmp_path / "ckpt")
+    sizes = {}
+    for slots, seq in ((4, 16), (64, 256)):
+        out = tmp_path / f"out{slots}"
+        assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), "--slots", str(slots),
+                               "--max-seq", str(seq)]) == 0
+        sizes[slots] = (out / "model.pt2").stat().st_size
+        with zipfile.ZipFile(out / "model.pt2") as z:  # {fqn: {path_name, ...}} of torch 2.13's archive
+            names = z.namelist()
+            config = json.loads(z.read(next(n for n in names if n.endswith("/model_constants_config.json"))))
+            files = {fqn: meta["path_name"] for fqn, meta in config["config"].items() if "cache" in fqn}
+            assert len(files) == 4 and all(z.getinfo(next(n for n in names if n.endswith("/data/constants/" + f)))
+                                           .file_size == 4 for f in files.values()), files
+    assert cache_bytes(tmp_path / "out64") == 64 * 256 * 2 * 2 * (16 + 16) * 4 == 8 << 20
+    assert abs(sizes[64] - sizes[4]) < 4096, sizes
+
+
+def test_an_artifact_written_with_its_cache_inside_still_loads(tmp_path):
+    """The old way (the cache saved as zeros in the program, no record in artifact.json, layout 2):
+    imported, loaded by the handler and run by the engine, it gives generate's greedy tokens."""
+    import zipfile
+
+    from compiled_serving import slot_lm
+    from compiled_serving.import_artifact import import_artifact
 
     model = checkpoint("qwen2", tmp_path / "ckpt")
-    assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--slots", str(SLOTS),
-                           "--max-seq", str(MAX_SEQ), "--package"]) == 0
+    ep = slot_lm.export(slot_lm.SlotLM(model, SLOTS, MAX_SEQ).eval(), SLOTS)
+    torch.export.save(ep, tmp_path / "old.pt2")
+    import_artifact(str(tmp_path / "old.pt2"), str(tmp_path / "out"), find_pad=False)
     spec = json.loads((tmp_path / "out" / "artifact.json").read_text())
-    assert spec["backend"] == "aoti" and (tmp_path / "out" / "program.pt2").is_file()
-    packaged = aoti_load_package(str(tmp_path / "out" / "model.pt2"))
+    assert "cache" not in spec["extra"] and spec["format"] == 2
+    with zipfile.ZipFile(tmp_path / "out" / "model.pt2") as z:  # the zeros are in it: 4 x (4, 2, 64, 16) float32
+        assert sum(i.file_size == SLOTS * 2 * MAX_SEQ * 16 * 4 for i in z.infolist() if "/data/constants/" in i.filename) == 4
+    h = harness(tmp_path / "out")
+    for i in (0, 3):
+        h.submit(i, *PROMPTS[i])
+    assert h.wait([0, 3]) == {i: generate(model, *PROMPTS[i]) for i in (0, 3)}
 
-    class Packaged:
-        loader = "aoti"
 
-        def __call__(self, tokens, positions, slots):
-            return {"logits": packaged(tokens, positions, slots)}
+@pytest.mark.parametrize("exported", ["llama"], indirect=True)
+def test_a_missing_or_inconsistent_cache_record_fails_the_load_naming_the_fix(exported):
+    """Without extra.cache the program's one-element placeholders would take every sequence's keys
+    (index_put_ into an expanded tensor only warns): refused, as is a record of another shape or a
+    malformed one; a handler that reads layouts up to 3 refuses the file (layout 4) itself."""
+    import dataclasses
 
-    h = Harness(torch.export.load(str(tmp_path / "out" / "program.pt2")))
-    h.runner.model = Packaged()
+    from handlers.artifact import metadata
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import kind_of
+    from handlers.artifact.metadata import read_spec, spec_from_dict
+    from handlers.errors import LoadError
+
+    _, _, out = exported
+    spec = read_spec(str(out))
+    cpu = Placement("cpu", None)
+
+    def load(extra):
+        return kind_of(spec).load(dataclasses.replace(spec, extra=extra), cpu)
+
+    bare = {k: v for k, v in spec.extra.items() if k != "cache"}
+    with pytest.raises(LoadError, match=r"holds no values for k_cache_0, .*records no cache to allocate.*cs-export-lm"):
+        load(bare)
+    wrong = json.loads(json.dumps(spec.extra["cache"]))
+    wrong["tensors"][0]["shape"][2] *= 2
+    with pytest.raises(LoadError, match=r"records k_cache_0 float32\[4, 2, 128, .*holds float32\[4, 2, 64, "):
+        load({**spec.extra, "cache": wrong})
+    with pytest.raises(LoadError, match=r"extra.cache is malformed"):
+        load({**spec.extra, "cache": {"tensors": [{"name": "k_cache_0"}]}})
+    raw = json.loads((out / "artifact.json").read_text())
+    assert spec_from_dict(raw).extra["cache"] == spec.extra["cache"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(metadata, "READS", (1, 2, 3))
+        with pytest.raises(LoadError, match="has layout version .* 4; this handler reads 1, 2, 3"):
+            spec_from_dict(raw)
+
+
+def test_the_aotinductor_package_gives_the_same_tokens(tmp_path):
+    """--package: the slot form of a Qwen2 checkpoint (whose one-sequence static-cache export could
+    not be packaged, issue 65) compiles with AOTInductor, its constants outside its library and the
+    cache not among them, is imported as the served artifact with program.pt2 beside it, and the
+    package loaded by the handler (weights read, cache allocated) and run by the engine gives
+    generate's greedy tokens. Its 8 MiB cache is in neither file; a package without its cache
+    record fails the load naming it instead of crashing on its first run."""
+    import dataclasses
+    import zipfile
+
+    from handlers.artifact.device import Placement
+    from handlers.artifact.kinds import kind_of
+    from handlers.artifact.metadata import read_spec
+    from handlers.errors import LoadError
+
+    model = checkpoint("qwen2", tmp_path / "ckpt")
+    out = tmp_path / "out"
+    assert export_lm.main(["--model", str(tmp_path / "ckpt"), "--out", str(out), "--slots", "64",
+                           "--max-seq", "256", "--package"]) == 0
+    spec = json.loads((out / "artifact.json").read_text())
+    assert spec["backend"] == "aoti" and (out / "program.pt2").is_file() and spec["format"] == 4
+    assert cache_bytes(out) == 8 << 20 > 2 * (out / "model.pt2").stat().st_size
+    with zipfile.ZipFile(out / "model.pt2") as z:
+        config = json.loads(next(z.read(n) for n in z.namelist() if n.endswith("/weights_config.json")))
+    assert "k_cache_0" not in config and "model.lm_head.weight" in config
+    h = harness(out, "program.pt2")
+    assert "cache allocated at load" in h.runner.model.loader
     for i, (p, n) in PROMPTS.items():
         h.submit(i, p, n)
     got = h.wait(list(PROMPTS))
     assert {i: got[i] for i in PROMPTS} == {i: generate(model, p, n) for i, (p, n) in PROMPTS.items()}
+    loaded = read_spec(str(out))
+    bare = dataclasses.replace(loaded, extra={k: v for k, v in loaded.extra.items() if k != "cache"})
+    with pytest.raises(LoadError, match=r"neither its weights .* nor artifact.json's cache record .* give 4 .*k_cache_0"):
+        kind_of(loaded).load(bare, Placement("cpu", None))
+
+
+@pytest.mark.server
+def test_a_package_written_with_its_cache_inside_still_loads(tmp_path):
+    """The old way: aoti_compile_and_package of the program with its cache (the constants in the
+    library), imported with that program; loaded by the handler, the engine gives generate's tokens."""
+    import torch._inductor
+
+    from compiled_serving import slot_lm
+    from compiled_serving.import_artifact import import_artifact
+
+    model = checkpoint("qwen2", tmp_path / "ckpt")
+    ep = slot_lm.export(slot_lm.SlotLM(model, SLOTS, MAX_SEQ).eval(), SLOTS)
+    torch.export.save(ep, tmp_path / "program.pt2")
+    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "package.pt2"))
+    import_artifact(str(tmp_path / "package.pt2"), str(tmp_path / "out"), str(tmp_path / "program.pt2"), find_pad=False)
+    assert "cache" not in json.loads((tmp_path / "out" / "artifact.json").read_text())["extra"]
+    h = Harness(torch.export.load(str(tmp_path / "program.pt2")))
+    h.runner.model = served(tmp_path / "out")
+    for i in (0, 3):
+        h.submit(i, *PROMPTS[i])
+    assert h.wait([0, 3]) == {i: generate(model, *PROMPTS[i]) for i in (0, 3)}
+
+
+def test_exported_on_a_gpu_the_cache_is_sized_for_its_memory(monkeypatch):
+    """--device cuda and no --gpu-memory-gib: the export device's whole memory
+    (torch.cuda.mem_get_info's total, faked here: this machine has no GPU) is what lm_sizing divides,
+    its arithmetic printed; --gpu-memory-gib still wins; the CPU keeps 8 slots (of at most 512 positions)."""
+    from types import SimpleNamespace
+
+    from compiled_serving import lm_sizing
+
+    model = random_model("llama")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (5 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = SimpleNamespace(device="cuda", gpu_memory_gib=None, slots=None, max_seq=None)
+    s = export_lm.size_cache(model, args)
+    assert (s.slots, s.max_seq) == (lm_sizing.MAX_SLOTS, 256)  # the model's 256 positions, 64 slots fit easily
+    assert "GPU memory 81920 MiB (cuda:0, Fake GPU, the export device)" in s.line and "not in it" in s.line, s.line
+    assert export_lm.target_gpu(SimpleNamespace(device="cuda:0", gpu_memory_gib=1.5)).mib == 1536
+    assert export_lm.target_gpu(SimpleNamespace(device="cpu", gpu_memory_gib=None)) is None
+    cpu = export_lm.size_cache(model, SimpleNamespace(device="cpu", gpu_memory_gib=None, slots=None, max_seq=None))
+    assert (cpu.slots, cpu.max_seq) == (8, 256)
+
+
+def random_model(family: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config(family)).eval()
 
 
 def test_a_device_this_machine_lacks_is_refused_naming_it(tmp_path):

@@ -20,11 +20,15 @@ METADATA_FILE = "artifact.json"
 # meaning, so an old handler refuses a newer file instead of misreading it. Layout 2 added named
 # dynamic dimensions ("dims", names in shapes) and per-input "values"; layout 3 added a range per
 # column ("values": "axis", "columns"), written only where an input has them (every other file
-# stays layout 2, which older handlers read); layout 1 files (only the batch varies, nothing else
-# recorded) read as before.
+# stays layout 2, which older handlers read); layout 4 a KV cache left out of the artifact and
+# allocated at load ("extra": {"cache": ...}, handlers/artifact/cache.py), written only where the
+# artifact leaves one out: an older handler would run the artifact's one-element placeholder as the
+# cache, or its package without the constants it lacks, so it must refuse the file; layout 1 files
+# (only the batch varies, nothing else recorded) read as before.
 LAYOUT_VERSION = 2
 COLUMNS_LAYOUT = 3
-READS = (1, 2, 3)
+CACHE_LAYOUT = 4
+READS = (1, 2, 3, 4)
 DTYPES = NAMES  # torch's dtype names, from the one table in dtypes.py
 
 
@@ -181,7 +185,8 @@ class ArtifactSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("variant_dir")
-        d["format"] = COLUMNS_LAYOUT if any(s.columns for s in self.inputs) else LAYOUT_VERSION
+        d["format"] = (CACHE_LAYOUT if "cache" in self.extra else COLUMNS_LAYOUT if any(s.columns for s in self.inputs)
+                       else LAYOUT_VERSION)
         for key in ("inputs", "outputs"):
             d[key] = [{"name": s["name"], "dtype": s["dtype"], "shape": list(s["shape"]),
                        **({"values": s["values"]} if s["values"] else {})} for s in d[key]]

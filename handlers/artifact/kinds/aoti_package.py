@@ -9,7 +9,7 @@ import tempfile
 import zipfile
 
 from handlers.artifact.device import Placement
-from handlers.artifact.kinds import aoti_runner
+from handlers.artifact.kinds import aoti_constants, aoti_runner
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.machine import cc_from_digits
 from handlers.artifact.metadata import ArtifactSpec
@@ -43,6 +43,10 @@ def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str,
     call spec parsed again on every call. The outputs' names come from artifact.json in the
     package's flattened order, as before.
 
+    A package whose constants are outside its library (cs-export-lm's: its weights in data/weights/,
+    its KV cache in none) has them read and allocated into the loader before anything runs
+    (aoti_constants.py); one whose library holds them loads as it always did.
+
     single_threaded: the runner without the model container's per-call thread pool handoff,
     which a CUDA graph capture needs."""
     import torch
@@ -57,7 +61,15 @@ def load_aoti_package(spec: ArtifactSpec, placement: Placement, kind_name: str,
     if built_for and built_for != placement.kind:
         raise IncompatibleArtifact(f"{spec.artifact} was compiled for {built_for} "
                                    f"(AOTI_DEVICE_KEY) but this worker serves on {placement}")
-    return LoadedModel(loader.run, spec, placement.torch_device, kind_name, flat_outputs=True)
+    if not aoti_constants.outside(spec.artifact_path):  # the library holds its constants, the cache among them
+        aoti_constants.refuse_record(spec)
+        return LoadedModel(loader.run, spec, placement.torch_device, kind_name, flat_outputs=True)
+    held = aoti_constants.supply(loader, spec, placement)  # the loader reads these tensors: the call keeps them
+
+    def run(inputs, _held=held):
+        return loader.run(inputs)
+    return LoadedModel(run, spec, placement.torch_device, f"{kind_name}, weights read and cache allocated at load",
+                       flat_outputs=True)
 
 
 class AotiPackage(ArtifactKind):

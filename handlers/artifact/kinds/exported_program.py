@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from handlers.artifact import cache
 from handlers.artifact.decoder import by_keyword
 from handlers.artifact.kinds.base import ArtifactKind, LoadedModel
 from handlers.artifact.program_file import load_on_cpu
@@ -23,7 +24,9 @@ class ExportedProgram(ArtifactKind):
     def load(self, spec, placement, config=None, weights=None):
         ep = self._program(spec)
         # the graph itself says whether it writes state between calls (artifact/state.py)
-        check_program(ep, spec.artifact, spec.extra.get("state"))
+        state = check_program(ep, spec.artifact, spec.extra.get("state"))
+        # a cache left out of the file (artifact/cache.py): zeros made on the device, so relocating moves none
+        cache.materialize(ep, cache.read(spec), state.mutated, placement.torch_device, spec.artifact)
         if weights is not None:
             adopt(ep, weights.tensors)  # already on the device: relocating them below moves nothing
         ep = relocate(ep, placement.torch_device)
