@@ -28,11 +28,13 @@ and to 8 slots of 512 positions on the CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from typing import Optional
 
 DTYPES = ("float32", "float16", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -161,6 +163,40 @@ PACKAGE_OPTIONS = {"aot_inductor.package": True, "aot_inductor.package_constants
                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
 
 
+def split_package() -> Optional[str]:
+    """None where this torch can compile a package with its constants outside its library (so the
+    cache can be left out: `package`); else why not. Those are torch's private pieces (written
+    against torch 2.13); a torch without them packages the cache inside, as before."""
+    try:
+        from torch._inductor import aot_compile, config  # noqa: F401
+        from torch._inductor.package import package_aoti  # noqa: F401
+        from torch.export.pt2_archive._package_weights import Weights  # noqa: F401
+    except ImportError as e:
+        return f"this torch lacks {e.name or e}"
+    missing = [k for k in ("package_constants_in_so", "package_constants_on_disk_format")
+               if not hasattr(config.aot_inductor, k)]
+    return f"this torch's inductor has no aot_inductor.{missing[0]}" if missing else None
+
+
+def _module_of(ep):
+    """ep.module() without its input guards where this torch has them (a guard is no part of what is compiled)."""
+    import inspect
+
+    return ep.module(check_guards=False) if "check_guards" in inspect.signature(ep.module).parameters else ep.module()
+
+
+def package_whole(ep, path: str) -> None:
+    """`ep` compiled into the package `path` with every constant inside its library, the cache too (a
+    torch that cannot leave it out: split_package)."""
+    from torch._inductor import aoti_compile_and_package
+
+    try:
+        aoti_compile_and_package(ep, package_path=path)
+    except Exception as e:  # noqa: BLE001  (inductor's own error, named)
+        raise ExportError(f"aoti_compile_and_package failed ({type(e).__name__}: {str(e)[:400]}); export without "
+                          "--package to serve the program itself")
+
+
 def package(ep, path: str, cache: tuple) -> None:
     """`ep` compiled with AOTInductor into the package `path`, its constants outside its library and the
     cache (`cache`: their names) not among them: aoti_compile_and_package's own two steps (torch 2.13
@@ -172,7 +208,7 @@ def package(ep, path: str, cache: tuple) -> None:
 
     args, kwargs = ep.example_inputs
     try:
-        files = aot_compile(ep.module(check_guards=False), args, kwargs, options=dict(PACKAGE_OPTIONS))
+        files = aot_compile(_module_of(ep), args, kwargs, options=dict(PACKAGE_OPTIONS))
     except Exception as e:  # noqa: BLE001  (inductor's own error, named)
         raise ExportError(f"AOTInductor's compile failed ({type(e).__name__}: {str(e)[:400]}); export without "
                           "--package to serve the program itself")
@@ -217,14 +253,16 @@ def write(args, model, ep, tok, eos) -> None:
     from handlers.artifact.state import program_state
 
     written = program_state(ep).mutated  # the state the slot form writes: its cache, nothing else
+    whole = args.package and getattr(args, "cache_inside", False)  # a torch that cannot leave the cache out of a package
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         program = os.path.join(args.out if args.package else tmp, "program.pt2")
         artifact = program
-        if args.package:  # compiled from the program with its cache, packaged without it
+        if args.package:  # compiled from the program with its cache, packaged without it where it can be
             artifact = os.path.join(tmp, "package.pt2")
-            package(ep, artifact, written)
-        with cache.left_out(ep, written):  # one element of each cache tensor; the import records them
+            package_whole(ep, artifact) if whole else package(ep, artifact, written)
+        # one element of each cache tensor, which the import records; all of it beside a whole package
+        with contextlib.nullcontext() if whole else cache.left_out(ep, written):
             torch.export.save(ep, program)
         try:
             import_artifact(artifact, args.out, program if args.package else None, find_pad=False)
@@ -245,6 +283,8 @@ def target_gpu(args):
         if args.gpu_memory_gib <= 0:
             raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
         return worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+    if getattr(args, "cache_inside", False):  # the cache is saved in the package: a GPU's worth only where asked
+        return None
     return lm_sizing.device_memory(args.device) if str(args.device).startswith("cuda") else None
 
 
@@ -295,6 +335,11 @@ def main(argv=None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    why = split_package() if args.package else None
+    args.cache_inside = why is not None
+    if why:
+        print(f"cs-export-lm: the package keeps its cache inside it ({why}): sized for a GPU only with "
+              "--gpu-memory-gib; without --package the cache is left out of the program")
     model = load(args.model, args.dtype, args.device)
     check_lengths(model, args.slots or 2, args.max_seq or 2)  # what was given, before any sizing
     sizing = size_cache(model, args)
