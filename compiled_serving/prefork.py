@@ -34,14 +34,15 @@ model_service_worker.py, and nothing else in any other (site runs a .pth line th
 What a forked worker shares with a fresh one: the environment (the key is its hash, so every
 variable read at import time has the value the worker would have read), the interpreter and
 sys.path (the zygote honours the same PYTHONPATH; the child puts the script's directory first, as
-`python SCRIPT` does), the modules imported in the zygote: torch and TorchServe's worker modules,
-nothing of `handlers`, so the archive's own copy, first on the model's PYTHONPATH, is imported by
-the child as by a fresh worker. The zygote compiles the archive's sources without running them
-(compile_sources), and the child's import system takes that code for a source whose path and
-bytes are those compiled (use_compiled): the same code, not compiled again at every restart. The
-zygote never initialises CUDA (a CUDA context does not survive a fork; the child makes its own) and
-runs no torch operation (no thread pool is started to fork). Its forked workers' command line is
-the zygote's (`prefork.py --zygote KEY ...`).
+`python SCRIPT` does), the modules imported in the zygote: torch, TorchServe's worker modules and
+the few others every handler's start imports (PREIMPORTS), nothing of `handlers`, so the archive's
+own copy, first on the model's PYTHONPATH, is imported by the child as by a fresh worker. The
+zygote compiles the archive's sources without running them (compile_sources), and the child's
+import system takes that code for a source whose path and bytes are those compiled (use_compiled):
+the same code, not compiled again at every restart. The zygote never initialises CUDA (a CUDA
+context does not survive a fork; the child makes its own) and runs no torch operation (no thread
+pool is started to fork). Its forked workers' command line is the zygote's (`prefork.py --zygote
+KEY ...`).
 
 This module is the build package's (installed) and uses the standard library alone: the hook runs
 with the model's PYTHONPATH, where an archive's `handlers` comes first, and the zygote is started
@@ -71,6 +72,13 @@ CONNECT_TIMEOUT_S = 2.0
 # within this is hung: the launcher kills it (no child can come later) and starts the worker itself
 FORK_TIMEOUT_S = 10.0
 FRONTEND_ENV = "CS_FRONTEND_PID"  # handlers/process.py reads it (the name is written in both)
+# What a handler's start imports besides torch and TorchServe's worker modules, imported once in
+# the zygote (a forked engine-served worker's start imported them in 3-10 ms on the CI's 2 cores:
+# msgspec with decimal for handlers/engine/protocol.py, secrets with hmac for handlers/weights,
+# shlex for handlers/torchserve/scratch.py, TorchServe's envelope base class): installed packages
+# and the standard library only, nothing of `handlers` (the child imports the archive's copy).
+# None starts a thread, touches CUDA or keeps a value read from the environment at import.
+PREIMPORTS = ("msgspec", "decimal", "secrets", "shlex", "ts.torch_handler.request_envelope.base")
 # what compile_sources compiles at most: an archive's own code is 115 files, 0.77 MB (handlers/ and
 # ts_entry.py: 0.18 s and 3 MiB of the zygote's memory on the CI's 2 cores)
 SOURCES_MAX_FILES = 1000
@@ -332,6 +340,21 @@ def alive(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
+def preimport() -> list:
+    """PREIMPORTS imported; those this environment lacks are left to the worker (its import
+    fails there as in a fresh one). Returns the names imported."""
+    import importlib
+
+    done = []
+    for name in PREIMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        done.append(name)
+    return done
+
+
 def compile_sources(cwd: str) -> dict:
     """{path: (source bytes, code)} of the .py files under each sys.path entry inside `cwd` (the
     model directory: TorchServe's working directory for a worker, first on its PYTHONPATH), each
@@ -456,6 +479,8 @@ def zygote_main(argv: list) -> None:
     import torch  # noqa: F401  (the worker's imports, once: no CUDA call here)
     import ts.async_service  # noqa: F401
     import ts.model_service_worker  # noqa: F401
+
+    preimport()
 
     if torch.cuda.is_initialized():  # a CUDA context does not survive a fork: never serve with one
         raise SystemExit("the zygote's imports initialised CUDA; workers start without it")

@@ -5,8 +5,8 @@ model_service_worker.py for TorchServe's worker. The first start runs as it alwa
 the zygote; the next is forked from it, with the starting process's stdout, stderr, working
 directory and arguments, the archive's `handlers` from PYTHONPATH, torch already imported, and its
 exit status mirrored; a killed launcher ends its child; the zygote ends with its frontend. The
-zygote has compiled the archive's sources, which a forked worker imports without compiling them
-again unless their bytes changed.
+zygote has imported what every handler's start imports (PREIMPORTS) and compiled the archive's
+sources, which a forked worker imports without compiling them again unless their bytes changed.
 Then through real TorchServe: a killed worker's successor is forked and answers as the first did."""
 from __future__ import annotations
 
@@ -125,6 +125,7 @@ def test_the_second_worker_is_forked_from_the_zygote_as_python_would_run_it(worl
     assert two["argv"] == ["--sock-type", "unix", "--b", "2"] and two["cwd"] == str(model)
     assert two["handlers"] == one["handlers"] == str(model / "handlers" / "__init__.py")
     assert two["path0"] == one["path0"] == str(script.parent) and two["cuda_initialized"] is False
+    assert set(prefork.PREIMPORTS) <= set(two["modules"]), "the zygote imports what every handler's start imports"
     assert not any(m == "handlers" or m.startswith("handlers.") for m in two["modules"])
 
 
