@@ -59,7 +59,6 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import time
 
 WORKER_SCRIPT = "model_service_worker.py"  # TorchServe's worker: any other process is left alone
@@ -98,6 +97,8 @@ def address(key: str) -> str:
 
 def home() -> str:
     """This user's directory for the zygotes' locks and logs (0700, refused otherwise)."""
+    import tempfile  # here alone: a launcher a zygote answers never calls this (tempfile's imports: 3-4 ms)
+
     d = os.path.join(tempfile.gettempdir(), f"cs-prefork-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.lstat(d)
