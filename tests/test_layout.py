@@ -92,6 +92,37 @@ def test_the_engine_package_imports_nothing_of_torchserve():
     assert not bad, "the engine imports TorchServe's side:\n" + "\n".join(bad)
 
 
+def imported_names(path: str) -> set:
+    """Every absolute module name `path` imports, at module level or inside functions."""
+    names = set()
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            names.add(node.args[0].value)
+    return names
+
+
+def test_prefork_imports_nothing_of_handlers_and_the_engine_nothing_of_ts():
+    """compiled_serving/prefork.py runs in every starting worker and in the zygote, where the
+    archive's `handlers` comes first on PYTHONPATH and a forked worker must import that copy
+    itself: it imports nothing of `handlers` (PREIMPORTS included). The engine process
+    (handlers/engine/) runs without TorchServe: nothing of `ts`."""
+    from compiled_serving import prefork
+
+    def under(name, pkg):
+        return name == pkg or name.startswith(pkg + ".")
+
+    bad = [f"compiled_serving/prefork.py imports {n}" for n in imported_names("compiled_serving/prefork.py")
+           | set(prefork.PREIMPORTS) if under(n, "handlers")]
+    bad += [f"{path} imports {n}" for path in tracked("handlers/engine/*.py") for n in imported_names(path)
+            if under(n, "ts")]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycle():
     modules = code_modules()
     graph = {m: imports_of(p, modules) for m, p in modules.items()}

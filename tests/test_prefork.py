@@ -4,8 +4,10 @@ process stands in for the frontend (the starting worker's parent), a script name
 model_service_worker.py for TorchServe's worker. The first start runs as it always did and starts
 the zygote; the next is forked from it, with the starting process's stdout, stderr, working
 directory and arguments, the archive's `handlers` from PYTHONPATH, torch already imported, and its
-exit status mirrored; a killed launcher ends its child; the zygote ends with its frontend. Then
-through real TorchServe: a killed worker's successor is forked and answers as the first did."""
+exit status mirrored; a killed launcher ends its child; the zygote ends with its frontend. The
+zygote has imported what every handler's start imports (PREIMPORTS) and compiled the archive's
+sources, which a forked worker imports without compiling them again unless their bytes changed.
+Then through real TorchServe: a killed worker's successor is forked and answers as the first did."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -25,13 +28,20 @@ from compiled_serving import prefork
 pytestmark = pytest.mark.server  # every test starts interpreters, the warm process, or TorchServe
 
 LAUNCHER = sys.executable  # TorchServe runs the worker with the interpreter of its `torchserve` command
+# The stand-in worker reports what it found imported, and the files Python compiled while it
+# imported `handlers` (the import system's source_to_code calls the builtin `compile`)
 WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import builtins, json, os, sys, time
     had_torch = "torch" in sys.modules
+    modules = sorted(sys.modules)
+    compiled, compile_ = [], builtins.compile
+    builtins.compile = lambda src, name, *a, **k: compiled.append(name) or compile_(src, name, *a, **k)
     import handlers
+    builtins.compile = compile_
     print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
                       "had_torch": had_torch, "handlers": handlers.__file__, "path0": sys.path[0],
-                      "frontend": os.environ.get("CS_FRONTEND_PID"),
+                      "frontend": os.environ.get("CS_FRONTEND_PID"), "modules": modules,
+                      "compiled": compiled, "value": getattr(handlers, "VALUE", None),
                       "cuda_initialized": "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()}),
           flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -50,10 +60,14 @@ def world(tmp_path, monkeypatch):
     (ts / "model_service_worker.py").write_text(WORKER)
     model = tmp_path / "model"
     (model / "handlers").mkdir(parents=True)
-    (model / "handlers" / "__init__.py").write_text("# the archive's copy\n")
+    (model / "handlers" / "__init__.py").write_text("# the archive's copy\nVALUE = 1\n")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(model), "TMPDIR": str(tmp)}
+    # no bytecode written (as on the GPU machine's image): each import of a source compiles it,
+    # unless the zygote compiled it. The model's directory first on PYTHONPATH, then what the run
+    # was given (a checkout's compiled_serving, tested in place of the installed one).
+    path = os.pathsep.join([str(model)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("CS_PREFORK", None)
     yield ts / "model_service_worker.py", model, env, tmp
     for lock in tmp.glob("cs-prefork-*/*.lock"):  # every zygote of this test stopped
@@ -111,6 +125,72 @@ def test_the_second_worker_is_forked_from_the_zygote_as_python_would_run_it(worl
     assert two["argv"] == ["--sock-type", "unix", "--b", "2"] and two["cwd"] == str(model)
     assert two["handlers"] == one["handlers"] == str(model / "handlers" / "__init__.py")
     assert two["path0"] == one["path0"] == str(script.parent) and two["cuda_initialized"] is False
+    assert set(prefork.PREIMPORTS) <= set(two["modules"]), "the zygote imports what every handler's start imports"
+    assert not any(m == "handlers" or m.startswith("handlers.") for m in two["modules"])
+
+
+def test_a_forked_worker_takes_the_zygotes_compiled_archive_unless_its_bytes_changed(world):
+    """The first start compiles the archive's `handlers` (no bytecode written); the forked one
+    compiles nothing of it; once its source changes, the next forked one compiles and runs the new
+    source."""
+    script, model, env, tmp = world
+    init = model / "handlers" / "__init__.py"
+    first = start(script, model, env)
+    one = json.loads(first.communicate(timeout=120)[0])
+    assert one["compiled"] == [str(init)] and one["value"] == 1
+    wait_zygote(tmp)
+    second = start(script, model, env)
+    two = json.loads(second.communicate(timeout=60)[0])
+    assert two["had_torch"] and two["compiled"] == [] and two["value"] == 1
+    init.write_text(init.read_text().replace("VALUE = 1", "VALUE = 2"))  # the same size: only the bytes tell
+    third = start(script, model, env)
+    three = json.loads(third.communicate(timeout=60)[0])
+    assert three["had_torch"] and three["compiled"] == [str(init)] and three["value"] == 2
+
+
+def test_compiled_sources_are_named_as_the_import_system_names_them(tmp_path, monkeypatch):
+    """compile_sources spells each path as importlib's FileFinder does for an absolute entry with
+    a trailing separator and a relative one, leaves out a file that does not compile or warns, and
+    nothing outside the working directory; use_compiled answers the loader with that code and
+    compiles a changed source as before."""
+    import builtins
+    from importlib.machinery import SourceFileLoader
+
+    pkg = tmp_path / "model" / "cs_pkg_probe"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "mod.py").write_text("X = 1\n")
+    (pkg / "bad.py").write_text("def (:\n")
+    (pkg / "warns.py").write_text("x = '\\d'\n")  # an invalid escape: a warning at compile time
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "stale.py").write_text("")
+    (tmp_path / "model" / "lib").mkdir()
+    (tmp_path / "model" / "lib" / "top_probe.py").write_text("Y = 2\n")
+    (tmp_path / "outside.py").write_text("")
+    monkeypatch.chdir(tmp_path / "model")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "model") + "/", "lib", str(tmp_path)] + sys.path)
+    sources = prefork.compile_sources(str(tmp_path / "model"))
+    base = str(tmp_path / "model")
+    assert set(sources) == {f"{base}/cs_pkg_probe/__init__.py", f"{base}/cs_pkg_probe/sub/__init__.py",
+                            f"{base}/cs_pkg_probe/sub/mod.py", f"{base}/lib/top_probe.py"}
+    monkeypatch.setattr(SourceFileLoader, "source_to_code", SourceFileLoader.source_to_code)  # restored after
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    prefork.use_compiled(sources)
+    (pkg / "__init__.py").write_text("CHANGED = True\n")
+    compiled, compile_ = [], builtins.compile
+    monkeypatch.setattr(builtins, "compile", lambda src, name, *a, **k: compiled.append(name) or compile_(src, name, *a, **k))
+    for m in ("cs_pkg_probe", "cs_pkg_probe.sub", "cs_pkg_probe.sub.mod", "top_probe"):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    try:
+        import cs_pkg_probe.sub.mod
+        import top_probe
+    finally:
+        for m in ("cs_pkg_probe", "cs_pkg_probe.sub", "cs_pkg_probe.sub.mod", "top_probe"):
+            sys.modules.pop(m, None)
+    assert cs_pkg_probe.sub.mod.X == 1 and top_probe.Y == 2 and cs_pkg_probe.CHANGED
+    assert compiled == [f"{base}/cs_pkg_probe/__init__.py"], "only the changed source is compiled"
+    assert cs_pkg_probe.sub.mod.__file__ == f"{base}/cs_pkg_probe/sub/mod.py"
 
 
 FRONTEND = textwrap.dedent("""
@@ -207,6 +287,11 @@ def test_through_torchserve_a_killed_worker_comes_back_forked_and_answers(artifa
     assert w2["status"] == "READY" and psutil.Process(w2["pid"]).ppid() == zygote.pid, (w2, zygote.pid)
     again = ts.predict("cls_pf", {"instances": x})
     assert again.status_code == 200 and again.json() == first.json()
+    # the zygote compiled every source of the archive, found from TorchServe's working directory
+    # and PYTHONPATH for the worker (its ready line, in its log under the server's TMPDIR)
+    logs = "".join(p.read_text() for p in (ts.workdir / "tmp").glob("cs-prefork-*/*.log"))
+    sources = sum(name.endswith(".py") for name in zipfile.ZipFile(mar).namelist())
+    assert sources > 100 and f"({sources} source files compiled)" in logs, logs
     print(f"kill -9 to READY: {back:.2f}s (forked from the zygote)")
     ts.stop()
     deadline = time.monotonic() + 10
