@@ -15,10 +15,12 @@ Who reads an engine process's socket: the thread that waits for an answer reads 
 (`EngineClient._await`), so an answer wakes one thread, not a reader thread that then wakes the
 waiter (the MLP through an engine on the CI CPU, handle() in process, A/B in one session: the
 worker's CPU 5-15% less, 12-30 µs per request at batches of 4 and 1, and its wall time 5-9%
-less). A watch thread sleeps
-in poll() for the socket's hang-up only (POLLRDHUP: data arriving does not wake it), so an engine
-that dies while nobody waits is still found at once. A generating worker, whose Tokens come
-unasked, turns the watch thread into a reader of every message (`read_continuously`).
+less). A watch thread sleeps in poll() for the socket's hang-up only (POLLRDHUP: data arriving
+does not wake it), so an engine that dies while nobody waits is still found at once. A
+generating worker, whose Tokens come unasked, turns the watch thread into a reader of every
+message (`read_continuously`). Two threads waiting at once (a request and the hung-engine probe)
+take turns: the one reading delivers the other's answer, which looks for the socket free every
+SHARED_WAIT_S.
 """
 from __future__ import annotations
 
