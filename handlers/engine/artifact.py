@@ -78,10 +78,12 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     # says one call is cheaper (batch.PadPlan.targets), and each job's rows are cut back to its bucket
     plan = runner.pad
     t2 = time.perf_counter()
-    describe = (f"{spec.backend} artifact {spec.artifact} ({model.loader}) on {placement.where} [{placement.note}]; "
-                f"load {t1 - t0:.2f}s, warm-up and graphs {t2 - t1:.2f}s; {graphs}; {runner.describe_sync()}; "
-                f"padding: {padding}" + (f" (to {plan.describe()}: each batch by its worker, jobs shared by the engine)" if plan else "") + f"; CPU threads {torch.get_num_threads()}; "
-                f"steps launched {config.engine_launch} (handler.engine_launch)")
+    parts = [f"{spec.backend} artifact {spec.artifact} ({model.loader}) on {placement.where} [{placement.note}]",
+             f"load {t1 - t0:.2f}s, warm-up and graphs {t2 - t1:.2f}s", graphs, runner.describe_sync(),
+             f"padding: {padding}" + (f" (to {plan.describe()}: each batch by its worker, jobs shared by the engine)"
+                                      if plan else ""),
+             f"CPU threads {torch.get_num_threads()}", f"steps launched {config.engine_launch} (handler.engine_launch)"]
+    describe = "; ".join(p for p in parts if p)  # a CPU runner describes no sync
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config)
 
 
