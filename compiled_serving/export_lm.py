@@ -279,10 +279,11 @@ def target_gpu(args):
     the export device where it is a GPU (lm_sizing.device_memory), else None (the CPU's defaults)."""
     from compiled_serving import lm_sizing, worker_sizing
 
-    if args.gpu_memory_gib is not None:
-        if args.gpu_memory_gib <= 0:
-            raise ExportError(f"--gpu-memory-gib {args.gpu_memory_gib}: expected the GPU's memory in GiB, e.g. 24")
-        return worker_sizing.GpuMemory(round(args.gpu_memory_gib * 1024), f"--gpu-memory-gib {args.gpu_memory_gib:g}")
+    if args.gpu_memory_gib is not None:  # read and checked as cs-archive reads it
+        try:
+            return worker_sizing.target_gpu(args.gpu_memory_gib)
+        except worker_sizing.SizingError as e:
+            raise ExportError(str(e)) from None
     if getattr(args, "cache_inside", False):  # the cache is saved in the package: a GPU's worth only where asked
         return None
     return lm_sizing.device_memory(args.device) if str(args.device).startswith("cuda") else None
