@@ -60,6 +60,11 @@ def pick_compiler(explicit=None) -> str:
     elif shutil.which("g++-12"):
         os.environ["CXX"] = "g++-12"
     cxx = os.environ.get("CXX", "g++")
+    # inductor reads CXX once, when torch._inductor.config is imported (its `cpp.cxx` default), and an
+    # export may have imported it already: set there too, or the choice above is silently ignored
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None and "CXX" in os.environ:
+        inductor.cpp.cxx = (None, cxx)
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         return f"{cxx}: {version.splitlines()[0]}" if version else cxx

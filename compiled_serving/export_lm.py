@@ -247,6 +247,7 @@ def write(args, model, ep, tok, eos) -> None:
     by the import), the tokenizer, the eos ids."""
     import torch
 
+    from compiled_serving.compile import pick_compiler
     from compiled_serving.import_artifact import ImportError_, import_artifact
 
     from handlers.artifact import cache
@@ -260,6 +261,7 @@ def write(args, model, ep, tok, eos) -> None:
         artifact = program
         if args.package:  # compiled from the program with its cache, packaged without it where it can be
             artifact = os.path.join(tmp, "package.pt2")
+            pick_compiler(getattr(args, "cxx", None))  # g++-12 where present (the GPU image's g++ 13 builds crash)
             package_whole(ep, artifact) if whole else package(ep, artifact, written)
         # one element of each cache tensor, which the import records; all of it beside a whole package
         with contextlib.nullcontext() if whole else cache.left_out(ep, written):
@@ -327,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (default: cuda where this machine has a GPU, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--package", action="store_true",
                    help="also compile it with AOTInductor and serve the package (program.pt2 kept beside it)")
+    p.add_argument("--cxx", help="with --package: the C++ compiler of its wrapper (default: g++-12 if present, else $CXX)")
     return p
 
 

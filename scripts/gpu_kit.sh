@@ -72,9 +72,10 @@ fi
 export JAVA_HOME="$_to/jre" PATH="$_to/bin:$_to/jre/bin:$PATH"
 export PYTHONPATH="$_to/py${PYTHONPATH:+:$PYTHONPATH}"
 [ -x "$_kit/loadgen/run" ] && export LOADGEN="$_kit/loadgen/run"  # wrk, for --load-generator native
-# g++ 13 on the GPU image builds AOTInductor wrappers that crash at load (std::regex while parsing
-# the device string); g++-12 works. An explicit CXX wins.
-if [ -z "${CXX:-}" ] && command -v g++-12 >/dev/null; then export CXX=g++-12; fi
+# g++ 13 on the GPU image (which exports it as CXX=/opt/gcc/bin/g++) builds AOTInductor wrappers
+# that crash at load (std::regex while parsing the device string); g++-12 works, so it replaces an
+# inherited CXX. KIT_CXX picks another on purpose.
+if [ -n "${KIT_CXX:-}" ]; then export CXX="$KIT_CXX"; elif command -v g++-12 >/dev/null; then export CXX=g++-12; fi
 unset _kit _to
 ENV
 du -sh "$OUT"

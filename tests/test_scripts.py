@@ -1,4 +1,5 @@
 """The command-line tools' contracts: clear errors for bad arguments, archive warnings."""
+import os
 import shutil
 import subprocess
 
@@ -192,3 +193,18 @@ def test_a_batch_with_no_delay_is_refused_with_its_fix():
     check_delay(1, 16)
     with pytest.raises(ArchiveError, match="100 ms.*--max-batch-delay 1"):
         check_delay(0, 8)
+
+
+def test_the_picked_compiler_reaches_an_inductor_config_imported_before_it(monkeypatch):
+    """torch._inductor.config reads CXX once at its import; an export imports it, so a compiler picked
+    after the export (cs-export-lm, examples/hf_bert.py) must be set there too (on the GPU image the
+    inherited g++ 13 builds packages that crash at load)."""
+    import torch._inductor.config as inductor
+
+    from compiled_serving.compile import pick_compiler
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++-13-stand-in"))
+    monkeypatch.setenv("CXX", "g++")
+    assert pick_compiler("c++").startswith("c++")
+    assert inductor.cpp.cxx == (None, "c++")
+    assert os.environ["CXX"] == "c++"
