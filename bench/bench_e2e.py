@@ -364,10 +364,19 @@ def archive_baseline(args, store: Path, name: str, handler: str, workers: int, d
     return store / f"{name}.mar"
 
 
+def model_lines(log: str, name: str) -> str:
+    """The lines of model `name`'s workers (TorchServe names the thread reading a worker's output
+    W-PORT-MODEL_VERSION-stdout, log4j2.xml's %t), so ours is not read from ours_perworker's lines;
+    the whole log where no line is so named."""
+    own = [line for line in log.splitlines() if re.search(rf"W-\d+-{re.escape(name)}_\d", line)]
+    return "\n".join(own) if own else log
+
+
 def chosen_threads(log: str, name: str) -> Optional[int]:
     """The intra-op count our default worker logged in its load line ("CPU threads: N intra-op";
     the sweep archives log "(handler.cpu_threads)" and are skipped); None where the engine serves
     the model (its workers run no model: handlers/engine_worker.py logs "served by the engine")."""
+    log = model_lines(log, name)
     if "served by the engine" in log and "CPU threads: " not in log:
         return None
     found = re.findall(r"CPU threads: (\d+) intra-op / \d+ inter-op thread\(s\) \((?!handler)", log)
@@ -440,7 +449,7 @@ def serve_set(args, n: int, bodies, refs, tol, spec, work: Path) -> tuple:
     try:
         ready_s = server.wait_ready()
         logged = chosen_threads(server.log(), "ours")
-        args.ours_engine = "served by the engine" in server.log() and logged is None
+        args.ours_engine = "served by the engine" in model_lines(server.log(), "ours") and logged is None
         if logged is not None and logged != budget:
             raise SystemExit(f"our worker logged {logged} CPU threads, the benchmark expected {budget}")
         # what each of our variants launches with (CUDA graphs or why not), as its load line says

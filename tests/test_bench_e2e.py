@@ -380,3 +380,19 @@ def test_the_summary_carries_the_engine_keys_of_issue_64():
     # with the engine the default, the per-worker path is served as ours_perworker (engine=off)
     s = summary(renamed + [point("ours_perworker", 64, 200.0, 3.0), point("ours_perworker", 1, 300.0, 2.5)], {})
     assert s["per_worker_over_echo_c64"] == 0.2 and s["c1_p50_delta_ms"] == 0.25
+
+
+def test_ours_is_read_from_its_own_workers_lines_not_a_per_worker_variants():
+    """ours served by the engine beside ours_perworker (engine=off), whose load line names its CPU
+    threads: ours is still the engine's (the summary's issue-64 keys depend on it)."""
+    from bench.bench_e2e import chosen_threads, model_lines
+
+    log = "\n".join([
+        "2026-11-29T14:00:00,000 [INFO ] W-9000-ours_1.0-stdout MODEL_LOG - served by the engine: engine pid 7",
+        "2026-11-29T14:00:00,001 [INFO ] W-9010-ours_perworker_1.0-stdout MODEL_LOG - loaded; CPU threads: 1 "
+        "intra-op / 1 inter-op thread(s) (decided at load)",
+    ])
+    assert chosen_threads(log, "ours") is None
+    assert "served by the engine" in model_lines(log, "ours")
+    assert chosen_threads(log, "ours_perworker") == 1
+    assert model_lines("no worker names here", "ours") == "no worker names here"
