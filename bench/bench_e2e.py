@@ -35,6 +35,7 @@ from the JSON; --summary computes its summary again from the same points).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -867,6 +868,7 @@ def main(argv=None):
 def run(args, argv, from_cli: bool) -> int:
     import torch
 
+    started = time.time()  # engine sample files older than this are another run's
     from handlers.artifact.metadata import read_spec
 
     spec = read_spec(args.artifact)
@@ -919,8 +921,31 @@ def run(args, argv, from_cli: bool) -> int:
         plot(out.with_suffix(".png"), result)
     except ImportError as e:
         print(f"bench_e2e: no plot ({e}); install matplotlib (pyproject's test extra)", file=sys.stderr)
+    add_engine_seconds(out, started)
     print(out.with_suffix(".md").read_text())
     return 0
+
+
+def add_engine_seconds(out: Path, started: float, wait_s: float = 15.0) -> None:
+    """With CS_ENGINE_SAMPLE set (handlers/engine/sampler.py), the run's engines' own account
+    (bench/engine_seconds.py) into the result: each engine writes its file when it exits, within
+    seconds of its TorchServe's stop (handlers/engine/serve.py watch_lifetime), so the files are
+    waited for until none of this run's engines is left or `wait_s` passes."""
+    from bench import engine_seconds
+    from handlers.engine.sampler import ENV
+
+    stem = os.environ.get(ENV)
+    if not stem:
+        return
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-f", "handlers.engine.serve"],
+                                                         capture_output=True).returncode == 0:
+        time.sleep(0.5)
+    files = [f for f in glob.glob(f"{stem}.*.json") if os.path.getmtime(f) >= started]
+    models = sorted({p["handler"] for p in json.loads(out.with_suffix(".json").read_text())["points"]})
+    samples = engine_seconds.by_engine(files, models)
+    if samples:
+        engine_seconds.merge(out.with_suffix(".json"), samples, 2000.0, f"bench_e2e, from the files of {ENV}={stem}")
 
 
 if __name__ == "__main__":

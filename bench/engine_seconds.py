@@ -4,11 +4,17 @@ when CS_ENGINE_SAMPLE is set (handlers/engine/sampler.py: a snapshot of its tota
 loop's wall clock by phase once a second, the device's busy time from timed events per step).
 
     CS_ENGINE_SAMPLE=/tmp/s/sample python -m bench.bench_e2e ... --variant engine12:engine=on,workers=12 ...
-    python -m bench.engine_seconds --result docs/results/engine_bert_fp16_TAG.json \
-        --samples /tmp/s/sample.*.json --variants ours_engine12
 
-Each engine of the run wrote one file (sample.PID.json); the files sorted by their first snapshot
-are the engines in the order the run started them, which is the order of its --variant options.
+bench_e2e adds the account itself when CS_ENGINE_SAMPLE is set (its engines' files, after the run);
+by hand, for files kept from a run:
+
+    python -m bench.engine_seconds --result docs/results/engine_bert_fp16_TAG.json --samples /tmp/s/sample.*.json
+
+Each engine of the run wrote one file (sample.PID.json) naming its engine (engine-MODEL, the
+TorchServe model it served: ours, ours_late, ...). Files from before engines were so named
+need --variants: the files sorted by their first snapshot are the engines in the order the run
+started them.
+
 Every second in which the engine answered at least --min-rows rows is kept: rows, jobs, steps
 (launches) and replays per second, the device's busy fraction, the loop's fraction by phase
 (idle: waiting with nothing to do; poll: looking at the sockets while a step runs; read:
@@ -62,29 +68,51 @@ def markdown(engine_seconds: dict) -> list:
     return lines
 
 
+def by_engine(files: list, models: list) -> dict:
+    """{model: sample} of the files whose engine is named for one of `models` (engine-MODEL:
+    handlers/engine/link.py names each engine for the TorchServe model it serves)."""
+    out = {}
+    for f in files:
+        d = json.loads(Path(f).read_text()) | {"file": Path(f).name}
+        model = str(d.get("engine", "")).removeprefix("engine-")
+        if model in models:
+            out[model] = d
+    return out
+
+
+def merge(result_path: Path, samples: dict, min_rows: float, command: str) -> None:
+    """The engines' seconds ({variant: sample}) into a bench_e2e result and a section of its .md."""
+    result = json.loads(result_path.read_text())
+    result["engine_seconds_command"] = command
+    result["engine_seconds"] = {v: {"file": s["file"], "seconds": seconds(s["snapshots"], min_rows)}
+                                for v, s in samples.items()}
+    result_path.write_text(json.dumps(result, indent=1) + "\n")
+    md = result_path.with_suffix(".md")
+    if md.exists():
+        text = md.read_text().split("\n## The engine's own account")[0].rstrip("\n")
+        md.write_text(text + "\n" + "\n".join(markdown(result["engine_seconds"])) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--result", required=True, help="a bench_e2e results JSON (its .md beside it gets a section)")
     ap.add_argument("--samples", nargs="+", required=True, help="the engines' sample.PID.json files")
-    ap.add_argument("--variants", required=True, help="the engine variants' names, in the run's order")
+    ap.add_argument("--variants", help="the engine variants' names, in the run's order (files written before the "
+                    "engines were named for their models); default: each file's engine name")
     ap.add_argument("--min-rows", type=float, default=2000.0, help="rows per second a kept second answered")
     args = ap.parse_args(argv)
+    result_path = Path(args.result)
+    if not args.variants:
+        models = sorted({p["handler"] for p in json.loads(result_path.read_text())["points"]})
+        merge(result_path, by_engine(args.samples, models), args.min_rows, invocation(argv))
+        return 0
     samples = sorted((json.loads(Path(f).read_text()) | {"file": Path(f).name} for f in args.samples),
                      key=lambda d: d["snapshots"][0]["t"] if d["snapshots"] else float("inf"))
     variants = args.variants.split(",")
     if len(samples) != len(variants):
         raise SystemExit(f"{len(samples)} sample files for {len(variants)} variants ({args.variants}): "
                          "give one file per engine the run started")
-    result_path = Path(args.result)
-    result = json.loads(result_path.read_text())
-    result["engine_seconds_command"] = invocation(argv)
-    result["engine_seconds"] = {v: {"file": s["file"], "seconds": seconds(s["snapshots"], args.min_rows)}
-                                for v, s in zip(variants, samples)}
-    result_path.write_text(json.dumps(result, indent=1) + "\n")
-    md = result_path.with_suffix(".md")
-    if md.exists():
-        text = md.read_text().split("\n## The engine's own account")[0].rstrip("\n")
-        md.write_text(text + "\n" + "\n".join(markdown(result["engine_seconds"])) + "\n")
+    merge(result_path, dict(zip(variants, samples)), args.min_rows, invocation(argv))
     return 0
 
 

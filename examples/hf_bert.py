@@ -22,8 +22,6 @@ import os
 import torch
 from torch import nn
 
-from compiled_serving.compile import pick_compiler
-
 SIZES = {  # config, (batch min, max), (length min, max), per-token output
     "tiny": (dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=64, max_position_embeddings=128, num_labels=3), (1, 16), (4, 64), True),
@@ -93,7 +91,6 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     _, ep = export(args.size, args.device, args.dtype)
     torch.export.save(ep, os.path.join(args.out, "program.pt2"))
-    pick_compiler()  # AOTInductor's C++ wrapper: g++-12 where present (compiled_serving/compile.py says why)
     torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(args.out, "package.pt2"))
     print(f"wrote {args.out}/program.pt2 and {args.out}/package.pt2")
 

@@ -79,9 +79,9 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
     torch.set_num_threads(1)
     process.record("torch intra-op threads", "1 (a worker served by the engine runs no model)")
     steps.done("variant")
-    name = f"{context.manifest.get('model', {}).get('modelName', 'model')}-{os.getpid()}"
+    model = context.manifest.get("model", {}).get("modelName", "model")
     connect = functools.partial(link.connect, scratch.shared_root(), props["model_dir"], settings(context)[0],
-                                gpu, engine_gpu, name)
+                                gpu, engine_gpu, f"{model}-{os.getpid()}", model)
     client = connect()
     spec = read_spec(client.ready.variant)
     if client.ready.generation is not None:

@@ -36,3 +36,24 @@ def test_the_files_are_matched_to_the_variants_in_the_order_the_engines_started(
     engine_seconds.main(["--result", str(result), "--samples", str(tmp_path / "sample.10.json"),
                          str(tmp_path / "sample.9.json"), "--variants", "ours_engine12,ours_engine24"])
     assert (tmp_path / "r.md").read_text().count("## The engine's own account") == 1  # replaced, not added again
+
+
+def test_each_file_goes_to_the_model_its_engine_is_named_for(tmp_path):
+    """An engine names itself engine-MODEL (handlers/engine/link.py) and its sampler writes the name,
+    so every model of a run that started them all at once gets its own engine's account, and an
+    engine of a model the result does not hold is left out."""
+    from handlers.engine.sampler import Sampler
+
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"device": "x", "points": [{"handler": "ours"}, {"handler": "ours_late"}]}))
+    (tmp_path / "r.md").write_text("# r\n")
+    busy = [snap(1.0, 0, 0, 0, 0, 0.0), snap(2.0, 3000, 300, 100, 100, 0.25)]
+    for pid, name, rows in ((7, "engine-ours_late", 5000), (8, "engine-ours", 3000), (9, "engine-elsewhere", 9000)):
+        s = Sampler(str(tmp_path / f"sample.{pid}.json"), name=name)
+        s.snapshots = [busy[0], {**busy[1], "rows": rows}]
+        s.write(rows=rows)
+    assert engine_seconds.main(["--result", str(result), "--samples", *map(str, tmp_path.glob("sample.*.json"))]) == 0
+    got = json.loads(result.read_text())["engine_seconds"]
+    assert sorted(got) == ["ours", "ours_late"]
+    assert got["ours"]["seconds"][0]["rows_s"] == 3000.0 and got["ours_late"]["seconds"][0]["rows_s"] == 5000.0
+    assert "| ours_late | 5000.0 |" in (tmp_path / "r.md").read_text()

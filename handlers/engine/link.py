@@ -43,11 +43,11 @@ def paths(root: str, model_dir: str, yaml_config, gpu: Optional[str]) -> dict:
 
 
 def connect(root: str, model_dir: str, yaml_config, gpu: Optional[str], gpu_id: Optional[int],
-            name: str) -> EngineClient:
+            name: str, model: str = "") -> EngineClient:
     """A client of the engine for this archive and GPU (`gpu`: the GPU as the host names it, for
     the engine's name; `gpu_id`: as the engine places on it, None for the CPU), starting the
     engine where none answers; LoadError with the engine's own reason (and its log's path) where
-    it cannot load."""
+    it cannot load. `model`: the model's name, the engine's (engine-MODEL) in its log and samples."""
     p = paths(root, model_dir, yaml_config, gpu)
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -56,13 +56,13 @@ def connect(root: str, model_dir: str, yaml_config, gpu: Optional[str], gpu_id: 
                             f"worker keeps while it starts the engine; the engine's log: {p['log']}")
         with contextlib.suppress(OSError, EngineUnavailable, ProtocolError):
             return EngineClient(p["sock"], name)
-        start(p, root, model_dir, yaml_config, gpu_id)
+        start(p, root, model_dir, yaml_config, gpu_id, model)
         return EngineClient(p["sock"], name)
     finally:
         os.close(fd)
 
 
-def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]) -> int:
+def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int], model: str = "") -> int:
     """Starts the engine and waits for its ready line; returns its pid."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # A TMPDIR of its own, beside the private scratch root: the worker's own is removed when
@@ -73,7 +73,7 @@ def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]
     cmd = [sys.executable, "-m", "handlers.engine.serve", p["sock"], "--model-dir", model_dir,
            "--config-json", json.dumps(yaml_config, default=str), "--verdict-root", root,
            "--frontend", str(process.frontend_pid()), "--idle-exit-s", str(IDLE_EXIT_S),
-           "--name", f"engine-{os.path.basename(os.path.normpath(model_dir))}"]
+           "--name", f"engine-{model or os.path.basename(os.path.normpath(model_dir))}"]
     if gpu_id is not None:
         cmd += ["--gpu-id", str(gpu_id)]  # 0 where the worker is confined to its GPU
     with open(p["log"], "ab") as log:

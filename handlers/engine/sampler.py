@@ -23,19 +23,20 @@ SAMPLE_S = 0.001
 
 
 class Sampler:
-    def __init__(self, path: str, totals=None):
-        self.path, self.counts, self.samples = path, collections.Counter(), 0
+    def __init__(self, path: str, totals=None, name: str = "engine"):
+        # name: the engine's (engine-MODEL, handlers/engine/link.py), which a benchmark matches to its model
+        self.path, self.counts, self.samples, self.name = path, collections.Counter(), 0, name
         self.totals, self.snapshots = totals, []  # totals(): the engine's figures, taken once a second
         self.where = os.environ.get(WHERE_ENV) == "1"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-sampler", daemon=True)
 
     @classmethod
-    def from_env(cls, totals=None):
+    def from_env(cls, totals=None, name: str = "engine"):
         path = os.environ.get(ENV)
         if not path:
             return None
-        sampler = cls(f"{path}.{os.getpid()}.json", totals)
+        sampler = cls(f"{path}.{os.getpid()}.json", totals, name)
         sampler._thread.start()
         return sampler
 
@@ -60,9 +61,11 @@ class Sampler:
     def write(self, **totals) -> None:
         """`totals`: the engine's counts (calls, jobs, rows) beside where its time went."""
         self._stop.set()
-        self._thread.join(1.0)
+        if self._thread.is_alive():
+            self._thread.join(1.0)
         with open(self.path, "w") as f:
-            json.dump({"samples": self.samples, "sample_s": SAMPLE_S, **totals, "snapshots": self.snapshots,
+            json.dump({"engine": self.name, "samples": self.samples, "sample_s": SAMPLE_S, **totals,
+                       "snapshots": self.snapshots,
                        "where": self.counts.most_common(60)}, f, indent=1)
 
 

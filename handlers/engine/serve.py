@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
     print(json.dumps({"pid": os.getpid()}), flush=True)
     # CS_ENGINE_SAMPLE: where the time goes (a benchmark's aid), with the device's steps timed
-    sampler = Sampler.from_env(functools.partial(totals, engine))
+    sampler = Sampler.from_env(functools.partial(totals, engine), engine.name)
     if sampler is not None and engine.device is not None:
         engine.device.timing = True
     try:
