@@ -121,7 +121,8 @@ def test_first_difference_finds_a_stale_output():
     good = graphs.GraphBucket(4, FakeGraph(lambda: out["y"].copy_(x * 2)), [x], out)
     assert graphs.first_difference(model, good, None, seed=0) is None
     stale = graphs.GraphBucket(4, FakeGraph(lambda: None), [x], out)  # replay that writes nothing
-    assert "output 'y' at batch 4 differs from the plain call" in graphs.first_difference(model, stale, None, seed=1)
+    assert graphs.first_difference(model, stale, None, seed=1).startswith(
+        "the graph at batch 4 replays output 'y' differing from the plain call's (max |d| ")
 
 
 def bare_runner(monkeypatch, build):
@@ -328,7 +329,7 @@ def test_a_deferred_capture_that_differs_from_the_plain_call_drops_every_graph(m
     r, _, _ = deferred_runner(monkeypatch)
     assert r.capture_next() is None and rows_with_graph(r) == [1]
     monkeypatch.setattr(graphs, "first_difference", lambda *a, **k: "output 'y' at batch 2 differs")
-    assert r.capture_next() == "no CUDA graphs (RuntimeError: output 'y' at batch 2 differs)"
+    assert r.capture_next() == "no CUDA graphs (GraphMismatch: output 'y' at batch 2 differs)"
     assert r.graphs is None and r.deferred is None and rows_with_graph(r) == []
 
 

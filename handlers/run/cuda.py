@@ -27,6 +27,7 @@ from handlers import timeline
 from handlers.faults import is_sticky
 from handlers.run import graphs
 from handlers.run.base import Runner
+from handlers.run.stream import worker_stream
 from handlers.staging import StagingBuffers, concat_into
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class CudaRunner(Runner):
         self.device_buffers = StagingBuffers(device=device)
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
-        self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority)
+        self.stream = worker_stream(device, config.stream_priority)
         # The stream the weights were uploaded on: the worker thread's current stream, which
         # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
         self.producer = torch.cuda.current_stream(device)

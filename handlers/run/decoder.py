@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 
 from handlers.artifact.decoder import Decoder
+from handlers.run.capture import capture_graph, check_equal
+from handlers.run.stream import worker_stream
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class DecoderRunner:
     def __init__(self, model, decoder: Decoder, device: torch.device, config):
         self.model, self.dec, self.device = model, decoder, device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
+        self.stream = worker_stream(device, config.stream_priority)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._static = None  # (token int64[1, 1], position int64[1] or [1, 1], logits) of the graph
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graph not captured"
@@ -85,12 +87,7 @@ class DecoderRunner:
         tok = torch.ones(1, 1, dtype=torch.int64, device=self.device)
         pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         pos = pos.view(1, 1) if self.dec.positions_rank == 2 else pos
-        for _ in range(2):  # lazy initialisation (cuBLAS workspaces) before the capture
-            self._run(tok, pos)
-        self.stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            logits = self._run(tok, pos)
+        graph, logits = capture_graph(lambda: self._run(tok, pos), self.stream, warmup=2, device=self.device)
         self.graph, self._static = graph, (tok, pos, logits)
         # verified: a prompt, then the same token at the same position by the plain call and
         # by the graph (each rewrites the same cache entry from the same cache)
@@ -99,8 +96,6 @@ class DecoderRunner:
         plain = self._call(tok, 3).clone()
         graphed = self.step(tok, 3).clone()
         self.stream.synchronize()
-        if not torch.equal(plain, graphed):
-            diff = (plain.float() - graphed.float()).abs().max().item()
-            raise RuntimeError(f"the graph's logits differ from the plain call's by {diff:.3g}")
+        check_equal(plain, graphed, "the step graph", "logits")
         return "decode steps as a CUDA graph (verified equal to the plain call)"
 

@@ -34,6 +34,7 @@ from handlers.artifact.metadata import is_mask
 from handlers.batch import batch_sizes_in
 from handlers.errors import LoadError
 from handlers.faults import is_oom, is_sticky
+from handlers.run.capture import GraphMismatch, capture_graph, mismatch
 
 logger = logging.getLogger(__name__)
 # Graphs per worker at most: each costs a warm-up call, a capture and a verifying replay at load
@@ -120,36 +121,11 @@ def run_shape(target: Target, rows: int, sizes: Optional[dict] = None) -> None:
 
 def capture(target: Target, rows: int, pool, sizes: Optional[dict] = None) -> GraphBucket:
     """Capture one call of the target's model at `rows` rows (named dimensions at `sizes`) on its
-    stream (warmed up on it first: lazy initialisation such as cuBLAS workspaces must not happen
-    during capture)."""
+    stream, warmed up on it first (run/capture.py)."""
     model, spec, device, stream = target
     inputs = _static_inputs(spec, rows, device, sizes)
-    with torch.cuda.stream(stream):
-        model(*inputs)
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    before = torch.cuda.current_stream(device)
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            outputs = model(*inputs)
-    except Exception:
-        _after_failed_capture(device, pool, before)
-        raise
+    graph, outputs = capture_graph(lambda: model(*inputs), stream, pool=pool, device=device)
     return GraphBucket(rows, graph, inputs, outputs, tuple(sorted((sizes or {}).items())))
-
-
-def _after_failed_capture(device, pool, before) -> None:
-    """What torch.cuda.graph leaves behind when ending the capture raises (torch 2.11, seen on
-    an H100: a capture the model invalidated): its stream still current, and the caching
-    allocator still routing that capture's allocations into `pool`. Both undone here; the pool
-    itself stays unusable for captures (build moves on to a fresh one)."""
-    torch.cuda.set_stream(before)
-    index = device.index if isinstance(device, torch.device) and device.index is not None else None
-    index = torch.cuda.current_device() if index is None else index
-    try:
-        torch._C._cuda_endAllocateToPool(index, pool)
-    except RuntimeError:  # ending the capture got that far itself ("not currently recording")
-        pass
 
 
 def replay_ms(bucket: GraphBucket, stream, n: int = 3) -> float:
@@ -181,8 +157,8 @@ def random_valid(s, t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def first_difference(model, bucket: GraphBucket, stream, seed: int, spec=None) -> Optional[str]:
     """Replay `bucket` and call the model plainly on the same random valid input (`spec`'s
-    inputs, random_valid); None when every output is bit-identical, else a description of the
-    first difference."""
+    inputs, random_valid); None when every output is bit-identical, else the first difference as
+    run/capture.py's mismatch words it."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     specs = list(spec.inputs) if spec is not None else [None] * len(bucket.inputs)
     with torch.cuda.stream(stream):
@@ -193,12 +169,8 @@ def first_difference(model, bucket: GraphBucket, stream, seed: int, spec=None) -
         plain = model(*bucket.inputs)
     if stream is not None:
         stream.synchronize()
-    for name, want in plain.items():
-        got = replayed[name]
-        if got.shape != want.shape or not torch.equal(got, want):
-            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "shape"
-            return f"output {name!r} at batch {bucket.rows} differs from the plain call (max |d| {diff})"
-    return None
+    problem = mismatch(plain, replayed, f"the graph at batch {bucket.rows}")
+    return None if problem is None else str(problem)
 
 
 def why_not_capturable(kind, spec, pad=None) -> Optional[str]:
@@ -346,7 +318,7 @@ class GraphBuilder:
         if self.verify:
             problem = first_difference(self.model, bucket, self.stream, seed=rows, spec=spec)
             if problem:
-                raise RuntimeError(problem)
+                raise GraphMismatch(problem)
         if spec.dims:  # read only to plan padding across length buckets (batch.PadPlan.targets)
             bucket.replay_ms = replay_ms(bucket, self.stream)
 

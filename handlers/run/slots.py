@@ -37,6 +37,8 @@ import contextlib
 import torch
 
 from handlers.artifact.decoder import Decoder
+from handlers.run.capture import capture_graph, mismatch
+from handlers.run.stream import worker_stream
 
 PROMPT_SIZES = (16, 32, 64, 128)
 PROMPT_ROWS = (1, 2, 4, 8, 16)  # sequences per prompt call (up to the slot count)
@@ -55,7 +57,7 @@ class SlotRunner:
     def __init__(self, model, decoder: Decoder, device: torch.device, config):
         self.model, self.dec, self.device = model, decoder, device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device, priority=config.stream_priority) if self.cuda else None
+        self.stream = worker_stream(device, config.stream_priority)
         self.graphs: dict = {}  # rows -> (graph, tokens [n, 1], positions [n, 1], slots [n], logits [n, vocab])
         # (rows, length) -> (graph, tokens [r, c], positions [r, c], slots [r], last [r], logits [r, vocab],
         # rows [r]: each graph's every static tensor stays referenced here: a freed one's memory is
@@ -257,12 +259,7 @@ class SlotRunner:
         tok = torch.ones(n, 1, dtype=torch.int64, device=dev)
         pos = torch.zeros(n, 1, dtype=torch.int64, device=dev)
         rows = torch.arange(n, dtype=torch.int64, device=dev)
-        for _ in range(2):  # lazy initialisation (cuBLAS workspaces) before the capture
-            self._run(tok, pos, rows)
-        self.stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            logits = self._run(tok, pos, rows)
+        graph, logits = capture_graph(lambda: self._run(tok, pos, rows), self.stream, self.pool, warmup=2, device=dev)
         # verified: a prompt in each row's slot, then one step by the plain call and by the graph
         # (each rewrites the same cache entries from the same cache)
         prompt = torch.arange(3, dtype=torch.int64, device=dev).view(1, 3) % self.dec.vocab
@@ -273,10 +270,10 @@ class SlotRunner:
         self.graphs[n] = (graph, tok, pos, rows, logits)
         graphed = self.step(slots, tok.view(n).clone(), positions).clone()
         self.stream.synchronize()
-        if not torch.equal(plain, graphed):
+        problem = mismatch(plain, graphed, f"the {n}-row step graph", "logits")
+        if problem is not None:
             del self.graphs[n]
-            diff = (plain.float() - graphed.float()).abs().max().item()
-            raise RuntimeError(f"the {n}-row graph's logits differ from the plain call's by {diff:.3g}")
+            raise problem
 
     def _capture_prompt(self, r: int, c: int) -> None:
         dev = self.device
@@ -289,12 +286,7 @@ class SlotRunner:
         def last_logits():  # each row's logits at its `last` position, read inside the graph
             return self.model(tok, pos, row)[self.dec.logits][each, last]
 
-        for _ in range(2):
-            last_logits()
-        self.stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            logits = last_logits()
+        graph, logits = capture_graph(last_logits, self.stream, self.pool, warmup=2, device=dev)
         # verified: a chunk of c - 1 - (i % 3) tokens in each row's slot (i), padded as
         # `prefill_rows` pads them, by the plain call and by the graph (each writes the same cache
         # entries); the graph with fewer rows or a shorter length was captured before, so exactly
@@ -305,7 +297,7 @@ class SlotRunner:
         self.prompt_graphs[(r, c)] = (graph, tok, pos, row, last, logits, each)
         graphed = self.prefill_rows(list(range(r)), chunks, starts).clone()
         self.stream.synchronize()
-        if not torch.equal(plain, graphed):
+        problem = mismatch(plain, graphed, f"the {r}-row {c}-token prompt graph", "logits")
+        if problem is not None:
             del self.prompt_graphs[(r, c)]
-            diff = (plain.float() - graphed.float()).abs().max().item()
-            raise RuntimeError(f"the {r}-row {c}-token prompt graph's logits differ from the plain call's by {diff:.3g}")
+            raise problem
