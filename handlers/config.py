@@ -177,8 +177,9 @@ OPTIONS = (
                            "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "
                            "too (one-sequence decoders still run in their workers); on a CPU worker one "
                            "engine process for the CPU"))),
-    # eager until measured otherwise: late is the hypothesis that larger steps win where a replay's
-    # fixed cost dominates (handlers/engine/core.py), not yet run on a GPU
+    # eager: late (the hypothesis that larger steps win where a replay's fixed cost dominates,
+    # handlers/engine/core.py) served the MLP and BERT at or below eager at every point on an H200
+    # (docs/results/engine_mlp_fp16_h200_s76.json, engine_bert_fp16_h200_s76.json)
     Option("engine_launch", str, "eager", "with the engine on a GPU: when a step is launched behind the one "
            "the device runs",
            choices=(("eager", "as soon as a request is queued"),
