@@ -50,13 +50,15 @@
 #                               on 3 workers, and 6 and 12 workers under CUDA MPS (the daemon
 #                               started and stopped around each); SMALL="NAME:BATCH:WORKERS ..."
 #                               picks settings (a NAME starting with mps runs under MPS)
-#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours (the default: the engine with WORKERS workers),
-#                               ours_perworker (engine=off: each worker its own GPU context), ours_engineN (engine: on: N CPU
-#                               workers, which hold no GPU, one engine process on the GPU) for each N of
-#                               EWORKERS (default "12 24") and echo, 1, 64, 128 clients; wrk on cores of its
+#   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours (the default: the engine, with EWORKERS_OURS
+#                               CPU workers, default 12: what cs-archive gives a 16-core host) and echo with as
+#                               many, ours_perworker (engine=off, 6 workers: each its own GPU context), ours_engineN
+#                               (engine: on with N CPU workers) for each N of EWORKERS (default none), ours_late
+#                               (handler.engine_launch late) with ELATE=1; 1, 64, 128 clients; wrk on cores of its
 #                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
 #                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
-#                               CS_ENGINE_SAMPLE=PATH: each engine's own account (then python -m bench.engine_seconds)
+#                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file.
+#                               Two of these parts fit one 10-minute GPU call, whose $OUT returns at most 8 files.
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
 #                               (EMODES: bench_shared's modes, default shared,engine)
 #                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
@@ -239,10 +241,11 @@ for part in $PARTS; do
            r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
            mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
          esac
-         evariants=(--variant perworker:engine=off); for n in ${EWORKERS:-12 24}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
+         evariants=(--variant perworker:engine=off,workers=6); for n in ${EWORKERS:-}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
+         [ "${ELATE:-0}" = 1 ] && evariants+=(--variant late:engine_launch=late)
          $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" "${evariants[@]}" --rounds "${ROUNDS:-1}" \
-           --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-5}" \
-           --batch-size "$BATCH" --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" \
+           --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-4}" \
+           --batch-size "$BATCH" --workers-per-gpu "${EWORKERS_OURS:-12}" --max-batch-delay "$DELAY" \
            --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ;;
     engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-shared,engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
