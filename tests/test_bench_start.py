@@ -25,7 +25,9 @@ def test_bench_start_smoke(artifacts, tmp_path):
     (point,) = result["points"]
     first, restart = point["worker_start"][0], point["restarts"][0]
     assert first["process and imports"] > 0 and first["trial load"] > 0
-    assert restart["worker_start"]["trial load"] == 0.0  # the verdict kept by the first start
+    # the verdict kept by the first start: no trial load, only the verdict file read (0.01 s on a
+    # loaded 2-core host, where the first start's trial load took seconds)
+    assert restart["worker_start"]["trial load"] <= 0.05 < first["trial load"], (first, restart["worker_start"])
     # the answer needs the new worker: it comes after that worker's own start
     assert restart["kill_to_answer_s"] >= restart["worker_start"]["total"] - 0.05, restart
     assert restart["kill_to_ready_s"] >= restart["worker_start"]["total"] - 0.05, restart

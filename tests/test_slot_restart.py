@@ -171,6 +171,10 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
             with requests.post(f"{slot_ts.base}/predictions/lm", json=body, headers=slot_ts.auth(), stream=True,
                                timeout=NO_HANG_S) as r:
                 lines, status = [], r.status_code
+                if status == 507:  # TorchServe's own answer, its JSON over several lines (see below)
+                    outcomes.append((status, [r.json()], time.time() - t0))
+                    started.release()
+                    return
                 for line in r.iter_lines():
                     if line:
                         raw.append(line)
@@ -193,7 +197,12 @@ def test_a_busy_slot_worker_killed_ends_its_streams_and_comes_back(slot_ts):
     assert len(outcomes) == 4, outcomes
     cut = 0
     for status, lines, took in outcomes:  # each ended with an error event, or whole before the kill,
-        assert status in (200, 503) and took < NO_HANG_S, (status, lines, took)
+        assert status in (200, 503, 507) and took < NO_HANG_S, (status, lines, took)
+        if status == 507:  # TorchServe 0.12's own race, documented in handlers/torchserve/guardian.py (and
+            # the xfail below): a request its worker thread takes while the scale-down clears the dead
+            # worker's channel is answered 507 "Worker died." by the frontend, never reaching a handler
+            assert lines[0].get("message") == "Worker died.", lines
+            continue
         if status == 503:  # or, not begun when the worker died, refused: retry
             assert lines == [{"code": 503, "type": "ServiceUnavailable", "message": guardian.DIED.message}], lines
             continue
