@@ -930,7 +930,8 @@ def add_engine_seconds(out: Path, started: float, wait_s: float = 15.0) -> None:
     """With CS_ENGINE_SAMPLE set (handlers/engine/sampler.py), the run's engines' own account
     (bench/engine_seconds.py) into the result: each engine writes its file when it exits, within
     seconds of its TorchServe's stop (handlers/engine/serve.py watch_lifetime), so the files are
-    waited for until none of this run's engines is left or `wait_s` passes."""
+    waited for until no engine process is left on the host (any engine's, not only this run's)
+    or `wait_s` passes."""
     from bench import engine_seconds
     from handlers.engine.sampler import ENV
 
@@ -942,10 +943,7 @@ def add_engine_seconds(out: Path, started: float, wait_s: float = 15.0) -> None:
                                                          capture_output=True).returncode == 0:
         time.sleep(0.5)
     files = [f for f in glob.glob(f"{stem}.*.json") if os.path.getmtime(f) >= started]
-    models = sorted({p["handler"] for p in json.loads(out.with_suffix(".json").read_text())["points"]})
-    samples = engine_seconds.by_engine(files, models)
-    if samples:
-        engine_seconds.merge(out.with_suffix(".json"), samples, 2000.0, f"bench_e2e, from the files of {ENV}={stem}")
+    engine_seconds.merge_by_engine(out.with_suffix(".json"), files, 2000.0, f"bench_e2e, from the files of {ENV}={stem}")
 
 
 if __name__ == "__main__":

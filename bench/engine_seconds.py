@@ -80,6 +80,14 @@ def by_engine(files: list, models: list) -> dict:
     return out
 
 
+def merge_by_engine(result_path: Path, files: list, min_rows: float, command: str) -> None:
+    """`files` matched by their engines' names to the result's handlers (by_engine), merged where any is."""
+    models = sorted({p["handler"] for p in json.loads(result_path.read_text())["points"]})
+    samples = by_engine(files, models)
+    if samples:
+        merge(result_path, samples, min_rows, command)
+
+
 def merge(result_path: Path, samples: dict, min_rows: float, command: str) -> None:
     """The engines' seconds ({variant: sample}) into a bench_e2e result and a section of its .md."""
     result = json.loads(result_path.read_text())
@@ -103,8 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result_path = Path(args.result)
     if not args.variants:
-        models = sorted({p["handler"] for p in json.loads(result_path.read_text())["points"]})
-        merge(result_path, by_engine(args.samples, models), args.min_rows, invocation(argv))
+        merge_by_engine(result_path, args.samples, args.min_rows, invocation(argv))
         return 0
     samples = sorted((json.loads(Path(f).read_text()) | {"file": Path(f).name} for f in args.samples),
                      key=lambda d: d["snapshots"][0]["t"] if d["snapshots"] else float("inf"))
