@@ -185,6 +185,12 @@ OPTIONS = (
            choices=(("eager", "as soon as a request is queued"),
                     ("late", "once the queued rows fill a step, or the running step is about to end (its "
                              "graphs' replay times say when), so the requests arriving meanwhile join it"))),
+    # Waking a process asleep in epoll/poll costs the wake-up of its core; a request through the
+    # engine crosses two such sleeps the per-worker path does not (the engine's, the worker's)
+    Option("engine_spin_us", float, 0.0, "with the engine: how long its loop keeps polling the workers' "
+           "sockets after its last work before it sleeps, in microseconds (a core busy meanwhile)", low=0),
+    Option("engine_wait_spin_us", float, 0.0, "with the engine: how long a worker waiting for its answer "
+           "polls the socket before it sleeps, in microseconds", low=0),
     Option("engine_timeout_s", float, 60.0, "with the engine: how long a request waits for it; past it the "
            "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
            "least 5 s) is hung: the worker kills it and starts its successor", positive=True),

@@ -148,9 +148,10 @@ def test_the_engine_imports_nothing_of_torchserve():
 
 @pytest.fixture
 def engine_process(tmp_path):
-    def launch(slow=0.0):
-        sock = str(tmp_path / "engine.sock")
-        proc = subprocess.Popen([sys.executable, "-m", "handlers.engine.serve", sock, "--factory", "engine_kit:slow_runner"],
+    def launch(slow=0.0, args=()):
+        sock = str(tmp_path / f"engine{len(procs)}.sock")
+        proc = subprocess.Popen([sys.executable, "-m", "handlers.engine.serve", sock, "--factory", "engine_kit:slow_runner",
+                                 *args],
                                 env={**ENV, "ENGINE_KIT_SLOW": str(slow)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
@@ -182,6 +183,40 @@ def test_a_client_over_the_socket_gets_its_rows_and_the_state(engine_process):
     c.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0 and not os.path.exists(sock)
+
+
+def cpu_s(pid: int) -> float:
+    """The process's user and system CPU seconds so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.4])
+def test_the_loop_spins_only_for_its_spin_after_the_last_work_then_sleeps(engine_process, spin_s):
+    """handler.engine_spin_us: after its last work the loop keeps polling (a core busy) for its
+    spin, then sleeps in epoll; with 0 it sleeps at once. A waiter that spins (engine_wait_spin_us)
+    gets the same rows."""
+    proc, sock = engine_process(args=("--spin-us", str(spin_s * 1e6)))
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    c.spin_s = 0.05
+    model = kit.Recorder()
+    for seed in range(3):
+        req = kit.request(2, seed)
+        check(model, req, c.infer(req, timeout=10))
+    t0 = cpu_s(proc.pid)
+    time.sleep(0.3)
+    spun = cpu_s(proc.pid) - t0
+    time.sleep(0.3)  # past the spin
+    t1 = cpu_s(proc.pid)
+    time.sleep(0.5)
+    slept = cpu_s(proc.pid) - t1
+    assert slept <= 0.05, slept
+    if spin_s:
+        assert spun >= 0.08, spun  # 0.3 s of polling on a loaded 2-core host: well above the sleeping loop's
+    else:
+        assert spun <= 0.05, spun
+    c.close()
 
 
 def test_an_engine_killed_mid_request_is_engine_dead_not_a_hang(engine_process):

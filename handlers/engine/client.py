@@ -93,6 +93,7 @@ class Client:
         self.dead: Optional[str] = None
         self.on_dead = None  # called once, with the reason, when the engine is found gone
         self.streams = None  # a generating worker's handlers/engine/sequences.RemoteBatch (Tokens, their Failed)
+        self.spin_s = 0.0  # a waiter polls the socket this long before it sleeps (handler.engine_wait_spin_us)
 
     def _send(self, msg: p.Message) -> None:
         raise NotImplementedError
@@ -379,9 +380,16 @@ class EngineClient(Client):
 
     def _read_for(self, pending: _Pending, deadline: float) -> None:
         """Reads and delivers messages until `pending` is answered, the deadline, or the end."""
+        spin_until = time.monotonic() + self.spin_s
         while not pending.done.is_set() and not self.dead:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._readable.poll(left * 1000.0):
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                return
+            if now < spin_until:  # polled without sleeping: the answer wakes no core (spin_s)
+                if not self._readable.poll(0):
+                    continue
+            elif not self._readable.poll(left * 1000.0):
                 return
             try:
                 msgs, end = self.conn.read_available(READ_BYTES)

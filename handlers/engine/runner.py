@@ -33,9 +33,12 @@ RECONNECT_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries to reach the engine's 
 
 
 class EngineRunner(Runner):
-    def __init__(self, client, spec, reconnect: Callable[[], object], pad=None, wait_s: float = WAIT_S):
+    def __init__(self, client, spec, reconnect: Callable[[], object], pad=None, wait_s: float = WAIT_S,
+                 spin_s: float = 0.0):
+        """`spin_s` (handler.engine_wait_spin_us): how long a wait for the engine polls before it sleeps."""
         super().__init__(None, spec)
-        self.wait_s = wait_s
+        self.wait_s, self.spin_s = wait_s, spin_s
+        client.spin_s = spin_s
         self.client, self._reconnect = client, reconnect
         # the archive's padding (handlers/batch.PadPlan), applied here: requests padded to their
         # length buckets, or to a shared one where the engine's graphs say one job is cheaper
@@ -140,6 +143,7 @@ class EngineRunner(Runner):
 
     def _adopt(self, client) -> None:
         client.on_dead = self._engine_gone
+        client.spin_s = self.spin_s
         self._retired.append(self.client)
         self.client = client
         self.costs = replay_table(client)

@@ -82,8 +82,10 @@ class Loop:
     The accept thread does the Hello handshake (bounded by HELLO_TIMEOUT) and hands each new
     connection over through `adopt`; a self-pipe wakes the loop for it."""
 
-    def __init__(self, engine: Engine, ready):
-        self.engine, self.ready = engine, ready
+    def __init__(self, engine: Engine, ready, spin_s: float = 0.0):
+        """`spin_s` (handler.engine_spin_us): how long the loop keeps polling after its last work
+        before it sleeps in epoll (a message to a sleeping loop waits for its core to wake)."""
+        self.engine, self.ready, self.spin_s = engine, ready, spin_s
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -96,13 +98,19 @@ class Loop:
         os.write(self._wake_w, b"\0")
 
     def run(self, stop: threading.Event, poll: float = 0.1) -> None:
+        last = 0.0  # when the loop last had work
         while not stop.is_set() and not self.engine.dead:
-            # jobs queued or a step on the device: the sockets are only looked at (a step is
-            # answered the turn after the device finishes it); else the loop sleeps in epoll
-            busy = bool(self.engine.queue) or bool(self.engine.flights)
+            # jobs queued or a step on the device (or work within spin_s): the sockets are only
+            # looked at (a step is answered the turn after the device finishes it); else the
+            # loop sleeps in epoll
             t0 = time.perf_counter()
+            if self.engine.queue or self.engine.flights:
+                last = t0
+            busy = t0 - last < self.spin_s or last == t0
             ready = self.selector.select(0 if busy else poll)
             t1 = time.perf_counter()
+            if ready:
+                last = t1
             for key, _ in ready:
                 if key.data is None:
                     self._take_new()
@@ -190,13 +198,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--frontend", type=int, default=0, help="exit once this pid is gone (0: not watched)")
     ap.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long with no worker (0: never)")
     ap.add_argument("--name", default="engine")
+    ap.add_argument("--spin-us", type=float, default=0.0,
+                    help="--factory: the loop's spin after its last work (--model-dir: handler.engine_spin_us)")
     return ap.parse_args(argv)
 
 
 def build(args) -> tuple:
-    """(Engine, Ready's variant and describe) from the arguments."""
+    """(Engine, Ready's variant and describe, the loop's spin seconds) from the arguments."""
     if args.factory:
-        return Engine(load_factory(args.factory)(), args.max_rows, args.name), "", ""
+        return Engine(load_factory(args.factory)(), args.max_rows, args.name), "", "", args.spin_us / 1e6
     from handlers.engine import artifact
 
     model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root)
@@ -204,9 +214,9 @@ def build(args) -> tuple:
         from handlers.engine.generation import Generation
 
         gen = Generation(model.runner, model.config, *model.budget)
-        return Engine(model.runner, 1, args.name, generation=gen), model.variant_dir, model.describe
+        return Engine(model.runner, 1, args.name, generation=gen), model.variant_dir, model.describe, 0.0
     engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name, launch=model.config.engine_launch)
-    return engine, model.variant_dir, model.describe
+    return engine, model.variant_dir, model.describe, model.config.engine_spin_us / 1e6
 
 
 def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_exit_s: float) -> None:
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        engine, variant, describe = build(args)
+        engine, variant, describe, spin_s = build(args)
     except Exception as e:  # noqa: BLE001 - the starting worker fails its load with this text
         logger.exception("the engine could not load")
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
@@ -261,7 +271,7 @@ def main(argv=None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    loop = Loop(engine, ready)
+    loop = Loop(engine, ready, spin_s)
     threading.Thread(target=accept_forever, args=(loop, listener), daemon=True).start()
     threading.Thread(target=watch_lifetime, args=(engine, stop, args.frontend, args.idle_exit_s), daemon=True).start()
     logger.info("%s: listening on %s, max %d rows per call; %s", engine.name, args.socket, engine.max_rows, describe)
