@@ -42,7 +42,7 @@ CONTEXT_MIB = 520
 # 1.48x and the MLP 1.37x what 6 did at 128 clients (git show fdf9e3a:docs/results/engine_bert_fp16_h200_s69b.json,
 # engine_mlp_fp16_h200_s69b.json), and 24 served BERT 0.87x and the MLP 1.0x what 12 did
 # (docs/results/engine_bert_fp16_h200_s70.json; the MLP's file, superseded by
-# engine_mlp_fp16_h200_s76: git show 37f2a8e:docs/results/engine_mlp_fp16_h200_s70.json): 3 of every 4 cores.
+# engine_mlp_fp16_h200_s77: git show 37f2a8e:docs/results/engine_mlp_fp16_h200_s70.json): 3 of every 4 cores.
 ENGINE_WORKERS_PER_CORE = 0.75
 
 

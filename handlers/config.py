@@ -179,18 +179,22 @@ OPTIONS = (
                            "engine process for the CPU"))),
     # eager: late (the hypothesis that larger steps win where a replay's fixed cost dominates,
     # handlers/engine/core.py) served the MLP and BERT at or below eager at every point on an H200
-    # (docs/results/engine_mlp_fp16_h200_s76.json, engine_bert_fp16_h200_s76.json)
+    # (git show 8374ab8:docs/results/engine_mlp_fp16_h200_s76.json, docs/results/engine_bert_fp16_h200_s76.json)
     Option("engine_launch", str, "eager", "with the engine on a GPU: when a step is launched behind the one "
            "the device runs",
            choices=(("eager", "as soon as a request is queued"),
                     ("late", "once the queued rows fill a step, or the running step is about to end (its "
                              "graphs' replay times say when), so the requests arriving meanwhile join it"))),
-    # Waking a process asleep in epoll/poll costs the wake-up of its core; a request through the
-    # engine crosses two such sleeps the per-worker path does not (the engine's, the worker's)
-    Option("engine_spin_us", float, 0.0, "with the engine: how long its loop keeps polling the workers' "
-           "sockets after its last work before it sleeps, in microseconds (a core busy meanwhile)", low=0),
-    Option("engine_wait_spin_us", float, 0.0, "with the engine: how long a worker waiting for its answer "
-           "polls the socket before it sleeps, in microseconds", low=0),
+    # A request through the engine crosses two sleeps the per-worker path does not (the engine's
+    # loop in epoll, the worker in poll), each waking a core. The MLP on an H200 at one client, p50:
+    # 3.38 ms with neither spinning, 3.08 with the worker's wait alone, 2.67 with both (per worker
+    # 2.65); at 64 clients 25777, 26265 and 28352 req/s; at 128 equal
+    # (docs/results/engine_mlp_fp16_h200_s77.json). The spin costs a core per engine only while
+    # requests keep coming; an engine on the CPU never spins (its cores run the model).
+    Option("engine_spin_us", float, 5000.0, "with the engine on a GPU: how long its loop keeps polling the "
+           "workers' sockets after its last work before it sleeps, in microseconds (a core busy meanwhile)", low=0),
+    Option("engine_wait_spin_us", float, 300.0, "with the engine on a GPU: how long a worker waiting for its "
+           "answer polls the socket before it sleeps, in microseconds", low=0),
     Option("engine_timeout_s", float, 60.0, "with the engine: how long a request waits for it; past it the "
            "request is answered 504, and an engine that then leaves a State unanswered as long again (at "
            "least 5 s) is hung: the worker kills it and starts its successor", positive=True),

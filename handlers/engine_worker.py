@@ -89,7 +89,7 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
     # each request padded to its own bucket here, by the plan the engine's runner has (the same
     # settings); the engine may pad jobs of neighbouring buckets to one (handlers/engine/artifact.py)
     runner = EngineRunner(client, spec, connect, PadPlan.of(spec, config.pad or None, config.pad_buckets),
-                          config.engine_timeout_s, config.engine_wait_spin_us / 1e6)
+                          config.engine_timeout_s, config.engine_wait_spin_us / 1e6 if engine_gpu is not None else 0.0)
     steps.note("engine", f"engine pid {client.ready.pid}: {client.ready.describe}")
     steps.done("load")
     return Loaded(config=config, spec=spec, limits=Limits.of(config, spec), model=None, runner=runner,

@@ -216,7 +216,9 @@ def build(args) -> tuple:
         gen = Generation(model.runner, model.config, *model.budget)
         return Engine(model.runner, 1, args.name, generation=gen), model.variant_dir, model.describe, 0.0
     engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name, launch=model.config.engine_launch)
-    return engine, model.variant_dir, model.describe, model.config.engine_spin_us / 1e6
+    # an engine on the CPU never spins: its cores run the model
+    spin_s = model.config.engine_spin_us / 1e6 if args.gpu_id is not None else 0.0
+    return engine, model.variant_dir, model.describe, spin_s
 
 
 def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_exit_s: float) -> None:
