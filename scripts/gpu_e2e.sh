@@ -54,7 +54,8 @@
 #                               CPU workers, default 12: what cs-archive gives a 16-core host) and echo with as
 #                               many, ours_perworker (engine=off, 6 workers: each its own GPU context), ours_engineN
 #                               (engine: on with N CPU workers) for each N of EWORKERS (default none), ours_late
-#                               (handler.engine_launch late) with ELATE=1; 1, 64, 128 clients; wrk on cores of its
+#                               (handler.engine_launch late) with ELATE=1, ours_nospin (engine_spin_us and
+#                               engine_wait_spin_us 0: the default before s77) with ENOSPIN=1; 1, 64, 128 clients; wrk on cores of its
 #                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
 #                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
 #                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file.
@@ -243,6 +244,7 @@ for part in $PARTS; do
          esac
          evariants=(--variant perworker:engine=off,workers=6); for n in ${EWORKERS:-}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
          [ "${ELATE:-0}" = 1 ] && evariants+=(--variant late:engine_launch=late)
+         [ "${ENOSPIN:-0}" = 1 ] && evariants+=(--variant nospin:engine_spin_us=0,engine_wait_spin_us=0)
          $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" "${evariants[@]}" --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-4}" \
            --batch-size "$BATCH" --workers-per-gpu "${EWORKERS_OURS:-12}" --max-batch-delay "$DELAY" \
