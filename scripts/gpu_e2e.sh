@@ -58,7 +58,9 @@
 #                               engine_wait_spin_us 0: the default before s77) with ENOSPIN=1; 1, 64, 128 clients; wrk on cores of its
 #                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
 #                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
-#                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file.
+#                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file;
+#                               CS_ENGINE_PROFILE=START:COUNT beside it: torch's profiler table of that window of
+#                               each engine's calls in PATH.PID.profile.txt (the CUDA calls a step makes).
 #                               Two of these parts fit one 10-minute GPU call, whose $OUT returns at most 8 files.
 #   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
 #                               (EMODES: bench_shared's modes, default shared,engine)

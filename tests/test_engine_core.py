@@ -148,11 +148,11 @@ def test_the_engine_imports_nothing_of_torchserve():
 
 @pytest.fixture
 def engine_process(tmp_path):
-    def launch(slow=0.0, args=()):
+    def launch(slow=0.0, args=(), env=None):
         sock = str(tmp_path / f"engine{len(procs)}.sock")
         proc = subprocess.Popen([sys.executable, "-m", "handlers.engine.serve", sock, "--factory", "engine_kit:slow_runner",
                                  *args],
-                                env={**ENV, "ENGINE_KIT_SLOW": str(slow)}, stdout=subprocess.PIPE,
+                                env={**ENV, "ENGINE_KIT_SLOW": str(slow), **(env or {})}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
         deadline = time.monotonic() + 60
@@ -216,6 +216,29 @@ def test_the_loop_spins_only_for_its_spin_after_the_last_work_then_sleeps(engine
         assert spun >= 0.08, spun  # 0.3 s of polling on a loaded 2-core host: well above the sleeping loop's
     else:
         assert spun <= 0.05, spun
+    c.close()
+
+
+def test_the_profile_window_writes_torchs_table_of_the_calls_it_covered(engine_process, tmp_path):
+    """CS_ENGINE_PROFILE=START:COUNT beside CS_ENGINE_SAMPLE: torch's profiler from the START-th call
+    for COUNT more, its table written once the window closes; nothing before START."""
+    base = str(tmp_path / "sample")
+    proc, sock = engine_process(env={"CS_ENGINE_SAMPLE": base, "CS_ENGINE_PROFILE": "3:5"})
+    c = EngineClient(sock, "w1", 1 << 16, 1 << 16)
+    path = f"{base}.{proc.pid}.profile.txt"
+    model = kit.Recorder()
+    for seed in range(3):
+        req = kit.request(2, seed)
+        check(model, req, c.infer(req, timeout=10))
+    assert not os.path.exists(path)  # the window is open (from the 3rd call), not closed
+    for seed in range(3, 10):
+        req = kit.request(2, seed)
+        check(model, req, c.infer(req, timeout=10))
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = open(path).read()
+    assert text.startswith("calls 3..8") and "aten::" in text and "Self CPU" in text
     c.close()
 
 

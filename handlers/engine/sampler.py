@@ -7,7 +7,12 @@ file), written as JSON when the process ends:
 - `where` (CS_ENGINE_SAMPLE_WHERE=1 as well; a thread that takes the interpreter lock every
   millisecond slows the loop): every SAMPLE_S seconds each thread's innermost frames are counted. A sampling thread
   runs only when it holds the interpreter lock, so a loop busy in Python is under-counted and
-  its waits in C (epoll, send) are over-counted: read it as "where", the clock as "how long"."""
+  its waits in C (epoll, send) are over-counted: read it as "where", the clock as "how long".
+- `CS_ENGINE_PROFILE=START:COUNT` as well: torch's profiler over the loop from its START-th call
+  (or launched step) for COUNT more, CPU and CUDA activities, its table by self CPU time (the
+  CUDA runtime calls a step makes, and what each costs the loop) written beside the file
+  (`.profile.txt`) when the window closes. The profiler slows what it records: read it for
+  which calls and how many, the sample's clock for how long."""
 from __future__ import annotations
 
 import collections
@@ -19,6 +24,7 @@ import time
 
 ENV = "CS_ENGINE_SAMPLE"
 WHERE_ENV = "CS_ENGINE_SAMPLE_WHERE"
+PROFILE_ENV = "CS_ENGINE_PROFILE"
 SAMPLE_S = 0.001
 
 
@@ -77,3 +83,44 @@ def _where(frame, depth: int = 3) -> str:
         parts.append(f"{os.path.basename(code.co_filename)}:{code.co_name}:{frame.f_lineno}")
         frame = frame.f_back
     return " < ".join(parts)
+
+
+class Profile:
+    """torch's profiler over a window of the loop's calls (CS_ENGINE_PROFILE=START:COUNT, beside
+    CS_ENGINE_SAMPLE): `tick(calls)` after each turn of the loop starts and stops it."""
+
+    def __init__(self, path: str, start: int, count: int):
+        self.path, self.start, self.end = path, start, start + count
+        self._prof = None
+        self.done = False
+
+    @classmethod
+    def from_env(cls) -> "Profile | None":
+        path, window = os.environ.get(ENV), os.environ.get(PROFILE_ENV)
+        if not path or not window:
+            return None
+        start, _, count = window.partition(":")
+        return cls(f"{path}.{os.getpid()}.profile.txt", int(start), int(count or 1000))
+
+    def tick(self, calls: int) -> None:
+        if self.done:
+            return
+        if self._prof is None and calls >= self.start:
+            import torch.profiler as tp
+
+            acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda() else [])
+            self._prof = tp.profile(activities=acts)
+            self._prof.__enter__()
+            self._from = calls
+        elif self._prof is not None and calls >= self.end:
+            self._prof.__exit__(None, None, None)
+            table = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            with open(self.path, "w") as f:
+                f.write(f"calls {self._from}..{calls}\n{table}\n")
+            self._prof, self.done = None, True
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()

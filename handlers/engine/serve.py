@@ -33,7 +33,7 @@ from handlers import process
 from handlers.engine import protocol as p
 from handlers.engine.arena import Arena
 from handlers.engine.core import Engine, Session
-from handlers.engine.sampler import Sampler
+from handlers.engine.sampler import Profile, Sampler
 from handlers.errors import ProtocolError
 
 logger = logging.getLogger("engine.serve")
@@ -98,6 +98,7 @@ class Loop:
         os.write(self._wake_w, b"\0")
 
     def run(self, stop: threading.Event, poll: float = 0.1) -> None:
+        profile = Profile.from_env()  # CS_ENGINE_PROFILE: a benchmark's aid (handlers/engine/sampler.py)
         last = 0.0  # when the loop last had work
         while not stop.is_set() and not self.engine.dead:
             # jobs queued or a step on the device (or work within spin_s): the sockets are only
@@ -120,6 +121,8 @@ class Loop:
             clock["poll" if busy else "idle"] += t1 - t0
             clock["read"] += time.perf_counter() - t1
             self.engine.step(0)
+            if profile is not None:
+                profile.tick(self.engine.calls)
 
     def _take_new(self) -> None:
         try:
