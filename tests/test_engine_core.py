@@ -211,11 +211,11 @@ def test_the_loop_spins_only_for_its_spin_after_the_last_work_then_sleeps(engine
     t1 = cpu_s(proc.pid)
     time.sleep(0.5)
     slept = cpu_s(proc.pid) - t1
-    assert slept <= 0.05, slept
+    assert slept <= 0.03, slept
     if spin_s:
-        assert spun >= 0.08, spun  # 0.3 s of polling on a loaded 2-core host: well above the sleeping loop's
+        assert spun >= 0.06, spun  # 0.3 s of polling, even at a third of a core on a loaded 2-core host
     else:
-        assert spun <= 0.05, spun
+        assert spun <= 0.03, spun
     c.close()
 
 
