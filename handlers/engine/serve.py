@@ -221,7 +221,9 @@ def build(args) -> tuple:
     engine = Engine(model.runner, args.max_rows or model.spec.batch_max, args.name, launch=model.config.engine_launch)
     # an engine on the CPU never spins: its cores run the model
     spin_s = model.config.engine_spin_us / 1e6 if args.gpu_id is not None else 0.0
-    return engine, model.variant_dir, model.describe, spin_s
+    describe = model.describe + (f"; its loop polls {model.config.engine_spin_us:g} us after its last work before "
+                                 "it sleeps (handler.engine_spin_us)" if spin_s else "")
+    return engine, model.variant_dir, describe, spin_s
 
 
 def watch_lifetime(engine: Engine, stop: threading.Event, frontend: int, idle_exit_s: float) -> None:
