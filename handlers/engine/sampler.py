@@ -91,7 +91,7 @@ class Profile:
 
     def __init__(self, path: str, start: int, count: int):
         self.path, self.start, self.end = path, start, start + count
-        self._prof = None
+        self._prof, self._from = None, 0  # the running profiler and the call it started at
         self.done = False
 
     @classmethod

@@ -105,9 +105,10 @@ class Loop:
             # looked at (a step is answered the turn after the device finishes it); else the
             # loop sleeps in epoll
             t0 = time.perf_counter()
-            if self.engine.queue or self.engine.flights:
+            working = bool(self.engine.queue) or bool(self.engine.flights)
+            if working:
                 last = t0
-            busy = t0 - last < self.spin_s or last == t0
+            busy = working or t0 - last < self.spin_s
             ready = self.selector.select(0 if busy else poll)
             t1 = time.perf_counter()
             if ready:
