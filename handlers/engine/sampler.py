@@ -12,7 +12,10 @@ file), written as JSON when the process ends:
   (or launched step) for COUNT more, CPU and CUDA activities, its table by self CPU time (the
   CUDA runtime calls a step makes, and what each costs the loop) written beside the file
   (`.profile.txt`) when the window closes. The profiler slows what it records: read it for
-  which calls and how many, the sample's clock for how long."""
+  which calls and how many, the sample's clock for how long. CUPTI's teardown at the window's
+  end is turned off (TEARDOWN_CUPTI=0, as torch's profiler does for graphs under CUDA < 12.6:
+  pytorch/pytorch#112507): with CUDA graphs replaying, the engine stopped answering when it ran
+  (s78, torch 2.11+cu130: both engines profiled, at the window's end)."""
 from __future__ import annotations
 
 import collections
@@ -108,6 +111,9 @@ class Profile:
         if self._prof is None and calls >= self.start:
             import torch.profiler as tp
 
+            # what torch's profiler sets itself for CUDA graphs under CUDA < 12.6 (the docstring)
+            os.environ.setdefault("TEARDOWN_CUPTI", "0")
+            os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
             acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda() else [])
             self._prof = tp.profile(activities=acts)
             self._prof.__enter__()
