@@ -44,6 +44,21 @@ def slot_decoder(specs):
     return decoders[0] if decoders and all(d is not None and d.slotted for d in decoders) else None
 
 
+def batched_decoder(specs, handler_opts: dict):
+    """The decoder whose sequences one continuous batch runs (handlers/continuous.py), or None:
+    a slot-form decoder, or a one-sequence decoder that the engine serves as its lanes
+    (handlers/run/lanes.py): with handler.engine auto, a variant built for CUDA; with on, any."""
+    from handlers.artifact.decoder import of as decoder_of
+
+    slotted = slot_decoder(specs)
+    if slotted is not None:
+        return slotted
+    decoders = [decoder_of(s) for s in specs]
+    if decoders and all(d is not None for d in decoders) and serves_by_engine(handler_opts, specs):
+        return decoders[0]
+    return None
+
+
 def default_workers(devices, cpus: int):
     """(workers, why) for speed, for artifacts built for `devices` ("cpu"/"cuda") on a machine with
     `cpus` cores. A CUDA worker spends its time waiting on the GPU, so several share one GPU (6
@@ -132,8 +147,12 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
     option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
-    slotted = slot_decoder(specs)
-    if slotted is not None and serves_by_engine(handler_opts, specs):  # the engine process holds the one batch
+    slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts)
+    if batched is not None and not batched.slotted:  # the engine's lanes (handlers/run/lanes.py)
+        speed, why = 1, ("a one-sequence decoder served by the engine: its lanes (handler.cache_copies, copies of the "
+                         "cache on one copy of the weights) run the sequences of every worker, which tokenize and "
+                         "stream (more workers: more of that CPU work)")
+    elif slotted is not None and serves_by_engine(handler_opts, specs):  # the engine process holds the one batch
         speed, why = 1, (f"a slot-form decoder served by the engine: its one batch runs all {slotted.slots} sequence "
                          "slots for every worker, which tokenize and stream (more workers: more of that CPU work)")
     elif slotted is not None:  # one engine batches every sequence: a second worker is a second copy
@@ -227,9 +246,9 @@ def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
     variant accepts per call, and 1 where a row of the outputs is several MiB; with the warnings
     a batch size calls for."""
     lines = []
-    if slot_decoder(specs) is not None:  # the engine forms the batches (handlers/continuous.py)
+    if batched_decoder(specs, handler_opts) is not None:  # the engine forms the batches (handlers/continuous.py)
         if given not in (None, 1):
-            fail(f"--batch-size {given}: a slot-form decoder takes each request as it arrives and batches its "
+            fail(f"--batch-size {given}: this decoder takes each request as it arrives and batches its "
                  "sequences itself (continuous batching); leave --batch-size out")
         return Decision(1, (said("batchSize 1 with asyncCommunication: the frontend hands every request to the "
                                  "worker as it arrives and the worker's engine batches the sequences "
@@ -544,7 +563,8 @@ def build(args) -> tuple:
         check_delay(args.max_batch_delay, batch.value)
         for d in (workers, pad, batch):
             show(d)
-        cfg = model_config(args, opts, workers.value, batch.value, pad.value, slot_decoder(specs) is not None)
+        cfg = model_config(args, opts, workers.value, batch.value, pad.value,
+                           batched_decoder(specs, opts) is not None)
         run_archiver(args, cfg, stage, tmp)
     return os.path.join(args.out, f"{args.name}.mar"), specs, cfg
 
@@ -565,7 +585,7 @@ def main(argv=None) -> int:
 
     decoder = decoder_of(specs[0])
     kind = (f"recognised as a {decoder.describe()}, served with streamed tokens"
-            + (" by continuous batching" if decoder.slotted else "") if decoder else "a stateless model")
+            + (" by continuous batching" if cfg.get("asyncCommunication") else "") if decoder else "a stateless model")
     print(f"wrote {mar} ({len(specs)} variant(s); {kind}; batchSize {cfg['batchSize']}, workers {cfg['minWorkers']})")
     return 0
 

@@ -235,6 +235,9 @@ OPTIONS = (
            "this many ids (400)", low=0),
     Option("queue_size", int, 256, "a slot-form decoder's sequences that wait while every slot is busy "
            "(handlers/generation/engine.py); one more is refused at once with 503 and Retry-After", low=0),
+    Option("cache_copies", int, 8, "a one-sequence decoder served by the engine: copies of its KV cache, each "
+           "generating one sequence beside the others with the weights shared (handlers/run/lanes.py); fewer "
+           "where the GPU's free memory holds fewer", low=1),
     # TorchServe 0.12 never tells a worker that a client went (docs/generation.md, abandoned
     # requests), so a sequence whose client left before it started would still take a slot.
     Option("queue_timeout_s", float, 30.0, "a slot-form decoder's sequence that waited longer for a slot is "

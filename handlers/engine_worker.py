@@ -8,11 +8,13 @@ A slot-form decoder is served by the engine too (auto on a GPU, as a stateless m
 an H200 against its own per-worker batch: 1.01-1.04x the tokens/s at 1-64 streams, time to first
 token 9 ms against 12 alone and 73 against 138 at 64 streams, docs/results/lm_engine_qwen15b_bf16_h200):
 the engine runs the one continuous batch (handlers/engine/generation.py), the worker tokenizes,
-checks, streams and detokenizes (handlers/continuous.py over handlers/engine/sequences.py). A
-one-sequence decoder's workers run it themselves, with a warning under `on`.
+checks, streams and detokenizes (handlers/continuous.py over handlers/engine/sequences.py). So is a
+one-sequence decoder, whose batch is the engine's lanes (handlers/run/lanes.py): copies of its cache on
+one copy of the weights, a lane standing for a slot.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -46,22 +48,16 @@ def wanted(context) -> Optional[HandlerConfig]:
     specs = [read_spec(d) for d in find_variants(context.system_properties["model_dir"])]
     # a GPU TorchServe assigned: gpu_id set, and device_type not cpu
     on_gpu = context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
-    if serves(config.engine, specs, on_gpu):
-        return config
-    if config.engine == "on":
-        logger.warning("handler.engine: on serves stateless models and slot-form decoders; this archive is a "
-                       "one-sequence decoder, which each worker runs itself")
-    return None
+    return config if serves(config.engine, specs, on_gpu) else None
 
 
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:
     """Whether an archive of these variants is served by the engine (handler.engine `setting`),
-    for a worker given a GPU or not: never with off, never a one-sequence decoder (its workers
-    run it); with on, any other archive; with auto (the default), an archive built for CUDA on a
-    GPU worker (a stateless model or a slot-form decoder). The worker's decision (wanted) and
-    cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
-    decoders = [decoder_of(s) for s in specs]
-    if setting == "off" or any(d is not None and not d.slotted for d in decoders):
+    for a worker given a GPU or not: never with off; with on, any archive; with auto (the
+    default), an archive built for CUDA on a GPU worker (a stateless model, a slot-form decoder,
+    a one-sequence decoder as the engine's lanes: handlers/run/lanes.py). The worker's decision
+    (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
+    if setting == "off":
         return False
     if setting == "on":
         return True
@@ -97,14 +93,15 @@ def load(context, config: HandlerConfig, emit, steps) -> Loaded:
 
 
 def _generating(context, config: HandlerConfig, emit, steps, client, connect, spec) -> Loaded:
-    """A slot-form decoder's worker: its requests' sequences run in the engine's batch."""
+    """A decoder's worker: its requests' sequences run in the engine's batch."""
     from handlers.continuous import Continuous
     from handlers.engine.sequences import RemoteBatch, RemoteSlots
     from handlers.generation.text import Text
 
     info = client.ready.generation
     limits = Limits.of(config, spec)
-    slots = RemoteSlots(decoder_of(spec), info.describe)
+    # a one-sequence decoder's lanes stand for slots (handlers/run/lanes.py): the engine says how many
+    slots = RemoteSlots(dataclasses.replace(decoder_of(spec), slots=info.slots), info.describe)
     cont = Continuous(slots, Text.in_dir(context.system_properties["model_dir"]), config, limits.max_json_bytes)
     slots.remote = remote = RemoteBatch(connect, cont._deliver)
     remote.attach(client)

@@ -24,7 +24,6 @@ from handlers.artifact.load import load_artifact
 from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.config import parse_config
-from handlers.errors import LoadError
 from handlers.run import runner_for
 from handlers.run.padding import verify_padding
 from handlers.run.warm import warm
@@ -59,11 +58,9 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     kind = kind_of(spec)
     require_checked(spec, kind)
     decoder = decoder_of(spec)
-    if decoder is not None and not decoder.slotted:
-        raise LoadError("handler.engine: on serves stateless models and slot-form decoders; this archive is a "
-                        "one-sequence decoder, which its workers run themselves. Fix: leave handler.engine off "
-                        "for it, or export it in the slot form (cs-export-lm)")
     _threads(placement.kind, config.cpu_threads)
+    if decoder is not None and not decoder.slotted:
+        return _lanes(spec, decoder, placement, config, t0)
     model = load_artifact(spec, placement, config)
     if decoder is not None:
         return _slots(model, spec, decoder, placement, config, t0)
@@ -102,6 +99,26 @@ def _slots(model, spec, decoder, placement, config, t0: float) -> EngineModel:
     describe = (f"{spec.backend} slot-form decoder {spec.artifact} ({model.loader}) on {placement.where} "
                 f"[{placement.note}]; load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; "
                 f"{graphs}; CPU threads {torch.get_num_threads()}")
+    return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
+
+
+def _lanes(spec, decoder, placement, config, t0: float) -> EngineModel:
+    """A one-sequence decoder as handler.cache_copies lanes (handlers/run/lanes.py), each warmed
+    up and its step graph captured, their prompt budget per turn timed; for the engine's
+    generation, as a slot-form decoder's slots."""
+    from handlers.generation.engine import measure_budget, warm as warm_slots
+    from handlers.run.lanes import LaneRunner, load_lanes
+
+    lanes, note = load_lanes(spec, decoder, placement, config)
+    runner = LaneRunner(lanes, config)
+    t1 = time.perf_counter()
+    if config.warmup:
+        warm_slots(runner)
+    graphs = runner.capture(config.cuda_graphs)
+    budget = measure_budget(runner)
+    describe = (f"{spec.backend} one-sequence decoder {spec.artifact} ({lanes[0].model.loader}) on {placement.where} "
+                f"[{placement.note}]; {note}; load {t1 - t0:.2f}s, warm-up, graphs and budget "
+                f"{time.perf_counter() - t1:.2f}s; {graphs}; CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
 
 

@@ -48,13 +48,14 @@ class DecoderRunner:
         out = self.model(tokens, positions)[self.dec.logits]
         return out[0, -1]
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompt (int64[1, n] on the device) into the cache from position 0; the logits after
-        its last token."""
+    def prefill(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The prompt (int64[1, n] on the device) into the cache from position `start` (0: a new
+        sequence; more: the rest of a prompt whose start is in already); the logits after its
+        last token."""
         n, step = ids.shape[1], self.dec.chunk_max
         logits = None
         for a in range(0, n, step):
-            logits = self._call(ids[:, a:a + step], a)
+            logits = self._call(ids[:, a:a + step], start + a)
         return logits
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
