@@ -43,6 +43,8 @@ def build_parser():
     p.add_argument("--decode", type=int, default=256, help="tokens generated per stream")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
+    p.add_argument("--perworker", action="store_true",
+                   help="serve the package again with handler.engine off (each worker its own copy) in the same run")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
@@ -120,15 +122,17 @@ def _stream_job(a):
     return stream_once(*a)
 
 
-def served(args, program: Path, pkg: Path, prompts: dict, work: Path) -> dict:
-    store = work / "store"
+def served(args, program: Path, pkg: Path, prompts: dict, work: Path, extra: tuple = ()) -> dict:
+    """The package archived with no options but `extra` (cs-archive's) and served: time to first
+    token and one stream's decode, then args.streams at once."""
+    store = work / ("store" + "_".join(extra).replace("=", "_").replace("-", ""))
     cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
-           "--name", "lm", "--out", str(store)]
+           "--name", "lm", "--out", str(store), *extra]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stdout + r.stderr)
     archive_out = r.stdout.strip().splitlines()
-    ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
+    ts = LocalTorchServe(work / f"ts{len(list(work.glob('ts*')))}", store, {"lm": store / "lm.mar"})
     try:
         ts.wait_ready(timeout=400)
         port, token = ts.ports["inf"], ts.key()
@@ -147,10 +151,12 @@ def served(args, program: Path, pkg: Path, prompts: dict, work: Path) -> dict:
             wall = time.perf_counter() - t0
         out["streams"] = {"n": args.streams, "aggregate_tok_s": args.streams * args.decode / wall,
                           "per_stream_decode_tok_s": sorted(round(m["decode_tok_s"], 1) for m in many),
-                          "ttft_ms_max": max(m["ttft_ms"] for m in many)}
+                          "ttft_ms_max": max(m["ttft_ms"] for m in many),
+                          # every stream has the same prompt: each answer equal to the one stream's
+                          "equal_to_one_stream": sum(m["tokens"] == out["tokens"][min(prompts)] for m in many)}
         log = ts.log()
         out["load_line"] = next((ln.split("MODEL_LOG - ", 1)[1] for ln in log.splitlines()
-                                 if "loaded aoti decoder" in ln), "")
+                                 if "loaded aoti decoder" in ln or "served by the engine" in ln), "")
         return out
     finally:
         ts.stop()
@@ -177,6 +183,13 @@ def page(report: dict) -> str:
                  f"{r['decode']:.2f}x |")
     s = o["streams"]
     lines.append(f"| tokens/s, {s['n']} concurrent streams (all together) | — | {s['aggregate_tok_s']:.0f} | |")
+    w = report.get("served_perworker")
+    if w:  # the same package with handler.engine off: each of its workers a copy (--perworker)
+        lines.append(f"| per worker (engine off): decode tokens/s, one stream | — | {w['decode_tok_s']:.0f} | |")
+        lines.append(f"| per worker (engine off): tokens/s, {w['streams']['n']} concurrent streams | — | "
+                     f"{w['streams']['aggregate_tok_s']:.0f} | |")
+    if report.get("summary"):
+        lines += ["", f"Summary: {report['summary']}"]
     lines += ["", f"Greedy tokens equal to the loop's: {report['greedy_equal']}.", "",
               f"Targets: decode >= 1.5x the loop's ({'met' if r['decode'] >= 1.5 else 'NOT met'}); time to first "
               f"token for the 512-token prompt <= 0.2x ({'met' if r['ttft'].get('512', r['ttft'].get(512, 9)) <= 0.2 else 'NOT met'}).",
@@ -220,6 +233,10 @@ def main(argv=None) -> int:
         print("loop", {k: v for k, v in loop.items() if k != "tokens"}, flush=True)
         ours = served(args, program, pkg, prompts, work)
         print("served", {k: v for k, v in ours.items() if k != "tokens"}, flush=True)
+        perworker = served(args, program, pkg, prompts, work, ("--handler-option", "engine=off")) \
+            if args.perworker else None
+        if perworker:
+            print("served per worker", {k: v for k, v in perworker.items() if k != "tokens"}, flush=True)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     report = {**header(device, argv), "model": (
         f"Llama-architecture decoder, {params / 1e9:.3f} B parameters (dim {args.dim}, {args.layers} layers, "
@@ -230,7 +247,13 @@ def main(argv=None) -> int:
         "ratios": {"ttft": {k: ours["ttft_ms"][k] / loop["ttft_ms"][k] for k in prompts},
                    "decode": ours["decode_tok_s"] / loop["decode_tok_s"]},
         "greedy_equal": {str(k): f"{same_prefix(loop['tokens'][k], ours['tokens'][k])} of {args.decode} tokens "
-                                 "before the first difference" for k in prompts}}
+                                 "before the first difference" for k in prompts},
+        "summary": {"one_stream_tok_s": round(ours["decode_tok_s"], 1),
+                    "streams_tok_s": round(ours["streams"]["aggregate_tok_s"], 1), "streams": args.streams,
+                    "streams_over_one": round(ours["streams"]["aggregate_tok_s"] / ours["decode_tok_s"], 2)}}
+    if perworker:
+        report["served_perworker"] = {k: v for k, v in perworker.items() if k != "tokens"}
+        report["summary"]["perworker_streams_tok_s"] = round(perworker["streams"]["aggregate_tok_s"], 1)
     write_pages(args.out + ".json", report, page(report))
     try:
         plot(report, args.out + ".png")
