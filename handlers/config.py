@@ -233,14 +233,15 @@ OPTIONS = (
     Option("max_stop_chars", int, 256, "each stop string may be at most this many characters (400)", low=1),
     Option("max_stop_token_ids", int, 256, "a decoder request's parameters.stop_token_ids may hold at most "
            "this many ids (400)", low=0),
-    Option("queue_size", int, 256, "a slot-form decoder's sequences that wait while every slot is busy "
+    Option("queue_size", int, 256, "a continuous batch's sequences (a slot-form decoder, or the engine's lanes) "
+           "that wait while every slot is busy "
            "(handlers/generation/engine.py); one more is refused at once with 503 and Retry-After", low=0),
     Option("cache_copies", int, 8, "a one-sequence decoder served by the engine: copies of its KV cache, each "
            "generating one sequence beside the others with the weights shared (handlers/run/lanes.py); fewer "
            "where the GPU's free memory holds fewer", low=1),
     # TorchServe 0.12 never tells a worker that a client went (docs/generation.md, abandoned
     # requests), so a sequence whose client left before it started would still take a slot.
-    Option("queue_timeout_s", float, 30.0, "a slot-form decoder's sequence that waited longer for a slot is "
+    Option("queue_timeout_s", float, 30.0, "a continuous batch's sequence that waited longer for a slot is "
            "answered 503 with Retry-After and never started; 0: no limit", low=0),
     Option("pad_buckets", tuple, (), "the length buckets requests are padded up to; empty: powers of "
            "two in the dimension's range and its maximum"),

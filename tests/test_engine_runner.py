@@ -147,11 +147,12 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     (None, 1, "cpu", ("cuda",), False, False),  # device_type: cpu
     (None, 0, None, ("cpu",), False, False),  # a CPU artifact runs in its workers
     (None, 0, None, ("cpu", "cuda"), False, True),
-    (None, 0, None, ("cuda",), "one", False),  # a decoder runs in its workers
+    (None, 0, None, ("cuda",), "one", True),  # auto: a one-sequence decoder as the engine's lanes
+    (None, 0, None, ("cpu",), "one", False),  # a CPU artifact runs in its workers, a decoder too
     (None, 0, None, ("cuda",), "slots", True),  # auto: a slot-form decoder's batch too
     ("off", 0, None, ("cuda",), False, False),
     ("on", None, None, ("cpu",), False, True),  # on: the CPU too
-    ("on", 0, None, ("cuda",), "one", False),  # a one-sequence decoder: never
+    ("on", 0, None, ("cuda",), "one", True),  # on: a one-sequence decoder's lanes
     ("on", 0, None, ("cuda",), "slots", True),  # on: a slot-form decoder's batch in the engine
     ("on", None, None, ("cpu",), "slots", True),
 ])

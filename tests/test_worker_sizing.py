@@ -367,38 +367,33 @@ def test_with_the_engine_the_workers_follow_the_cores_and_only_the_engine_must_f
     assert "the engine does not fit, whatever the worker count" in huge.misfit(4)
 
 
-def test_a_decoder_archived_with_engine_on_is_sized_per_worker(monkeypatch):
-    """Its workers run the decoder themselves (handlers/engine_worker.py wanted): each holds a copy,
-    so the engine's arithmetic must not count them as holding nothing."""
+def test_a_decoder_archived_with_engine_on_is_sized_as_the_engines(monkeypatch):
+    """Both decoder forms run in the engine (a one-sequence decoder as its lanes, handlers/run/lanes.py):
+    its workers hold no copy, so the engine's arithmetic counts them as holding nothing; with the
+    engine off a decoder's workers are sized per worker."""
     from types import SimpleNamespace
     from compiled_serving import archive
-    from handlers import engine_worker
 
-    # the decision is the worker's own (engine_worker.serves), which holds its decoder_of
-    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: SimpleNamespace(slotted=spec == "slots")
-                        if spec in ("dec", "slots") else None)
     monkeypatch.setattr(archive, "weight_bytes", lambda spec: SimpleNamespace(mib=100.0, bytes=100 << 20, how="test"))
     monkeypatch.setattr(archive, "shares_weights", lambda specs, opts: False)
     args = SimpleNamespace(worker_overhead_mib=None, gpu_memory_headroom=0.1, gpu_memory_gib=24.0)
-    dec = archive.gpu_sizing(args, ["dec"], 6, {"engine": "on"})
-    plain = archive.gpu_sizing(args, ["plain"], 6, {"engine": "on"})
-    assert not dec.engine and dec.per_worker_mib > 0 and dec.workers <= 6
-    assert plain.engine and plain.per_worker_mib == 0
-    slots = archive.gpu_sizing(args, ["slots"], 6, {"engine": "on"})  # a slot-form decoder: the engine's batch
-    assert slots.engine and slots.per_worker_mib == 0
+    for name in ("dec", "slots", "plain"):
+        on = archive.gpu_sizing(args, [name], 6, {"engine": "on"})
+        assert on.engine and on.per_worker_mib == 0, name
+    off = archive.gpu_sizing(args, ["dec"], 6, {"engine": "off"})
+    assert not off.engine and off.per_worker_mib > 0 and off.workers <= 6
 
 
-def test_auto_serves_cuda_archives_on_a_gpu_through_the_engine_slot_decoders_too(monkeypatch):
-    """handler.engine auto: a GPU worker of a CUDA archive, stateless or a slot-form decoder, is
-    served by the engine; a CPU worker, a CPU archive and a one-sequence decoder are not; off never."""
+def test_auto_serves_cuda_archives_on_a_gpu_through_the_engine_decoders_too(monkeypatch):
+    """handler.engine auto: a GPU worker of a CUDA archive, stateless or a decoder of either form,
+    is served by the engine; a CPU worker and a CPU archive are not; off never."""
     from types import SimpleNamespace
     from handlers import engine_worker
 
-    monkeypatch.setattr(engine_worker, "decoder_of", lambda spec: SimpleNamespace(slotted=spec.name == "slots")
-                        if spec.name in ("one", "slots") else None)
     spec = lambda name, device="cuda": SimpleNamespace(name=name, device=device)  # noqa: E731
     serves = engine_worker.serves
     assert serves("auto", [spec("plain")], on_gpu=True) and serves("auto", [spec("slots")], on_gpu=True)
     assert not serves("auto", [spec("slots")], on_gpu=False) and not serves("auto", [spec("slots", "cpu")], True)
-    assert not serves("auto", [spec("one")], on_gpu=True) and not serves("on", [spec("one")], on_gpu=True)
+    assert serves("auto", [spec("one")], on_gpu=True) and serves("on", [spec("one", "cpu")], on_gpu=False)
+    assert not serves("auto", [spec("one", "cpu")], on_gpu=True)
     assert not serves("off", [spec("slots")], on_gpu=True) and serves("on", [spec("slots", "cpu")], on_gpu=False)
