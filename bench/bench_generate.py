@@ -10,7 +10,7 @@ then in the same run on the same GPU:
   served by real TorchServe: time to first token and decode tokens/s seen by a streaming HTTP
   client (one process per stream), 1 stream and N at once.
 
-  python -m bench.bench_generate --out docs/results/generate_llama05b_fp16_h100
+  python -m bench.bench_generate --perworker --streams 8 --out docs/results/generate_llama05b_fp16_h200_s78
 """
 from __future__ import annotations
 
