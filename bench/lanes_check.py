@@ -5,7 +5,7 @@ prompt's chunking.
 The package bench/bench_generate.py serves (a 0.535 B Llama-architecture decoder, fp16, TorchChat
 export), imported and loaded as the engine loads it (load_lanes, LaneRunner, warm-up, graphs), then:
 
-- `step_ms`: a decode step of 1 and of every lane, timed on the device (the lanes' own limit in
+- `step_ms`: a decode step of 1 lane, of half the lanes and of every lane, timed on the device (the lanes' own limit in
   tokens/s, `lane_tok_s`, with no serving around them);
 - `first_difference` (the index of the first greedy token that differs from the same prompt put in
   whole and decoded alone on one lane; `decode` means none): every lane at once with the prompt
@@ -141,7 +141,7 @@ def measure(args, runner, cfg) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist()
     alone = greedy(runner, [0], [prompt], args.decode)[0]
-    ms = {1: step_ms(runner, 1), k: step_ms(runner, k)}
+    ms = {n: step_ms(runner, n) for n in sorted({1, max(1, k // 2), k})}
     return {
         "step_ms": {str(n): round(v, 3) for n, v in ms.items()},
         "lane_tok_s": {str(n): round(n * 1e3 / v, 1) for n, v in ms.items()},
