@@ -14,7 +14,7 @@ export), imported and loaded as the engine loads it (load_lanes, LaneRunner, war
   one sequence started first and the rest joining while it decodes, as the served streams did
   (`batch_joining`: a prompt beside decoding sequences goes in chunks).
 
-    python -m bench.lanes_check --out docs/results/lanes_llama05b_fp16_h200_TAG
+    python -m bench.lanes_check --lanes 16 --out docs/results/lanes16_llama05b_fp16_h200_TAG
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def build_parser():
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--chunk", type=int, default=64, help="the prompt budget's tokens per turn (the served load line's)")
     p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
-    p.add_argument("--out", required=True, help="results path without suffix (.json, .md)")
+    p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
 
@@ -164,6 +164,23 @@ def page(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(r: dict, path: str) -> None:
+    """Tokens/s by lanes stepping together (the lanes' own limit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ns = list(r["lane_tok_s"])
+    ax.bar(ns, [r["lane_tok_s"][n] for n in ns])
+    ax.set_xlabel("lanes stepping together")
+    ax.set_ylabel("tokens/s (in process)")
+    ax.set_title(f"the lanes' limit on {r['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,6 +192,11 @@ def main(argv=None) -> int:
         f"vocabulary {args.vocab}, KV cache {args.max_seq}, random weights, AOTInductor package"),
         "load": note, "graphs": graphs, "prompt": args.prompt, "decode": args.decode, "chunk": args.chunk, **figures}
     write_pages(args.out + ".json", report, page(report))
+    try:
+        plot(report, args.out + ".png")
+    except ImportError as e:  # the GPU machine's Python may lack matplotlib: plot from the JSON later
+        print(f"no plot ({e}): python -c 'import json; from bench.lanes_check import plot; "
+              f"plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
     print(page(report))
     return 0
 

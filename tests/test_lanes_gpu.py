@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 from compiled_serving.import_artifact import import_artifact  # noqa: E402
+from bench.lanes_check import greedy  # noqa: E402
 from examples import tiny_decoder  # noqa: E402
 from handlers.artifact.decoder import of as decoder_of  # noqa: E402
 from handlers.artifact.variants import choose_variant  # noqa: E402
@@ -51,25 +52,6 @@ def artifact(request, tmp_path_factory):
     return request.param, import_artifact(pkg, str(d / "art"), program=str(program))
 
 
-def greedy(runner, slots: list, prompts: list, chunk: int = 0) -> list:
-    """Greedy tokens of prompts[i] on lane slots[i], all lanes stepping together; `chunk`: the
-    prompts put in `chunk` tokens per call (0: whole)."""
-    dev = runner.device
-    with torch.inference_mode(), runner.stream_context():
-        step = chunk or max(len(p) for p in prompts)
-        logits, done = None, 0
-        while done < max(len(p) for p in prompts):
-            logits = runner.prefill_rows(slots, [p[done:done + step] for p in prompts], [done] * len(slots))
-            done += step
-        tokens, out = logits.argmax(-1), [[] for _ in slots]
-        for t in range(TOKENS):
-            for i, tok in enumerate(tokens.tolist()):
-                out[i].append(tok)
-            tokens = runner.step(slots, tokens, [len(p) + t for p in prompts]).argmax(-1)
-        torch.cuda.synchronize(dev)
-    return out
-
-
 def test_lanes_side_by_side_give_each_sequence_its_tokens_alone(artifact):
     form, art = artifact
     cfg = parse_config({"handler": {"cache_copies": LANES}})
@@ -81,10 +63,10 @@ def test_lanes_side_by_side_give_each_sequence_its_tokens_alone(artifact):
     assert len(lanes) == LANES and all(lane.graph is not None for lane in lanes), graphs
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 2048, (PROMPT,), generator=g).tolist() for _ in range(LANES)]
-    together = greedy(runner, list(range(LANES)), prompts)
-    alone = [greedy(runner, [0], [p])[0] for p in prompts]
+    together = greedy(runner, list(range(LANES)), prompts, TOKENS)
+    alone = [greedy(runner, [0], [p], TOKENS)[0] for p in prompts]
     assert together == alone, [sum(a == b for a, b in zip(x, y)) for x, y in zip(together, alone)]
-    chunked = greedy(runner, list(range(LANES)), prompts, chunk=32)
+    chunked = greedy(runner, list(range(LANES)), prompts, TOKENS, chunk=32)
     same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), TOKENS) for x, y in zip(chunked, alone)]
     RESULTS["lanes"].append({"form": form, "note": note, "graphs": graphs, "tokens": TOKENS,
                              "chunked_prompt_tokens_before_a_difference": same})
