@@ -41,7 +41,8 @@ def describe(label, spec) -> None:
     from handlers.artifact.decoder import of as decoder_of
 
     decoder = decoder_of(spec)
-    how = "continuous batching" if decoder and decoder.slotted else "one sequence at a time"
+    how = ("continuous batching" if decoder and decoder.slotted else
+           "one sequence at a time per worker, or one per copy of its cache in the engine's lanes on a GPU")
     print(f"[{label}] serves as      " + (f"a generative {decoder.describe()} ({how}, streamed tokens)" if decoder
                                          else "a stateless model (one answer per request, batched)"))
     unchecked = [s.name for s in spec.inputs if s.values and s.values.get("checked") is False]

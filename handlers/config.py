@@ -169,14 +169,14 @@ OPTIONS = (
     # decoder's continuous batch 1.01-1.04x its per-worker batch's tokens/s at 1-64 streams with a
     # lower time to first token (docs/results/lm_engine_qwen15b_bf16_h200). On the CPU it was not
     # measured against the per-worker path.
-    Option("engine", str, "auto", "where a stateless model or a slot-form decoder's batch runs",
-           choices=(("auto", "on for a worker given a GPU and an archive built for CUDA (stateless or a slot-form "
-                             "decoder), off otherwise"),
+    Option("engine", str, "auto", "where a stateless model's batches or a decoder's sequences run",
+           choices=(("auto", "on for a worker given a GPU and an archive built for CUDA (stateless or a decoder of "
+                             "either form), off otherwise"),
                     ("off", "in each worker"),
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
                            "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "
-                           "too (one-sequence decoders still run in their workers); on a CPU worker one "
-                           "engine process for the CPU"))),
+                           "too, and a one-sequence decoder's as the engine's lanes (cache_copies); on a CPU "
+                           "worker one engine process for the CPU"))),
     # eager: late (the hypothesis that larger steps win where a replay's fixed cost dominates,
     # handlers/engine/core.py) served the MLP and BERT at or below eager at every point on an H200
     # (git show 8374ab8:docs/results/engine_mlp_fp16_h200_s76.json, docs/results/engine_bert_fp16_h200_s76.json)
