@@ -9,7 +9,8 @@ one cache fail the load's check instead of answering from each other's state.
 
 Through real TorchServe (cs-archive --handler-option engine=on, two workers): the program and its
 AOTInductor package, 12 concurrent streams each equal to the eager model, one engine per model,
-the archive's async frontend and its load line naming the lanes.
+the archive's async frontend and its load line naming the lanes; a kill -9 of the engines ends
+every open stream (none hangs) and their successors answer again.
 """
 from __future__ import annotations
 
@@ -141,3 +142,46 @@ def test_concurrent_streams_through_the_engines_lanes_each_as_alone(lanes_server
     log = ts.log()
     assert "one-sequence decoder" in log and "4 lanes (handler.cache_copies 4)" in log
     assert len(engine_pids(ts)) == 2  # one per model
+
+
+@pytest.mark.server
+def test_killed_engines_end_every_stream_and_their_successors_serve(lanes_server):
+    """kill -9 of every engine of the server while 6 streams run on lanes_ep: each stream ends (a
+    result, a 503, or an error as its last line), none hangs, and each model answers again."""
+    import os
+    import signal
+    import time
+
+    ts, _ = lanes_server
+    old = engine_pids(ts)
+    got, errors = {}, []
+
+    def client(i):
+        try:
+            r, lines = ask(ts, "lanes_ep", {"input_ids": [1 + i, 2, 3], "parameters": {"max_tokens": 60,
+                                                                                      "ignore_eos": True}})
+            got[i] = (r.status_code, lines)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(150)
+    assert not errors and not any(t.is_alive() for t in threads), errors[:3]
+    for status, lines in got.values():
+        assert status in (200, 503), status
+        if status == 200:
+            assert len(lines[-1].get("token_ids", [])) == 60 or "error" in lines[-1], lines[-1]
+    for model in ("lanes_ep", "lanes_aoti"):
+        deadline = time.monotonic() + 90
+        while True:
+            r, lines = ask(ts, model, {"input_ids": [5, 6, 7], "parameters": {"max_tokens": 4, "ignore_eos": True}})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200 and lines[-1]["token_ids"] == eager_greedy([5, 6, 7], 4, "torchchat"), model
+    assert not set(old) & set(engine_pids(ts)) and len(engine_pids(ts)) == 2
