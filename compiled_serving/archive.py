@@ -44,17 +44,23 @@ def slot_decoder(specs):
     return decoders[0] if decoders and all(d is not None and d.slotted for d in decoders) else None
 
 
-def batched_decoder(specs, handler_opts: dict):
+def batched_decoder(specs, handler_opts: dict, device_type: Optional[str] = None):
     """The decoder whose sequences one continuous batch runs (handlers/continuous.py), or None:
-    a slot-form decoder, or a one-sequence decoder that the engine serves as its lanes
-    (handlers/run/lanes.py): with handler.engine auto, a variant built for CUDA; with on, any."""
+    a slot-form decoder, or a one-sequence decoder whose every worker the engine serves as its
+    lanes (handlers/run/lanes.py): with handler.engine on, any; with auto, where every variant
+    is built for CUDA and deviceType is not cpu (a worker the engine does not serve runs the
+    decoder itself, one sequence at a time, which TorchServe's async worker would answer whole)."""
     from handlers.artifact.decoder import of as decoder_of
+    from handlers.config import parse_config
 
     slotted = slot_decoder(specs)
     if slotted is not None:
         return slotted
     decoders = [decoder_of(s) for s in specs]
-    if decoders and all(d is not None for d in decoders) and serves_by_engine(handler_opts, specs):
+    if not decoders or any(d is None for d in decoders):
+        return None
+    setting = parse_config({"handler": handler_opts}).engine
+    if setting == "on" or (setting == "auto" and device_type != "cpu" and all(s.device == "cuda" for s in specs)):
         return decoders[0]
     return None
 
@@ -147,7 +153,7 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
     option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
     speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
-    slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts)
+    slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts, args.device_type)
     if batched is not None and not batched.slotted:  # the engine's lanes (handlers/run/lanes.py)
         speed, why = 1, ("a one-sequence decoder served by the engine: its lanes (handler.cache_copies, copies of the "
                          "cache on one copy of the weights) run the sequences of every worker, which tokenize and "
@@ -241,12 +247,12 @@ def default_batch(specs) -> tuple:
     return BATCH_DEFAULT, "measured for ResNet-50 class models and CPU workers"
 
 
-def decide_batch_size(given, specs, handler_opts: dict) -> Decision:
+def decide_batch_size(given, specs, handler_opts: dict, device_type: Optional[str] = None) -> Decision:
     """TorchServe's batchSize: as given, else default_batch's (16 or 8), at most what every
     variant accepts per call, and 1 where a row of the outputs is several MiB; with the warnings
     a batch size calls for."""
     lines = []
-    if batched_decoder(specs, handler_opts) is not None:  # the engine forms the batches (handlers/continuous.py)
+    if batched_decoder(specs, handler_opts, device_type) is not None:  # the engine forms the batches (handlers/continuous.py)
         if given not in (None, 1):
             fail(f"--batch-size {given}: this decoder takes each request as it arrives and batches its "
                  "sequences itself (continuous batching); leave --batch-size out")
@@ -559,12 +565,12 @@ def build(args) -> tuple:
         declare_eos(specs, opts)
         workers = decide_workers(args, specs, opts)
         pad = decide_pad(args.pad, opts, specs)
-        batch = decide_batch_size(args.batch_size, specs, opts)
+        batch = decide_batch_size(args.batch_size, specs, opts, args.device_type)
         check_delay(args.max_batch_delay, batch.value)
         for d in (workers, pad, batch):
             show(d)
         cfg = model_config(args, opts, workers.value, batch.value, pad.value,
-                           batched_decoder(specs, opts) is not None)
+                           batched_decoder(specs, opts, args.device_type) is not None)
         run_archiver(args, cfg, stage, tmp)
     return os.path.join(args.out, f"{args.name}.mar"), specs, cfg
 

@@ -103,7 +103,7 @@ class Worker:
         """A worker served by the engine (handlers/engine_worker.py): connected, then ready, then
         requests through its whole path to the engine and back."""
         self.loaded = engine_worker.load(context, config, emit, steps)
-        if self.loaded.generation is not None:  # a slot-form decoder: the engine's batch, streamed from here
+        if self.loaded.generation is not None:  # a decoder: the engine's batch, streamed from here
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
                                                           config.generation_metrics_s))
             self.health.ready()

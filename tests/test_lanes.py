@@ -100,6 +100,43 @@ def test_two_lanes_on_one_cache_fail_the_loads_check(imported):
         check_independent(lanes[0], same)
 
 
+def test_the_shared_weights_leave_the_cache_out_and_a_failed_share_serves_one_plain_lane(imported, monkeypatch):
+    """The packed weights hold no state the decoder writes (TorchChat's cache is lifted tensor
+    constants: "constant:NAME"), which each lane gets as zeros of its own; where reading the weights
+    for sharing fails, the load serves one plain lane and says why."""
+    from handlers.artifact.kinds import kind_of
+    from handlers.run import lanes as lanes_mod
+
+    cfg = parse_config({"handler": {"cache_copies": 2}})
+    spec, placement, _ = choose_variant(imported, None, cfg, None)
+    dec = decoder_of(spec)
+    shared, written = lanes_mod._shared(kind_of(spec), spec, placement, dec)
+    assert written and all(k.split(":", 1)[-1] in dec.mutated for k in written), written
+    assert not set(written) & set(shared.tensors) and shared.tensors
+    kind = kind_of(spec)
+
+    def refuse(*a, **k):
+        raise LoadError("the package keeps its weights outside its library (data/weights/)")
+    monkeypatch.setattr(type(kind), "held_weights", refuse)
+    lanes, note = load_lanes(spec, dec, placement, cfg)
+    assert len(lanes) == 1 and note.startswith("1 lane (its weights could not be read for sharing"), note
+
+
+def test_cs_archive_batches_a_one_sequence_decoder_only_where_the_engine_serves_every_worker(monkeypatch):
+    from types import SimpleNamespace
+
+    from compiled_serving import archive
+    from handlers.artifact import decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "of", lambda spec: SimpleNamespace(slotted=False, name="one"))
+    cuda, cpu = SimpleNamespace(device="cuda"), SimpleNamespace(device="cpu")
+    assert archive.batched_decoder([cuda], {}) is not None  # auto, a CUDA variant
+    assert archive.batched_decoder([cuda], {}, "cpu") is None  # deviceType cpu: its workers run it
+    assert archive.batched_decoder([cuda, cpu], {}) is None  # a worker may load the CPU variant itself
+    assert archive.batched_decoder([cpu], {"engine": "on"}) is not None
+    assert archive.batched_decoder([cuda], {"engine": "off"}) is None
+
+
 # --- through real TorchServe ---
 
 

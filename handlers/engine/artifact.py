@@ -42,7 +42,7 @@ class EngineModel:
     where: str
     describe: str
     config: object = None
-    budget: Optional[tuple] = None  # a slot-form decoder's (Budget, its note): the engine generates
+    budget: Optional[tuple] = None  # a decoder's (Budget, its note): the engine generates
 
 
 def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> EngineModel:

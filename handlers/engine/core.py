@@ -79,7 +79,7 @@ class Engine:
                  generation=None, launch: str = "eager"):
         """`device`: the DeviceSteps a step is launched through ("auto": the runner's where it is
         a CUDA runner with graphs; None: every step through the runner's own call, waited for).
-        `generation`: an engine of a slot-form decoder (handlers/engine/generation.Generation),
+        `generation`: an engine of a decoder (handlers/engine/generation.Generation),
         which answers Generate and takes no Infer; its batch runs on a thread of its own.
         `launch`: one of LAUNCHES (the module's docstring)."""
         if launch not in LAUNCHES:

@@ -1,4 +1,5 @@
-"""The engine's generation (issue 64): a slot-form decoder's one continuous batch per GPU, fed by
+"""The engine's generation (issue 64): a decoder's one continuous batch per GPU (a slot-form
+decoder's slots, or a one-sequence decoder's lanes: handlers/run/lanes.py), fed by
 every worker over the protocol's Generate / Tokens / Abort (handlers/engine/protocol.py).
 
 The batch is handlers/generation/engine.py's, unchanged, running on its own thread in the

@@ -17,7 +17,7 @@ The conversation, one Unix stream socket per worker:
                                                 engine's running, waiting, slots in use)
     engine -> worker   EngineDead(reason)       a fault that ends the engine; the socket closes
 
-Generation (a slot-form decoder's engine, handlers/engine/generation.py; Ready carries its
+Generation (a decoder's engine, either form, handlers/engine/generation.py; Ready carries its
 `generation` facts): token ids cross, never text (the workers tokenize and detokenize):
 
     worker -> engine   Generate(id, prompt ids, max_tokens, stop ids, sampling, key)
@@ -99,9 +99,9 @@ class ReplayCost(msgspec.Struct, array_like=True, frozen=True):
 
 
 class GenerationInfo(msgspec.Struct, array_like=True, frozen=True):
-    """What a worker needs of the engine's slot decoder to check and plan a request itself."""
+    """What a worker needs of the engine's decoder to check and plan a request itself."""
 
-    slots: int  # sequences generated at once
+    slots: int  # sequences generated at once (the slot form's slots, or the lanes)
     vocab: int
     cache_length: int  # positions per sequence, prompt and generated tokens together
     queue_size: int  # sequences that may wait for a slot (more: 503 Busy)
@@ -118,7 +118,7 @@ class Ready(_Msg, tag="ready"):
     # its graphs' replay times: the worker pads its batch's length groups to shared buckets where
     # one job is cheaper (batch.PadPlan.targets), as a runner with the graphs pads its own batch
     costs: tuple[ReplayCost, ...] = ()
-    generation: Optional[GenerationInfo] = None  # set by an engine that generates (a slot-form decoder)
+    generation: Optional[GenerationInfo] = None  # set by an engine that generates (a decoder)
 
 
 class Infer(_Msg, tag="infer"):

@@ -214,7 +214,7 @@ def build(args) -> tuple:
     from handlers.engine import artifact
 
     model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root)
-    if model.budget is not None:  # a slot-form decoder: the engine generates
+    if model.budget is not None:  # a decoder (slots or lanes): the engine generates
         from handlers.engine.generation import Generation
 
         gen = Generation(model.runner, model.config, *model.budget)

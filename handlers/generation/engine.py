@@ -1,5 +1,6 @@
 """Continuous batching: many sequences on a slot-form decoder's one cache
-(handlers/run/slots.py), run by one thread that owns the runner.
+(handlers/run/slots.py), or on a one-sequence decoder's lanes in the engine (handlers/run/lanes.py,
+a lane standing for a slot), run by one thread that owns the runner.
 
 Each turn of the loop:
 1. newcomers take free slots (the lowest first, so busy slots stay packed and the step sizes

@@ -35,6 +35,11 @@ class DecoderRunner:
         self._static = None  # (token int64[1, 1], position int64[1] or [1, 1], logits) of the graph
         self.graph_note = "plain step calls (CPU)" if not self.cuda else "CUDA graph not captured"
 
+    @property
+    def static_logits(self) -> Optional[torch.Tensor]:
+        """The step graph's output (what `step` returns while a graph serves), else None."""
+        return self._static[2] if self._static is not None else None
+
     def stream_context(self):
         """`with runner.stream_context():` puts a generation's work on the worker's stream."""
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()

@@ -48,46 +48,83 @@ def load_lanes(spec, decoder, placement, config) -> tuple:
     """([DecoderRunner] of up to handler.cache_copies lanes, the note): the weights read once
     (the kind's held_weights, as the GPU's weights holder reads them), every lane a load of the
     artifact on them with a cache of its own. On a GPU, as many lanes as its free memory holds
-    after the first (measured: what the first lane's load and one step took) less RESERVE of
-    the device; a kind that cannot share its weights (kind.not_shared) gets one lane."""
-    kind, device = kind_of(spec), placement.torch_device
-    shared, caches = None, {}
-    if kind.not_shared is None:
-        library = kind.shared_library(spec, tempfile.mkdtemp(prefix="lanes-"))
-        held = kind.held_weights(spec, placement, lambda source: pack(source, device), library)
-        shared = Shared({k: v for k, v in held.items() if not _written(k, decoder)}, library)
-        caches = {k: v for k, v in held.items() if _written(k, decoder)}  # a kind whose load needs every constant
-    free = _free(device)
+    after the first (`_room`); one plain lane where the kind cannot share its weights
+    (kind.not_shared), where reading them for sharing fails, or with cache_copies 1."""
+    kind = kind_of(spec)
+    shared, caches, why = None, {}, None
+    if config.cache_copies == 1:
+        why = "handler.cache_copies 1"
+    elif kind.not_shared is not None:
+        why = kind.not_shared
+    else:
+        try:
+            shared, caches = _shared(kind, spec, placement, decoder)
+        except LoadError as e:  # e.g. a package whose constants are outside its library
+            why = f"its weights could not be read for sharing ({e})"
     lanes = [_lane(spec, decoder, placement, config, shared, caches)]
-    want = config.cache_copies if shared else 1
-    if free is not None and want > 1:
-        cost = max(1, free - _free(device))
-        room = _free(device) - RESERVE * torch.cuda.mem_get_info(device)[1]
-        want = min(want, 1 + max(0, int(room // cost)))
+    want = _room(lanes[0], shared, kind, config) if shared is not None else 1
     while len(lanes) < want:
-        lanes.append(_lane(spec, decoder, placement, config, shared, caches))
+        try:
+            lanes.append(_lane(spec, decoder, placement, config, shared, caches))
+        except torch.cuda.OutOfMemoryError:  # the room was overestimated: serve with the lanes loaded
+            torch.cuda.empty_cache()
+            break
     if len(lanes) > 1:
         check_independent(lanes[0], lanes[1])
     if shared is None:
-        return lanes, f"1 lane: {kind.not_shared} (handler.cache_copies {config.cache_copies} needs shared weights)"
+        return lanes, f"1 lane ({why})"
     nbytes = sum(t.numel() * t.element_size() for t in shared.tensors.values())
     return lanes, (f"{len(lanes)} lanes (handler.cache_copies {config.cache_copies}), each a cache of its own "
                    f"on one copy of the weights ({nbytes / 2**20:.0f} MiB)")
 
 
+def _shared(kind, spec, placement, decoder) -> tuple:
+    """(Shared: the read-only weights packed on the device, {name: (shape, dtype)} of the state
+    the decoder writes that the kind's load wants given: each lane gets zeros of its own)."""
+    device, written = placement.torch_device, {}
+
+    def keep(source: dict) -> dict:
+        written.update({k: (tuple(v.shape), v.dtype) for k, v in source.items() if _written(k, decoder)})
+        return pack({k: v for k, v in source.items() if not _written(k, decoder)}, device)
+    library = kind.shared_library(spec, tempfile.mkdtemp(prefix="lanes-"))
+    tensors = kind.held_weights(spec, placement, keep, library)
+    if device.type == "cuda":  # the packing copies ran on the default stream; the lanes' streams do not wait for it
+        torch.cuda.synchronize(device)
+    return Shared(tensors, library), written
+
+
+def _room(first: DecoderRunner, shared: Shared, kind, config) -> int:
+    """Lanes to load, the first included: cache_copies, fewer where the GPU's free memory less
+    RESERVE of the device holds fewer at what the first took (its load, and a prompt of the
+    longest chunk: `_lane`), and less one copy of the weights where a kind's load fills a copy
+    of its own before it takes the shared one (kind.load_copies_weights)."""
+    if first.device.type != "cuda" or config.cache_copies <= 1:
+        return config.cache_copies
+    free, total = torch.cuda.mem_get_info(first.device)
+    room = free - RESERVE * total
+    if kind.load_copies_weights:
+        room -= sum(t.numel() * t.element_size() for t in shared.tensors.values())
+    return min(config.cache_copies, 1 + max(0, int(room // max(1, first.cost))))
+
+
 def _lane(spec, decoder, placement, config, shared: Optional[Shared], caches: dict) -> DecoderRunner:
-    """One lane: the artifact loaded on the shared weights, with `caches` ({name: tensor}, the
-    state a kind's load needs given: fresh zeros here, which a new sequence overwrites before it
-    reads them, handlers/artifact/decoder.py) of its own; and one warm step where it can, so the
-    next lane's room is measured after its allocations."""
+    """One lane: the artifact loaded on the shared weights, with `caches` ({name: (shape, dtype)},
+    the state a kind's load wants given: zeros of its own here, which a new sequence overwrites
+    before it reads them, handlers/artifact/decoder.py); then a prompt of the longest chunk, so
+    what it holds of the device (`cost`, bytes: `_room`) counts its largest calls' memory too."""
+    device = placement.torch_device
+    before = _free(device)
     weights = None
     if shared is not None:
-        weights = Shared({**shared.tensors, **{k: torch.zeros_like(v) for k, v in caches.items()}}, shared.library)
-    lane = DecoderRunner(load_artifact(spec, placement, config, weights), decoder, placement.torch_device, config)
+        own = {k: torch.zeros(shape, dtype=dtype, device=device) for k, (shape, dtype) in caches.items()}
+        weights = Shared({**shared.tensors, **own}, shared.library)
+    lane = DecoderRunner(load_artifact(spec, placement, config, weights), decoder, device, config)
+    n = max(1, min(decoder.chunk_max, decoder.cache_length))
     with torch.inference_mode(), lane.stream_context():
-        lane.step(torch.zeros(1, 1, dtype=torch.int64, device=placement.torch_device), 0)
+        lane.prefill(torch.zeros(1, n, dtype=torch.int64, device=device))
     if lane.cuda:
         lane.stream.synchronize()
+    lane.cost = max(0, before - _free(device)) if before is not None else 0
     return lane
 
 
@@ -148,35 +185,51 @@ class LaneRunner:
         return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def prefill(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """ids (int64[1, n]) into lane `slot`'s cache at positions start..; the logits after the last."""
+        """ids (int64[1, n] on the device) into lane `slot`'s cache at positions start..; the
+        logits after the last."""
         return self._on_lanes([slot], lambda lane, i: lane.prefill(ids, start))[0]
 
     def prefill_rows(self, slots: list, chunks: list, starts: list, spare: list = ()) -> torch.Tensor:
-        """chunks[i] (token ids) into lane slots[i] from position starts[i]; float[k, vocab]."""
-        ids = [torch.tensor([c], dtype=torch.int64, device=self.device) for c in chunks]
-        return self._on_lanes(slots, lambda lane, i: lane.prefill(ids[i], starts[i]))
+        """chunks[i] (token ids) into lane slots[i] from position starts[i]; float[k, vocab]. Each
+        chunk goes up from pinned memory on its lane's stream, which waits for nothing of the
+        batch's stream (a prompt reads only its own ids and writes only its own lane's cache,
+        whose earlier work is on the same stream): the prompts run beside the step just launched,
+        and the host does not wait for the copy (from pageable memory it would: a stream sync first)."""
+        def call(lane, i):
+            host = torch.tensor([chunks[i]], dtype=torch.int64)
+            ids = host.pin_memory().to(self.device, non_blocking=True) if self.cuda else host
+            return lane.prefill(ids, starts[i])
+        return self._on_lanes(slots, call, after_batch=False)
 
     def step(self, slots: list, tokens: torch.Tensor, positions: list, spare: list = ()) -> torch.Tensor:
         """One token per row: tokens[i] (int64[n] on the device) at positions[i] of lane slots[i];
         float[n, vocab] (a new tensor)."""
-        return self._on_lanes(slots, lambda lane, i: lane.step(tokens[i:i + 1].view(1, 1), positions[i]))
+        def call(lane, i):
+            token = tokens[i:i + 1].view(1, 1)
+            # a graph copies it into its own input; a plain call gets a copy of its own (an
+            # AOTInductor model may assume 16-byte aligned inputs: handlers/run/slots.py)
+            return lane.step(token if lane.graph is not None else token.clone(), positions[i])
+        return self._on_lanes(slots, call)
 
-    def _on_lanes(self, slots: list, call) -> torch.Tensor:
-        """call(lane, i) for each row i on lane slots[i], each on its lane's stream after the
-        batch's stream's work so far; their logits stacked on the batch's stream once every lane
-        has finished (a graph's logits are its static output, overwritten by the lane's next
-        replay, which waits for this stack: it is queued after it on the batch's stream)."""
+    def _on_lanes(self, slots: list, call, after_batch: bool = True) -> torch.Tensor:
+        """call(lane, i) for each row i on lane slots[i], each on its lane's stream (after the
+        batch's stream's work so far, where `after_batch`: a step's tokens were made there);
+        their logits stacked on the batch's stream once every lane has finished. A graph's
+        logits are its static output, overwritten by the lane's next replay, which waits for
+        this stack (queued after it on the batch's stream); a plain call's, allocated on the
+        lane's stream, are marked as used on the batch's too."""
         if not self.cuda:
             return torch.stack([call(self.lanes[s], i) for i, s in enumerate(slots)])
         main = torch.cuda.current_stream(self.device)
-        ready = main.record_event()
+        ready = main.record_event() if after_batch else None
         out = []
         for i, s in enumerate(slots):
             lane = self.lanes[s]
-            lane.stream.wait_event(ready)
+            if ready is not None:
+                lane.stream.wait_event(ready)
             with torch.cuda.stream(lane.stream):
                 logits = call(lane, i)
-            if lane.graph is None:  # a plain call's output, allocated on the lane's stream, is read on this one
+            if lane.graph is None or logits is not lane.static_logits:
                 logits.record_stream(main)
             main.wait_stream(lane.stream)
             out.append(logits)

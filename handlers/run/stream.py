@@ -1,6 +1,6 @@
 """The worker's own CUDA stream, made in one place for every runner that owns one (run/cuda.py,
-run/decoder.py, run/slots.py): everything a worker runs on a GPU goes on it, nothing of a
-request on the default stream.
+run/decoder.py, run/slots.py, run/lanes.py: the batch's, and each lane its own): everything a
+worker runs on a GPU goes on it, nothing of a request on the default stream.
 """
 from __future__ import annotations
 
