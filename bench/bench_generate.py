@@ -27,22 +27,27 @@ from pathlib import Path
 
 import torch
 
-from bench.results_meta import header, page_head, write_pages
+from bench.results_meta import header, page_head, plot_or_say, write_pages
 from compiled_serving.local_server import ROOT, LocalTorchServe
 from examples import tiny_decoder
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p) -> None:
+    """The decoder `package` builds (and bench/lanes_check.py loads): its shape and device."""
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--max-seq", type=int, default=1024)
+    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--prompts", default="128,512", help="prompt lengths for time to first token")
     p.add_argument("--decode", type=int, default=256, help="tokens generated per stream")
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
     p.add_argument("--perworker", action="store_true",
                    help="serve the package again with handler.engine off (each worker its own copy) in the same run")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
@@ -255,11 +260,7 @@ def main(argv=None) -> int:
         report["served_perworker"] = {k: v for k, v in perworker.items() if k != "tokens"}
         report["summary"]["perworker_streams_tok_s"] = round(perworker["streams"]["aggregate_tok_s"], 1)
     write_pages(args.out + ".json", report, page(report))
-    try:
-        plot(report, args.out + ".png")
-    except ImportError as e:  # the GPU machine's Python may lack matplotlib: plot from the JSON later
-        print(f"no plot ({e}): python -c 'import json; from bench.bench_generate import plot; "
-              f"plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
+    plot_or_say(plot, report, args.out, "bench.bench_generate")
     print(page(report))
     return 0
 

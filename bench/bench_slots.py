@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from bench.native_load import split_cores
-from bench.results_meta import header, page_head, write_pages
+from bench.results_meta import header, page_head, plot_or_say, write_pages
 from compiled_serving.local_server import ROOT, LocalTorchServe
 from examples import slot_decoder
 from examples.tiny_decoder import Config
@@ -495,11 +495,7 @@ def main(argv=None) -> int:
         report["baseline"] = {k: base.get(k) for k in ("command", "date", "points", "targets", "load_line",
                                                        "same_tokens", "first_difference")}
     write_pages(args.out + ".json", report, page(report))
-    try:
-        plot(report, args.out + ".png")
-    except ImportError as e:
-        print(f"no plot ({e}): python -c 'import json; from bench.bench_slots import plot; "
-              f"plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
+    plot_or_say(plot, report, args.out, "bench.bench_slots")
     print(page(report))
     return 0
 

@@ -26,21 +26,18 @@ from pathlib import Path
 
 import torch
 
-from bench.results_meta import header, page_head, write_pages
+from bench.results_meta import header, page_head, plot_or_say, write_pages
 
 
 def build_parser():
+    from bench.bench_generate import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--max-seq", type=int, default=1024)
+    add_model_args(p)  # the package bench_generate builds and serves
     p.add_argument("--lanes", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--chunk", type=int, default=64, help="the prompt budget's tokens per turn (the served load line's)")
-    p.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
@@ -192,11 +189,7 @@ def main(argv=None) -> int:
         f"vocabulary {args.vocab}, KV cache {args.max_seq}, random weights, AOTInductor package"),
         "load": note, "graphs": graphs, "prompt": args.prompt, "decode": args.decode, "chunk": args.chunk, **figures}
     write_pages(args.out + ".json", report, page(report))
-    try:
-        plot(report, args.out + ".png")
-    except ImportError as e:  # the GPU machine's Python may lack matplotlib: plot from the JSON later
-        print(f"no plot ({e}): python -c 'import json; from bench.lanes_check import plot; "
-              f"plot(json.load(open(\"{args.out}.json\")), \"{args.out}.png\")'")
+    plot_or_say(plot, report, args.out, "bench.lanes_check")
     print(page(report))
     return 0
 

@@ -60,3 +60,14 @@ def write_pages(out, report: dict, page: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(page)
+
+
+def plot_or_say(plot, report: dict, out: str, module: str) -> None:
+    """plot(report, OUT.png); where matplotlib is missing (the GPU machine's Python may lack it),
+    the command that plots it from OUT.json later (`module` holds `plot`: run as a script, its
+    own __module__ is __main__), printed instead."""
+    try:
+        plot(report, out + ".png")
+    except ImportError as e:
+        print(f"no plot ({e}): python -c 'import json; from {module} import plot; "
+              f"plot(json.load(open(\"{out}.json\")), \"{out}.png\")'")

@@ -273,13 +273,13 @@ def engine_slots(program, serve, tmp_path_factory):
     return serve({"lm_engine": store / "lm_engine.mar"})
 
 
-def streams(ts, prompts: dict, n: int) -> tuple:
+def streams(ts, prompts: dict, n: int, model: str = "lm_engine") -> tuple:
+    """({i: (status, lines)}, errors) of one streaming client per prompt at once, none left hanging."""
     got, errors = {}, []
 
     def client(i):
         try:
-            r, lines = ask(ts, "lm_engine", {"input_ids": prompts[i], "parameters": {"max_tokens": n,
-                                                                                    "ignore_eos": True}})
+            r, lines = ask(ts, model, {"input_ids": prompts[i], "parameters": {"max_tokens": n, "ignore_eos": True}})
             got[i] = (r.status_code, lines)
         except Exception as e:  # noqa: BLE001
             errors.append(e)

@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 from test_continuous import archive
-from test_engine_generation import engine_pids
+from test_engine_generation import engine_pids, streams
 from test_generation import ask, eager_greedy
 
 from compiled_serving.import_artifact import import_artifact
@@ -159,20 +159,8 @@ def test_concurrent_streams_through_the_engines_lanes_each_as_alone(lanes_server
     ts, made = lanes_server
     assert "by continuous batching" in made[model].stdout and "lanes" in made[model].stdout, made[model].stdout
     prompts = {i: [(3 * i + k) % 256 for k in range(2 + i % 5)] for i in range(12)}
-    got, errors = {}, []
-
-    def client(i):
-        try:
-            r, lines = ask(ts, model, {"input_ids": prompts[i], "parameters": {"max_tokens": 8, "ignore_eos": True}})
-            got[i] = (r.status_code, lines)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-    threads = [threading.Thread(target=client, args=(i,)) for i in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and not any(t.is_alive() for t in threads), errors[:3]
+    got, errors = streams(ts, prompts, 8, model)
+    assert not errors, errors[:3]
     for i, (status, lines) in got.items():
         assert status == 200, lines
         assert lines[-1]["token_ids"] == eager_greedy(prompts[i], 8, "torchchat"), i
@@ -191,24 +179,18 @@ def test_killed_engines_end_every_stream_and_their_successors_serve(lanes_server
 
     ts, _ = lanes_server
     old = engine_pids(ts)
-    got, errors = {}, []
-
-    def client(i):
-        try:
-            r, lines = ask(ts, "lanes_ep", {"input_ids": [1 + i, 2, 3], "parameters": {"max_tokens": 60,
-                                                                                      "ignore_eos": True}})
-            got[i] = (r.status_code, lines)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
+    result = {}
+    prompts = {i: [1 + i, 2, 3] for i in range(6)}
+    runner = threading.Thread(
+        target=lambda: result.update(zip(("got", "errors"), streams(ts, prompts, 60, "lanes_ep"))))
+    runner.start()
     time.sleep(0.3)
     for pid in old:
         os.kill(pid, signal.SIGKILL)
-    for t in threads:
-        t.join(150)
-    assert not errors and not any(t.is_alive() for t in threads), errors[:3]
+    runner.join(150)
+    assert not runner.is_alive(), "a stream hung after the engines were killed"
+    got, errors = result["got"], result["errors"]
+    assert not errors, errors[:3]
     for status, lines in got.values():
         assert status in (200, 503), status
         if status == 200:

@@ -85,40 +85,37 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
 
 
 def _slots(model, spec, decoder, placement, config, t0: float) -> EngineModel:
-    """A slot-form decoder's runner, warmed up, its graphs captured and its prompt budget per turn
-    timed (handlers/generation/engine.py), for the engine's generation (handlers/engine/generation.py)."""
-    from handlers.generation.engine import measure_budget, warm as warm_slots
+    """A slot-form decoder's runner, for the engine's generation (handlers/engine/generation.py)."""
     from handlers.run.slots import SlotRunner
 
     runner = SlotRunner(model, decoder, placement.torch_device, config)
-    t1 = time.perf_counter()
-    if config.warmup:
-        warm_slots(runner)
-    graphs = runner.capture(config.cuda_graphs)
-    budget = measure_budget(runner)
-    describe = (f"{spec.backend} slot-form decoder {spec.artifact} ({model.loader}) on {placement.where} "
-                f"[{placement.note}]; load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; "
-                f"{graphs}; CPU threads {torch.get_num_threads()}")
-    return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
+    return _generating(runner, spec, placement, config, t0, f"slot-form decoder {spec.artifact} ({model.loader})")
 
 
 def _lanes(spec, decoder, placement, config, t0: float) -> EngineModel:
-    """A one-sequence decoder as handler.cache_copies lanes (handlers/run/lanes.py), each warmed
-    up and its step graph captured, their prompt budget per turn timed; for the engine's
-    generation, as a slot-form decoder's slots."""
-    from handlers.generation.engine import measure_budget, warm as warm_slots
+    """A one-sequence decoder as handler.cache_copies lanes (handlers/run/lanes.py), for the
+    engine's generation as a slot-form decoder's slots."""
     from handlers.run.lanes import LaneRunner, load_lanes
 
     lanes, note = load_lanes(spec, decoder, placement, config)
-    runner = LaneRunner(lanes, config)
+    return _generating(LaneRunner(lanes, config), spec, placement, config, t0,
+                       f"one-sequence decoder {spec.artifact} ({lanes[0].model.loader})", note)
+
+
+def _generating(runner, spec, placement, config, t0: float, what: str, note: str = "") -> EngineModel:
+    """A decoder's runner (slots or lanes) warmed up, its graphs captured and its prompt budget
+    per turn timed (handlers/generation/engine.py), for the engine's generation; the load line
+    names `what` was loaded and `note`."""
+    from handlers.generation.engine import measure_budget, warm as warm_slots
+
     t1 = time.perf_counter()
     if config.warmup:
         warm_slots(runner)
     graphs = runner.capture(config.cuda_graphs)
     budget = measure_budget(runner)
-    describe = (f"{spec.backend} one-sequence decoder {spec.artifact} ({lanes[0].model.loader}) on {placement.where} "
-                f"[{placement.note}]; {note}; load {t1 - t0:.2f}s, warm-up, graphs and budget "
-                f"{time.perf_counter() - t1:.2f}s; {graphs}; CPU threads {torch.get_num_threads()}")
+    describe = (f"{spec.backend} {what} on {placement.where} [{placement.note}]; " + (f"{note}; " if note else "")
+                + f"load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; {graphs}; "
+                f"CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
 
 
