@@ -8,7 +8,8 @@ export), imported and loaded as the engine loads it (load_lanes, LaneRunner, war
 - `step_ms`: a decode step of 1 lane, of half the lanes and of every lane, timed on the device (the lanes' own limit in
   tokens/s, `lane_tok_s`, with no serving around them);
 - `first_difference` (the index of the first greedy token that differs from the same prompt put in
-  whole and decoded alone on one lane; `decode` means none): every lane at once with the prompt
+  whole and decoded alone on one lane; `decode` means none): the same again 3 times on one lane
+  (`alone_again`; a difference there is the model's kernels, run to run), every lane at once with the prompt
   whole (`together`), one lane with the prompt in --chunk-token calls (`chunked`), and the
   continuous batch over the lanes (handlers/generation/engine.py, its budget of --chunk tokens) with
   one sequence started first and the rest joining while it decodes, as the served streams did
@@ -143,6 +144,7 @@ def measure(args, runner, cfg) -> dict:
         "step_ms": {str(n): round(v, 3) for n, v in ms.items()},
         "lane_tok_s": {str(n): round(n * 1e3 / v, 1) for n, v in ms.items()},
         "first_difference": {
+            "alone_again": [first_difference(greedy(runner, [0], [prompt], args.decode)[0], alone) for _ in range(3)],
             "together": [first_difference(t, alone) for t in greedy(runner, list(range(k)), [prompt] * k, args.decode)],
             "chunked": first_difference(greedy(runner, [0], [prompt], args.decode, args.chunk)[0], alone),
             "batch_joining": [first_difference(t, alone) for t in batch_joining(runner, [prompt] * k, args.decode,
@@ -156,7 +158,7 @@ def page(r: dict) -> str:
     lines += [f"| {n} | {r['step_ms'][n]} | {r['lane_tok_s'][n]} |" for n in r["step_ms"]]
     d = r["first_difference"]
     lines += ["", f"First token differing from the prompt put in whole on one lane (of {r['decode']}; none: equal): "
-                  f"every lane at once {d['together']}; prompt in {r['chunk']}-token calls {d['chunked']}; the "
+                  f"the same again, one lane alone, 3 times {d.get('alone_again')}; every lane at once {d['together']}; prompt in {r['chunk']}-token calls {d['chunked']}; the "
                   f"continuous batch, the rest joining a decoding sequence {d['batch_joining']}.", ""]
     return "\n".join(lines)
 
