@@ -15,7 +15,7 @@ export), imported and loaded as the engine loads it (load_lanes, LaneRunner, war
   one sequence started first and the rest joining while it decodes, as the served streams did
   (`batch_joining`: a prompt beside decoding sequences goes in chunks).
 
-    python -m bench.lanes_check --lanes 16 --out docs/results/lanes16_llama05b_fp16_h200_TAG
+    python -m bench.lanes_check --lanes 8 --out docs/results/lanes8_llama05b_fp16_h200_TAG
 """
 from __future__ import annotations
 
