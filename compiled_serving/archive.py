@@ -48,8 +48,9 @@ def batched_decoder(specs, handler_opts: dict, device_type: Optional[str] = None
     """The decoder whose sequences one continuous batch runs (handlers/continuous.py), or None:
     a slot-form decoder, or a one-sequence decoder whose every worker the engine serves as its
     lanes (handlers/run/lanes.py): with handler.engine on, any; with auto, where every variant
-    is built for CUDA and deviceType is not cpu (a worker the engine does not serve runs the
-    decoder itself, one sequence at a time, which TorchServe's async worker would answer whole)."""
+    is one a GPU worker runs (gpu_variants: built for CUDA and deviceType not cpu, or exported on
+    the CPU with deviceType gpu). A worker the engine does not serve runs the decoder itself, one
+    sequence at a time, which TorchServe's async worker would answer whole."""
     from handlers.artifact.decoder import of as decoder_of
     from handlers.config import parse_config
 
@@ -60,9 +61,21 @@ def batched_decoder(specs, handler_opts: dict, device_type: Optional[str] = None
     if not decoders or any(d is None for d in decoders):
         return None
     setting = parse_config({"handler": handler_opts}).engine
-    if setting == "on" or (setting == "auto" and device_type != "cpu" and all(s.device == "cuda" for s in specs)):
+    if setting == "on" or (setting == "auto" and len(gpu_variants(specs, device_type)) == len(specs)):
         return decoders[0]
     return None
+
+
+def gpu_variants(specs, device_type: Optional[str]) -> list:
+    """The variants a GPU worker runs and this archive sizes for a GPU: built for CUDA (unless
+    deviceType is cpu); with deviceType gpu also programs exported on the CPU, which the worker's
+    GPU runs (handlers/engine_worker.py gpu_runnable; without it such an archive may as well be
+    served on a CPU host, and is sized for one)."""
+    from handlers.engine_worker import gpu_runnable
+
+    if device_type == "cpu":
+        return []
+    return [s for s in specs if s.device == "cuda" or (device_type == "gpu" and gpu_runnable(s))]
 
 
 def default_workers(devices, cpus: int):
@@ -152,7 +165,8 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     """The worker count (given, or for speed and, on a GPU, what its memory holds) with why; for a
     CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
     option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
-    speed, why = default_workers([s.device for s in specs], os.cpu_count() or 1)
+    cuda = gpu_variants(specs, args.device_type)
+    speed, why = default_workers(["cuda"] if cuda else [s.device for s in specs], os.cpu_count() or 1)
     slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts, args.device_type)
     if batched is not None and not batched.slotted:  # the engine's lanes (handlers/run/lanes.py)
         speed, why = 1, ("a one-sequence decoder served by the engine: its lanes (handler.cache_copies, copies of the "
@@ -164,7 +178,6 @@ def decide_workers(args, specs, handler_opts) -> Decision:
     elif slotted is not None:  # one engine batches every sequence: a second worker is a second copy
         speed, why = 1, (f"a slot-form decoder: one worker's engine runs all {slotted.slots} sequence slots on one "
                          "cache; another worker would hold another copy of the weights and the cache")
-    cuda = [s for s in specs if s.device != "cpu"]
     if not cuda:
         lines = []
         if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:

@@ -170,8 +170,8 @@ OPTIONS = (
     # lower time to first token (docs/results/lm_engine_qwen15b_bf16_h200). On the CPU it was not
     # measured against the per-worker path.
     Option("engine", str, "auto", "where a stateless model's batches or a decoder's sequences run",
-           choices=(("auto", "on for a worker given a GPU and an archive built for CUDA (stateless or a decoder of "
-                             "either form), off otherwise"),
+           choices=(("auto", "on for a worker given a GPU and an archive a GPU runs (built for CUDA, or a program "
+                             "exported on the CPU; stateless or a decoder of either form), off otherwise"),
                     ("off", "in each worker"),
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
                            "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "

@@ -26,6 +26,7 @@ from handlers import process
 from handlers.admission import Limits
 from handlers.batch import PadPlan
 from handlers.artifact.decoder import of as decoder_of
+from handlers.artifact.kinds import KINDS
 from handlers.artifact.metadata import find_variants, read_spec
 from handlers.config import HandlerConfig
 from handlers.engine import link
@@ -54,14 +55,24 @@ def wanted(context) -> Optional[HandlerConfig]:
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:
     """Whether an archive of these variants is served by the engine (handler.engine `setting`),
     for a worker given a GPU or not: never with off; with on, any archive; with auto (the
-    default), an archive built for CUDA on a GPU worker (a stateless model, a slot-form decoder,
-    a one-sequence decoder as the engine's lanes: handlers/run/lanes.py). The worker's decision
-    (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
+    default), on a GPU worker, an archive a GPU runs (gpu_runnable: a stateless model, a
+    slot-form decoder, a one-sequence decoder as the engine's lanes: handlers/run/lanes.py). The
+    worker's decision (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
     if setting == "off":
         return False
     if setting == "on":
         return True
-    return on_gpu and any(s.device == "cuda" for s in specs)
+    return on_gpu and any(gpu_runnable(s) for s in specs)
+
+
+def gpu_runnable(spec) -> bool:
+    """Whether a GPU runs the variant: built for CUDA, or a program exported on the CPU, whose
+    kind is relocatable (placed on the worker's GPU, handlers/artifact/device.py). Read from
+    artifact.json alone: no CUDA call."""
+    if spec.device == "cuda":
+        return True
+    kind = KINDS.get(spec.backend)
+    return kind is not None and kind.relocatable
 
 
 def load(context, config: HandlerConfig, emit, steps) -> Loaded:

@@ -145,10 +145,14 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     (None, 0, None, ("cuda",), False, True),  # the default, auto: a GPU worker of a CUDA archive
     (None, None, None, ("cuda",), False, False),  # no GPU given (TorchServe on a CPU host)
     (None, 1, "cpu", ("cuda",), False, False),  # device_type: cpu
-    (None, 0, None, ("cpu",), False, False),  # a CPU artifact runs in its workers
+    (None, 0, None, ("cpu",), False, False),  # a CPU-compiled package runs in its workers
+    (None, 0, None, ("cpu-export",), False, True),  # a program exported on the CPU: the GPU's engine
+    (None, None, None, ("cpu-export",), False, False),  # ... and in its workers on a CPU host
+    (None, 1, "cpu", ("cpu-export",), False, False),
     (None, 0, None, ("cpu", "cuda"), False, True),
     (None, 0, None, ("cuda",), "one", True),  # auto: a one-sequence decoder as the engine's lanes
-    (None, 0, None, ("cpu",), "one", False),  # a CPU artifact runs in its workers, a decoder too
+    (None, 0, None, ("cpu",), "one", False),  # a CPU-compiled package runs in its workers, a decoder too
+    (None, 0, None, ("cpu-export",), "one", True),  # an exported decoder: the engine's lanes
     (None, 0, None, ("cuda",), "slots", True),  # auto: a slot-form decoder's batch too
     ("off", 0, None, ("cuda",), False, False),
     ("on", None, None, ("cpu",), False, True),  # on: the CPU too
@@ -165,7 +169,11 @@ def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, 
 
     dirs = [str(tmp_path / d) for d in devices]
     monkeypatch.setattr(engine_worker, "find_variants", lambda model_dir: dirs)
-    monkeypatch.setattr(engine_worker, "read_spec", lambda d: SimpleNamespace(device=d.rsplit("/", 1)[1], decoder=decoder))
+    def spec(d):  # "device" or "device-backend" (default: an AOTInductor package, compiled for that device)
+        device, _, backend = d.rsplit("/", 1)[1].partition("-")
+        return SimpleNamespace(device=device, backend=backend or "aoti", decoder=decoder)
+
+    monkeypatch.setattr(engine_worker, "read_spec", spec)
     monkeypatch.setattr(engine_worker, "decoder_of",
                         lambda spec: SimpleNamespace(slotted=spec.decoder == "slots") if spec.decoder else None)
     raw = {"handler": {"engine": engine} if engine else {}}

@@ -386,14 +386,37 @@ def test_a_decoder_archived_with_engine_on_is_sized_as_the_engines(monkeypatch):
 
 def test_auto_serves_cuda_archives_on_a_gpu_through_the_engine_decoders_too(monkeypatch):
     """handler.engine auto: a GPU worker of a CUDA archive, stateless or a decoder of either form,
-    is served by the engine; a CPU worker and a CPU archive are not; off never."""
+    is served by the engine, and so is a program exported on the CPU; a CPU worker and a package
+    compiled for the CPU are not; off never."""
     from types import SimpleNamespace
     from handlers import engine_worker
 
-    spec = lambda name, device="cuda": SimpleNamespace(name=name, device=device)  # noqa: E731
+    spec = lambda name, device="cuda", backend="aoti": SimpleNamespace(name=name, device=device, backend=backend)  # noqa: E731
     serves = engine_worker.serves
     assert serves("auto", [spec("plain")], on_gpu=True) and serves("auto", [spec("slots")], on_gpu=True)
     assert not serves("auto", [spec("slots")], on_gpu=False) and not serves("auto", [spec("slots", "cpu")], True)
     assert serves("auto", [spec("one")], on_gpu=True) and serves("on", [spec("one", "cpu")], on_gpu=False)
     assert not serves("auto", [spec("one", "cpu")], on_gpu=True)
+    assert serves("auto", [spec("one", "cpu", "export")], on_gpu=True) and serves("auto", [spec("p", "cpu", "export")], True)
+    assert not serves("auto", [spec("p", "cpu", "export")], on_gpu=False)
     assert not serves("off", [spec("slots")], on_gpu=True) and serves("on", [spec("slots", "cpu")], on_gpu=False)
+
+
+def test_a_program_exported_on_the_cpu_is_sized_for_the_gpus_engine_only_with_device_type_gpu(monkeypatch):
+    """cs-archive: a program exported on the CPU may be served on a CPU host (sized per core) unless
+    deviceType is gpu, where a GPU worker relocates it and the engine runs it (sized as the engine's)."""
+    from types import SimpleNamespace
+    from compiled_serving import archive
+
+    monkeypatch.setattr(archive, "weight_bytes", lambda spec: SimpleNamespace(mib=100.0, bytes=100 << 20, how="test"))
+    monkeypatch.setattr(archive, "batched_decoder", lambda *a: None)
+    monkeypatch.setattr(archive, "slot_decoder", lambda specs: None)
+    program = SimpleNamespace(device="cpu", backend="export")
+    args = lambda device_type: SimpleNamespace(worker_overhead_mib=None, gpu_memory_headroom=0.1,  # noqa: E731
+                                               gpu_memory_gib=24.0, workers=None, device_type=device_type)
+    cpu = archive.decide_workers(args(None), [program], {})
+    assert cpu.value.worker_gpu_mb is None and "CPU artifact" in cpu.said[-1][1], cpu.said
+    gpu = archive.decide_workers(args("gpu"), [program], {})
+    assert gpu.value.gpu_sizing is not None and "engine" in gpu.said[-1][1], gpu.said
+    assert archive.gpu_variants([program], "gpu") == [program] and archive.gpu_variants([program], None) == []
+    assert archive.gpu_variants([SimpleNamespace(device="cpu", backend="aoti")], "gpu") == []
