@@ -359,7 +359,7 @@ class Case:
     def floor(self):
         import torch
 
-        model, device, stream = self.run.handler.worker.loaded.model, self.run.device, self.stream
+        model, device, stream = self.run.model, self.run.device, self.stream
         if stream is None:
             with torch.inference_mode():
                 model(*self.pinned)
@@ -548,9 +548,24 @@ def print_first(first) -> None:
                   f"{r['steady_median_ms']:.2f} ms -> {r['first_over_steady']:.2f}x{loads}{idle}")
 
 
+def floor_model(run) -> tuple:
+    """(the model the raw floor calls, its device): the handler's own where its worker runs it (the
+    CPU); where its GPU's engine does (the GPU default, handlers/engine_worker.py), the artifact
+    loaded here on that GPU, as the engine places it."""
+    loaded = run.handler.worker.loaded
+    if loaded.model is not None:
+        return loaded.model, loaded.device
+    from handlers.artifact.load import load_artifact
+    from handlers.artifact.variants import choose_variant
+    from handlers.config import parse_config
+
+    spec, placement, _ = choose_variant(run.args.artifact, run.gpu, parse_config({}))
+    return load_artifact(spec, placement), placement.torch_device
+
+
 def load_handlers(run) -> dict:
     """Load the handlers (cold, warmed up, and with --graphs-contrast one without CUDA graphs),
-    timing each one's first requests; sets run.handler, ctx, device, off, load times."""
+    timing each one's first requests; sets run.handler, ctx, model, device, off, load times."""
     args, sizes, inputs = run.args, run.sizes, run.inputs
     # First request after load: each handler's first call right after its load, against its
     # steady state and against calls after an idle pause (see first_requests).
@@ -559,7 +574,7 @@ def load_handlers(run) -> dict:
     del cold
     run.handler, run.ctx, run.load_warm_s, first["warmup"] = load_and_time_first(
         args, run.gpu, {"crash_safe_load": False}, sizes, inputs)
-    run.device = run.handler.worker.loaded.device
+    run.model, run.device = floor_model(run)
     run.off = None
     if args.graphs_contrast:
         h_off, c_off, _, first["warmup_no_graphs"] = load_and_time_first(

@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the archive defaults (compiled_serving/archive.py)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batch-delay", type=int, default=1)
-    p.add_argument("--workers-per-gpu", type=int, default=6)
+    p.add_argument("--workers-per-gpu", type=int, default=6,
+                   help="workers per GPU, every handler's (cs-archive's own default: 3 per 4 cores of the host, "
+                        "feeding the GPU's engine)")
     p.add_argument("--cpu-workers", type=int, default=2, help="workers when serving on the CPU")
     p.add_argument("--thread-sweep", default="", help="cpu_threads values to try on our handler")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
@@ -367,8 +369,8 @@ def archive_baseline(args, store: Path, name: str, handler: str, workers: int, d
 
 def model_lines(log: str, name: str) -> str:
     """The lines of model `name`'s workers (TorchServe names the thread reading a worker's output
-    W-PORT-MODEL_VERSION-stdout, log4j2.xml's %t), so ours is not read from ours_perworker's lines;
-    the whole log where no line is so named."""
+    W-PORT-MODEL_VERSION-stdout, log4j2.xml's %t), so ours is not read from a variant's lines
+    (ours_cpu ...); the whole log where no line is so named."""
     own = [line for line in log.splitlines() if re.search(rf"W-\d+-{re.escape(name)}_\d", line)]
     return "\n".join(own) if own else log
 
@@ -662,12 +664,11 @@ ENGINE_NOT_HERE = ("gpu_mib_all_processes", "worker_restart_s", "engine_restart_
 
 
 def engine_keys(by: dict, ours_engine: bool = False) -> dict:
-    """Issue 64's keys where the run served ours_engine (engine: on) beside ours (a worker per
-    GPU context), or ours was itself served by the engine (`ours_engine`, handler.engine auto),
-    and echo on one GPU: the engine over echo at 64 and 128 clients, its p50 at one client less
-    the per-worker path's (where the run served one), and the per-worker figures beside. The
-    memory and restart keys come from bench/bench_shared.py --modes ...,engine, not from this
-    run (None here)."""
+    """Issue 64's keys where an engine served, ours itself (`ours_engine`: handler.engine auto, the
+    archive's default on a GPU) or an ours_engine* variant (engine: on with its own worker count),
+    and echo on one GPU: the engine over echo at 64 and 128 clients, the other engine variants
+    beside. The memory and restart keys come from bench/bench_shared.py, not from this run (None
+    here). The keys held against the per-worker path went with that path (retired, issue 64)."""
     def ratio(h, c):
         p, echo = by.get((h, 1, c)), by.get(("echo", 1, c))
         return round(p["req_s"] / echo["req_s"], 3) if p and echo and echo["req_s"] else None
@@ -676,16 +677,10 @@ def engine_keys(by: dict, ours_engine: bool = False) -> dict:
     if not engines:
         return {}
     # the issue's keys are the engine served with the archive's own worker count (ours where the
-    # engine served it, else ours_engine), else the first engine variant of the command
-    # (gpu_e2e.sh names the shipped count first)
+    # engine served it; in a run from before handler.engine auto, ours_engine), else the first
+    # engine variant of the command
     main = "ours" if ours_engine else "ours_engine" if "ours_engine" in engines else engines[0]
-    # the per-worker path: ours_perworker (engine=off) where the run served it, else ours (the
-    # archive's default, which was the per-worker path before handler.engine's auto)
-    pw = "ours_perworker" if any(k[0] == "ours_perworker" for k in by) else None if ours_engine else "ours"
-    one, per_worker = by.get((main, 1, 1)), by.get((pw, 1, 1))
     return {"engine_variant": main, "ours_over_echo_c64": ratio(main, 64), "ours_over_echo_c128": ratio(main, 128),
-            "c1_p50_delta_ms": round(one["p50_ms"] - per_worker["p50_ms"], 3) if one and per_worker else None,
-            "per_worker_over_echo_c64": ratio(pw, 64), "per_worker_over_echo_c128": ratio(pw, 128),
             # the other engine variants (other worker counts: ours_engine24 ...) beside
             **{f"{h[5:]}_over_echo_c{c}": ratio(h, c) for h in engines if h != main for c in (64, 128)},
             **{k: None for k in ENGINE_NOT_HERE}}

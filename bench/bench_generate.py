@@ -7,10 +7,11 @@ then in the same run on the same GPU:
   call as generate.py's sequential_prefill does for AOTI models, greedy decode, each token read
   back as it comes), in this process;
 - the same package archived with no options (cs-archive --artifact PKG --program PROGRAM) and
-  served by real TorchServe: time to first token and decode tokens/s seen by a streaming HTTP
-  client (one process per stream), 1 stream and N at once.
+  served by real TorchServe (on a GPU through its engine, handler.engine auto): time to first
+  token and decode tokens/s seen by a streaming HTTP client (one process per stream), 1 stream
+  and N at once.
 
-  python -m bench.bench_generate --perworker --streams 8 --out docs/results/generate_llama05b_fp16_h200_s78
+  python -m bench.bench_generate --streams 8 --out docs/results/generate_llama05b_fp16_TAG
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import argparse
 import http.client
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,8 +48,6 @@ def build_parser():
     p.add_argument("--prompts", default="128,512", help="prompt lengths for time to first token")
     p.add_argument("--decode", type=int, default=256, help="tokens generated per stream")
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--perworker", action="store_true",
-                   help="serve the package again with handler.engine off (each worker its own copy) in the same run")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
     return p
 
@@ -127,17 +125,17 @@ def _stream_job(a):
     return stream_once(*a)
 
 
-def served(args, program: Path, pkg: Path, prompts: dict, work: Path, extra: tuple = ()) -> dict:
-    """The package archived with no options but `extra` (cs-archive's) and served: time to first
-    token and one stream's decode, then args.streams at once."""
-    store = work / ("store" + "_".join(extra).replace("=", "_").replace("-", ""))
+def served(args, program: Path, pkg: Path, prompts: dict, work: Path) -> dict:
+    """The package archived with no options and served: time to first token and one stream's
+    decode, then args.streams at once."""
+    store = work / "store"
     cmd = [sys.executable, "-m", "compiled_serving.archive", "--artifact", str(pkg), "--program", str(program),
-           "--name", "lm", "--out", str(store), *extra]
+           "--name", "lm", "--out", str(store)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stdout + r.stderr)
     archive_out = r.stdout.strip().splitlines()
-    ts = LocalTorchServe(work / f"ts{len(list(work.glob('ts*')))}", store, {"lm": store / "lm.mar"})
+    ts = LocalTorchServe(work / "ts", store, {"lm": store / "lm.mar"})
     try:
         ts.wait_ready(timeout=400)
         port, token = ts.ports["inf"], ts.key()
@@ -188,11 +186,6 @@ def page(report: dict) -> str:
                  f"{r['decode']:.2f}x |")
     s = o["streams"]
     lines.append(f"| tokens/s, {s['n']} concurrent streams (all together) | — | {s['aggregate_tok_s']:.0f} | |")
-    w = report.get("served_perworker")
-    if w:  # the same package with handler.engine off: each of its workers a copy (--perworker)
-        lines.append(f"| per worker (engine off): decode tokens/s, one stream | — | {w['decode_tok_s']:.0f} | |")
-        lines.append(f"| per worker (engine off): tokens/s, {w['streams']['n']} concurrent streams | — | "
-                     f"{w['streams']['aggregate_tok_s']:.0f} | |")
     if report.get("summary"):
         lines += ["", f"Summary: {report['summary']}"]
     lines += ["", f"Greedy tokens equal to the loop's: {report['greedy_equal']}.", "",
@@ -238,10 +231,6 @@ def main(argv=None) -> int:
         print("loop", {k: v for k, v in loop.items() if k != "tokens"}, flush=True)
         ours = served(args, program, pkg, prompts, work)
         print("served", {k: v for k, v in ours.items() if k != "tokens"}, flush=True)
-        perworker = served(args, program, pkg, prompts, work, ("--handler-option", "engine=off")) \
-            if args.perworker else None
-        if perworker:
-            print("served per worker", {k: v for k, v in perworker.items() if k != "tokens"}, flush=True)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     report = {**header(device, argv), "model": (
         f"Llama-architecture decoder, {params / 1e9:.3f} B parameters (dim {args.dim}, {args.layers} layers, "
@@ -256,9 +245,6 @@ def main(argv=None) -> int:
         "summary": {"one_stream_tok_s": round(ours["decode_tok_s"], 1),
                     "streams_tok_s": round(ours["streams"]["aggregate_tok_s"], 1), "streams": args.streams,
                     "streams_over_one": round(ours["streams"]["aggregate_tok_s"] / ours["decode_tok_s"], 2)}}
-    if perworker:
-        report["served_perworker"] = {k: v for k, v in perworker.items() if k != "tokens"}
-        report["summary"]["perworker_streams_tok_s"] = round(perworker["streams"]["aggregate_tok_s"], 1)
     write_pages(args.out + ".json", report, page(report))
     plot_or_say(plot, report, args.out, "bench.bench_generate")
     print(page(report))

@@ -7,7 +7,8 @@ real TorchServe, against transformers on the same GPU in the same run (issue 65 
    save_pretrained with a byte-level BPE tokenizer of the full vocabulary.
 2. `cs-export-lm --model CKPT --out ART --package --device DEV` (on CUDA with the GPU's memory,
    --gpu-memory-gib, and --max-seq; its printed sizing and seconds recorded), then `cs-archive
-   --artifact ART --name lm` with no options, served by TorchServe (compiled_serving/local_server.py).
+   --artifact ART --name lm` with no options, served by TorchServe (compiled_serving/local_server.py;
+   on a GPU the slot batch runs in its engine, handler.engine auto).
 3. 1, 8, 32, 64 concurrent streams (bench/bench_slots.py's clients: one process each, started
    together after --warmup seconds of rounds), each a --prompt token prompt and --decode new
    tokens, greedy, ignore_eos: aggregate tokens/s (median round), TTFT and inter-token p50/p99,
@@ -25,9 +26,6 @@ real TorchServe, against transformers on the same GPU in the same run (issue 65 
 
   python -m bench.bench_lm --preset qwen25-1.5b --out docs/results/lm_qwen15b_bf16_h200
   python -m bench.bench_lm --device cpu --preset tiny --streams 1,2 --decode 8 --rounds 1 --out /tmp/lm  (a check)
-
---engine-compare serves the archive per worker (handler.engine=off) and then through the engine
-(on, the default on a GPU), each in a TorchServe of its own, both against the same limits.
 
 --work DIR keeps the checkpoint and the artifact and takes them from there when present (a second
 call on a machine still warm skips the export's compile); --export-only stops after the export.
@@ -91,10 +89,6 @@ def build_parser():
     p.add_argument("--log", help="also write the worker's log (TorchServe's model_log.log) here")
     p.add_argument("--frontend-warmup", type=int, default=64,
                    help="one-token requests sent one after another before the points (TorchServe's JIT warm-up)")
-    p.add_argument("--engine-compare", action="store_true",
-                   help="serve the archive per worker (handler.engine=off) and then with handler.engine=on (the "
-                        "GPU in one engine process fed by the workers, the default on a GPU) and report both "
-                        "against the same limits")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to cs-archive (e.g. engine=on: the batch in the engine process, issue 64)")
     p.add_argument("--out", required=True, help="results path without suffix (.json, .md, .png)")
@@ -332,20 +326,6 @@ def served_over_limits(points: list, lim: dict) -> dict:
     return {"served_over_step_limit": step, "served_over_limit": whole}
 
 
-def engine_part(eng: dict, lim: dict, per_worker: list) -> dict:
-    """The points served through the engine (--engine-compare), against the same limits; its one
-    stream's greedy tokens against the per-worker path's (equal in fp32 on the CPU; in bf16 on a
-    GPU one stream's tokens differed even from one round to the next on either path, each point's
-    rounds_first_difference)."""
-    pts = [{k: v for k, v in p.items() if k != "tokens"} for p in eng["points"]]
-    return {"points": pts, "served": served_over_limits(eng["points"], lim), "load_line": eng["load_line"],
-            "gpu_mib": eng["gpu_mib"], "archive_command": eng["archive_command"][1:],
-            "frontend_warmup": eng.get("frontend_warmup"),
-            "first_difference_alone_vs_per_worker": first_difference(per_worker[0]["tokens"][0],
-                                                                     eng["points"][0]["tokens"][0]),
-            "tokens_alone": eng["points"][0]["tokens"][0]}
-
-
 def crowd_check(points: list) -> dict:
     """The greedy tokens of stream 0 alone against the same prompt among 32 (else the largest count)."""
     by_n = {p["streams"]: p for p in points}
@@ -377,7 +357,7 @@ def page(r: dict) -> str:
     lines += ["", f"Targets: ahead of transformers at every count: {s['targets']['ahead_of_transformers_at_every_count']}; "
                   f"32 streams >= 12x one stream: {s['targets']['streams32_over_1_at_least_12']} "
                   f"({s['streams32_over_1']})." if s["streams32_over_1"] else "", ""]
-    lines += engine_lines(r) + ttft_lines(r)
+    lines += ttft_lines(r)
     lines += transformers_lines(r) + ["", f"Greedy tokens alone and among {r['crowd']['crowd']}: "
                                           f"{r['crowd']['same_tokens']} ({r['crowd'].get('first_difference')}).", "",
                                       f"Export: `cs-export-lm {' '.join(m['export_command'][1:])}`", ""]
@@ -385,29 +365,6 @@ def page(r: dict) -> str:
     lines += ["", f"Archive: `cs-archive {' '.join(m['archive_command'][1:])}`", ""]
     lines += [f"    {ln}" for ln in r["archive"]] + ["", f"Worker's load line: {r['load_line']}", ""]
     return "\n".join(lines)
-
-
-def engine_lines(r: dict) -> list:
-    """--engine-compare: the same archive served through the engine (handler.engine=on)."""
-    e = r.get("engine")
-    if not e:
-        return []
-    lines = ["The same archive with `--handler-option engine=on` (the GPU in one engine process, the workers "
-             f"CPU-only), in a TorchServe of its own: `cs-archive {' '.join(e['archive_command'])}`; its one "
-             f"stream's greedy tokens against the per-worker path's: first difference at "
-             f"{e['first_difference_alone_vs_per_worker']}.", "",
-             "| streams | per-worker tokens/s | engine tokens/s | engine / per-worker | TTFT p50 (ms) | "
-             "inter-token p50 / p99 (ms) | engine / step limit | engine / round limit |",
-             "|---|---|---|---|---|---|---|---|"]
-    ours = {p["streams"]: p["aggregate_tok_s"] for p in r["points"]}
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    for p in e["points"]:
-        n, tok = p["streams"], p["aggregate_tok_s"]
-        lines.append(f"| {n} | {ours.get(n, 0):.0f} | {tok:.0f} | {fmt(tok / ours[n] if ours.get(n) else None)} | "
-                     f"{p['ttft_ms_p50']:.1f} | {p['itl_ms_p50']:.2f} / {p['itl_ms_p99']:.2f} | "
-                     f"{fmt(e['served']['served_over_step_limit'].get(str(n)))} | "
-                     f"{fmt(e['served']['served_over_limit'].get(str(n)))} |")
-    return lines + ["", f"Engine's load line: {e['load_line']}", ""]
 
 
 def ttft_lines(r: dict) -> list:
@@ -488,16 +445,11 @@ def run(args, counts: list, pool, keep: Path, work: Path, save=lambda parts: Non
     lim = {"skipped": "--no-limits"} if args.no_limits else limits(args, exported, model["vocab"], counts)
     ns = SimpleNamespace(vocab=model["vocab"], prompt=args.prompt, decode=args.decode, warmup=args.warmup,
                          rounds=args.rounds, log=args.log, frontend_warmup=args.frontend_warmup,
-                         # compared: the first served per worker (on a GPU the default is the engine)
-                         handler_option=[*args.handler_option, *(["engine=off"] if args.engine_compare else [])])
+                         handler_option=args.handler_option)
     ours = serve_archive(ns, ["--artifact", str(keep / "artifact")], work, pool, counts)
     skipped = {"skipped": "--no-transformers" if args.no_transformers else
                "not reached (the run ended before the transformers baselines)"}
     save((model, exported, lim, ours, skipped))  # a run cut off by its time limit keeps what was measured
-    if args.engine_compare:  # the same archive's points through the engine, in a TorchServe of its own
-        eng = SimpleNamespace(**{**vars(ns), "log": None, "handler_option": [*args.handler_option, "engine=on"]})
-        ours["engine"] = serve_archive(eng, ["--artifact", str(keep / "artifact")], work / "engine", pool, counts)
-        save((model, exported, lim, ours, skipped))
     if args.no_transformers:
         return model, exported, lim, ours, skipped
     hf = transformers_baselines(args, keep / "ckpt", model["vocab"], counts,
@@ -518,10 +470,6 @@ def report_of(args, argv, counts, parts) -> dict:
          "step_limits": lim, "crowd": crowd_check(pts),
          "archive": ours["archive"], "load_line": ours["load_line"], "worker_gpu_mib": ours["gpu_mib"],
          "frontend_warmup": ours.get("frontend_warmup"), "tokens_alone": pts[0]["tokens"][0]}
-    if "engine" in ours:
-        r["engine"] = engine_part(ours["engine"], lim, pts)
-        r["summary"]["engine"] = {"tok_s": {str(p["streams"]): p["aggregate_tok_s"] for p in r["engine"]["points"]},
-                                  **r["engine"]["served"]}
     pre = (lim.get("points") or [{}])[0].get("prefill_ms")
     r["ttft_one_stream"] = {"prefill_ms": pre, "worker_mean_ms": pts[0].get("worker_ttft_ms_mean"),
                             "client_p50_ms": pts[0]["ttft_ms_p50"],

@@ -1,28 +1,26 @@
-"""One copy of the weights per GPU (issue 49; handlers/weights), measured through real TorchServe:
-the GPU memory of every process, throughput at --clients, answers, kill -9 restarts and what is
-left after the frontend stops, with the weights shared (the default) and with each worker's own
-copy (`shared_weights: off`), the same archive otherwise.
+"""One copy of the weights per GPU, held by the model's engine (issue 64: handler.engine, on a GPU
+the default), measured through real TorchServe: the GPU memory of every process, throughput at
+--clients, answers, kill -9 restarts of a worker and of the engine, and what is left after the
+frontend stops. (Its earlier modes, issue 49's weights holder and each worker's own copy, went
+with the per-worker GPU path, retired in issue 64.)
 
-    python -m bench.bench_shared --artifact DIR --out docs/results/shared_big_mlp_fp16_h100
+    python -m bench.bench_shared --artifact DIR --out docs/results/engine_memory_big_mlp_fp16_TAG
 
-Modes (--modes, in order):
-  one     one worker, its own copy: the reference the issue's memory target counts from
-  own     --workers workers, each its own copy (shared_weights: off)
-  shared  --workers workers reading one holder's copy (the default, shared_weights: auto)
-  engine  --workers CPU-only workers fed to one engine process that owns the GPU (engine: on,
-          issue 64); also the engine killed: seconds until a request is answered 200 again, and
-          the statuses of the requests sent meanwhile
+Modes (--modes, in order), each an archive with `--handler-option engine=on`:
+  engine  --workers CPU-only workers fed to one engine process that owns the GPU; also the
+          engine killed: seconds until a request is answered 200 again, and the statuses of the
+          requests sent meanwhile
   engine_exec  the same with CS_PREFORK=off: every worker started by `python` itself (a killed
           worker's successor is otherwise forked from compiled_serving/prefork.py's warm process)
 For each: nvidia-smi's memory.used on the GPU after READY less what it used before the server
-started, and each process's own (--query-compute-apps: the workers, the holder); the SHA-256 of
+started, and each process's own (--query-compute-apps: the workers, the engine); the SHA-256 of
 the answer to one fixed request sent 12 times by one client (one request per batch, so the same
 kernels every time: equal hashes are bit-identical answers across workers and modes); --clients
 Python clients for --seconds (bench/bench_load.py); --restarts kills of one worker (seconds to
 READY again, the new worker's start by step: bench/bench_start.py); then every worker killed at
-once (seconds to the first answer and to all READY); and the holders left 5 s after the
-frontend's SIGTERM (what `torchserve --stop` sends). Also the memory of a bare CUDA context (a
-process that made one tensor), which no sharing of weights can remove: one per process.
+once (seconds to the first answer and to all READY); and the engines and prefork's warm processes
+left 5 s after the frontend's SIGTERM (what `torchserve --stop` sends). Also the memory of a bare
+CUDA context (a process that made one tensor), which every process holding one pays.
 Writes OUT.json (device, date, torch, command first) and OUT.md.
 """
 from __future__ import annotations
@@ -43,25 +41,21 @@ from types import SimpleNamespace
 
 from bench import bench_load
 from bench.bench_e2e import archive_ours
-from bench.bench_start import answered, kill_all, ready, restart_once, start_steps, wait_until
+from bench.bench_start import kill_all, ready, restart_once, start_steps, wait_until
 from bench.results_meta import header, page_head
 from compiled_serving.local_server import LocalTorchServe
 
-# each mode's handler options and worker count (None: --workers); the per-worker modes pin
-# engine=off, which handler.engine's default (auto) replaces on a GPU
-MODES = {"one": (("engine=off", "shared_weights=off"), 1), "own": (("engine=off", "shared_weights=off"), None),
-         "shared": (("engine=off",), None), "engine": (("engine=on",), None), "engine_exec": (("engine=on",), None)}
-# engine_exec: the engine with every worker started by `python` itself, as before
-# compiled_serving/prefork.py, whose restarted workers are forked
-MODE_ENV = {"engine_exec": {"CS_PREFORK": "off"}}
+# each mode's environment for the server; engine_exec: every worker started by `python` itself,
+# as before compiled_serving/prefork.py, whose restarted workers are forked
+MODES = {"engine": {}, "engine_exec": {"CS_PREFORK": "off"}}
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", help="directory written by compiled_serving/compile.py")
-    p.add_argument("--modes", default="one,own,shared", help="comma list of one, own, shared")
+    p.add_argument("--modes", default="engine", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--workers", type=int, default=6)
-    p.add_argument("--gpu", type=int, default=0, help="the GPU; -1: CPU workers (shared_weights: on), no "
+    p.add_argument("--gpu", type=int, default=0, help="the GPU; -1: CPU workers and the engine on the CPU, no "
                    "memory figures: a smoke run of the flow")
     p.add_argument("--clients", type=int, default=64, help="clients of the throughput point (0: none)")
     p.add_argument("--seconds", type=float, default=10.0)
@@ -71,7 +65,11 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", required=True, help="results path without extension")
     p.add_argument("--render", action="store_true", help="only write OUT.md and OUT.png again from OUT.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown and not args.render:
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))} (the modes: {', '.join(MODES)})")
+    return args
 
 
 def smi(query: list) -> list:
@@ -91,15 +89,10 @@ def per_process() -> dict:
         return {}
 
 
-def holders(workdir: Path, what: str = "handlers.weights.holder") -> list:
-    """Pids of the weights holders (or, what="handlers.engine.serve", the engines) of this server
-    (their socket lies under its TMPDIR)."""
-    out = subprocess.run(["pgrep", "-af", what], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if str(workdir / "tmp") in line]
-
-
 def engines(workdir: Path) -> list:
-    return holders(workdir, "handlers.engine.serve")
+    """Pids of this server's engines (handlers.engine.serve; their socket lies under its TMPDIR)."""
+    out = subprocess.run(["pgrep", "-af", "handlers.engine.serve"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if str(workdir / "tmp") in line]
 
 
 def kill_engine(server, name: str, body: bytes, ct: str, timeout: float) -> dict:
@@ -161,27 +154,21 @@ def answer_hashes(server, name: str, body: bytes, ct: str, n: int = 12, retry: d
 
 
 def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> dict:
-    options, count = MODES[mode]
-    n = count or args.workers
-    if args.gpu < 0 and mode == "shared":
-        options += ("shared_weights=on",)  # auto shares on GPU workers only
-    extra = [a for o in options for a in ("--handler-option", o)]
+    n = args.workers
     archive_ours(SimpleNamespace(artifact=args.artifact, batch_size=args.batch_size,
                                  max_batch_delay=args.max_batch_delay), store, mode, n,
-                 [args.gpu] if args.gpu >= 0 else [], extra)
+                 [args.gpu] if args.gpu >= 0 else [], ["--handler-option", "engine=on"])
     before = device_used(args.gpu)
     t0 = time.perf_counter()
-    env = {**os.environ, **MODE_ENV.get(mode, {})}
-    server = LocalTorchServe(work / mode, store, {mode: store / f"{mode}.mar"}, env=env)
-    point = {"mode": mode, "workers": n, "env": MODE_ENV.get(mode, {})}
+    server = LocalTorchServe(work / mode, store, {mode: store / f"{mode}.mar"}, env={**os.environ, **MODES[mode]})
+    point = {"mode": mode, "workers": n, "env": MODES[mode]}
     try:
         wait_until(lambda: ready(server, mode, n), args.timeout)
         point["start_to_all_ready_s"] = round(time.perf_counter() - t0, 3)
         wait_until(lambda: len(start_steps(server.log())) >= n, 30)
-        time.sleep(3)  # graph captures after ready (handlers/worker.py defers them)
         point["answers_sha256"] = answer_hashes(server, mode, body, ct)
         point.update(memory(args, server, mode, before))
-        if args.clients and mode != "one":  # the one-worker reference is for memory
+        if args.clients:
             token = server.key()
             r = bench_load.run_point(server.base, f"/predictions/{mode}", token, [body], None, args.clients,
                                      args.seconds, 2.0, 1_000_000)
@@ -192,15 +179,13 @@ def measure(args, mode: str, store: Path, work: Path, body: bytes, ct: str) -> d
             point["engine_kill"] = kill_engine(server, mode, body, ct, args.timeout)
         point["after_kills"] = {}  # a worker may reach the engine's successor after another has answered
         point["answers_sha256_after_kills"] = answer_hashes(server, mode, body, ct, retry=point["after_kills"])
-        point["load_lines"] = [line for line in server.log().splitlines() if "weights held by" in line
-                               or "own copy (" in line or "served by the engine" in line][-2:]
+        point["load_lines"] = [line for line in server.log().splitlines() if "served by the engine" in line][-2:]
     finally:
         keep_logs(args, server, mode)
         server.stop()
     t1 = time.perf_counter()
-    while (holders(work / mode) or engines(work / mode) or zygotes()) and time.perf_counter() - t1 < 5:
+    while (engines(work / mode) or zygotes()) and time.perf_counter() - t1 < 5:
         time.sleep(0.1)
-    point["holders_left_5s_after_stop"] = len(holders(work / mode))
     point["engines_left_5s_after_stop"] = len(engines(work / mode))
     point["zygotes_left_5s_after_stop"] = len(zygotes())
     return point
@@ -213,53 +198,38 @@ def zygotes() -> list:
 
 
 def keep_logs(args, server, mode: str) -> None:
-    """The server's model log and its holders' logs, beside the results (OUT_logs/MODE/)."""
+    """The server's model log and its engines' logs, beside the results (OUT_logs/MODE/)."""
     d = Path(f"{args.out}_logs") / mode
     d.mkdir(parents=True, exist_ok=True)
     (d / "model_log.log").write_text(server.log())
     (d / "ts_log.log").write_text(server.log("logs/ts_log.log"))
-    for f in (server.workdir / "tmp" / "compiled-serving" / "weights").glob("*.log"):
-        (d / f"holder_{f.name}").write_text(f.read_text(errors="replace"))
+    for f in (server.workdir / "tmp" / "compiled-serving" / "engines").glob("*.log"):
+        (d / f"engine_{f.name}").write_text(f.read_text(errors="replace"))
 
 
 def memory(args, server, mode: str, before: int) -> dict:
     workers = {w.get("pid") for w in server.workers(mode, timeout=5)}
-    held, engine = set(holders(server.workdir)), set(engines(server.workdir))
+    engine = set(engines(server.workdir))
     procs = per_process()
     return {"device_used_mib": device_used(args.gpu) - before,
             "workers_mib": sorted(m for p, m in procs.items() if p in workers),
-            "holders_mib": sorted(m for p, m in procs.items() if p in held),
             "engines_mib": sorted(m for p, m in procs.items() if p in engine),
             "processes_seen": len(procs)}
 
 
 def summarize(points: dict, context: int) -> dict:
-    out = {"cuda_context_mib": context}
-    one, own, shared = (points.get(m) for m in ("one", "own", "shared"))
-    if one and shared and one["device_used_mib"]:
-        extra = shared["workers"] + len(shared["holders_mib"]) - 1  # processes beyond one worker's
-        out["shared_over_one"] = round(shared["device_used_mib"] / one["device_used_mib"], 3)
-        out["shared_over_one_plus_contexts"] = round(
-            shared["device_used_mib"] / (one["device_used_mib"] + extra * context), 3)
-        out["memory_target_met"] = shared["device_used_mib"] <= 1.3 * one["device_used_mib"] + extra * context
-    if own and shared and own["device_used_mib"]:
-        out["shared_over_own_memory"] = round(shared["device_used_mib"] / own["device_used_mib"], 3)
-        if own.get("load") and shared.get("load"):
-            out["throughput_shared_over_own"] = round(shared["load"]["req_s"] / own["load"]["req_s"], 3)
-    out.update(engine_summary(points))
+    out = {"cuda_context_mib": context, **engine_summary(points)}
     hashes = {h for p in points.values() for h in p["answers_sha256"] + p["answers_sha256_after_kills"]}
     out["answers_bit_identical"] = len(hashes) == 1
     for m, p in points.items():
-        if p.get("run"):  # a point taken from another run (its "run" says which): its memory only
-            continue
         out[f"{m}_restart_to_ready_s"] = [r["kill_to_ready_s"] for r in p["restarts"]]
         out[f"{m}_kill_all_to_first_answer_s"] = p["kill_all"]["kill_to_first_answer_s"]
     return out
 
 
 def engine_summary(points: dict) -> dict:
-    """Issue 64's keys where the engine mode ran: its GPU memory against the others', a worker's
-    and the engine's restart."""
+    """Issue 64's keys where the engine mode ran: its GPU memory, its workers holding GPU memory
+    (none is right), a worker's and the engine's restart."""
     e = points.get("engine")
     if not e:
         return {}
@@ -268,74 +238,27 @@ def engine_summary(points: dict) -> dict:
            "engine_restart_s": e["engine_kill"]["kill_to_answer_s"]}
     if "engine_exec" in points:  # the same, every worker started by `python` (no prefork)
         out["worker_restart_exec_s"] = max(r["kill_to_ready_s"] for r in points["engine_exec"]["restarts"])
-    for m in ("one", "own", "shared"):
-        if m in points and points[m]["device_used_mib"]:
-            out[f"engine_over_{m}_memory"] = round(e["device_used_mib"] / points[m]["device_used_mib"], 3)
-            if m != "one" and e.get("load") and points[m].get("load"):
-                out[f"throughput_engine_over_{m}"] = round(e["load"]["req_s"] / points[m]["load"]["req_s"], 3)
     return out
 
 
 def write_markdown(path: Path, result: dict) -> None:
     s, pts = result["summary"], result["points"]
-    lines = [*page_head(result, "One copy of the weights per GPU: memory, throughput, restarts",
+    lines = [*page_head(result, "One copy of the weights per GPU, in the engine: memory, throughput, restarts",
                         f"Artifact: {result['artifact']}."),
-             "| mode | workers | device MiB | per worker MiB | holder or engine MiB | req/s | kill -9 one: to READY s | "
-             "kill all: first answer s | holders left after stop |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | workers | device MiB | worker MiB | engine MiB | req/s | kill -9 one: to READY s | "
+             "kill all: first answer s | engines left after stop |", "|---|---|---|---|---|---|---|---|---|"]
     for m, p in pts.items():
-        lines.append(f"| {m} | {p['workers']} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib']))} | "
-                     f"{', '.join(map(str, p['holders_mib'] + p.get('engines_mib', []))) or '-'} | "
-                     f"{(p.get('load') or {}).get('req_s', '-')} | "
+        lines.append(f"| {m} | {p['workers']} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib'])) or '-'} | "
+                     f"{', '.join(map(str, p['engines_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
                      f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
-                     f"{p['kill_all']['kill_to_first_answer_s']} | "
-                     f"{p['holders_left_5s_after_stop'] + p.get('engines_left_5s_after_stop', 0)} |")
+                     f"{p['kill_all']['kill_to_first_answer_s']} | {p['engines_left_5s_after_stop']} |")
     lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in s.items()), ""]
-    lines += [f"Mode {m}: from {p['run']}." for m, p in pts.items() if p.get("run")] + [""]
-    earlier = result.get("earlier_run")
-    if earlier:  # the same benchmark at an earlier revision, for before and after
-        lines += ["## The earlier run", "", f"Command: `{earlier['command']}`. Revision: {earlier['revision']}.", "",
-                  "| mode | device MiB | per worker MiB | holder MiB | req/s | kill -9 one: to READY s | "
-                  "kill all: first answer s |", "|---|---|---|---|---|---|---|"]
-        for m, p in earlier["points"].items():
-            lines.append(f"| {m} | {p['device_used_mib']} | {', '.join(map(str, p['workers_mib']))} | "
-                         f"{', '.join(map(str, p['holders_mib'])) or '-'} | {(p.get('load') or {}).get('req_s', '-')} | "
-                         f"{', '.join(str(r['kill_to_ready_s']) for r in p['restarts'])} | "
-                         f"{p['kill_all']['kill_to_first_answer_s']} |")
-        lines += ["", "Summary: " + ", ".join(f"{k} {v}" for k, v in earlier["summary"].items()), ""]
-    if result.get("not_measured"):
-        lines += [f"Not measured: {result['not_measured']}", ""]
-    steps = result.get("load_steps")
-    if steps:  # bench/shared_load_steps.py's rows, run beside it
-        names = list(dict.fromkeys(k for row in steps["rows"] for k in row if k not in ("worker", "answer_sum")))
-        lines += ["## One worker's load, step by step (no server)", "", f"Command: `{steps['command']}`. {steps['note']}.", "",
-                  "| worker | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for row in steps["rows"]:
-            lines.append(f"| {row['worker']} | " + " | ".join(str(round(row[k], 2)) if isinstance(row.get(k), float)
-                                                           else str(row.get(k, "-")) for k in names) + " |")
-        lines.append("")
-    lines += worker_memory_lines(result.get("worker_memory"))
     imports = result.get("imports")
     if imports:  # what a fresh worker process imports before the handler starts
         lines += ["## Imports of a fresh process", "", f"Command: `{imports['command']}` ({imports['note']}).", "",
                   "| import | wall s |", "|---|---|", *(f"| `{k}` | {v} |" for k, v in imports["wall_s"].items()), ""]
     lines += [f"![memory and restarts]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines) + "\n")
-
-
-def worker_memory_lines(wm) -> list:
-    """bench/worker_memory.py's steps, run beside it: where one worker's device memory goes."""
-    if not wm:
-        return []
-    about = "".join(f" {x}." for x in (wm.get("revision") and f"Revision {wm['revision']}", wm.get("note")) if x)
-    lines = ["## One worker's device memory, step by step (no server)", "", f"Command: `{wm['command']}`.{about}", "",
-             "| config | step | process MiB (smi) | allocator reserved | allocated | outside the allocator | "
-             "other processes |", "|---|---|---|---|---|---|---|"]
-    for name, c in wm["configs"].items():
-        setting = ", ".join(f"{k}={v}" for k, v in {**c["options"], **c["env"]}.items()) or "defaults"
-        for row in (r for r in c["steps"] if "step" in r):
-            lines.append(f"| {name} ({setting}) | {row['step']} | {row['smi_mib']} | {row['reserved_mib']} | "
-                         f"{row['allocated_mib']} | {row['outside_allocator_mib']} | {row['other_processes_mib']} |")
-    return lines + [""]
 
 
 def plot(path: Path, result: dict) -> None:

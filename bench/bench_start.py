@@ -5,15 +5,15 @@ started from the shipped config.
     python -m bench.bench_start --artifact DIR --workers 1,6 --restarts 3 --out docs/results/start_TAG.json
 
 For each worker count: the seconds from `torchserve --start` until every worker is READY, and each
-worker's own start, step by step, as its load line gives it (handlers/startup.py: the process's
-age when the handler began -- interpreter, TorchServe's and torch's imports, the load message --
-then variant, trial load, load, warm-up, CUDA graphs, request-path warm-up). Then `--restarts`
-times: one worker killed with SIGKILL, and the seconds until TorchServe lists the model's workers
-READY again, until a request is answered 200 (with one worker, nothing else can answer it), and
-the new worker's own start. Where a worker captures its CUDA graphs after ready (`cuda_graphs:
-auto`, the default, in a TorchServe worker), also the seconds from its ready until they were
-done and how many calls ran without a graph meanwhile (its log line). Writes OUT.json (device, date, torch, command first), OUT.md and
-OUT.png beside it.
+worker's own start, step by step, as its load line gives it (the process's age when the handler
+began -- interpreter, TorchServe's and torch's imports, the load message -- then its steps: on a
+GPU, a worker served by the engine (handlers/engine_worker.py): variant, load (its connection to
+the engine, the first worker's start of it with the engine's load, warm-up and CUDA graphs),
+request-path warm-up; on the CPU, handlers/startup.py's: variant, trial load, load, warm-up,
+CUDA graphs (no work there), request-path warm-up). Then `--restarts` times: one worker killed
+with SIGKILL, and the seconds until TorchServe lists the model's workers READY again, until a
+request is answered 200 (with one worker, nothing else can answer it), and the new worker's own
+start. Writes OUT.json (device, date, torch, command first), OUT.md and OUT.png beside it.
 """
 from __future__ import annotations
 
@@ -36,10 +36,6 @@ from compiled_serving.local_server import LocalTorchServe
 from bench.results_meta import header, page_head
 
 START_LINE = re.compile(r"started in ([0-9.]+)s(?: since the process began)? \(([^)]*)\)")
-# handlers/startup.py: a load line whose CUDA graphs wait until after ready, and the line that
-# says they are done (seconds since ready, calls that ran without a graph meanwhile)
-DEFERRED = "buckets after ready"
-GRAPHS_DONE = re.compile(r"CUDA graphs after ready: done in ([0-9.]+)s, (\d+) call\(s\) ran without a graph meanwhile(?:; ([^\n]*))?")
 POLL_S = 0.05
 # TorchServe 0.12's frontend logs this once for each worker whose connection ends, a kill -9
 # included (tests/test_bench_start.py); "Worker died", counted before, never followed a kill
@@ -75,23 +71,6 @@ def start_steps(log: str) -> list:
                 steps[name] = float(secs[:-1])
         out.append({**steps, "total": float(m.group(1))})
     return out
-
-
-def graphs_done(log: str) -> list:
-    """[{"graphs_after_ready_s", "calls_without_graph"}] of every deferred capture's done line in
-    `log`, in order."""
-    return [{"graphs_after_ready_s": float(m.group(1)), "calls_without_graph": int(m.group(2))}
-            for m in GRAPHS_DONE.finditer(log)]
-
-
-def wait_graphs(server, log_at: int, n: int) -> list:
-    """The done lines of the `n` workers started since `log_at` whose graphs were deferred (none
-    where no load line says so); waits up to 120 s for them."""
-    log = server.log()[log_at:]
-    want = min(n, log.count(DEFERRED))
-    if want:
-        wait_until(lambda: len(graphs_done(server.log()[log_at:])) >= want, 120)
-    return graphs_done(server.log()[log_at:])[:want]
 
 
 def answered(server, name: str, body: bytes, content_type: str) -> bool:
@@ -146,9 +125,6 @@ def restart_once(server, name: str, n: int, body: bytes, content_type: str, time
         out["kill_to_answer_s"] = round(first["answer"], 3)
     wait_until(lambda: start_steps(server.log()[log_at:]), 30)  # the load line follows READY closely
     out["worker_start"] = start_steps(server.log()[log_at:])[-1]
-    graphs = wait_graphs(server, log_at, 1)
-    if graphs:  # after the answer: a capture deferred until after ready
-        out.update(graphs[0])
     return out
 
 
@@ -179,7 +155,6 @@ def measure(args, n: int, store: Path, work: Path, body: bytes, content_type: st
         wait_until(lambda: len(start_steps(server.log())) >= n, 30)
         point = {"workers": n, "torchserve_start_to_all_ready_s": round(all_ready, 3),
                  "worker_start": start_steps(server.log())[:n], "restarts": []}
-        point["graphs_after_ready"] = wait_graphs(server, 0, n)
         if not answered(server, name, body, content_type):
             raise SystemExit(f"{name}: a request was not answered 200: {server.log()[-3000:]}")
         for _ in range(args.restarts):
@@ -212,8 +187,6 @@ def summarize(points: list) -> dict:
             "median_kill_to_ready_s": med([r["kill_to_ready_s"] for r in rs]),
             "median_kill_to_answer_s": med([r["kill_to_answer_s"] for r in rs if "kill_to_answer_s" in r]),
             "median_restarted_worker_start_s": med([r["worker_start"]["total"] for r in rs]),
-            "median_restarted_graphs_after_ready_s": med([r["graphs_after_ready_s"] for r in rs
-                                                          if "graphs_after_ready_s" in r]),
             "kill_all_to_first_answer_s": (p.get("kill_all") or {}).get("kill_to_first_answer_s"),
             "slowest_over_one_worker": (round(max(starts) / one["worker_start"][0]["total"], 3)
                                         if one and one["worker_start"] and starts else None),
@@ -225,17 +198,15 @@ def write_markdown(path: Path, result: dict) -> None:
     lines = page_head(result, "Worker start and restart through TorchServe",
                       f"Artifact: {result['artifact']}.")
     lines += [("| workers | torchserve start to all READY (s) | slowest worker's start (s) | over one worker | "
-               "kill -9 to READY again (s, median) | kill -9 to an answer (s, median) | restarted worker's own start (s) | "
-               "its CUDA graphs done, after ready (s) |"),
-              "|---|---|---|---|---|---|---|---|"]
+               "kill -9 to READY again (s, median) | kill -9 to an answer (s, median) | restarted worker's own start (s) |"),
+              "|---|---|---|---|---|---|---|"]
     killed = [p for p in result["points"] if p.get("kill_all")]
     for n, s in result["summary"].items():
         p = next(p for p in result["points"] if str(p["workers"]) == n)
         lines.append(f"| {n} | {p['torchserve_start_to_all_ready_s']} | {s['slowest_worker_start_s']} | "
                      f"{s['slowest_over_one_worker']} | {s['median_kill_to_ready_s']} | "
                      f"{s['median_kill_to_answer_s'] if s['median_kill_to_answer_s'] is not None else '-'} | "
-                     f"{s['median_restarted_worker_start_s']} | "
-                     f"{s['median_restarted_graphs_after_ready_s'] if s['median_restarted_graphs_after_ready_s'] is not None else '-'} |")
+                     f"{s['median_restarted_worker_start_s']} |")
     lines += [f"\nAll {p['workers']} workers killed at once: the first answer after "
               f"{p['kill_all']['kill_to_first_answer_s']} s, all READY after {p['kill_all']['kill_to_all_ready_s']} s."
               for p in killed]

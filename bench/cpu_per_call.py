@@ -1,12 +1,15 @@
 """What one batch costs a worker's CPU: `handle()` in process on batches of one-row binary
 requests, as TorchServe hands a worker a batch of clients' requests, timed by the wall clock and
-by this process's CPU clock (time.process_time: every thread, the CUDA driver's included).
+by this process's CPU clock (time.process_time: every thread).
 
-On a GPU every `--sync` value is measured (`block`: the worker sleeps while the GPU works, what
-`cuda_sync: auto` picks when workers share a GPU; `spin`: it polls). The CPU time of a blocking
-call is what the worker takes from the host's cores per batch; the rest of the wall time it
-waits for the GPU. The cost of building the request bytearrays (TorchServe's worker builds one
-per request before `handle()`) is measured alone and reported beside, not subtracted.
+On a GPU the handler is a worker served by the engine (handler.engine auto): the load starts the
+engine, a process of its own that runs the model, and this process's CPU clock counts the
+worker's side only (read, decode, admit, hand over, wait for the engine, encode), not the
+engine's. Every `--sync` value is measured there: the engine's `cuda_sync` (`block`: it sleeps
+while the GPU works; `spin`: it polls; auto spins, one engine per GPU). On the CPU the worker
+runs the model itself and its CPU time is the whole call's. The cost of building the request
+bytearrays (TorchServe's worker builds one per request before `handle()`) is measured alone and
+reported beside, not subtracted.
 
     python -m bench.cpu_per_call --artifact DIR --batch-sizes 1,8 --out docs/results/cpu_per_call_TAG.json
 """
@@ -24,7 +27,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", required=True, help="directory written by compiled_serving/compile.py")
     p.add_argument("--batch-sizes", default="1,8", help="requests per batch, one row each")
-    p.add_argument("--sync", default="block,spin", help="cuda_sync values to measure (GPU only)")
+    p.add_argument("--sync", default="block,spin", help="the engine's cuda_sync values to measure (GPU only)")
     p.add_argument("--calls", type=int, default=300, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=5, help="the median of this many rounds is reported")
     p.add_argument("--out", required=True, help="results JSON path (the Markdown goes beside it)")
@@ -75,9 +78,10 @@ def markdown(report: dict) -> str:
     lines = page_head(report, f"CPU per batch of one-row requests: {report['artifact_kind']} artifact, "
                       f"inputs {report['inputs']}", "Written by `bench/cpu_per_call.py` from the JSON beside it.")
     lines += ["`handle()` in process on a batch of one-row binary requests; wall and CPU time per call "
-             "(the process's CPU clock: all its threads), medians of rounds. `block`: the worker sleeps "
-             "while the GPU works (what `cuda_sync: auto` picks when workers share a GPU); `spin`: it "
-             "polls. Building the requests' bytearrays is in each call and shown alone beside it.", "",
+             "(the process's CPU clock: all its threads), medians of rounds. On a GPU the handler is a "
+             "worker served by the engine, a process of its own whose CPU is not counted; `block`: the "
+             "engine sleeps while the GPU works; `spin`: it polls. Building the requests' bytearrays is in "
+             "each call and shown alone beside it.", "",
              "| requests | sync | wall ms | CPU ms | CPU / wall | bytearrays CPU ms |",
              "|---|---|---|---|---|---|"]
     for r in report["results"]:

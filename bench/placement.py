@@ -11,9 +11,10 @@ named in forward: examples/models.py:devices_named), the one-sequence decoder
 cs-archive with no options (decoders with --workers N, N the GPUs, to bound the host's load), all
 are served by one TorchServe from the shipped config, and for each: `archived`, `ready_s`,
 `answers_equal` (stateless: every answer within 1e-4 of the eager model on the CPU; decoders: the
-greedy tokens of the eager model on cuda:0), `workers_per_gpu` and `stray_contexts` (a worker or
-weights holder of the server holding memory on more than one GPU, from nvidia-smi). `ready_failures`
-names every model not READY within --ready-timeout. --scaling merges a bench_e2e --gpus 1,all
+greedy tokens of the eager model on cuda:0), `workers_per_gpu` (its workers holding GPU memory, by
+GPU: none where each GPU's engine runs the model, handler.engine auto) and `stray_contexts` (a
+worker or engine of the server holding memory on more than one GPU, from nvidia-smi); the engines
+per GPU. `ready_failures` names every model not READY within --ready-timeout. --scaling merges a bench_e2e --gpus 1,all
 results file (ResNet-50, ours and echo) as `throughput`. Writes OUT (JSON), OUT.md and OUT.png.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import requests
 import torch
 
-from bench.bench_shared import holders as holders_of, smi
+from bench.bench_shared import smi
 from bench.results_meta import header, page_head, write_pages
 from compiled_serving.local_server import LocalTorchServe, ROOT, server_env
 
@@ -47,7 +48,8 @@ def parse_args(argv):
     p.add_argument("--ready-timeout", type=float, default=240.0)
     p.add_argument("--models", default=",".join(MODELS), help="a subset of " + ",".join(MODELS))
     p.add_argument("--engine", type=int, default=0, metavar="N",
-                   help="also serve each stateless package with engine: on and N workers per GPU (issue 64)")
+                   help="also serve each stateless package with engine: on and N workers per GPU (issue 64; "
+                        "the archive's default serves it through the engine too, with its own worker count)")
     return p.parse_args(argv)
 
 
@@ -219,7 +221,7 @@ def serve_and_check(cases: dict, store: Path, work: Path, timeout: float) -> tup
     ts = LocalTorchServe(work / "ts", store, {n: store / f"{n}.mar" for n in names})
     try:
         ready = wait_all(ts, names, timeout)
-        time.sleep(3)  # trial loads and holders settle: what stays on a GPU is what serves
+        time.sleep(3)  # trial loads settle: what stays on a GPU is what serves
         refs = {m: eager_reference(m) for m in {cases[n]["model"] for n in names}}
         on_gpu = gpu_processes() if torch.cuda.is_available() else {}
         for n in names:
@@ -231,12 +233,9 @@ def serve_and_check(cases: dict, store: Path, work: Path, timeout: float) -> tup
             ask = ask_stateless if c["model"] == "stateless" else ask_decoder
             c.update(ask(ts, n, refs[c["model"]]))
             c.update(placement_of(ts, n, on_gpu))
-        holders = {pid: on_gpu.get(pid, {}) for pid in holders_of(ts.workdir)}
         # this process made the decoders' eager reference on the first GPU
-        others = sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])}
-                        - set(holders) - {os.getpid()})
-        holders["engines"] = engines_of(others, on_gpu)
-        return holders, others
+        others = sorted(set(on_gpu) - {p for c in cases.values() for p in c.get("worker_pids", [])} - {os.getpid()})
+        return engines_of(others, on_gpu), others
     finally:
         ts.stop()
 
@@ -264,8 +263,8 @@ def run(args) -> dict:
                                                            cases[n]["form"], cases[n]["model"], store, gpus,
                                                            cases[n]["engine"]), todo)):
             cases[n].update(res)
-    holders, others = serve_and_check(cases, store, work, args.ready_timeout)
-    return summarize(args, cases, holders, others, gpus)
+    engines, others = serve_and_check(cases, store, work, args.ready_timeout)
+    return summarize(args, cases, engines, others, gpus)
 
 
 def engines_of(others: list, on_gpu: dict) -> dict:
@@ -277,22 +276,18 @@ def engines_of(others: list, on_gpu: dict) -> dict:
     return {"engines_per_gpu": per_gpu, "engine_strays": stray}
 
 
-def summarize(args, cases: dict, holders: dict, others: list, gpus: int) -> dict:
+def summarize(args, cases: dict, engines: dict, others: list, gpus: int) -> dict:
     names = [torch.cuda.get_device_name(i) for i in range(gpus)] or ["cpu"]
     report = header(names)
-    engines = holders.pop("engines", {"engines_per_gpu": {}, "engine_strays": []})
-    holder_strays = {str(p): g for p, g in holders.items() if len(g) > 1}
-    report.update(gpus=gpus, cases=cases, holders={str(p): g for p, g in holders.items()},
-                  other_gpu_pids=others, engines=engines)
+    report.update(gpus=gpus, cases=cases, other_gpu_pids=others, engines=engines)
     report["summary"] = {
         "cases": len(cases), "archived": sum(bool(c.get("archived")) for c in cases.values()),
         "ready": sum(c.get("ready_s") is not None for c in cases.values()),
         "answers_equal": sum(bool(c.get("answers_equal")) for c in cases.values()),
-        "stray_contexts": sum(c.get("stray_contexts", 0) for c in cases.values()) + len(holder_strays)
-        + len(engines["engine_strays"]),
-        # engine: on: its workers must hold no GPU memory, and one engine serves each GPU per model
-        "engine_workers_on_a_gpu": sum(sum(c.get("workers_per_gpu", {}).values()) for c in cases.values()
-                                       if c.get("engine")),
+        "stray_contexts": sum(c.get("stray_contexts", 0) for c in cases.values()) + len(engines["engine_strays"]),
+        # every case a GPU runs is served by its GPU's engine (handler.engine auto, or on): its
+        # workers must hold no GPU memory, and one engine serves each GPU per model
+        "engine_workers_on_a_gpu": sum(sum(c.get("workers_per_gpu", {}).values()) for c in cases.values()),
         "engines_per_gpu": engines["engines_per_gpu"],
         "ready_failures": sum(bool(c.get("archived")) and c.get("ready_s") is None for c in cases.values()),
         "slowest_ready_s": max([c["ready_s"] for c in cases.values() if c.get("ready_s") is not None], default=None)}
@@ -327,9 +322,8 @@ def page(report: dict) -> str:
     for name, c in report["cases"].items():
         lines.append(f"| {c['model']}{' (engine)' if c.get('engine') else ''} | {c['exported_on']} | {c['form']} | {c.get('archived')} | {c.get('ready_s')} | "
                      f"{c.get('answers_equal')} | {c.get('workers_per_gpu')} | {c.get('stray_contexts')} |")
-    lines += ["", f"Weights holders (pid: GPU -> MiB): {report['holders']}; other processes on a GPU: "
-              f"{report['other_gpu_pids']}; engines: {report.get('engines')}; workers of engine cases on a GPU: "
-              f"{s.get('engine_workers_on_a_gpu')}.", ""]
+    lines += ["", f"Other processes on a GPU: {report['other_gpu_pids']}; engines: {report.get('engines')}; "
+              f"workers on a GPU: {s.get('engine_workers_on_a_gpu')}.", ""]
     return "\n".join(lines)
 
 

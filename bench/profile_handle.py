@@ -9,8 +9,10 @@ HandlerDecodeTime/RunTime/EncodeTime gauges emitted every call), the wall and CP
 per request without the profiler, then one profiled pass whose functions are grouped by the
 module they live in (handlers/*, torch, TorchServe's ts, the standard library) and listed by
 their own time (tottime) per request. The profiler slows Python calls down by a roughly constant
-factor, so its shares are read as "where", the unprofiled figures as "how much".
-Writes OUT.json (device, date, torch, command first) and OUT.md beside it.
+factor, so its shares are read as "where", the unprofiled figures as "how much". On a GPU the
+handler is a worker served by the engine (handler.engine auto), which runs the model in a process
+of its own: the profile and the stage split are the worker's side, its wait for the engine in
+`run`. Writes OUT.json (device, date, torch, command first) and OUT.md beside it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def parse_args(argv):
                    help="named dynamic dimensions per request, as bench.bench_e2e draws them "
                         "(uniform:LO:HI or choice:A,B,C; default: uniform over each range)")
     p.add_argument("--handler-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="handler options for the load (e.g. cuda_sync=spin)")
+                   help="handler options for the load (e.g. engine_wait_spin_us=0)")
     p.add_argument("--out", required=True, help="results JSON path (the Markdown goes beside it)")
     return p.parse_args(argv)
 

@@ -20,16 +20,15 @@ INTERVALS = (("idle: waiting for the frontend", "wait", "arrived"),
              ("read the message", "arrived", "read"),
              ("TorchServe before the entry", "read", "handle"),
              ("read, decode, admit", "handle", "decoded"),
-             ("pad, copy in, launch", "decoded", "launched"),
-             ("wait for the GPU", "launched", "synced"),
-             ("split outputs", "synced", "ran"),
+             # a worker runs no CUDA (the per-worker GPU path was retired, issue 64): on a GPU this
+             # is the engine's round trip (handlers/engine/runner.py), on the CPU the model's call
+             ("run the batch", "decoded", "ran"),
              ("encode", "ran", "encoded"),
              ("set replies on the context", "encoded", "replied"),
              ("TorchServe sends the reply", "replied", "next"))
 
 
-# A batch answered without a device call (a CPU runner, a batch refused in admission) has no
-# launched/synced (or ran) mark: those intervals count as zero, at the mark before them.
+# A batch refused in admission has no ran mark: its run counts as zero, at the mark before it.
 NEEDED = ("wait", "arrived", "read", "handle", "decoded", "encoded", "replied")
 
 
@@ -61,8 +60,8 @@ def cycles(directory: str, start: float = float("-inf"), end: float = float("inf
 def report(directory: str, start: float = float("-inf"), end: float = float("inf")) -> dict:
     """Per interval: mean and median ms per batch, and its share of the cycle; with the
     batches, rows per batch, and batches per second per worker."""
-    per_worker = cycles(directory, start, end)
-    allc = [c for cs in per_worker.values() for c in cs]
+    by_worker = cycles(directory, start, end)
+    allc = [c for cs in by_worker.values() for c in cs]
     if not allc:
         return {"batches": 0}
     span = max(c["next"] for c in allc) - min(c["wait"] for c in allc)
@@ -73,10 +72,10 @@ def report(directory: str, start: float = float("-inf"), end: float = float("inf
         mean = statistics.fmean(ms)
         rows[name] = {"mean_ms": round(mean, 4), "p50_ms": round(statistics.median(ms), 4),
                       "share": round(mean / total, 3) if total else None}
-    return {"batches": len(allc), "workers": len(per_worker),
+    return {"batches": len(allc), "workers": len(by_worker),
             "rows_per_batch": round(statistics.fmean(c.get("rows", 0) for c in allc), 2),
             "cycle_ms": round(total, 4),
-            "batches_per_s_per_worker": round(len(allc) / span / len(per_worker), 1) if span > 0 else None,
+            "batches_per_s_per_worker": round(len(allc) / span / len(by_worker), 1) if span > 0 else None,
             "intervals": rows}
 
 

@@ -78,22 +78,19 @@ def gpu_variants(specs, device_type: Optional[str]) -> list:
     return [s for s in specs if s.device == "cuda" or (device_type == "gpu" and gpu_runnable(s))]
 
 
-def default_workers(devices, cpus: int):
-    """(workers, why) for speed, for artifacts built for `devices` ("cpu"/"cuda") on a machine with
-    `cpus` cores. A CUDA worker spends its time waiting on the GPU, so several share one GPU (6
-    measured end to end, docs/results/e2e_*; GPU memory may allow fewer: worker_sizing); a CPU
-    worker's operators already run on several threads each, so more workers than cores/4 only make
-    them contend for the same cores."""
-    if any(d != "cpu" for d in devices):
-        return 6, "a CUDA artifact: 6 workers, the measured setting for one GPU"
+def default_workers(cpus: int):
+    """(workers, why) for speed on the CPU, on a machine with `cpus` cores: a CPU worker's operators
+    already run on several threads each, so more workers than cores/4 only make them contend for the
+    same cores. (Where a GPU runs the model, its engine does, and the workers follow the cores:
+    compiled_serving/worker_sizing.py.)"""
     n = max(1, cpus // 4)
     return n, f"a CPU artifact on {cpus} cores: one worker per 4 cores, at least 1"
 
 
-def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_sizing.Sizing:
-    """The memory arithmetic for the largest of the CUDA variants (a worker loads one)."""
+def gpu_sizing(args, cuda_specs, handler_opts: dict) -> worker_sizing.Sizing:
+    """The engine's memory arithmetic for the largest of the variants a GPU runs (the engine loads one)."""
     if args.worker_overhead_mib is not None and args.worker_overhead_mib < 0:
-        fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB a worker holds beside its weights")
+        fail(f"--worker-overhead-mib {args.worker_overhead_mib}: expected the MiB the engine holds beside its weights")
     if not 0 <= args.gpu_memory_headroom < 1:
         fail(f"--gpu-memory-headroom {args.gpu_memory_headroom}: expected a fraction from 0 up to 1, e.g. 0.1")
     weights = max((weight_bytes(s) for s in cuda_specs), key=lambda w: w.bytes)
@@ -108,33 +105,17 @@ def gpu_sizing(args, cuda_specs, speed_cap: int, handler_opts: dict) -> worker_s
         gpu = worker_sizing.target_gpu(args.gpu_memory_gib)
     except worker_sizing.SizingError as e:
         fail(str(e))
-    engine = serves_by_engine(handler_opts, cuda_specs)
-    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom, speed_cap,
-                                shared=not engine and shares_weights(cuda_specs, handler_opts), engine=engine,
+    return worker_sizing.Sizing(weights.mib, weights.how, overhead, how, gpu, args.gpu_memory_headroom,
                                 cores=os.cpu_count() or 1)
 
 
-def serves_by_engine(handler_opts: dict, cuda_specs: list) -> bool:
-    """Whether GPU workers of these variants are served by the engine: the worker's own decision
-    (handlers/engine_worker.py serves) for a worker given a GPU, with the settings as it reads them."""
+def serves_by_engine(handler_opts: dict, specs: list, on_gpu: bool) -> bool:
+    """Whether workers of these variants are served by the engine: the worker's own decision
+    (handlers/engine_worker.py serves) for a worker given a GPU or not, with the settings as it reads them."""
     from handlers.config import parse_config
     from handlers.engine_worker import serves
 
-    return serves(parse_config({"handler": handler_opts}).engine, cuda_specs, on_gpu=True)
-
-
-def shares_weights(cuda_specs, handler_opts: dict) -> bool:
-    """Whether the CUDA workers will read one held copy: the worker's own decision
-    (handlers/weights/attach.py why_not) for every CUDA variant."""
-    from handlers.artifact.decoder import of as decoder_of
-    from handlers.artifact.device import Placement
-    from handlers.artifact.kinds import kind_of
-    from handlers.config import parse_config
-    from handlers.weights.attach import why_not
-
-    config = parse_config({"handler": handler_opts})  # as the worker reads them (YAML's bare off is False)
-    return all(why_not(config, s, Placement("cuda", 0), kind_of(s), decoder_of(s) is not None) is None
-               for s in cuda_specs)
+    return serves(parse_config({"handler": handler_opts}).engine, specs, on_gpu=on_gpu)
 
 
 @dataclass(frozen=True)
@@ -162,38 +143,44 @@ class WorkerPlan:
 
 
 def decide_workers(args, specs, handler_opts) -> Decision:
-    """The worker count (given, or for speed and, on a GPU, what its memory holds) with why; for a
-    CUDA artifact what a worker needs of GPU memory (checked at load unless given as a handler
-    option) and the GPU memory it was sized for; a hand-chosen count that does not fit is warned about."""
+    """The worker count (given, else for speed) with why. Where a GPU runs the variants, its engine
+    does: the workers follow the host's cores once the engine fits the GPU, and the engine's need
+    (checked by the engine before it loads) and the GPU memory it was sized for are kept; an engine
+    that does not fit is refused, or warned about beside a hand-chosen count."""
     cuda = gpu_variants(specs, args.device_type)
-    speed, why = default_workers(["cuda"] if cuda else [s.device for s in specs], os.cpu_count() or 1)
-    slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts, args.device_type)
-    if batched is not None and not batched.slotted:  # the engine's lanes (handlers/run/lanes.py)
-        speed, why = 1, ("a one-sequence decoder served by the engine: its lanes (handler.cache_copies, copies of the "
-                         "cache on one copy of the weights) run the sequences of every worker, which tokenize and "
-                         "stream (more workers: more of that CPU work)")
-    elif slotted is not None and serves_by_engine(handler_opts, specs):  # the engine process holds the one batch
-        speed, why = 1, (f"a slot-form decoder served by the engine: its one batch runs all {slotted.slots} sequence "
-                         "slots for every worker, which tokenize and stream (more workers: more of that CPU work)")
-    elif slotted is not None:  # one engine batches every sequence: a second worker is a second copy
-        speed, why = 1, (f"a slot-form decoder: one worker's engine runs all {slotted.slots} sequence slots on one "
-                         "cache; another worker would hold another copy of the weights and the cache")
-    if not cuda:
-        lines = []
-        if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
-            lines.append((True, "cs-archive: note: --gpu-memory-gib and --worker-overhead-mib size CUDA workers; "
-                                "these artifacts are CPU-only, so they are not used"))
-        if args.workers is not None:
-            return Decision(WorkerPlan(args.workers), tuple(lines))
-        return Decision(WorkerPlan(speed), tuple(lines) + (said(f"--workers {speed} ({why}; pass --workers N to choose)"),))
-    sizing = gpu_sizing(args, cuda, speed, handler_opts)
-    if args.workers is None:
-        try:
-            return Decision(WorkerPlan(sizing.workers, sizing.need_mib, sizing.record()), (said(sizing.line()),))
-        except worker_sizing.SizingError as e:
-            fail(str(e))
-    misfit = sizing.misfit(args.workers)
-    return Decision(WorkerPlan(args.workers, sizing.need_mib, sizing.record()), (warned(misfit),) if misfit else ())
+    if cuda:
+        sizing = gpu_sizing(args, cuda, handler_opts)
+        if args.workers is None:
+            try:
+                return Decision(WorkerPlan(sizing.workers, sizing.need_mib, sizing.record()), (said(sizing.line()),))
+            except worker_sizing.SizingError as e:
+                fail(str(e))
+        misfit = sizing.misfit(args.workers)
+        return Decision(WorkerPlan(args.workers, sizing.need_mib, sizing.record()), (warned(misfit),) if misfit else ())
+    lines = []
+    if args.gpu_memory_gib is not None or args.worker_overhead_mib is not None:
+        lines.append((True, "cs-archive: note: --gpu-memory-gib and --worker-overhead-mib size a GPU's engine; "
+                            "these artifacts run on the CPU, so they are not used"))
+    if args.workers is not None:
+        return Decision(WorkerPlan(args.workers), tuple(lines))
+    speed, why = cpu_speed(specs, handler_opts, args.device_type)
+    return Decision(WorkerPlan(speed), tuple(lines) + (said(f"--workers {speed} ({why}; pass --workers N to choose)"),))
+
+
+def cpu_speed(specs, handler_opts: dict, device_type) -> tuple:
+    """(workers, why) on the CPU: default_workers, one for a decoder whose sequences one batch runs."""
+    slotted, batched = slot_decoder(specs), batched_decoder(specs, handler_opts, device_type)
+    if batched is not None and not batched.slotted:  # the engine's lanes (handlers/run/lanes.py), engine: on
+        return 1, ("a one-sequence decoder served by the engine: its lanes (handler.cache_copies, copies of the "
+                   "cache on one copy of the weights) run the sequences of every worker, which tokenize and "
+                   "stream (more workers: more of that CPU work)")
+    if slotted is not None and serves_by_engine(handler_opts, specs, on_gpu=False):  # engine: on holds the batch
+        return 1, (f"a slot-form decoder served by the engine: its one batch runs all {slotted.slots} sequence "
+                   "slots for every worker, which tokenize and stream (more workers: more of that CPU work)")
+    if slotted is not None:  # one batch runs every sequence: a second worker is a second copy
+        return 1, (f"a slot-form decoder: one worker runs all {slotted.slots} sequence slots on one cache; "
+                   "another worker would hold another copy of the weights and the cache")
+    return default_workers(os.cpu_count() or 1)
 
 
 class ArchiveError(Exception):
@@ -375,18 +362,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default="1.0")
     # Defaults measured end to end through TorchServe (docs/performance.md "Serving settings" and
     # "One engine per GPU", docs/results/e2e_*, engine_*): 3 workers per 4 cores feeding the
-    # engine (6 per GPU where each worker runs the model), batches of up to 8, 1 ms batch delay.
+    # engine, batches of up to 8, 1 ms batch delay.
     p.add_argument("--workers", type=int, default=None,
-                   help="worker processes for the model (default: for a CUDA artifact 3 per 4 cores of this "
-                        "machine, feeding one engine process per GPU (handler.engine auto); for a decoder or "
-                        "with engine=off 6, the measured setting per GPU, or fewer where the GPU's memory holds "
-                        "fewer copies of the weights (printed with the arithmetic); for a CPU artifact one per "
-                        "4 cores of this machine, at least 1)")
+                   help="worker processes for the model (default: for an artifact a GPU runs 3 per 4 cores of this "
+                        "machine, feeding one engine process per GPU (handler.engine auto), once the engine fits "
+                        "the GPU's memory (printed with the arithmetic); for a CPU artifact one per 4 cores of "
+                        "this machine, at least 1, and one for a decoder)")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory of the GPU that will serve a CUDA artifact (default: GPU 0 of this machine; "
                         f"without one {worker_sizing.DEFAULT_GPU_GIB:g}, the L4/A10G class, printed as assumed)")
     p.add_argument("--worker-overhead-mib", type=float, default=None,
-                   help="GPU memory a worker holds beside its weights: CUDA context, graph pools, activations "
+                   help="GPU memory the engine holds beside its weights: CUDA context, graph pools, activations "
                         f"at the largest batch (default {worker_sizing.OVERHEAD_MIB}, measured on an H100 with "
                         f"CUDA graphs; {worker_sizing.OVERHEAD_NO_GRAPHS_MIB} with cuda_graphs=off)")
     p.add_argument("--gpu-memory-headroom", type=float, default=worker_sizing.DEFAULT_HEADROOM,

@@ -27,10 +27,10 @@ model_snapshot lists each archive under its model name with the workers, batchSi
 maxBatchDelay and responseTimeout of the model-config.yaml inside it (what
 compiled_serving/archive.py wrote), so TorchServe loads every model at start with its own settings.
 
-The gpu manifests require nodes whose GPUs have the memory the archives' workers need (each
-archive's handler.worker_gpu_mb times its workers per GPU, summed): a node affinity on NVIDIA GPU
-feature discovery's nvidia.com/gpu.memory label (MiB), with an annotation stating the GPU memory
-each archive's worker count was sized for (docs/kserve.md).
+The gpu manifests require nodes whose GPUs have the memory the archives' engines need (each
+archive's handler.worker_gpu_mb, once per GPU, summed): a node affinity on NVIDIA GPU feature
+discovery's nvidia.com/gpu.memory label (MiB), with an annotation stating the GPU memory each
+archive was sized for (docs/kserve.md).
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ IMAGE_REPO = "ghcr.io/example/compiled-serving"
 # status process: pod/) and each worker's resident memory, MiB. WORKER_CPU_MIB is the RSS of one
 # CPU worker of the example model measured here, FRONTS_MIB the fronts' RSS with bodies in flight
 # (tests/test_cluster_runtime.py and tests/test_pod.py assert the measurements stay below them);
-# a GPU worker's device memory is not a Kubernetes resource: each archive states what one of its
-# workers needs (handler.worker_gpu_mb, compiled_serving/worker_sizing.py) and the GPU manifests require
-# nodes whose GPU has that much for all of them (gpu_memory_affinity).
+# a GPU's device memory is not a Kubernetes resource: each archive states what its engine needs
+# (handler.worker_gpu_mb, compiled_serving/worker_sizing.py) and the GPU manifests require nodes
+# whose GPU has that much for all of them (gpu_memory_affinity).
 # The Java frontend: a capped heap, Netty's direct buffers (the request bodies it holds, up to
 # DIRECT_BODIES of the pod's body limit at once, plus its pools) and the JVM's own memory (code,
 # threads, metaspace). Both caps go into config.properties' vmargs; frontend_mib() is the total
@@ -218,7 +218,7 @@ def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> 
     """CPU and memory from the archives' worker counts (requests = limits: Guaranteed QoS), plus
     our pod's fronts (nginx, the status process, the gRPC bridge) where our runtime serves, and the
     frontend's capped JVM at the pod's body limit."""
-    # an archive served by the engine (gpuSizing.engine) runs one more process per GPU: counted as a
+    # an archive served by the engine (sized for a GPU) runs one more process per GPU: counted as a
     # worker (its host memory on a GPU was not measured here; a CPU worker's is WORKER_CPU_MIB)
     n = sum(workers(m) + (gpus if device == "gpu" and by_engine(m) else 0) for m in mars)
     mem = frontend_mib(body_limit(mars)) + (FRONTS_MIB if fronts else 0) + n * WORKER_CPU_MIB
@@ -231,30 +231,27 @@ def sized_resources(mars: list, device: str, gpus: int, fronts: bool = True) -> 
 
 
 def by_engine(m: dict) -> bool:
-    """Whether the archive was sized for the engine (handler.engine auto or on: one engine process
-    per GPU holds the model, the workers no GPU memory; compiled_serving/worker_sizing.py record)."""
-    return bool((m["config"].get("gpuSizing") or {}).get("engine"))
+    """Whether the archive was sized for a GPU (gpuSizing, compiled_serving/worker_sizing.py record),
+    whose engine then holds the model on each GPU, the workers no GPU memory. An archive sized
+    before the engine (per worker, no gpuSizing.engine) is served by the engine today all the same,
+    and its worker_gpu_mb (one copy of the weights plus overhead) is what the engine needs."""
+    return bool(m["config"].get("gpuSizing"))
 
 
-def gpu_memory_need(mars: list, gpus: int) -> tuple | None:
-    """(MiB each of the pod's `gpus` GPUs needs for the archives' workers, the statement of what each
-    archive's count was sized for); None where no archive states a worker's need (CPU archives,
-    archives built before compiled_serving/worker_sizing.py, handler.worker_gpu_mb: 0). TorchServe hands a
-    model's workers to the GPUs round-robin, so a GPU holds at most ceil(workers / gpus) of them; an
-    archive sized for the engine states the engine's need, held once on each GPU."""
+def gpu_memory_need(mars: list) -> tuple | None:
+    """(MiB each of the pod's GPUs needs for the archives' engines, the statement of what each archive
+    was sized for); None where no archive states its need (CPU archives, archives built before
+    compiled_serving/worker_sizing.py, handler.worker_gpu_mb: 0). Each GPU its one engine per archive,
+    whatever the worker count and the GPU count (TorchServe spreads the workers; each GPU's engine
+    holds the whole model)."""
     total, parts = 0, []
     for m in mars:
         need = (m["config"].get("handler") or {}).get("worker_gpu_mb") or 0
         if not isinstance(need, (int, float)) or need <= 0:
             continue
         sized = m["config"].get("gpuSizing") or {}
-        if by_engine(m):  # each GPU its one engine; the workers hold nothing there
-            total += need
-            held = f"one engine per GPU x {need:g} MiB"
-        else:
-            n = math.ceil(workers(m) / gpus)
-            total += n * need
-            held = f"{n} worker(s) per GPU x {need:g} MiB"
+        total += need
+        held = f"one engine per GPU x {need:g} MiB"
         parts.append(f"{m['name']}: {held}, counted for a {sized.get('gpuMiB', '?')} MiB GPU "
                      f"({sized.get('gpuMemory', 'not recorded')})")
     return (math.ceil(total), "; ".join(parts)) if parts else None
@@ -452,7 +449,7 @@ def device_resources(args, mars, device):
     for key, value in (("cpu", args.cpu), ("memory", args.memory)):
         if value:
             resources["requests"][key] = resources["limits"][key] = str(value)
-    gpu_memory = gpu_memory_need(mars, args.gpus) if device == "gpu" else None
+    gpu_memory = gpu_memory_need(mars) if device == "gpu" else None
     if gpu_memory and args.no_gpu_memory_affinity:
         print(f"kserve: note: no node affinity on {GPU_MEMORY_LABEL}: each GPU must have {gpu_memory[0]} MiB "
               f"for the archives' workers ({gpu_memory[1]})", file=sys.stderr)

@@ -1,14 +1,12 @@
-"""How many CUDA workers of one model fit on its GPU: every worker holds a CUDA context, CUDA graph
-pools and activations, and its own copy of the weights unless they are shared (handlers/weights:
-then the GPU holds one copy and the holder's context, plus one loading worker's copy at a time),
-so memory, not speed, caps the count.
+"""How one model's serving fits a GPU: one engine process per GPU holds the model (handlers/engine:
+one copy of the weights, one CUDA context, the graphs and activations), and the TorchServe workers,
+which hold no GPU memory, are counted from the host's cores once the engine fits.
 
-  count = min(speed cap, floor(GPU memory x (1 - headroom) / (weights + per-worker overhead)))
-  shared: min(speed cap, floor((GPU memory x (1 - headroom) - 2 x weights - context) / overhead))
+  engine = weights + overhead <= GPU memory x (1 - headroom);  workers = max(2, 0.75 x cores)
 
-compiled_serving/archive.py prints the arithmetic in one line and writes the per-worker need into
-model-config.yaml (handler.worker_gpu_mb, checked by each worker before it loads:
-handlers/artifact/room.py) with the GPU memory it was sized for (gpuSizing, read by compiled_serving/kserve.py).
+compiled_serving/archive.py prints the arithmetic in one line and writes the engine's need into
+model-config.yaml (handler.worker_gpu_mb, for the cluster's manifests) with the GPU memory it was
+sized for (gpuSizing, read by compiled_serving/kserve.py).
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 # Measured on an H100 (issue 39): a BERT-style classifier (6 layers, hidden 768, fp16, 133 MB of
-# weights) with 6 workers used 1,528 MiB of GPU memory per worker process (nvidia-smi) with declared
+# weights) used 1,528 MiB of GPU memory in each process that ran it (nvidia-smi) with declared
 # padding and CUDA graphs, 952 MiB without graphs. The overhead is that minus the weights: the CUDA
 # context, the caching allocator's blocks and activations at the largest batch, and the graph pools
 # (their cap is handler.cuda_graph_memory_mb, 2048 by default, so a larger model's pools may grow
@@ -32,10 +30,6 @@ DEFAULT_GPU_GIB = 24.0
 # Memory kept free of the arithmetic: the allocator's fragmentation, a trial load's second
 # context while workers start (handlers/artifact/probe.py), whatever else shares the GPU.
 DEFAULT_HEADROOM = 0.10
-# A bare CUDA context (a process that made one tensor), measured on an H200 with torch 2.11
-# (docs/results/shared_weights_big_mlp_fp16_h200.json, cuda_context_mib): what the weights holder
-# costs beside its copy of the weights (handlers/weights).
-CONTEXT_MIB = 520
 # handler.engine (issue 64): the workers hold no GPU and each has one batch in flight, so more of
 # them keep the engine busier, up to a point: more workers split the same clients into smaller
 # batches, and each job costs the engine's one loop. On a 16-core H200 host 12 workers served BERT
@@ -47,7 +41,7 @@ ENGINE_WORKERS_PER_CORE = 0.75
 
 
 class SizingError(ValueError):
-    """Not even one worker fits; the message gives the numbers and the fix."""
+    """The engine does not fit the GPU; the message gives the numbers and the fix."""
 
 
 @dataclass(frozen=True)
@@ -76,26 +70,18 @@ def target_gpu(gib_flag: float | None) -> GpuMemory:
 
 @dataclass(frozen=True)
 class Sizing:
+    """The engine's GPU memory (one copy of the weights plus the overhead, held once per GPU
+    whatever the worker count) against the target GPU's, and the workers from the host's cores."""
     weights_mib: float
     weights_how: str
     overhead_mib: float
     overhead_how: str
     gpu: GpuMemory
     headroom: float = DEFAULT_HEADROOM
-    speed_cap: int = 6
-    # The workers read one copy held by the GPU's weights holder (handlers/weights): the GPU holds
-    # that copy and the holder's context once, each worker its overhead, and a worker's load its
-    # own copy for a moment (loads on one GPU take turns: handlers/weights/attach.py).
-    shared: bool = False
-    # handler.engine: on: one engine process holds the model (one copy, one context, the graphs);
-    # the workers hold no GPU memory, and their count follows the host's cores (`cores`)
-    engine: bool = False
     cores: int = 1
 
     @property
     def need_mib(self) -> int:
-        """One worker's GPU memory while it loads: a copy of the weights plus the overhead (its
-        own for its life unshared; with shared weights, only until the held ones replace it)."""
         return math.ceil(self.weights_mib + self.overhead_mib)
 
     @property
@@ -103,25 +89,8 @@ class Sizing:
         return math.floor(self.gpu.mib * (1.0 - self.headroom))
 
     @property
-    def fixed_mib(self) -> int:
-        """What the GPU holds once whatever the worker count: the engine's copy and overhead;
-        shared, the holder's copy and context plus the one copy a loading worker holds for a
-        moment; unshared, nothing."""
-        if self.engine:
-            return self.need_mib
-        return math.ceil(2 * self.weights_mib + CONTEXT_MIB) if self.shared else 0
-
-    @property
-    def per_worker_mib(self) -> int:
-        if self.engine:
-            return 0
-        return math.ceil(self.overhead_mib) if self.shared else self.need_mib
-
-    @property
-    def fitting(self) -> int:
-        if self.engine:  # any count, once the engine fits
-            return self.engine_workers if self.usable_mib >= self.fixed_mib else 0
-        return max(0, self.usable_mib - self.fixed_mib) // self.per_worker_mib
+    def fits(self) -> bool:
+        return self.need_mib <= self.usable_mib
 
     @property
     def engine_workers(self) -> int:
@@ -129,61 +98,37 @@ class Sizing:
 
     @property
     def workers(self) -> int:
-        """The count: the speed cap, fewer where memory allows fewer (with the engine: from the
-        cores, once the engine fits); SizingError where none fits."""
-        if self.fitting < 1:
+        """From the cores, once the engine fits; SizingError where it does not."""
+        if not self.fits:
             raise SizingError(self.refusal())
-        return self.engine_workers if self.engine else min(self.speed_cap, self.fitting)
+        return self.engine_workers
 
     def arithmetic(self) -> str:
         g = self.gpu
-        head = f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
-        if self.engine:
-            return (head + f"the engine (handler.engine): one engine process holds {self.weights_mib:.1f} MiB weights ({self.weights_how}) "
-                    f"+ {self.overhead_mib:.0f} MiB overhead ({self.overhead_how}) = {self.need_mib} MiB, "
-                    f"{'fits' if self.need_mib <= self.usable_mib else 'does not fit'}; the workers hold no GPU memory: "
-                    f"{ENGINE_WORKERS_PER_CORE:g} x {self.cores} cores = {self.engine_workers} workers (at least 2)")
-        if self.shared:
-            return (head + f"shared weights: the holder's copy {self.weights_mib:.1f} MiB ({self.weights_how}) + its "
-                    f"context {CONTEXT_MIB} MiB + one loading worker's copy {self.weights_mib:.1f} MiB = {self.fixed_mib} "
-                    f"MiB once, then {self.overhead_mib:.0f} MiB per worker ({self.overhead_how}); "
-                    f"({self.usable_mib} - {self.fixed_mib}) // {self.per_worker_mib} = {self.fitting} fit")
-        return (head + f"per worker {self.weights_mib:.1f} MiB weights ({self.weights_how}) + {self.overhead_mib:.0f} MiB "
-                f"overhead ({self.overhead_how}) = {self.need_mib} MiB; {self.usable_mib} // {self.need_mib} = "
-                f"{self.fitting} fit")
+        return (f"GPU memory {g.mib} MiB ({g.how}) less {self.headroom:.0%} headroom = {self.usable_mib} MiB usable; "
+                f"one engine process holds {self.weights_mib:.1f} MiB weights ({self.weights_how}) + "
+                f"{self.overhead_mib:.0f} MiB overhead ({self.overhead_how}) = {self.need_mib} MiB, "
+                f"{'fits' if self.fits else 'does not fit'}; the workers hold no GPU memory: "
+                f"{ENGINE_WORKERS_PER_CORE:g} x {self.cores} cores = {self.engine_workers} workers (at least 2)")
 
     def line(self) -> str:
         """The archive's printed line for the chosen count."""
-        n = self.workers
-        if self.engine:
-            return f"--workers {n} ({self.arithmetic()}; measured: compiled_serving/worker_sizing.py; pass --workers N to choose)"
-        cap = (f"the speed cap {self.speed_cap} (docs/performance.md)" if n == self.speed_cap
-               else f"memory caps it below the speed cap {self.speed_cap}")
-        return f"--workers {n} ({self.arithmetic()}; {cap}; pass --workers N to choose)"
+        return (f"--workers {self.workers} ({self.arithmetic()}; measured: compiled_serving/worker_sizing.py; "
+                "pass --workers N to choose)")
 
     def misfit(self, workers: int) -> str | None:
-        """A warning where `workers` (chosen by hand) do not fit; None where they do."""
-        total = self.fixed_mib + workers * self.per_worker_mib
-        if total <= self.usable_mib:  # with the engine: it fits, whatever the count
-            return None
-        if self.engine:
-            return f"the engine does not fit, whatever the worker count: {self.refusal()}"
-        return (f"--workers {workers} need {self.fixed_mib} + {workers} x {self.per_worker_mib} = {total} MiB of GPU "
-                f"memory, more than the {self.usable_mib} MiB usable ({self.arithmetic()}): the last workers will "
-                f"refuse to load (503 with the reason). Pass --workers {max(1, self.fitting)} or less, or size for "
-                "the GPU that will serve it with --gpu-memory-gib")
+        """A warning where the engine does not fit (whatever `workers`, chosen by hand); None where it does."""
+        return None if self.fits else f"the engine does not fit, whatever the worker count: {self.refusal()}"
 
     def refusal(self) -> str:
-        return (f"not even one worker fits: {self.arithmetic()}. Fix: a GPU with at least "
-                f"{math.ceil((self.fixed_mib + self.per_worker_mib) / (1.0 - self.headroom) / 1024)} GiB (--gpu-memory-gib if it is not this "
+        return (f"the engine does not fit: {self.arithmetic()}. Fix: a GPU with at least "
+                f"{math.ceil(self.need_mib / (1.0 - self.headroom) / 1024)} GiB (--gpu-memory-gib if it is not this "
                 "machine's), a smaller model (fp16/bf16 weights, fewer layers), or a measured smaller "
                 "--worker-overhead-mib (e.g. with --handler-option cuda_graphs=off)")
 
     def record(self) -> dict:
-        """What model-config.yaml keeps of the sizing (gpuSizing, beside handler.worker_gpu_mb = need_mib),
-        for compiled_serving/kserve.py. TorchServe's frontend skips top-level keys it does not know
-        (ModelConfig.build's `default: break`) and the handler reads only deviceType and handler."""
-        record = {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom}
-        if self.engine:  # worker_gpu_mb is the engine's, held once per GPU whatever the worker count
-            record["engine"] = True
-        return record
+        """What model-config.yaml keeps of the sizing (gpuSizing, beside handler.worker_gpu_mb = need_mib, the
+        engine's, held once per GPU whatever the worker count), for compiled_serving/kserve.py. TorchServe's
+        frontend skips top-level keys it does not know (ModelConfig.build's `default: break`) and the handler
+        reads only deviceType and handler."""
+        return {"gpuMiB": self.gpu.mib, "gpuMemory": self.gpu.how, "headroom": self.headroom, "engine": True}

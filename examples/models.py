@@ -178,9 +178,9 @@ def wide() -> nn.Module:
 
 class BigMLP(nn.Module):
     """x (float32, [B, 8192]) -> [B, 8192]: 16 Linear(8192, 8192) layers with ReLU between, 2 GiB of
-    weights in fp16 (4 GiB in fp32): the model the shared-weights figures are measured on
-    (bench/bench_shared.py, bench/shared_weights_study.py; issue 49 asks for a model of at least
-    2 GB). Weights scaled by sqrt(6)
+    weights in fp16 (4 GiB in fp32): the model the engine's memory and restart figures are measured
+    on (bench/bench_shared.py; before it, the retired weights holder's: docs/shared-weights.md; issue 49
+    asks for a model of at least 2 GB). Weights scaled by sqrt(6)
     so activations keep a variance near 1 through the stack (uniform init has variance
     1/(3 fan_in); ReLU halves it) and fp16 answers are not all zeros."""
 

@@ -92,15 +92,16 @@ OPTIONS = (
     # TorchServe's own keys (top level of model-config.yaml), read by the handler
     Option("device_type", str, None, "gpu: refuse to load without a GPU; cpu: run on the CPU; unset: "
            "follow TorchServe's gpu_id", choices=(("cpu", ""), ("gpu", "")), key="deviceType"),
-    Option("workers", int, None, "the model's worker count (the thread budget, the GPU wait and the "
-           "memory check count it); unset: assumed alone", low=1, key="maxWorkers,minWorkers"),
+    Option("workers", int, None, "the model's worker count (a CPU worker's thread budget counts it); unset: "
+           "assumed alone", low=1, key="maxWorkers,minWorkers"),
     Option("device_ids", tuple, (), "the GPUs TorchServe spreads the workers over; empty: every visible "
            "one", low=0, key="deviceIds"),
-    # 0 = decided at load (handlers/torchserve/threads.py): 1 on a CUDA worker, an equal share of the
-    # usable cores on a CPU worker; the crash-safe probe child follows it.
-    Option("cpu_threads", int, 0, "torch intra-op threads of the worker; 0: decided at load "
-           "(1 on a CUDA worker, a share of the cores on a CPU worker)", low=0),
-    Option("stream_priority", int, 0, "priority of the worker's CUDA stream (lower is higher)"),
+    # 0 = decided at load (handlers/torchserve/threads.py): an equal share of the usable cores on a
+    # CPU worker (a GPU's engine: 1); the crash-safe probe child follows it.
+    Option("cpu_threads", int, 0, "torch intra-op threads of a worker running the model on the CPU, or of "
+           "a GPU's engine; 0: decided at load (a share of the cores on a CPU worker, 1 in a GPU's engine)",
+           low=0),
+    Option("stream_priority", int, 0, "priority of the engine's CUDA stream (lower is higher)"),
     # Measured on H100 it gained nothing (docs/results), hence off.
     Option("staging_piece_mb", float, 0.0, "above 0: inputs go to the GPU in pieces of this many MiB, each "
            "upload overlapping the host copy of the next; 0: one piece", low=0),
@@ -119,12 +120,12 @@ OPTIONS = (
     Option("cuda_graph_memory_mb", float, 2048.0, "a cap on the graphs' memory pool, MiB", positive=True),
     # With CUDA's default schedule the runtime busy-polls a core while a process waits for the GPU;
     # measurements behind auto: docs/configuration.md, cuda_sync.
-    Option("cuda_sync", str, "auto", "how the worker waits for its GPU work",
-           choices=(("auto", "spin when a worker is alone on its GPU, else hybrid"),
-                    ("spin", "the waiting worker busy-polls a core"),
+    Option("cuda_sync", str, "auto", "how the engine waits for its GPU work",
+           choices=(("auto", "spin: the engine is alone on its GPU"),
+                    ("spin", "the waiting thread busy-polls a core"),
                     ("block", "it sleeps until the GPU is done"),
                     ("hybrid", "it polls for up to handler.cuda_spin_us, then sleeps"))),
-    Option("cuda_spin_us", float, 200.0, "with cuda_sync hybrid: how long the worker polls before it "
+    Option("cuda_spin_us", float, 200.0, "with cuda_sync hybrid: how long the engine polls before it "
            "sleeps, in microseconds", low=0),
     # Every emission is a stdout line TorchServe's frontend parses; three per batch took about
     # 0.3 ms of worker CPU per batch (py-spy on the CI CPU; on one H200, 2.58 worker cores against
@@ -151,17 +152,6 @@ OPTIONS = (
     # body took 36 s), and the batch behind it waits; binary bodies cost a copy.
     Option("max_json_mb", float, 8.0, "a JSON body may not be larger, MiB (413, before parsing)",
            positive=True),
-    # As cs-archive sized the worker count (compiled_serving/worker_sizing.py); checked by
-    # handlers/artifact/room.py instead of failing out of memory on every restart.
-    Option("worker_gpu_mb", float, 0.0, "GPU memory one worker needs, MiB (cs-archive writes it); a CUDA "
-           "worker with less free refuses to load; 0: no check", low=0),
-    # handlers/weights: a holder process per GPU and artifact keeps one copy that the workers read
-    # in place (CUDA IPC); on the CPU the copy would live in /dev/shm, which containers often cap
-    # at 64 MiB, hence GPU only unless asked.
-    Option("shared_weights", str, "auto", "the workers of one GPU read one copy of the weights, kept by "
-           "a holder process (handlers/weights)",
-           choices=(("auto", "on GPU workers of AOTInductor packages and exported programs"),
-                    ("on", "also on CPU workers (the copy in shared memory)"), ("off", "each worker loads its own"))),
     # handlers/engine (issue 64): the GPU leaves the workers. auto takes it on a GPU: with 12 CPU
     # workers it served the BERT classifier 2.04x, ResNet-50 1.30x and the MLP 1.19x the per-worker
     # path at 128 clients, one client within +0.25 ms, in a third of the GPU memory
@@ -169,10 +159,16 @@ OPTIONS = (
     # decoder's continuous batch 1.01-1.04x its per-worker batch's tokens/s at 1-64 streams with a
     # lower time to first token (docs/results/lm_engine_qwen15b_bf16_h200). On the CPU it was not
     # measured against the per-worker path.
+    # The per-worker GPU path (`off`) was retired (issue 64 item 6): see RETIRED_VALUES.
+    # As cs-archive sized the engine (compiled_serving/worker_sizing.py): checked by the engine before
+    # it loads (handlers/engine/artifact.py room) instead of failing out of memory part-way, and read
+    # by compiled_serving/kserve.py for the pod's GPU memory. The name is older than the engine.
+    Option("worker_gpu_mb", float, 0.0, "GPU memory the model's engine needs on its GPU, MiB (cs-archive "
+           "writes it); an engine with less free refuses to load; 0: no check", low=0),
     Option("engine", str, "auto", "where a stateless model's batches or a decoder's sequences run",
            choices=(("auto", "on for a worker given a GPU and an archive a GPU runs (built for CUDA, or a program "
-                             "exported on the CPU; stateless or a decoder of either form), off otherwise"),
-                    ("off", "in each worker"),
+                             "exported on the CPU; stateless or a decoder of either form); otherwise in each "
+                             "worker, on the CPU"),
                     ("on", "in one engine process per GPU (per model version) fed by every worker of "
                            "that GPU, which then holds no CUDA context; a slot-form decoder's continuous batch "
                            "too, and a one-sequence decoder's as the engine's lanes (cache_copies); on a CPU "
@@ -248,6 +244,28 @@ OPTIONS = (
 )
 _HANDLER = {o.name: o for o in OPTIONS if not o.torchserve}
 
+# Options of the per-worker GPU path, retired with it (issue 64 item 6: one engine per GPU holds
+# the one copy of the weights). Archives made before may carry them: they are read, ignored, and
+# named (retired_in).
+RETIRED = {
+    "shared_weights": "the weights holder is gone: one engine per GPU holds the one copy of the weights; a CPU "
+                      "worker loads its own",
+}
+# Values that meant a retired path: the load fails, saying what to set instead.
+RETIRED_VALUES = {
+    ("engine", "off"): "handler.engine off (the model in each GPU worker, each with its own CUDA context) was "
+                       "retired (issue 64): a GPU worker is served by its GPU's engine, and a CPU worker runs the "
+                       "model itself under the default, auto. Fix: remove handler.engine from model-config.yaml "
+                       "(cs-archive: leave out --handler-option engine=off), or set deviceType: cpu to serve on "
+                       "the CPU",
+}
+
+
+def retired_in(model_yaml: Optional[dict]) -> list:
+    """The retired options this model-config.yaml still sets, each with why it no longer does anything."""
+    raw = (model_yaml or {}).get("handler") or {}
+    return [f"handler.{k} is ignored: {RETIRED[k]}" for k in sorted(RETIRED) if isinstance(raw, dict) and k in raw]
+
 
 def _field(o: Option):
     if isinstance(o.default, dict):
@@ -271,7 +289,7 @@ def _coerce(o: Option, value):
         v = int(v)
     elif kind is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
-    elif kind is str and isinstance(v, bool) and {"on", "off"} <= set(dict(o.choices)):
+    elif kind is str and isinstance(v, bool) and "on" in dict(o.choices):
         v = "on" if v else "off"  # YAML 1.1 reads a bare on/off as a boolean
     elif kind is dict and o.parse is not None:
         return o.parse(o.name, v)
@@ -297,6 +315,11 @@ def parse_config(model_yaml: Optional[dict]) -> "HandlerConfig":
     if not isinstance(raw, dict):
         raise ConfigError("model-config.yaml `handler:` must be a mapping of options, e.g. "
                           "handler: {max_json_mb: 8}")
+    raw = {k: v for k, v in raw.items() if k not in RETIRED}
+    for (k, value), why in RETIRED_VALUES.items():
+        given = raw.get(k)  # YAML 1.1 reads a bare off as False
+        if given == value or (value == "off" and given is False):
+            raise ConfigError(why)
     unknown = sorted(set(raw) - set(_HANDLER))
     if unknown:
         raise ConfigError(f"unknown handler option(s) {', '.join(unknown)} in model-config.yaml; "

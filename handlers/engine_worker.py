@@ -44,8 +44,6 @@ def wanted(context) -> Optional[HandlerConfig]:
     start (handlers/startup.py) reads them again. Asked without any CUDA call: the worker must
     hold no CUDA context."""
     _, config = settings(context)
-    if config.engine == "off":
-        return None
     specs = [read_spec(d) for d in find_variants(context.system_properties["model_dir"])]
     # a GPU TorchServe assigned: gpu_id set, and device_type not cpu
     on_gpu = context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
@@ -54,12 +52,11 @@ def wanted(context) -> Optional[HandlerConfig]:
 
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:
     """Whether an archive of these variants is served by the engine (handler.engine `setting`),
-    for a worker given a GPU or not: never with off; with on, any archive; with auto (the
-    default), on a GPU worker, an archive a GPU runs (gpu_runnable: a stateless model, a
-    slot-form decoder, a one-sequence decoder as the engine's lanes: handlers/run/lanes.py). The
-    worker's decision (wanted) and cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
-    if setting == "off":
-        return False
+    for a worker given a GPU or not: with on, any archive; with auto (the default), on a GPU
+    worker, an archive a GPU runs (gpu_runnable: a stateless model, a slot-form decoder, a
+    one-sequence decoder as the engine's lanes: handlers/run/lanes.py). A worker it does not serve
+    runs the model itself, on the CPU (handlers/startup.py). The worker's decision (wanted) and
+    cs-archive's sizing (on_gpu: the GPU variants it sizes)."""
     if setting == "on":
         return True
     return on_gpu and any(gpu_runnable(s) for s in specs)

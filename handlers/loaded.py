@@ -33,6 +33,3 @@ class Loaded:
     stages: StageTimes  # emits through TorchServe's metrics
     # a decoder's generation (handlers/generating.py); None: a model served in batches (pipeline.py)
     generation: Optional[Generation | Continuous] = None
-    # the GPU's held weights the model reads in place (handlers/weights/attach.py HeldWeights),
-    # kept for the worker's life; None: the model holds its own copy
-    weights: Any = None

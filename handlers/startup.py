@@ -1,5 +1,6 @@
-"""A worker's start, as steps that return values: plan (settings -> variant, checked stateless)
--> GPU room -> load (thread budget and GPU wait -> trial load -> load -> runner -> padding
+"""A worker's start where it runs the model itself, on the CPU (a worker given a GPU is served
+by its GPU's engine: handlers/engine_worker.py), as steps that return values: plan (settings ->
+variant, checked stateless) -> load (thread budget -> trial load -> load -> runner -> padding
 check), and the one load line that says what was chosen and why. handlers/worker.py runs them,
 then the warm-up (handlers/warmup.py)."""
 from __future__ import annotations
@@ -20,24 +21,21 @@ from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
 from handlers.artifact.metadata import ArtifactSpec
 from handlers.artifact.probe import probe_once
-from handlers.artifact.room import reserved
 from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
-from handlers.config import HandlerConfig, parse_config
+from handlers.config import HandlerConfig, parse_config, retired_in
 from handlers.errors import LoadError
 from handlers.continuous import Continuous
 from handlers.generating import Generation
 from handlers.generation.text import Text
 from handlers.loaded import Loaded
 from handlers.run import runner_for
-from handlers.run.cuda import cuda_wait
 from handlers.run.decoder import DecoderRunner
 from handlers.run.slots import SlotRunner
 from handlers.run.padding import verify_padding
 from handlers.torchserve import frontend_watch, guardian, scratch, threads
 from handlers.torchserve.envelope import refuse_envelope
 from handlers.torchserve.stage_timings import StageTimes
-from handlers.weights import attach
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +118,12 @@ def settings(context) -> tuple:
     return raw, parse_config(raw)
 
 
+def warn_retired(context) -> None:
+    """A warning for each retired option the archive's model-config.yaml still sets (handlers/config.py RETIRED)."""
+    for note in retired_in(getattr(context, "model_yaml_config", None)):
+        logger.warning("%s", note)
+
+
 def plan(context) -> StartPlan:
     """The settings parsed once, the variant chosen for this worker's device and checked to be
     stateless; raises LoadError naming what is wrong and the fix."""
@@ -132,9 +136,11 @@ def plan(context) -> StartPlan:
     props = context.system_properties
     gpu_id, confined = confine_worker(props.get("gpu_id"))
     spec, placement, notes = choose_variant(props["model_dir"], gpu_id, config, scratch.shared_root())
-    if placement.kind == "cuda" and confined.entry is not None:
-        placement = dataclasses.replace(placement, gpu=confined.entry, note=placement.note.replace(
-            "TorchServe gpu_id 0", f"TorchServe gpu_id {props.get('gpu_id')} (host GPU {confined.entry})"))
+    if placement.kind != "cpu":  # engine_worker.wanted sends every archive a GPU runs to the engine
+        raise LoadError(f"{spec.backend}/{spec.device} was placed on {placement.where} in the worker itself, "
+                        "which runs models on the CPU only (the per-worker GPU path was retired, issue 64): "
+                        "a bug of handlers/engine_worker.py's choice. Fix: report it; meanwhile set "
+                        "handler.engine: on in model-config.yaml")
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
@@ -159,30 +165,18 @@ def confine_worker(gpu_id) -> tuple:
     return gpu_id, confined
 
 
-def gpu_room(plan: StartPlan):
-    """The GPU memory the worker needs, reserved before the trial load takes any and until the
-    start is over (siblings starting at once count it; handlers/artifact/room.py)."""
-    return reserved(plan.config.worker_gpu_mb, plan.placement, plan.config.workers, ledger_dir=scratch.shared_root())
-
-
 def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
-    """The thread budget and GPU wait, the trial load, the load and its runner, and the check
-    that declared padding leaves answers unchanged (before any client's request is padded)."""
+    """The thread budget, the trial load, the load and its runner, and the check that declared
+    padding leaves answers unchanged (before any client's request is padded)."""
     config, spec, placement = plan.config, plan.spec, plan.placement
     budget = threads.apply(threads.decide(placement.kind, config.cpu_threads, config.workers, threads.usable_cores()))
     steps.note("threads", budget.describe())
-    if placement.kind == "cuda":
-        # the host's GPUs, not the one a confined worker sees: workers spread over all of them
-        gpus = len(config.device_ids) or (plan.host_gpus if plan.host_gpus > 0 else torch.cuda.device_count())
-        sync, why = cuda_wait(config.cuda_sync, config.workers, gpus)
-        config = dataclasses.replace(config, cuda_sync=sync)
-        steps.note("sync", why)
     steps.done("variant")
     _, probe_note = (probe_once(spec, placement, config, budget, scratch.shared_root())
                      if config.crash_safe_load else (0.0, "no trial load"))
     steps.note("trial load", probe_note)
     steps.done("trial load")
-    model, held = load_model(plan, config, steps)
+    model = load_artifact(spec, placement, config)
     limits, decoder = Limits.of(config, spec), decoder_of(spec)
     if decoder is not None and decoder.slotted:  # many sequences on one cache (handlers/continuous.py)
         runner = SlotRunner(model, decoder, placement.torch_device, config)
@@ -193,33 +187,11 @@ def load(plan: StartPlan, emit, steps: StartSteps) -> Loaded:
     else:
         runner, generation = runner_for(model, spec, placement.torch_device, config), None
     loaded = Loaded(config=config, spec=spec, limits=limits, model=model, runner=runner, device=placement.torch_device,
-                    stages=StageTimes(emit, config.stage_metrics_s), generation=generation, weights=held)
+                    stages=StageTimes(emit, config.stage_metrics_s), generation=generation)
     if generation is None and runner.pad:
         steps.note("padding", verify_padding(model, loaded.runner, spec, placement.torch_device))
     steps.done("load")
     return loaded
-
-
-def load_model(plan: StartPlan, config: HandlerConfig, steps: StartSteps) -> tuple:
-    """(the loaded artifact, the held weights it reads or None): reading the GPU's one copy
-    where this worker can (handlers/weights), else its own, with a warning when sharing was
-    meant to work and did not; the reason goes to the load line either way."""
-    spec, placement = plan.spec, plan.placement
-    kind = kind_of(spec)
-    why = attach.why_not(config, spec, placement, kind, decoder_of(spec) is not None)
-    if why is None:
-        try:
-            with attach.attached(scratch.shared_root(), spec, placement, kind.load_copies_weights) as held:
-                model = load_artifact(spec, placement, config, held)
-                checked = attach.verify(model, held.check, placement.torch_device)
-                attach.release_load_scratch(placement)
-            steps.note("weights", f"{held.describe()}, {checked}")
-            return model, held
-        except (attach.ShareError, LoadError) as e:
-            why = f"sharing failed: {e}"
-            logger.warning("this worker loads its own copy of the weights: %s", why)
-    steps.note("weights", f"own copy ({why})")
-    return load_artifact(spec, placement, config), None
 
 
 def emit_times(emit, steps: StartSteps) -> None:
@@ -232,9 +204,9 @@ def emit_times(emit, steps: StartSteps) -> None:
 def log_decoder(loaded: Loaded, placement: Placement, steps: StartSteps, reader: str) -> None:
     """A decoder's load line: what serves it and how, and how long each step took."""
     spec = loaded.spec
-    logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; %s; CPU threads: %s; %s",
+    logger.info("loaded %s decoder %s (%s) on %s [%s]; started in %s; %s; %s; CPU threads: %s; %s",
                 spec.backend, spec.artifact, loaded.model.loader, placement.where, placement.note, steps.describe(),
-                steps.notes.get("trial load", ""), steps.notes.get("weights", ""), loaded.generation.describe(),
+                steps.notes.get("trial load", ""), loaded.generation.describe(),
                 steps.notes.get("threads", ""), reader)
     logger.info("process-wide changes: %s", process.describe())
 
@@ -242,18 +214,13 @@ def log_decoder(loaded: Loaded, placement: Placement, steps: StartSteps, reader:
 def log_loaded(loaded: Loaded, placement: Placement, steps: StartSteps, reader: str) -> None:
     """The load line: what was chosen and why, and how long each step took."""
     spec, runner, notes = loaded.spec, loaded.runner, steps.notes
-    cc = (".".join(map(str, torch.cuda.get_device_capability(loaded.device)))
-          if placement.kind == "cuda" else None)
-    sync_why = notes.get("sync", "")
     logger.info(
-        "loaded %s artifact %s (%s) on %s [%s]; compute capability %s; started in %s; %s; %s; "
-        "inputs %s; batch range [%d, %d]; "
-        "fp32 matmul precision %s; CPU threads: %s; %s%s; %s; %s",
-        spec.backend, spec.artifact, loaded.model.loader, placement.where, placement.note, cc or "n/a",
-        steps.describe(), notes.get("trial load", ""), notes.get("weights", ""),
-        ", ".join(s.describe() for s in spec.inputs),
+        "loaded %s artifact %s (%s) on %s [%s]; started in %s; %s; inputs %s; batch range [%d, %d]; "
+        "fp32 matmul precision %s; CPU threads: %s; %s; %s; %s",
+        spec.backend, spec.artifact, loaded.model.loader, placement.where, placement.note,
+        steps.describe(), notes.get("trial load", ""), ", ".join(s.describe() for s in spec.inputs),
         spec.batch_min, spec.batch_max, torch.get_float32_matmul_precision(), notes.get("threads", ""),
-        notes.get("graphs", ""), runner.describe_sync() + (f" ({sync_why})" if sync_why else ""),
+        notes.get("graphs", ""),
         loaded.limits.values.describe() + (f"; padding {runner.pad.describe()}, {notes.get('padding', '')}"
                                            if runner.pad else ""),
         reader)

@@ -1,5 +1,5 @@
 """A loaded worker's warm-up before it reports ready: the model across a few batch sizes and
-every length bucket, its CUDA graphs (now, or left to capture between batches after ready), and
+every length bucket, its CUDA graphs (in the engine: handlers/engine), and
 requests through the whole TorchServe request path (handlers/torchserve/exchange.py), so the
 first client request pays no first-execution cost. handlers/worker.py runs these in order."""
 from __future__ import annotations
@@ -18,22 +18,15 @@ from handlers.wire import safetensors_io
 WARMUP_BATCH_BYTES = 64 << 20
 
 
-def model_and_graphs(loaded: Loaded, steps, between_batches: bool) -> bool:
-    """Warm-up and CUDA graphs before the worker is ready; returns whether the captures wait
-    until after ready (the load line's graphs note goes to `steps`). With `cuda_graphs: auto`, a
-    model whose graphs can be captured and a worker whose loop runs work between batches
-    (`between_batches`), the graphs are captured after ready (Runner.capture_step) and the
-    warm-up runs the smallest batch only (each graph's capture first runs its own shape on the
-    worker's stream, as the warm-up would); otherwise the warm-up's batch sizes, then every
-    capture."""
+def model_and_graphs(loaded: Loaded, steps) -> None:
+    """Warm-up at the warm-up's batch sizes, then the runner's preparation (the load line's
+    graphs note goes to `steps`)."""
     config, runner, kind = loaded.config, loaded.runner, kind_of(loaded.spec)
-    defer = between_batches and runner.defers(config, kind)
     if config.warmup:
-        model(loaded, smallest_only=defer)
+        model(loaded)
         steps.done("warm-up")
-    steps.note("graphs", runner.prepare(config, kind, defer=defer))
+    steps.note("graphs", runner.prepare(config, kind))
     steps.done("CUDA graphs")
-    return defer
 
 
 def decoder(loaded: Loaded, steps) -> None:
@@ -67,12 +60,12 @@ def slots(loaded: Loaded, steps, broken) -> None:
     cont.start(*measure_budget(runner), broken)
 
 
-def model(loaded: Loaded, smallest_only: bool = False) -> None:
+def model(loaded: Loaded) -> None:
     """The model across a few batch sizes and every length bucket (handlers/run/warm.py)."""
-    warm(loaded.spec, loaded.runner, loaded.config.warmup_batch_sizes, smallest_only)
+    warm(loaded.spec, loaded.runner, loaded.config.warmup_batch_sizes)
 
 
-def request_path(worker, context, smallest_only: bool = False) -> None:
+def request_path(worker, context) -> None:
     """Requests through the worker's TorchServe exchange, set up as TorchServe's Service.predict
     sets up a batch (request ids, per-request headers, metrics ids), so the first client request
     pays no first-execution cost: metric objects, profiler labels, header parsing, admission,
@@ -85,9 +78,8 @@ def request_path(worker, context, smallest_only: bool = False) -> None:
     list evicts them) and the interpreter has specialized it (measured on the CI CPU, first
     call over steady at batch 1, median of 12 loads, two runs: 1.21-1.24x with one binary
     call, 1.07-1.09x with eight). Stage timings are emitted as request "warmup"; the
-    context's batch state is restored afterwards. `smallest_only` (CUDA graphs captured after
-    ready): the JSON request and the smallest binary batch only."""
-    cases = _cases(worker.loaded, smallest_only)
+    context's batch state is restored afterwards."""
+    cases = _cases(worker.loaded)
     metrics = getattr(context, "metrics", None)
     saved = (context.request_ids, context.request_processor, getattr(metrics, "request_ids", None))
     try:
@@ -100,7 +92,7 @@ def request_path(worker, context, smallest_only: bool = False) -> None:
     worker.loaded.stages.reset()  # the gauges' first means are the clients' batches
 
 
-def _cases(loaded: Loaded, smallest_only: bool) -> list:
+def _cases(loaded: Loaded) -> list:
     """(copies, body, content type) of each warm-up batch, in order."""
     spec, config = loaded.spec, loaded.config
     rows = spec.batch_min
@@ -111,8 +103,8 @@ def _cases(loaded: Loaded, smallest_only: bool) -> list:
     # the binary body is over max_json_mb, every JSON request is refused (413) before parsing
     if len(binary) <= config.max_json_mb * 2**20:
         cases.append((1, {"inputs": {k: v.tolist() for k, v in example.items()}}, "application/json"))
-    sizes = set() if smallest_only else set(loaded.runner.bucket_sizes() or warmup_sizes(
-        spec.batch_min, spec.batch_max, config.warmup_batch_sizes))
+    sizes = set(loaded.runner.bucket_sizes() or warmup_sizes(spec.batch_min, spec.batch_max,
+                                                             config.warmup_batch_sizes))
     for size in sorted(sizes | {rows}, reverse=True):
         n = max(1, size // rows)
         # Every answer of a batch is encoded into a buffer of its own: a batch of large

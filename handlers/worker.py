@@ -1,15 +1,15 @@
-"""The one owner of a started TorchServe worker. Like a Triton python_backend model it has
-three verbs: `start(context)` once (handlers/startup.py's steps, then handlers/warmup.py's),
-`serve(data, headers)` per batch (handlers/pipeline.py), and `between_batches(waiting)` while
-the frontend sends nothing (work deferred until after ready: CUDA graph captures). It holds the
-model's name and version, its health, what the start loaded (handlers/loaded.py) and the
-deferred work; the TorchServe entry (handlers/ts_entry.py) is a thin adapter over it."""
+"""The one owner of a started TorchServe worker. Like a Triton python_backend model it has two
+verbs: `start(context)` once (the engine's worker, handlers/engine_worker.py, on a GPU; else
+handlers/startup.py's steps on the CPU; then handlers/warmup.py's) and `serve(data, headers)` per
+batch (handlers/pipeline.py). It holds the model's name and version, its health and what the
+start loaded (handlers/loaded.py); the TorchServe entry (handlers/ts_entry.py) is a thin adapter
+over it."""
 from __future__ import annotations
 
 import logging
 from typing import Callable, Optional
 
-from handlers import continuous, engine_worker, faults, generating, pipeline, startup, warmup
+from handlers import continuous, engine_worker, generating, pipeline, startup, warmup
 from handlers.health import Health
 from handlers.loaded import Loaded
 from handlers.torchserve import frontend_frames, guardian, restart
@@ -25,7 +25,6 @@ class Worker:
         self.health = Health()
         self.loaded: Optional[Loaded] = None
         self.profile = None  # ENABLE_TORCH_PROFILER: a torch.profiler per batch (stage_timings.py)
-        self._deferred: list = []  # callables run between batches, each True while more is left
 
     @classmethod
     def of(cls, context) -> "Worker":
@@ -45,6 +44,7 @@ class Worker:
         # integrity check, the GPU room's wait and the thread budget (startup.load)
         steps = startup.StartSteps()
         startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
+        startup.warn_retired(context)
         emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer
         try:
             engine_config = engine_worker.wanted(context)
@@ -70,34 +70,28 @@ class Worker:
         self.profile = batch_profiler(self.name)  # after the warm-up: clients' batches only
 
     def _load(self, plan: startup.StartPlan, context, emit, steps: startup.StartSteps) -> None:
-        with startup.gpu_room(plan):
-            self.loaded = startup.load(plan, emit, steps)
-            if self.loaded.weights is not None:  # its model reads the holder's memory: stop when it is gone
-                self.loaded.weights.on_lost(self.broken)
-            if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
-                self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
-                                                              plan.config.generation_metrics_s))
-                if continuous.serves(self):
-                    warmup.slots(self.loaded, steps, self.broken)
-                else:
-                    warmup.decoder(self.loaded, steps)
-                    guardian.ends_streams()  # its streams end with an error event if it dies
-                self.health.ready()
-                startup.log_decoder(self.loaded, plan.placement, steps,
-                                    frontend_frames.install(plan.config.buffered_reader, self.between_batches))
-                startup.emit_times(emit, steps)
-                return
-            self.health.ready()  # from here the request-path warm-up's requests are served
-            reader = frontend_frames.install(plan.config.buffered_reader, self.between_batches)
-            deferred = warmup.model_and_graphs(self.loaded, steps, frontend_frames.runs_between_batches())
-            if plan.config.warmup:
-                warmup.request_path(self, context, smallest_only=deferred)
-                steps.done("request-path warm-up")
-            startup.log_loaded(self.loaded, plan.placement, steps, reader)
-            step = self.loaded.runner.capture_step() if deferred else None  # after the warm-up: clients' calls
-            if step is not None:
-                self.defer(step)
+        """A worker that runs the model itself, on the CPU (handlers/startup.py)."""
+        self.loaded = startup.load(plan, emit, steps)
+        if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
+            self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
+                                                          plan.config.generation_metrics_s))
+            if continuous.serves(self):
+                warmup.slots(self.loaded, steps, self.broken)
+            else:
+                warmup.decoder(self.loaded, steps)
+                guardian.ends_streams()  # its streams end with an error event if it dies
+            self.health.ready()
+            startup.log_decoder(self.loaded, plan.placement, steps, frontend_frames.install(plan.config.buffered_reader))
             startup.emit_times(emit, steps)
+            return
+        self.health.ready()  # from here the request-path warm-up's requests are served
+        reader = frontend_frames.install(plan.config.buffered_reader)
+        warmup.model_and_graphs(self.loaded, steps)
+        if plan.config.warmup:
+            warmup.request_path(self, context)
+            steps.done("request-path warm-up")
+        startup.log_loaded(self.loaded, plan.placement, steps, reader)
+        startup.emit_times(emit, steps)
 
     def _load_served(self, config, context, emit, steps: startup.StartSteps) -> None:
         """A worker served by the engine (handlers/engine_worker.py): connected, then ready, then
@@ -107,12 +101,11 @@ class Worker:
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
                                                           config.generation_metrics_s))
             self.health.ready()
-            engine_worker.log_loaded(self.loaded, steps, frontend_frames.install(config.buffered_reader,
-                                                                                 self.between_batches))
+            engine_worker.log_loaded(self.loaded, steps, frontend_frames.install(config.buffered_reader))
             startup.emit_times(emit, steps)
             return
         self.health.ready()
-        reader = frontend_frames.install(config.buffered_reader, self.between_batches)
+        reader = frontend_frames.install(config.buffered_reader)
         if config.warmup:
             warmup.request_path(self, context)
             steps.done("request-path warm-up")
@@ -135,33 +128,6 @@ class Worker:
         answers are sent, so TorchServe starts a fresh worker (handlers/faults.py)."""
         self.health.broken(reason)
         restart.exit_soon(reason)
-
-    def defer(self, step: Callable[[], bool]) -> None:
-        """Run `step()` between batches, again and again until it returns False."""
-        self._deferred.append(step)
-
-    def between_batches(self, waiting: Callable[[], bool]) -> None:
-        """Deferred steps, one at a time, while `waiting()` says no message has begun to arrive
-        (the frame reader calls this when the worker's loop is back for its next message). A
-        step that raises is dropped: a sticky device fault breaks the worker, anything else is
-        logged; the loop must go on reading messages."""
-        while self._deferred and not waiting():
-            step = self._deferred[0]
-            try:
-                more = step()
-            except Exception as e:  # noqa: BLE001
-                more = False
-                if faults.is_sticky(e):
-                    logger.critical("deferred work hit a device fault: %s: %s", type(e).__name__, e)
-                    self.broken(f"deferred work: {type(e).__name__}: {e}")
-                else:
-                    logger.exception("deferred work failed and was dropped")
-            if not more:
-                self._deferred.remove(step)
-
-    def pending(self) -> bool:
-        """Whether work waits for the gaps between batches."""
-        return bool(self._deferred)
 
     def describe(self) -> dict:
         """`GET /models/NAME?customized=true` shows this (the management API's describe). A worker

@@ -14,9 +14,10 @@
 #   bench_resnet50_fp16_<tag>   handle() in process, CUDA graphs on and off, first request
 #   bench_resnet50_fp16_export_<tag>  the same for the fp16 exported program (ExportedProgram.module())
 #   e2e_resnet50_fp16_check_<tag>  one GPU, 1 and 64 clients, ours/stock/echo and ours with cuda_sync=block
-#                               (auto blocks with 6 workers per GPU): a short check of a revision
-#   cpu_per_call_resnet50_fp16_<tag>  handle() on 1 and 8 one-row requests: wall and CPU ms per call,
-#                               blocking and spinning (what a worker takes from the host's cores)
+#                               (the engine's wait for its GPU; auto spins): a short check of a revision
+#   cpu_per_call_resnet50_fp16_<tag>  handle() on 1 and 8 one-row requests: wall and CPU ms per call of the
+#                               worker served by the engine, the engine blocking and spinning (what a
+#                               worker takes from the host's cores)
 #   e2e_resnet50_fp16_shipped_<tag>, e2e_resnet50_fp16_mps_<tag>  one GPU, 64 clients, ours/stock/echo,
 #                               without and then with CUDA MPS (the control daemon started for the
 #                               second run and stopped after it; the workers inherit its pipe directory)
@@ -39,10 +40,6 @@
 #                               restarts of one worker, then of all at once (bench/bench_start.py --kill-all)
 #   start_hf_bert_fp16_<tag>    the same for the transformers BERT classifier, the user's .pt2 files as
 #                               the archive imports them, WORKERS workers (part start_bert)
-#   shared_weights_big_mlp_fp16_<tag>  one copy of the weights per GPU (issue 49): examples/models.py:big_mlp
-#                               (2 GiB fp16) with shared weights, each worker's own, and one worker: GPU memory
-#                               per process, 64 clients, answers, kill -9 restarts, holders left after the stop
-#                               (bench/bench_shared.py; about 10 minutes with the compile)
 #   e2e_mlp_fp16_reader_<tag>   small MLP: ours with its frame reader and with TorchServe's, 2 rounds
 #   profile_mlp_fp16_<tag>      where handle() spends a worker's CPU per request (bench/profile_handle.py)
 #   e2e_{mlp,text_encoder}_fp16_{w6,w12,b16w3,mps,mps12}_<tag>  small models at 64 clients, ours
@@ -52,19 +49,20 @@
 #                               picks settings (a NAME starting with mps runs under MPS)
 #   engine_{bert,r50,mlp}_fp16_<tag>  the engine (issue 64): ours (the default: the engine, with EWORKERS_OURS
 #                               CPU workers, default 12: what cs-archive gives a 16-core host) and echo with as
-#                               many, ours_perworker (engine=off, 6 workers: each its own GPU context), ours_engineN
-#                               (engine: on with N CPU workers) for each N of EWORKERS (default none), ours_late
-#                               (handler.engine_launch late) with ELATE=1, ours_nospin (engine_spin_us and
-#                               engine_wait_spin_us 0: the default before s77) with ENOSPIN=1; 1, 64, 128 clients; wrk on cores of its
+#                               many, ours_engineN (engine: on with N CPU workers) for each N of EWORKERS
+#                               (default none), ours_late (handler.engine_launch late) with ELATE=1, ours_nospin
+#                               (engine_spin_us and engine_wait_spin_us 0: the default before s77) with
+#                               ENOSPIN=1; 1, 64, 128 clients; wrk on cores of its
 #                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
 #                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
 #                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file;
 #                               CS_ENGINE_PROFILE=START:COUNT beside it: torch's profiler table of that window of
 #                               each engine's calls in PATH.PID.profile.txt (the CUDA calls a step makes).
 #                               Two of these parts fit one 10-minute GPU call, whose $OUT returns at most 8 files.
-#   engine_memory_big_mlp_fp16_<tag>  the engine's GPU memory (every process), worker and engine kill -9
-#                               (EMODES: bench_shared's modes, default shared,engine)
-#                               restarts, beside shared weights (bench/bench_shared.py --modes shared,engine)
+#   engine_memory_big_mlp_fp16_<tag>  one copy of the weights per GPU, in the engine: examples/models.py:big_mlp
+#                               (2 GiB fp16), the GPU memory of every process, 64 clients, answers, worker and
+#                               engine kill -9 restarts, engines left after the stop (bench/bench_shared.py;
+#                               EMODES: its modes, default engine)
 #   heavy_{bert,r50,mlp}_fp16_<tag>  heavy load (issue 48): ours and echo with the archive's settings
 #                               and with HEAVY's (NAME:BATCH:DELAY ..., default "b16:16:1 b32:32:1": batchSize 16 and 32,
 #                               maxBatchDelay 1 ms; TorchServe 0.12 takes 0 as its default, 100 ms), wrk on 3 cores of its own
@@ -105,7 +103,7 @@ need() {  # DIR ARGS...: compile into $W/DIR unless it is there
 }
 case " $PARTS " in *" main "*|*" b1 "*|*" scaling "*|*" bench "*|*" check "*|*" mps "*|*" percall "*|*" start "*|*" spy "*|*" pod "*|*" heavy_r50 "*|*" engine_r50 "*) need r50 $R50 ;; esac
 case " $PARTS " in *" text "*|*" start "*|*" spy "*|*" small "*|*" podtext "*) need text $TEXT --dynamic-batch 1:64 ;; esac
-case " $PARTS " in *" shared "*|*" engine_mem "*) need big --model examples/models.py:big_mlp --input x:4x8192:float32 --dynamic-batch 1:16 ;; esac
+case " $PARTS " in *" engine_mem "*) need big --model examples/models.py:big_mlp --input x:4x8192:float32 --dynamic-batch 1:16 ;; esac
 case " $PARTS " in *" mlp "*|*" profile "*|*" reader "*|*" spy "*|*" small "*|*" heavy_mlp "*|*" engine_mlp "*) need mlp $MLP --dynamic-batch 1:64 ;; esac
 for pid in "${pids[@]}"; do wait "$pid" || { echo "gpu_e2e.sh: a compile failed (output above)" >&2; exit 1; }; done
 E2E="$PY -m bench.bench_e2e --factory examples/models.py:resnet50 --rounds ${ROUNDS:-2}"
@@ -177,12 +175,11 @@ for part in $PARTS; do
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --lengths uniform:16:128 \
            --handlers ours,stock,stock_aoti,echo --variant "nopad:pad={}" ;;
     mlp) # a small MLP (examples/mlp.py): the GPU work is tiny, so this measures the serving path;
-         # ours (cuda_sync=auto: hybrid with 6 workers) against the blocking wait
+         # ours (cuda_sync=auto: the engine spins) against the engine's blocking wait
          $PY -m bench.bench_e2e --factory examples/mlp.py:mlp --rounds "${ROUNDS:-1}" --artifact "$W/mlp" \
            --out "$RESULTS/e2e_mlp_fp16_$TAG" --gpus 1 --clients 1,64 --seconds 6 --batch-size "$BATCH" \
            --workers-per-gpu "$WORKERS" --max-batch-delay "$DELAY" --handlers ours,stock,stock_aoti,echo \
            --variant block:cuda_sync=block ;;
-    shared) $PY -m bench.bench_shared --artifact "$W/big" --out "$RESULTS/shared_weights_big_mlp_fp16_$TAG" ;;
     start) for m in r50:resnet50 text:text_encoder; do
              $PY -m bench.bench_start --artifact "$W/${m%%:*}" --workers 1,"$WORKERS" --restarts 3 --kill-all \
                --batch-size "$BATCH" --max-batch-delay "$DELAY" --out "$RESULTS/start_${m#*:}_fp16_$TAG.json"
@@ -236,7 +233,7 @@ for part in $PARTS; do
     profile) $PY -m bench.profile_handle --artifact "$W/mlp" --batch-sizes 1,8 --out "$RESULTS/profile_mlp_fp16_$TAG.json" ;;
     percall) $PY -m bench.cpu_per_call --artifact "$W/r50" --batch-sizes 1,8 \
               --out "$RESULTS/cpu_per_call_resnet50_fp16_$TAG.json" ;;
-    engine_bert|engine_r50|engine_mlp) # the engine (issue 64): ours per worker, ours_engine (engine: on), echo
+    engine_bert|engine_r50|engine_mlp) # the engine (issue 64): ours (the engine, the default), ours_engineN, echo
          model=${part#engine_}
          case $model in
            bert) [ -f "$W/hf_bert/package.pt2" ] || $PY -m examples.hf_bert --size bench --device cuda --dtype float16 --out "$W/hf_bert"
@@ -244,14 +241,14 @@ for part in $PARTS; do
            r50) src=(--factory examples/models.py:resnet50 --artifact "$W/r50") ;;
            mlp) src=(--factory examples/mlp.py:mlp --artifact "$W/mlp") ;;
          esac
-         evariants=(--variant perworker:engine=off,workers=6); for n in ${EWORKERS:-}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
+         evariants=(); for n in ${EWORKERS:-}; do evariants+=(--variant "engine$n:engine=on,workers=$n"); done
          [ "${ELATE:-0}" = 1 ] && evariants+=(--variant late:engine_launch=late)
          [ "${ENOSPIN:-0}" = 1 ] && evariants+=(--variant nospin:engine_spin_us=0,engine_wait_spin_us=0)
-         $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" "${evariants[@]}" --rounds "${ROUNDS:-1}" \
+         $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" ${evariants[@]+"${evariants[@]}"} --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-4}" \
            --batch-size "$BATCH" --workers-per-gpu "${EWORKERS_OURS:-12}" --max-batch-delay "$DELAY" \
            --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ;;
-    engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-shared,engine}" --restarts 2 --seconds 5 \
+    engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our
          # workers' batch cycles recorded (--timeline); ours and echo with the archive's settings and

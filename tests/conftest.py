@@ -357,12 +357,6 @@ def hf_bert(tmp_path_factory):
     return d, model
 
 
-# The per-worker GPU path (each worker its own CUDA context), which handler.engine's default (auto)
-# replaces on a GPU: the GPU tests of what only that path does (its sizing, its deferred graph
-# capture, a worker restarted after a sticky fault) pin it.
-PER_WORKER = ("--handler-option", "engine=off")
-
-
 def build_mar(artifact_dirs, name: str, store: Path, *extra) -> Path:
     if isinstance(artifact_dirs, (str, Path)):
         artifact_dirs = [artifact_dirs]

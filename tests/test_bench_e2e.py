@@ -368,8 +368,9 @@ def test_the_summary_carries_the_engine_keys_of_issue_64():
               point("ours_engine", 1, 290.0, 2.75)]
     s = summary(points, {})
     assert s["ours_over_echo_c64"] == 0.8 and s["ours_over_echo_c128"] == 0.75
-    assert s["per_worker_over_echo_c64"] == 0.4 and s["c1_p50_delta_ms"] == 0.25
     assert s["gpu_mib_all_processes"] is None  # bench_shared's, not this run's
+    # the per-worker path was retired (issue 64): no key is held against it
+    assert not {"c1_p50_delta_ms", "per_worker_over_echo_c64", "per_worker_over_echo_c128"} & set(s)
     assert "ours_over_echo_c64" not in summary([p for p in points if p["handler"] != "ours_engine"], {})
     # without the archive's own count, the first engine variant of the run is the one the keys describe
     renamed = [dict(p, handler="ours_engine12") if p["handler"] == "ours_engine" else p for p in points]
@@ -377,22 +378,23 @@ def test_the_summary_carries_the_engine_keys_of_issue_64():
     s = summary(renamed, {})
     assert s["engine_variant"] == "ours_engine12" and s["ours_over_echo_c128"] == 0.75
     assert s["engine24_over_echo_c128"] == 0.9 and "engine12_over_echo_c128" not in s
-    # with the engine the default, the per-worker path is served as ours_perworker (engine=off)
-    s = summary(renamed + [point("ours_perworker", 64, 200.0, 3.0), point("ours_perworker", 1, 300.0, 2.5)], {})
-    assert s["per_worker_over_echo_c64"] == 0.2 and s["c1_p50_delta_ms"] == 0.25
+    # ours served by the engine (handler.engine auto, the default on a GPU): ours is the one described
+    s = summary(renamed, {}, ours_engine=True)
+    assert s["engine_variant"] == "ours" and s["ours_over_echo_c64"] == 0.4 and s["ours_over_echo_c128"] == 0.25
+    assert s["engine12_over_echo_c128"] == 0.75 and s["engine24_over_echo_c128"] == 0.9
 
 
-def test_ours_is_read_from_its_own_workers_lines_not_a_per_worker_variants():
-    """ours served by the engine beside ours_perworker (engine=off), whose load line names its CPU
-    threads: ours is still the engine's (the summary's issue-64 keys depend on it)."""
+def test_ours_is_read_from_its_own_workers_lines_not_from_a_variants_lines():
+    """ours served by the engine beside ours_cpu (device_type=cpu: its workers run the model), whose
+    load line names its CPU threads: ours is still the engine's (the summary's issue-64 keys depend on it)."""
     from bench.bench_e2e import chosen_threads, model_lines
 
     log = "\n".join([
         "2026-11-29T14:00:00,000 [INFO ] W-9000-ours_1.0-stdout MODEL_LOG - served by the engine: engine pid 7",
-        "2026-11-29T14:00:00,001 [INFO ] W-9010-ours_perworker_1.0-stdout MODEL_LOG - loaded; CPU threads: 1 "
+        "2026-11-29T14:00:00,001 [INFO ] W-9010-ours_cpu_1.0-stdout MODEL_LOG - loaded; CPU threads: 1 "
         "intra-op / 1 inter-op thread(s) (decided at load)",
     ])
     assert chosen_threads(log, "ours") is None
     assert "served by the engine" in model_lines(log, "ours")
-    assert chosen_threads(log, "ours_perworker") == 1
+    assert chosen_threads(log, "ours_cpu") == 1
     assert model_lines("no worker names here", "ours") == "no worker names here"

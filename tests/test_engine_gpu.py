@@ -1,7 +1,8 @@
 """The GPU default (pytest -m gpu; skipped without CUDA): an archive made with no handler options,
 served on a GPU, runs in one engine process per GPU (handler.engine: auto, handlers/engine_worker.py
-wanted): every worker's load line says it is served by the engine, no worker holds GPU memory
-(nvidia-smi's compute apps), the engine does, and the answers equal the eager model's.
+wanted), a program exported on the CPU too: every worker's load line says it is served by the
+engine, no worker holds GPU memory (nvidia-smi's compute apps), the engine does, and the answers
+equal the eager model's.
 tests/test_engine_serving.py runs the same path on the CPU with engine: on."""
 from __future__ import annotations
 
@@ -46,14 +47,18 @@ def test_an_archive_with_no_options_is_served_by_the_engine_on_a_gpu(gpu_artifac
         ts.stop()
 
 
-def test_engine_off_keeps_each_worker_on_the_gpu(gpu_artifacts, serve, tmp_path_factory):
-    store = tmp_path_factory.mktemp("engine_gpu_off")
-    mar = build_mar(gpu_artifacts.get("two_export"), "per_worker", store, "--workers", "2", "--batch-size", "4",
-                    "--max-batch-delay", "5", "--handler-option", "engine=off")
-    ts = serve({"per_worker": mar})
+def test_a_program_exported_on_the_cpu_runs_in_the_gpus_engine(artifacts, serve, tmp_path_factory):
+    """A program exported on the CPU (relocatable), archived with no options and served on a GPU:
+    its workers hold no CUDA context, the engine relocates it to its GPU (the per-worker path and
+    its weights holder are retired), and the answers equal the eager model's."""
+    store = tmp_path_factory.mktemp("engine_gpu_cpu_export")
+    mar = build_mar(artifacts.get("two_export"), "cpu_export", store, "--workers", "2", "--batch-size", "4",
+                    "--max-batch-delay", "5")
+    ts = serve({"cpu_export": mar})
     try:
-        answers_right(ts, "per_worker")
-        assert not served_lines(ts, "per_worker")
-        assert {w.get("pid") for w in ts.workers("per_worker")} <= gpu_processes()
+        answers_right(ts, "cpu_export")
+        assert len(served_lines(ts, "cpu_export")) == 2, ts.log()[-3000:]
+        assert not {w.get("pid") for w in ts.workers("cpu_export")} & gpu_processes()
+        assert set(engines(ts)) & gpu_processes()
     finally:
         ts.stop()

@@ -154,7 +154,6 @@ def test_a_dead_engine_answers_every_request_503_at_once(served):
     (None, 0, None, ("cpu",), "one", False),  # a CPU-compiled package runs in its workers, a decoder too
     (None, 0, None, ("cpu-export",), "one", True),  # an exported decoder: the engine's lanes
     (None, 0, None, ("cuda",), "slots", True),  # auto: a slot-form decoder's batch too
-    ("off", 0, None, ("cuda",), False, False),
     ("on", None, None, ("cpu",), False, True),  # on: the CPU too
     ("on", 0, None, ("cuda",), "one", True),  # on: a one-sequence decoder's lanes
     ("on", 0, None, ("cuda",), "slots", True),  # on: a slot-form decoder's batch in the engine

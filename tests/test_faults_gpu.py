@@ -1,13 +1,15 @@
 """GPU faults through real TorchServe (pytest -m gpu; skipped without CUDA):
 
+Every model runs in its GPU's engine (handler.engine auto, the one GPU path):
+
 - a CUDA out-of-memory on one request answers that request (507 OutOfMemory, the reason in the
-  message) while the good requests of its batch and later ones are served by the same worker;
+  message) while the good requests of its batch and later ones are served by the same engine;
 - a sticky CUDA error (a device-side assert from an out-of-range embedding index, value checks
-  switched off) answers the requests at hand with 500, then the worker exits and TorchServe
-  starts a fresh one that serves;
+  switched off) ends the engine: the requests at hand are answered 503 (retryable, the device
+  fault named), and a successor engine loads and serves;
 - with the value contract (the default) the same ids are 400 and never reach the GPU: a
   BERT-style fp16 AOTI encoder under 16 clients of good traffic, an id past its vocabulary every
-  2 s, loses no good request and restarts no worker.
+  2 s, loses no good request and restarts no engine.
 
 GPU_RESULTS=PATH writes the counts observed (bench/results_meta.header first), each recorded
 before the assertion on it.
@@ -18,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
-from conftest import ARTIFACTS, PER_WORKER, build_mar
+from conftest import ARTIFACTS, build_mar
+from test_engine_serving import engines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -40,24 +43,25 @@ ST = safetensors_io.CONTENT_TYPE
 def gpu_fault_server(gpu_artifacts, tmp_path_factory, serve):
     arts = gpu_artifacts
     store = tmp_path_factory.mktemp("gpu_fault_store")
-    mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, *PER_WORKER, "--batch-size", "8",
+    mars = {"outer": build_mar(arts.get("outer_export"), "outer", store, "--batch-size", "8",
                                "--max-batch-delay", "100", "--workers", "1", "--handler-option", "warmup=false",
                                "--handler-option", "crash_safe_load=false"),
-            "lookup": build_mar(arts.get("lookup_export"), "lookup", store, *PER_WORKER, "--batch-size", "4",
+            "lookup": build_mar(arts.get("lookup_export"), "lookup", store, "--batch-size", "4",
                                 "--max-batch-delay", "50", "--workers", "1", "--handler-option", "check_values=false"),
-            "lookup_checked": build_mar(arts.get("lookup_export"), "lookup_checked", store, *PER_WORKER, "--batch-size", "4",
+            "lookup_checked": build_mar(arts.get("lookup_export"), "lookup_checked", store, "--batch-size", "4",
                                         "--max-batch-delay", "50", "--workers", "1"),
-            "encoder": build_mar(arts.get("encoder_aoti_fp16"), "encoder", store, *PER_WORKER, "--batch-size", "8",
+            "encoder": build_mar(arts.get("encoder_aoti_fp16"), "encoder", store, "--batch-size", "8",
                                  "--max-batch-delay", "2", "--workers", "2")}
     return serve(mars)
 
 
 def pids(ts, name):
+    """The model's workers' pids and every engine of the server: a restart of either changes it."""
     r = requests.get(f"{ts.mgmt}/models/{name}", headers=ts.auth("management"), timeout=10)
-    return sorted(w.get("pid") for w in r.json()[0]["workers"])
+    return sorted(w.get("pid") for w in r.json()[0]["workers"]), sorted(engines(ts))
 
 
-def test_cuda_oom_answers_its_request_and_the_worker_keeps_serving(gpu_fault_server):
+def test_cuda_oom_answers_its_request_and_the_engine_keeps_serving(gpu_fault_server):
     ts = gpu_fault_server
     before = pids(ts, "outer")
     small = [torch.randn(1, 8192, generator=torch.Generator().manual_seed(i)) for i in range(8)]
@@ -79,12 +83,12 @@ def test_cuda_oom_answers_its_request_and_the_worker_keeps_serving(gpu_fault_ser
     after = pids(ts, "outer")
     RESULTS["cuda_oom"] = {"oom_request_status": big_status, "oom_message": big.text[:300],
                            "small_requests": len(small), "small_correct": ok,
-                           "later_request_status": after_status, "worker_restarts": int(before != after)}
+                           "later_request_status": after_status, "restarts": int(before != after)}
     assert big_status == 507 and "out of device memory" in big.json()["message"], big.text[:500]
     assert ok == len(small) and after_status == 200 and before == after, RESULTS["cuda_oom"]
 
 
-def test_sticky_cuda_error_restarts_the_worker(gpu_fault_server):
+def test_sticky_cuda_error_ends_the_engine_and_a_successor_serves(gpu_fault_server):
     ts = gpu_fault_server
     good = {"inputs": {"ids": [[1, 2, 3]]}}
     assert ts.predict("lookup", good).status_code == 200
@@ -106,8 +110,8 @@ def test_sticky_cuda_error_restarts_the_worker(gpu_fault_server):
     RESULTS["sticky_cuda_error"] = {"bad_request_status": bad.status_code, "bad_message": bad.text[:300],
                                     "requests_until_recovered": len(statuses),
                                     "failed_until_recovered": sum(1 for s in statuses if s != 200),
-                                    "recovered_s": round(recovered_s, 1), "worker_restarted": int(before != after)}
-    assert bad.status_code == 500 and "device fault" in bad.json()["message"], bad.text[:500]
+                                    "recovered_s": round(recovered_s, 1), "engine_restarted": int(before != after)}
+    assert bad.status_code == 503 and "device fault" in bad.json()["message"], bad.text[:500]
     assert statuses and statuses[-1] == 200 and before != after, RESULTS["sticky_cuda_error"]
 
 
@@ -118,7 +122,7 @@ def test_value_contract_keeps_bad_ids_off_the_gpu(gpu_fault_server):
     good = ts.predict("lookup_checked", {"inputs": {"ids": [[1, 2, 3]]}}, timeout=60)
     RESULTS["value_contract_lookup"] = {"bad_status": bad.status_code, "bad_message": bad.text[:300],
                                         "good_status": good.status_code,
-                                        "worker_restarts": int(pids(ts, "lookup_checked") != before)}
+                                        "restarts": int(pids(ts, "lookup_checked") != before)}
     assert bad.status_code == 400 and "from 0 to 7" in bad.json()["message"], bad.text
     assert good.status_code == 200 and pids(ts, "lookup_checked") == before
 
@@ -180,7 +184,7 @@ def test_bert_style_encoder_under_bad_ids_loses_no_good_request(gpu_fault_server
                                             "bad_requests": len(stats["bad"]),
                                             "bad_statuses": sorted({s for s, _ in stats["bad"]}),
                                             "bad_message": stats["bad"][0][1] if stats["bad"] else "",
-                                            "worker_restarts": restarts}
+                                            "restarts": restarts}
     assert stats["good"] > 0 and stats["lost"] == 0 and stats["wrong"] == 0, RESULTS["value_contract_bert_style"]
     assert stats["bad"] and all(s == 400 and "from 0 to 30521" in m for s, m in stats["bad"]), stats["bad"][:3]
     assert restarts == 0

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ARTIFACTS, PER_WORKER, build_mar, repin, rewrite_package_metadata
+from conftest import ARTIFACTS, build_mar, repin, rewrite_package_metadata
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("results_file")]
 if not torch.cuda.is_available():
@@ -147,8 +147,8 @@ def host_gpu(load_line: str) -> str:
 
 
 def stray_contexts(ts, models) -> list:
-    """Each worker of `models` and each weights holder or engine of the server that holds memory on more
-    than one GPU (nvidia-smi --query-compute-apps): [{pid, gpus}]."""
+    """Each worker of `models` and each engine of the server that holds memory on more than one GPU
+    (nvidia-smi --query-compute-apps): [{pid, gpus}]."""
     import subprocess
 
     def smi(q):
@@ -159,8 +159,7 @@ def stray_contexts(ts, models) -> list:
     gpus: dict = {}
     for pid, uuid in smi("--query-compute-apps=pid,gpu_uuid"):
         gpus.setdefault(int(pid), set()).add(index.get(uuid, -1))
-    holders = subprocess.run(["pgrep", "-f", "handlers.weights.holder|handlers.engine.serve"], capture_output=True,
-                             text=True).stdout.split()
+    holders = subprocess.run(["pgrep", "-f", "handlers.engine.serve"], capture_output=True, text=True).stdout.split()
     pids = [w.get("pid") for m in models for w in ts.workers(m)] + [int(p) for p in holders]
     return [{"pid": p, "gpus": sorted(gpus[p])} for p in pids if len(gpus.get(p, ())) > 1]
 
@@ -168,7 +167,7 @@ def stray_contexts(ts, models) -> list:
 @multigpu
 def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory):
     store = tmp_path_factory.mktemp("gpu_store")
-    mar = build_mar(gpu_artifacts.get("two_aoti", index=0), "two_gpu", store, *PER_WORKER,
+    mar = build_mar(gpu_artifacts.get("two_aoti", index=0), "two_gpu", store,
                     "--workers", "4", "--batch-size", "4", "--max-batch-delay", "5")
     major, minor = torch.cuda.get_device_capability(0)
     bad_dir = str(tmp_path_factory.mktemp("badcc") / "wrong")
@@ -177,12 +176,14 @@ def test_torchserve_four_workers_two_gpus(gpu_artifacts, serve, tmp_path_factory
     ts = serve({"two_gpu": mar, "wrong_cc": bad_mar}, ready=False)
     ts.wait_ready(["two_gpu"], timeout=600)
     log = ts.log()
-    placed = [host_gpu(ln) for ln in log.splitlines() if "loaded aoti artifact" in ln]
+    # each worker's load line names its GPU's engine and where that engine placed the model
+    placed = [host_gpu(ln.split("served by the engine: ", 1)[1]) for ln in log.splitlines()
+              if "served by the engine: " in ln and " aoti artifact " in ln]
     strays = stray_contexts(ts, ["two_gpu"])
     RESULTS["torchserve"] = {"workers": len(placed), "gpus": torch.cuda.device_count(),
                              "worker_devices": sorted(placed), "stray_contexts": strays}
     assert sorted(placed) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], placed
-    assert strays == [], strays  # no worker or holder holds memory on a GPU it was not given
+    assert strays == [], strays  # no worker or engine holds memory on a GPU it was not given
 
     # In this process first: the same requests through the CUDA runner on each GPU, so a
     # TorchServe-only failure can be told apart from a handler one.

@@ -280,19 +280,20 @@ def test_graph_verification_replays_a_valid_request():
     assert seen["x"].std() > 0.1
 
 
-# --- graphs captured after the worker is ready (prepare(defer=True), capture_next) ---
+# --- the capture at load, shape by shape (graphs.build over GraphBuilder) ---
 
-def deferred_runner(monkeypatch, fail=None, max_batch=8):
-    """A bare CudaRunner (no CUDA) whose graphs wait to be captured between batches, captures
-    standing in as in fake_cuda; the spec's model doubles its input."""
+def prepared_runner(monkeypatch, fail=None, max_batch=8, mode="auto"):
+    """A bare CudaRunner (no CUDA) prepared at load, captures standing in as in fake_cuda; the
+    spec's model doubles its input. (runner, load-line note, shapes captured)."""
     from handlers.artifact.metadata import ArtifactSpec
 
     spec = ArtifactSpec("aoti", "m", "", "cuda", (TensorSpec("x", "float32", (None, 3)),),
                         (TensorSpec("y", "float32", (None, 3)),), "dict", 1, 8, torch.__version__)
     r = bare_runner(monkeypatch, graphs.build)
-    r.model, r.spec, r.deferred, r.plain_calls = (lambda x: {"y": x * 2}), spec, None, 0
+    r.model, r.spec = (lambda x: {"y": x * 2}), spec
     seen = fake_cuda(monkeypatch, fail or {})
-    note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": max_batch}}), kind_of("aoti"), defer=True)
+    note = r.prepare(parse_config({"handler": {"cuda_graph_max_batch": max_batch, "cuda_graphs": mode}}),
+                     kind_of("aoti"))
     return r, note, seen
 
 
@@ -300,59 +301,14 @@ def rows_with_graph(r, upto=9):
     return [n for n in range(1, upto) if r.graphs is not None and r.graphs.for_call(n, None, ["x"]) is not None]
 
 
-def test_deferred_capture_answers_plainly_then_switches_each_shape_to_its_graph(monkeypatch):
-    """At ready nothing is captured (the load line says how many wait); each step between
-    batches captures one shape, smallest first, and from then on the calls of that shape replay
-    it while larger ones still run plainly; the last step says what was kept."""
-    r, note, seen = deferred_runner(monkeypatch)
-    assert note == "CUDA graphs: capturing 4 buckets after ready (between batches)"
-    assert r.graphs is None and seen == [] and r.bucket_sizes() == []
-    assert r.capture_next() is None and seen == [(1, None)]
-    assert rows_with_graph(r) == [1]  # batch 2..8 still plain: no bucket listed for them yet
-    assert r.capture_next() is None and rows_with_graph(r) == [1, 2]
-    assert r.capture_next() is None and rows_with_graph(r) == [1, 2, 3, 4]
-    assert r.capture_next() == "CUDA graphs for batch [1, 2, 4, 8] (4 graphs, 0 MiB)"
-    assert rows_with_graph(r) == list(range(1, 9)) and r.deferred is None and r.bucket_sizes() == [1, 2, 4, 8]
-
-
-def test_a_deferred_shape_whose_capture_fails_stays_plain_and_the_rest_are_captured(monkeypatch):
-    r, _, _ = deferred_runner(monkeypatch, fail={(2, ()): RuntimeError("no capture at 2")})
-    notes = [r.capture_next() for _ in range(4)]
-    assert notes[:3] == [None, None, None]
-    assert notes[3].endswith("plain calls for batch 2 (RuntimeError: no capture at 2)")
-    assert rows_with_graph(r) == [1, 3, 4, 5, 6, 7, 8]  # 2 runs its plain call, 3 and 4 batch 4's graph
-
-
-def test_a_deferred_capture_that_differs_from_the_plain_call_drops_every_graph(monkeypatch):
-    """As at load: one bucket whose replay differs from the plain call means none is trusted;
-    the graphs already switched to are dropped and every call runs plainly."""
-    r, _, _ = deferred_runner(monkeypatch)
-    assert r.capture_next() is None and rows_with_graph(r) == [1]
-    monkeypatch.setattr(graphs, "first_difference", lambda *a, **k: "output 'y' at batch 2 differs")
-    assert r.capture_next() == "no CUDA graphs (GraphMismatch: output 'y' at batch 2 differs)"
-    assert r.graphs is None and r.deferred is None and rows_with_graph(r) == []
-
-
-def test_a_deferred_capture_out_of_memory_falls_back_and_stops(monkeypatch):
-    """Out of device memory while capturing after ready: that shape and every larger one run
-    plainly, the worker keeps serving (no exception leaves capture_next)."""
-    r, _, seen = deferred_runner(monkeypatch, fail={(4, ()): torch.OutOfMemoryError("CUDA out of memory")})
-    notes = [r.capture_next() for _ in range(3)]
-    assert notes[:2] == [None, None] and "plain calls for batch 4 (OutOfMemoryError: CUDA out of memory)" in notes[2]
+def test_a_capture_out_of_memory_at_load_falls_back_and_stops(monkeypatch):
+    """Out of device memory while capturing: that shape and every larger one run plainly, the
+    smaller ones keep their graphs, and the load goes on."""
+    r, note, seen = prepared_runner(monkeypatch, fail={(4, ()): torch.OutOfMemoryError("CUDA out of memory")})
+    assert "plain calls for batch 4 (OutOfMemoryError: CUDA out of memory)" in note, note
     assert [s for s, _ in seen] == [1, 2, 4] and rows_with_graph(r) == [1, 2]
 
 
-def test_a_sticky_error_while_capturing_after_ready_is_raised(monkeypatch):
-    r, _, _ = deferred_runner(monkeypatch, fail={(1, ()): RuntimeError("CUDA error: device-side assert triggered")})
-    with pytest.raises(RuntimeError, match="device-side assert"):
-        r.capture_next()
-    assert r.graphs is None
-
-
-def test_on_captures_before_ready_even_where_deferral_is_offered(monkeypatch):
-    """cuda_graphs: on means every shape captured or the load fails: it never defers."""
-    r, _, _ = deferred_runner(monkeypatch)
-    r.graphs = None
-    note = r.prepare(parse_config({"handler": {"cuda_graphs": "on", "cuda_graph_max_batch": 2}}), kind_of("aoti"),
-                     defer=True)
+def test_on_captures_every_shape_at_load(monkeypatch):
+    r, note, _ = prepared_runner(monkeypatch, max_batch=2, mode="on")
     assert note == "CUDA graphs for batch [1, 2] (2 graphs, 0 MiB)" and rows_with_graph(r, 3) == [1, 2]

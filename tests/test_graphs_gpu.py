@@ -141,39 +141,3 @@ def test_a_shape_whose_capture_fails_runs_plain_calls_on_the_gpu():
         bucket = runner.graphs.for_call(rows, {"ids": [req["ids"]], "attention_mask": [req["attention_mask"]]},
                                         spec.input_names)
         assert (bucket is None) == (rows in (3, 4)), rows
-
-
-def test_deferred_capture_between_calls_matches_the_plain_path(gpu_artifacts):
-    """Graphs captured after ready (prepare(defer=True), then one capture_next per gap between
-    batches, as a TorchServe worker does): calls before, between and after the captures, on the
-    same thread, equal the plain path's; the calls before a shape's capture ran plainly and
-    every bucket ends up captured."""
-    spec = read_spec(str(gpu_artifacts.get("cls_aoti")))
-    cfg = parse_config({"handler": {"cuda_graph_max_batch": 16}})
-    device = torch.device("cuda:0")
-    model = load_artifact(spec, Placement("cuda", 0), cfg)
-    runner = runner_for(model, spec, device, cfg)
-    note = runner.prepare(cfg, kind_of(spec), defer=True)
-    plain = runner_for(model, spec, device, parse_config({"handler": {"cuda_graphs": "off"}}))
-    assert note == "CUDA graphs: capturing 5 buckets after ready (between batches)" and runner.graphs is None
-    g = torch.Generator().manual_seed(2)
-    row = {"test": "deferred_capture", "calls": 0, "max_abs": 0.0, "steps": 0}
-    RESULTS["graphs"].append(row)
-    done = None
-    while True:
-        for rows in (1, 3, 8, 16):
-            req = request(spec, rows, g)
-            with torch.inference_mode():
-                got = own(runner.run([req])[0])
-                want = own(plain.run([req])[0])
-            row["calls"] += 1
-            row["max_abs"] = max(row["max_abs"], max((got[k].float() - want[k].float()).abs().max().item() for k in got))
-        if done is not None:
-            break
-        done = runner.capture_next()
-        row["steps"] += 1
-    row["note"], row["plain_calls"] = done, runner.plain_calls
-    assert done == runner.graphs.describe() and runner.graphs.sizes == [1, 2, 4, 8, 16], done
-    assert runner.deferred is None and row["steps"] == 5
-    assert runner.plain_calls >= 4  # the first gap's calls, before any graph
-    assert row["max_abs"] <= 1e-4

@@ -134,7 +134,6 @@ def test_cs_archive_batches_a_one_sequence_decoder_only_where_the_engine_serves_
     assert archive.batched_decoder([cuda], {}, "cpu") is None  # deviceType cpu: its workers run it
     assert archive.batched_decoder([cuda, cpu], {}) is None  # a worker may load the CPU variant itself
     assert archive.batched_decoder([cpu], {"engine": "on"}) is not None
-    assert archive.batched_decoder([cuda], {"engine": "off"}) is None
     program = SimpleNamespace(device="cpu", backend="export")  # exported on the CPU: a GPU worker relocates it
     assert archive.batched_decoder([program], {}) is None  # it may be served on a CPU host
     assert archive.batched_decoder([program], {}, "gpu") is not None  # deviceType gpu: the engine's lanes

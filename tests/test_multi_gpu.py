@@ -1,10 +1,9 @@
 """A host of several GPUs, as far as the CPU can check it (issue 62): a program saved from a GPU
 this machine lacks reads and relocates, the archive's checks choose one device and say which, a
-worker is confined to its GPU before CUDA starts (and every process it starts with it), siblings on
-different GPUs never share a weights holder, and the holder's lock is waited on for a bounded time.
+worker is confined to its GPU before CUDA starts (and every process it starts with it), and siblings
+on different GPUs never share an engine.
 The GPU side (no stray context in nvidia-smi, every archive READY) is tests/test_gpu.py and
 bench/placement.py on two GPUs."""
-import fcntl
 import os
 import zipfile
 
@@ -17,7 +16,6 @@ from handlers.artifact.device import Placement
 from handlers.artifact.metadata import read_spec
 from handlers.artifact.program_file import load_on_cpu
 from handlers.artifact.relocate import leftovers, relocate
-from handlers.weights import attach
 
 CPU = torch.device("cpu")
 
@@ -185,33 +183,20 @@ def test_the_trial_load_child_is_confined(monkeypatch, tmp_path):
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "1" and seen["cmd"][5] == "0"
 
 
-def test_workers_on_two_gpus_never_share_a_holder(monkeypatch, tmp_path):
-    spec = type("S", (), {"artifact_path": str(tmp_path / "model.pt2"), "sha256": "ab"})()
-    # two confined workers: each calls its GPU cuda:0
-    monkeypatch.setattr(attach, "gpu_identity", lambda p: f"GPU-{p.gpu}")
-    a = attach._paths(str(tmp_path), spec, Placement("cuda", 0, gpu="0"))
-    b = attach._paths(str(tmp_path), spec, Placement("cuda", 0, gpu="1"))
-    again = attach._paths(str(tmp_path), spec, Placement("cuda", 0, gpu="1"))
-    assert a["sock"] != b["sock"] and b == again
+def test_workers_on_two_gpus_never_share_an_engine(monkeypatch, tmp_path):
+    """Two workers confined to two GPUs each call theirs cuda:0: the engine they reach is named by the
+    GPU as the host names it (handlers/engine/link.py), so each GPU gets its own."""
+    from handlers.engine import link
 
-
-def test_the_holders_lock_is_waited_on_for_a_bounded_time(tmp_path):
-    path = str(tmp_path / "h.lock")
-    sibling = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(sibling, fcntl.LOCK_EX)  # a sibling that starts a holder and never lets go
-    mine = os.open(path, os.O_RDWR)
-    try:
-        with pytest.raises(attach.ShareError, match=r"waited 0s for the weights holder's lock .*h\.lock"):
-            attach.take_lock(mine, path, 0.2)
-        fcntl.flock(sibling, fcntl.LOCK_UN)
-        attach.take_lock(mine, path, 0.2)  # free: taken at once
-    finally:
-        os.close(mine)
-        os.close(sibling)
+    model_dir = str(tmp_path)
+    a = link.paths(str(tmp_path), model_dir, {}, "0")
+    b = link.paths(str(tmp_path), model_dir, {}, "1")
+    assert a != b and b == link.paths(str(tmp_path), model_dir, {}, "1")
+    assert link.paths(str(tmp_path), model_dir, {}, None) not in (a, b)  # the CPU's engine is a third
 
 
 def test_held_weights_read_from_a_program_saved_on_cuda_1(programs, tmp_path):
-    """The holder reads the program's read-only tensors from the file onto the host before
+    """The engine's lanes read the program's read-only tensors from the file onto the host before
     packing them on its device: a program saved from a GPU this process lacks reads too."""
     from handlers.artifact.kinds.exported_program import KIND, read_only
 

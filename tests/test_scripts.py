@@ -203,8 +203,14 @@ def test_the_picked_compiler_reaches_an_inductor_config_imported_before_it(monke
 
     from compiled_serving.compile import pick_compiler
 
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "g++-13-stand-in"))
+    # set and put back by hand: monkeypatch's undo deletes the option from inductor's config module,
+    # and every later compile in this process fails on `cpp.cxx does not exist`
+    saved = inductor.cpp.cxx
     monkeypatch.setenv("CXX", "g++")
-    assert pick_compiler("c++").startswith("c++")
-    assert inductor.cpp.cxx == (None, "c++")
-    assert os.environ["CXX"] == "c++"
+    try:
+        inductor.cpp.cxx = (None, "g++-13-stand-in")
+        assert pick_compiler("c++").startswith("c++")
+        assert inductor.cpp.cxx == (None, "c++")
+        assert os.environ["CXX"] == "c++"
+    finally:
+        inductor.cpp.cxx = saved

@@ -1,8 +1,9 @@
-"""AOTInductor on constants it does not own (issue 39 item 2, the CPU proof; docs/shared-weights.md).
+"""A model's loads on weights they do not own (issue 39 item 2, the CPU proof), as the engine's lanes
+load them (handlers/run/lanes.py over handlers/weights/pack.py).
 
 One tiny model compiled once into two packages: the normal one (weights in the .so) and one with
 `aot_inductor.package_constants_in_so=False` (code only). The weights handed to the models come
-from another source (a saved and reloaded state dict), as a per-GPU holder would hand them.
+from another source (a saved and reloaded state dict), as the lanes' one packed copy hands them.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import zipfile
 import pytest
 import torch
 
-from bench.shared_weights_study import summary
 
 WIDTH = 32
 
@@ -105,23 +105,10 @@ def test_runner_swaps_to_user_constants_and_frees_its_own(built, tmp_path):
     assert torch.allclose(runner.run([x])[0], eager(built, shared, x), atol=1e-5)
 
 
-def test_summary_ratios_count_the_holder_and_contexts():
-    steps = {"one_unshared": {"after_load_mib": 2600, "contexts_mib": 500, "bench": {}},
-             "six_unshared": {"after_load_mib": 15000, "bench": {"total_calls_per_s": 1000.0},
-                              "answers_equal_reference": [True] * 6},
-             "shared_nc": {"workers": 6, "after_load_mib": 5600, "bench": {"total_calls_per_s": 990.0},
-                           "answers_equal_reference": [True] * 5 + ["RuntimeError('x')"]}}
-    s = summary(steps)
-    assert s["ratio_six_shared_to_one"] == round(5600 / 2600, 3)
-    assert s["ratio_six_shared_to_one_beyond_contexts"] == round((5600 - 7 * 500) / (2600 - 500), 3)
-    assert s["throughput_shared_over_unshared"] == 0.99
-    assert s["answers_all_identical"] is False  # one worker answered with an error
-
-
-# ---------------------------------------------------------------- the handler's sharing (handlers/weights)
+# ---------------------------------------------------------------- the packed copy (handlers/weights)
 
 def test_pack_keeps_values_shapes_strides_in_one_aligned_allocation_per_dtype():
-    from handlers.weights.holder import ALIGN_BYTES, pack
+    from handlers.weights.pack import ALIGN_BYTES, pack
 
     g = torch.Generator().manual_seed(0)
     src = {"w": torch.randn(5, 7, generator=g), "wt": torch.randn(7, 5, generator=g).t(),  # strided
@@ -169,7 +156,7 @@ def test_aoti_adopt_frees_its_own_copy_and_names_a_missing_constant(built, tmp_p
     from handlers.artifact.device import Placement
     from handlers.artifact.kinds import aoti_runner
     from handlers.errors import LoadError
-    from handlers.weights.holder import pack
+    from handlers.weights.pack import pack
 
     cpu = Placement("cpu", None)
     so, kernels = aoti_runner.package_library(built["normal"], str(tmp_path / "a"))
@@ -196,7 +183,7 @@ def test_a_runner_that_fails_its_first_call_on_held_weights_falls_back_to_the_th
     from handlers.artifact.device import Placement
     from handlers.artifact.kinds import aoti_package, aoti_runner
     from handlers.errors import LoadError
-    from handlers.weights.holder import pack
+    from handlers.weights.pack import pack
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     cpu = Placement("cpu", None)
@@ -222,126 +209,3 @@ def test_a_runner_that_fails_its_first_call_on_held_weights_falls_back_to_the_th
     monkeypatch.setattr(aoti_runner, "smoke", lambda *a: (_ for _ in ()).throw(LoadError("broken")))
     with pytest.raises(LoadError, match="single-threaded runner: broken; threaded runner: broken"):
         aoti_package.KIND._held(spec, cpu, True, held)
-
-
-@pytest.mark.server
-def test_a_worker_that_cannot_attach_loads_its_own_copy_and_says_why(artifacts, monkeypatch, caplog):
-    import contextlib
-
-    from handlers import startup
-    from handlers.artifact.device import Placement
-    from handlers.artifact.kinds import recognise
-    from handlers.artifact.metadata import read_spec
-    from handlers.config import parse_config
-    from handlers.weights import attach
-
-    @contextlib.contextmanager
-    def refused(*a, **k):
-        raise attach.ShareError("the weights holder gave no ready line within 600s")
-        yield
-
-    monkeypatch.setattr(attach, "attached", refused)
-    config = parse_config({"handler": {"shared_weights": "on"}})
-    spec = recognise(read_spec(str(artifacts.get("two_export"))))
-    plan = startup.StartPlan(config, spec, Placement("cpu", None), spec.variant_dir)
-    steps = startup.StartSteps()
-    model, held = startup.load_model(plan, config, steps)
-    assert held is None and model.loader == "exported_program"
-    assert steps.notes["weights"].startswith("own copy (sharing failed: the weights holder gave no ready line")
-    assert "loads its own copy of the weights" in caplog.text
-    off = parse_config({"handler": {"shared_weights": "off"}})
-    _, held = startup.load_model(startup.StartPlan(off, spec, plan.placement, spec.variant_dir), off, steps)
-    assert held is None and steps.notes["weights"] == "own copy (shared_weights is off)"
-
-
-def test_verify_passes_equal_answers_and_refuses_a_held_load_that_answers_otherwise():
-    from handlers.weights.attach import ShareError, verify
-
-    import io
-
-    buf = io.BytesIO()
-    torch.save({"inputs": {"x": torch.randn(2, 3)}, "outputs": {"y": torch.tensor([1.0, 2.0])}}, buf)
-    check, cpu = buf.getvalue(), torch.device("cpu")
-    assert verify(lambda x: {"y": torch.tensor([1.0, 2.0])}, check, cpu) == "answers equal to the own copy's"
-    assert verify(lambda x: {"y": torch.tensor([1.0, 2.0005])}, check, cpu) == "answers within 1e-3 of the own copy's"
-    with pytest.raises(ShareError, match="differs from the artifact's own copy's by up to 1"):
-        verify(lambda x: {"y": torch.tensor([1.0, 3.0])}, check, cpu)
-    with pytest.raises(ShareError, match="float16"):
-        verify(lambda x: {"y": torch.tensor([1.0, 2.0]).half()}, check, cpu)
-
-
-@pytest.mark.server
-def test_attach_reuses_the_holder_lets_go_on_a_failed_load_and_reports_the_holders_death(artifacts, monkeypatch):
-    """attach.attached in this process (as a worker, this test its frontend): the first call starts
-    the holder, the next attaches to it; a load that fails inside the block lets go of it without
-    reporting a loss; a holder killed with SIGKILL is reported to whoever watches."""
-    import shutil
-    import tempfile
-
-    # short: on the CPU torch's shared-memory manager puts a unix socket (108 bytes at most) below
-    # the holder's TMPDIR, which lies under this root
-    root = tempfile.mkdtemp(prefix="sw-", dir="/tmp")
-    monkeypatch.setenv("TMPDIR", root)
-    try:
-        _attach_reuse_release_loss(artifacts, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _attach_reuse_release_loss(artifacts, root: str) -> None:
-    import os
-    import signal
-    import time
-
-    from handlers.artifact.device import Placement
-    from handlers.artifact.kinds import recognise
-    from handlers.artifact.metadata import read_spec
-    from handlers.weights import attach
-
-    spec, cpu = recognise(read_spec(str(artifacts.get("two_aoti")))), Placement("cpu", None)
-    with pytest.raises(RuntimeError, match="the load failed"):
-        with attach.attached(root, spec, cpu, True) as first:
-            assert first.started and first.tensors
-            raise RuntimeError("the load failed")
-    lost = []
-    first.on_lost(lost.append)
-    with attach.attached(root, spec, cpu, True) as held:
-        pass
-    assert not held.started and held.holder_pid == first.holder_pid and not lost
-    held.on_lost(lost.append)
-    os.kill(held.holder_pid, signal.SIGKILL)
-    deadline = time.time() + 10
-    while not lost and time.time() < deadline:
-        time.sleep(0.05)
-    assert lost == [f"the weights holder (pid {held.holder_pid}) is gone; this worker's model read its memory"]
-
-
-def test_holder_directories_of_dead_holders_are_swept_and_live_ones_kept(tmp_path):
-    """attach.sweep_holder_dirs: a holder's directory keeps the library its workers load (as
-    large as the model); one whose holder died (its pid file names a dead process) or whose
-    starter died before writing the pid file (older than a holder's start) is removed; a live
-    holder's, a young one without a pid yet and anything not a holder's directory stay."""
-    import subprocess
-    import sys
-    import time
-
-    from handlers.weights import attach
-    from handlers.weights.holder import PID_FILE
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    dirs = {}
-    for name, pid in (("dead", dead.pid), ("live", os.getpid()), ("young", None), ("old", None), ("old_empty", "")):
-        d = tmp_path / f"{attach.HOLDER_DIR_PREFIX}{name}"
-        (d / "library").mkdir(parents=True)
-        if pid is not None:
-            (d / PID_FILE).write_text(str(pid))
-        dirs[name] = d
-    old = time.time() - attach.HOLDER_START_S - 60
-    for name in ("old", "old_empty"):  # no pid (or an empty pid file) and older than a start
-        os.utime(dirs[name], (old, old))
-    (tmp_path / "worker-1").mkdir()
-    gone = attach.sweep_holder_dirs(str(tmp_path))
-    assert sorted(gone) == sorted(f"{attach.HOLDER_DIR_PREFIX}{n}" for n in ("dead", "old", "old_empty"))
-    assert dirs["live"].exists() and dirs["young"].exists() and (tmp_path / "worker-1").exists()
-    assert not dirs["dead"].exists() and not dirs["old"].exists()

@@ -10,11 +10,10 @@ Facts this relies on:
 - CUDA's current device is per thread and starts at 0 in every new thread: in a process that sees
   every GPU, a thread that calls a CUDA API without setting the device (an event, a stream, a
   synchronize, a library's own thread) makes a context on GPU 0. On a two-GPU host each worker on
-  GPU 1 and its weights holder held 518-520 MiB on GPU 0 (BRIEF.md section 12). A process that
-  sees one GPU cannot touch another, whatever its threads do.
-- Children inherit the environment: the trial load and the weights holder a confined worker
-  starts see the same single GPU as cuda:0, so the CUDA IPC handles the holder sends (torch's
-  reductions name the sender's device index) open on the same GPU in the worker.
+  GPU 1 and its weights holder (since retired) held 518-520 MiB on GPU 0 (BRIEF.md section 12). A
+  process that sees one GPU cannot touch another, whatever its threads do.
+- Children inherit the environment: the engine a confined worker starts sees the same single GPU
+  as cuda:0.
 """
 from __future__ import annotations
 

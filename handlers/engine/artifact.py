@@ -24,6 +24,7 @@ from handlers.artifact.load import load_artifact
 from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.config import parse_config
+from handlers.errors import LoadError
 from handlers.run import runner_for
 from handlers.run.padding import verify_padding
 from handlers.run.warm import warm
@@ -59,6 +60,7 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     require_checked(spec, kind)
     decoder = decoder_of(spec)
     _threads(placement.kind, config.cpu_threads)
+    room(config.worker_gpu_mb, placement)
     if decoder is not None and not decoder.slotted:
         return _lanes(spec, decoder, placement, config, t0)
     model = load_artifact(spec, placement, config)
@@ -69,7 +71,7 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     t1 = time.perf_counter()
     if config.warmup:
         warm(spec, runner, config.warmup_batch_sizes)
-    graphs = runner.prepare(config, kind, defer=False)
+    graphs = runner.prepare(config, kind)
     # the workers pad their batches by this runner's replay times (Ready.costs, handlers/engine/runner.py);
     # the runner's plan stays, so jobs of neighbouring buckets are padded to one where its cost model
     # says one call is cheaper (batch.PadPlan.targets), and each job's rows are cut back to its bucket
@@ -117,6 +119,39 @@ def _generating(runner, spec, placement, config, t0: float, what: str, note: str
                 + f"load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; {graphs}; "
                 f"CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
+
+
+class InsufficientGpuMemory(LoadError):
+    """Less GPU memory free than the engine needs. It recurs (the same archive on the same GPU): the
+    workers answer every request 503 with this message (handler.answer_load_failure)."""
+
+    status = 503
+    error_type = "InsufficientGpuMemory"
+
+
+ROOM_WAIT_S = 20.0  # another engine's load may hold memory for a moment (its trial copy, a capture)
+
+
+def room(need_mib: float, placement, wait_s: float = ROOM_WAIT_S) -> None:
+    """Before anything is loaded: the GPU has `need_mib` MiB free (handler.worker_gpu_mb, the engine's
+    need as cs-archive sized it; 0: not sized), read again for up to `wait_s` while it has not;
+    InsufficientGpuMemory with the numbers and the fixes otherwise. Nothing on the CPU."""
+    if need_mib <= 0 or placement.kind != "cuda":
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        # cudaMemGetInfo: the device's free and total bytes, every process counted
+        free, total = (n / 2**20 for n in torch.cuda.mem_get_info(placement.index))
+        if free >= need_mib:
+            return
+        if time.monotonic() >= deadline:
+            raise InsufficientGpuMemory(
+                f"not enough GPU memory to load: this model's engine needs {need_mib:.0f} MiB (handler.worker_gpu_mb: "
+                f"its copy of the weights plus CUDA context, graphs and activations, as cs-archive sized it) but "
+                f"{placement.where} has {free:.0f} MiB free of {total:.0f} MiB (after {wait_s:.0f}s). Fix: stop the "
+                "other processes on that GPU (nvidia-smi lists them) or serve fewer models on it, or a GPU with more "
+                "memory (re-archive with its --gpu-memory-gib)")
+        time.sleep(0.5)
 
 
 def _threads(kind: str, configured: int) -> None:

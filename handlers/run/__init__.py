@@ -27,7 +27,5 @@ def runner_for(model, spec, device: torch.device, config=None) -> Runner:
 
 def _runner(model, spec, device: torch.device, config: HandlerConfig) -> Runner:
     if device.type == "cuda":
-        # auto with no worker count is the lone-worker choice; the handler resolves auto with
-        # its worker count before it gets here
-        return CudaRunner(model, spec, device, dataclasses.replace(config, cuda_sync=cuda_wait(config.cuda_sync, None, 1)[0]))
+        return CudaRunner(model, spec, device, dataclasses.replace(config, cuda_sync=cuda_wait(config.cuda_sync)))
     return CpuRunner(model, spec)

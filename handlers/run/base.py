@@ -19,19 +19,9 @@ class Runner:
         to `run_rows`; returns host tensors valid until the next call (reused buffers)."""
         raise NotImplementedError
 
-    def prepare(self, config, kind, defer: bool = False) -> str:
-        """Load-time preparation after warm-up (CUDA graphs; `defer`: left for capture_step where
-        defers() said so); returns a note for the load line."""
+    def prepare(self, config, kind) -> str:
+        """Load-time preparation after warm-up (CUDA graphs); returns a note for the load line."""
         raise NotImplementedError
-
-    def defers(self, config, kind) -> bool:
-        """Whether prepare(defer=True) would leave work for after ready (run/cuda.py)."""
-        return False
-
-    def capture_step(self):
-        """The work this runner left for the gaps between batches, as a step the worker runs
-        there (handlers/worker.py Worker.defer: True while more is left); None when none waits."""
-        return None
 
     def call_cost_ms(self, rows: int, sizes: dict):
         """What one call of `rows` rows at these named-dimension sizes costs (ms), or None where

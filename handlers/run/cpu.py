@@ -14,6 +14,6 @@ class CpuRunner(Runner):
         staged = [self.inputs.stage(n, parts[n], run_rows) for n in self.spec.input_names]
         return {k: v.contiguous() for k, v in self.model(*staged).items()}
 
-    def prepare(self, config, kind, defer: bool = False) -> str:
+    def prepare(self, config, kind) -> str:
         return "CPU: no CUDA graphs"
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 import torch
 
@@ -74,23 +73,14 @@ def upload(host: StagingBuffers, name: str, parts, dev: torch.Tensor, piece_byte
         dev[at:].zero_()
 
 
-def cuda_wait(configured: str, workers: Optional[int], gpus: int) -> tuple:
-    """How a CUDA worker waits for its GPU, and why: (spin|block|hybrid, reason). `configured`
-    spin, block or hybrid wins (handler.cuda_sync). `auto` spins while this worker is alone on
-    its GPU and waits hybrid (polls up to handler.cuda_spin_us, then sleeps) when several of this
-    model's workers share one (workers spread round-robin over `gpus`): a wait that spins for the
-    whole GPU call takes cores from sibling workers and the frontend, one that only sleeps pays a
-    wake-up on every short call. Measured end to end on one H100, 6 workers, 64 clients, in the
-    same run (revision ca0af4a's files, in git history at 1673c9e): ResNet-50 hybrid
-    6302 req/s vs block 4953; MLP hybrid 23421 vs block 20980 and p50 at one client 2.44 vs
-    3.1 ms. Alone on a GPU at batch 1 spin's p50 was 0.08 ms under block (_b1_h100)."""
-    if configured in ("spin", "block", "hybrid"):
-        return configured, "handler.cuda_sync"
-    per_gpu = -(-(workers or 1) // max(1, gpus))
-    if per_gpu > 1:
-        return "hybrid", f"auto: {per_gpu} workers share a GPU"
-    why = "worker count not in model-config.yaml, assumed alone" if workers is None else "one worker per GPU"
-    return "spin", f"auto: {why}"
+def cuda_wait(configured: str) -> str:
+    """How the engine waits for its GPU (handler.cuda_sync): spin, block or hybrid as configured;
+    `auto` spins, since the engine is the one process running the model on its GPU (the workers
+    hold none). Measured where processes shared a GPU (the per-worker path, retired: one H100, 6
+    workers, 64 clients; revision ca0af4a's files, in git history at 1673c9e): hybrid served
+    ResNet-50 6302 req/s against block's 4953; alone on a GPU at batch 1 spin's p50 was 0.08 ms
+    under block's (_b1_h100)."""
+    return configured if configured in ("spin", "block", "hybrid") else "spin"
 
 
 class CudaRunner(Runner):
@@ -120,16 +110,12 @@ class CudaRunner(Runner):
         # a short GPU call is caught while spinning, a long one does not hold a core. The only
         # host wait of a call is this event.
         self.done = torch.cuda.Event(blocking=self.sync in ("block", "hybrid"))
-        self.graphs = None  # graphs.GraphSet once prepare() or capture_next() captured some
-        self.deferred = None  # graphs.GraphBuilder whose shapes capture_next() captures after ready
-        self.plain_calls = 0  # calls without a graph while the capture is deferred (the log says)
+        self.graphs = None  # graphs.GraphSet once prepare() captured some
 
-    def prepare(self, config, kind, defer: bool = False) -> str:
-        """CUDA graphs per batch bucket as `config.cuda_graphs` says (after warm-up); returns the
-        note for the load line. With `defer` (and `auto`), nothing is captured here: the shapes
-        wait in `self.deferred` for `capture_next`, called between batches once the worker is
-        ready, and calls run plainly until their shape's graph is captured and verified. `on`
-        always captures here: every shape captured or the load fails."""
+    def prepare(self, config, kind) -> str:
+        """CUDA graphs per batch bucket as `config.cuda_graphs` says (after warm-up, before the
+        engine answers its first worker); returns the note for the load line. `on`: every shape
+        captured or the load fails; `auto`: the shapes whose graph replays equal."""
         mode = config.cuda_graphs if config else "off"
         if mode == "off":
             return "CUDA graphs off"
@@ -140,10 +126,6 @@ class CudaRunner(Runner):
                                          config.cuda_graph_batch_sizes, config.cuda_graph_max_batch),
                     int(config.cuda_graph_memory_mb * 2**20))
             lengths = graphs.length_buckets(self.spec, self.pad)
-            if defer and mode == "auto":
-                self.deferred = graphs.GraphBuilder(*args, verify=True, lengths=lengths)
-                self.plain_calls = 0
-                return f"CUDA graphs: capturing {len(self.deferred.pending)} buckets after ready (between batches)"
             try:
                 with torch.inference_mode():
                     self.graphs = graphs.build(*args, verify=True, lengths=lengths)
@@ -157,58 +139,6 @@ class CudaRunner(Runner):
         if mode == "on":
             raise LoadError(f"handler.cuda_graphs is on but this model cannot use them: {reason}. "
                             "Fix: set cuda_graphs to auto (falls back) or off.")
-        logger.warning("running without CUDA graphs: %s", reason)
-        return f"no CUDA graphs ({reason})"
-
-    def defers(self, config, kind) -> bool:
-        """Whether prepare(defer=True) would leave the captures for after ready: `auto`, and a
-        model whose graphs can be captured (else nothing waits; the caller warms up as usual)."""
-        return (config is not None and config.cuda_graphs == "auto"
-                and graphs.why_not_capturable(kind, self.spec, self.pad) is None)
-
-    def capture_step(self):
-        """The deferred captures as one step per gap between batches (capture_next), or None
-        when none wait. Counts the calls that ran plainly from now on (the clients' calls: the
-        request-path warm-up ran before) and logs when done: how long since ready, how many calls
-        ran plainly meanwhile, what was kept and what fell back. A sticky CUDA error is raised
-        from the step (the worker breaks and exits; TorchServe starts a fresh one)."""
-        if self.deferred is None:
-            return None
-        self.plain_calls, t0 = 0, time.perf_counter()
-
-        def step() -> bool:
-            note = self.capture_next()
-            if note is None:
-                return True
-            logger.info("CUDA graphs after ready: done in %.2fs, %d call(s) ran without a graph meanwhile; %s",
-                        time.perf_counter() - t0, self.plain_calls, note)
-            return False
-
-        return step
-
-    def capture_next(self):
-        """One step of the deferred capture (prepare(defer=True)): the next shape captured,
-        checked against the plain call and, where it matches, replayed by the calls of its shape
-        from the next batch on. Returns None while shapes are left, then the note saying what
-        was kept. A difference from the plain call drops every graph (as at load); a sticky
-        CUDA error is raised (the process cannot serve any more). Call it only on the thread
-        that serves requests, between batches: a capture must not overlap a call."""
-        builder = self.deferred
-        try:
-            with torch.inference_mode():
-                builder.step()
-                if builder.pending:
-                    if builder.kept:
-                        self.graphs = builder.graphs()
-                    return None
-                self.deferred, self.graphs = None, builder.finish()
-            return self.graphs.describe()
-        except Exception as e:  # noqa: BLE001  (any failure of the capture or its check: plain calls, or re-raised if sticky)
-            self.deferred = None
-            builder.kept.clear()  # nothing may hold a graph once the cache is emptied below
-            reason = self._failed(e)
-        del builder
-        torch.cuda.empty_cache()  # after the except block: its traceback held the graphs
         logger.warning("running without CUDA graphs: %s", reason)
         return f"no CUDA graphs ({reason})"
 
@@ -246,8 +176,6 @@ class CudaRunner(Runner):
 
     def call(self, parts: dict, run_rows: int) -> dict:
         bucket = self.graphs.for_call(run_rows, parts, self.spec.input_names) if self.graphs else None
-        if bucket is None and self.deferred is not None:
-            self.plain_calls += 1
         self.stream.wait_stream(self.producer)
         try:
             with torch.cuda.stream(self.stream):

@@ -31,22 +31,22 @@ from handlers.artifact.load import load_artifact
 from handlers.errors import LoadError
 from handlers.run.decoder import DecoderRunner
 from handlers.run.stream import worker_stream
-from handlers.weights.holder import pack
+from handlers.weights.pack import pack
 
 RESERVE = 0.1  # of the GPU's memory, left free by the lanes (the batch's sampling, the allocator's slack)
 
 
 @dataclasses.dataclass
 class Shared:
-    """The weights every lane reads (what a kind's `load(..., weights=)` takes of the holder's
-    HeldWeights: `.tensors`, `.library`), kept for the engine's life by each lane's model."""
+    """The weights every lane reads (what a kind's `load(..., weights=)` takes: `.tensors`,
+    `.library`), kept for the engine's life by each lane's model."""
     tensors: dict
     library: object = None
 
 
 def load_lanes(spec, decoder, placement, config) -> tuple:
     """([DecoderRunner] of up to handler.cache_copies lanes, the note): the weights read once
-    (the kind's held_weights, as the GPU's weights holder reads them), every lane a load of the
+    (the kind's held_weights, packed: handlers/weights/pack.py), every lane a load of the
     artifact on them with a cache of its own. On a GPU, as many lanes as its free memory holds
     after the first (`_room`); one plain lane where the kind cannot share its weights
     (kind.not_shared), where reading them for sharing fails, or with cache_copies 1."""

@@ -9,13 +9,13 @@ import torch
 from handlers.batch import warmup_sizes
 
 
-def warm(spec, runner, batch_sizes=(), smallest_only: bool = False) -> None:
-    """The model across a few batch sizes (`smallest_only`: the smallest accepted batch), then
+def warm(spec, runner, batch_sizes=()) -> None:
+    """The model across a few batch sizes, then
     every length bucket at that batch. Its inputs are valid requests (ArtifactSpec.example: ids
     inside their ranges, per column; masks all ones), never all zeros: a fully masked row or an
     id outside its table is what kernels fail on. `batch_sizes`: handler.warmup_batch_sizes."""
     sizes = warmup_sizes(spec.batch_min, spec.batch_max, batch_sizes)
-    for size in sizes[:1] if smallest_only else sizes:
+    for size in sizes:
         with torch.inference_mode():
             runner.run([spec.example(size)])
     # every length bucket (padding), or the longest request: the allocator sees its blocks now

@@ -153,9 +153,6 @@ def _load_message(reader: FrameReader) -> dict:
 
 
 _reader = None  # the FrameReader of the connection read last (a worker has one)
-# The started worker's between_batches(waiting) (handlers/worker.py), set by install: a worker
-# process has one owner, and TorchServe's loop calls retrieve_msg with the socket alone.
-_between_batches = None
 
 
 def retrieve_msg(conn):
@@ -167,11 +164,8 @@ def retrieve_msg(conn):
     if timeline.ON:
         timeline.mark("wait")
     if reader.pos == reader.end:
-        # the loop sent its last answers and is back for the next message: the moment for the
-        # worker's deferred work while none has begun to arrive, and the clean moment to exit
-        # after a sticky device fault
-        if _between_batches is not None and not restart.exiting():
-            _between_batches(lambda: restart.waiting(conn))
+        # the loop sent its last answers and is back for the next message: the clean moment to
+        # exit after a sticky device fault
         restart.exit_if_idle(conn)
     cmd = reader.bytes(1)
     if timeline.ON:
@@ -189,11 +183,8 @@ def retrieve_msg(conn):
     raise ValueError("Invalid command: {}".format(cmd))
 
 
-def install(enabled: bool, between_batches=None) -> str:
-    """Puts `retrieve_msg` into this TorchServe worker's loop, calling `between_batches(waiting)`
-    each time the loop is back for its next message; returns what was done, for the load line."""
-    global _between_batches
-    _between_batches = between_batches
+def install(enabled: bool) -> str:
+    """Puts `retrieve_msg` into this TorchServe worker's loop; returns what was done, for the load line."""
     if not enabled:
         return "TorchServe's frame reader (handler.buffered_reader: false)"
     main = sys.modules.get("__main__")
@@ -227,12 +218,3 @@ def async_worker() -> bool:
     """Whether this process is TorchServe's async worker (model-config asyncCommunication: its
     frontend starts ts/model_service_worker.py with --async, and the worker awaits `handle`)."""
     return "--async" in sys.argv
-
-
-def runs_between_batches() -> bool:
-    """Whether this worker's loop reads its messages with retrieve_msg, which runs the work
-    deferred between batches each time the loop is back for its next message: TorchServe's own
-    reader, its async worker and a handler driven in-process (tests, bench.bench) never get
-    there."""
-    main = sys.modules.get("__main__")
-    return getattr(main, "retrieve_msg", None) is retrieve_msg

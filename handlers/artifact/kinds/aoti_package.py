@@ -115,7 +115,7 @@ class AotiPackage(ArtifactKind):
         """(a runner reading `weights`, how it was loaded): the single-threaded runner where CUDA
         graphs want it, else (or where that one fails its first call) the container's threaded
         run, whose graphs the capture check keeps or refuses on their answers (run/graphs.py).
-        `library`: the holder's unpacked library (shared_library), else this load unpacks its own."""
+        `library`: the library unpacked once for every held load (shared_library), else this load unpacks its own."""
         errors = []
         for single in dict.fromkeys((graphs, False)):
             runner = self._runner(spec, placement, single, library)
@@ -139,7 +139,7 @@ class AotiPackage(ArtifactKind):
     @staticmethod
     def _runner(spec, placement, single_threaded=False, library=None):
         """The package's library under the container runner: `library` ((wrapper .so, kernel
-        directory) the holder unpacked, read-only to this load), else extracted into this
+        directory) unpacked once for every held load, read-only to this load), else extracted into this
         process's scratch directory (TMPDIR, removed when the process is gone:
         handlers/torchserve/scratch.py)."""
         so, kernels = library or aoti_runner.package_library(spec.artifact_path, tempfile.mkdtemp(prefix="aoti-"))

@@ -1,6 +1,6 @@
 """AOTInductor's container runner (`torch._C._aoti.AOTIModelContainerRunnerCuda/Cpu`) on a
-wrapper library: built, its constants read out for the GPU's weights holder, and pointed at the
-holder's tensors instead of its own copy (handlers/weights).
+wrapper library: built, its constants read out once, and pointed at those shared tensors instead of
+its own copy (the engine's lanes: handlers/run/lanes.py, handlers/weights/pack.py).
 
 Facts this relies on (torch 2.13, tests/test_shared_weights.py checks them on CPU):
 - the runner's `update_constant_buffer(map, use_inactive, validate_full_updates, user_managed)`

@@ -47,13 +47,13 @@ class ArtifactKind:
     # What cs-compile needs to produce it: "cxx" (a C++ compiler for a wrapper),
     # "torch_tensorrt"; None when compile.py does not produce it directly.
     compile_needs: tuple = None
-    # Why a worker of this kind cannot read its weights from the GPU's weights holder
-    # (handlers/weights), or None when it can: `held_weights` gives the holder the tensors and
-    # `load(..., weights=...)` reads them in place.
+    # Why loads of this kind cannot read one shared copy of the weights (the engine's lanes,
+    # handlers/run/lanes.py; handlers/weights/pack.py), or None when they can: `held_weights`
+    # gives the tensors to pack and `load(..., weights=...)` reads them in place.
     not_shared = "its loader cannot take weights it does not own"
     # Its load with held weights allocates a copy of its own for a moment (the AOTInductor
-    # container fills its constants from the library before they are swapped out), so such loads
-    # on one GPU take turns (handlers/weights/attach.py).
+    # container fills its constants from the library before they are swapped out): the lanes'
+    # count leaves room for it (handlers/run/lanes.py).
     load_copies_weights = False
 
     @property
@@ -81,22 +81,22 @@ class ArtifactKind:
         """Compatibility rules beyond the common ones (rules.py)."""
 
     def load(self, spec: ArtifactSpec, placement: Placement, config=None, weights=None) -> LoadedModel:
-        """The artifact loaded on `placement`; given `weights` (handlers/weights/attach.HeldWeights:
+        """The artifact loaded on `placement`; given `weights` (handlers/run/lanes.py Shared:
         `.tensors`, {name: tensor} as `held_weights` named them, and `.library`, what
-        `shared_library` gave the holder), the model reads those in place instead of its own copy."""
+        `shared_library` unpacked), the model reads those in place instead of its own copy."""
         raise NotImplementedError
 
     def shared_library(self, spec: ArtifactSpec, dest: str):
-        """Files the holder unpacks once into `dest` for every worker's held load (an AOTInductor
-        package's wrapper library: extracting its embedded weights takes each worker seconds),
-        or None where a load needs none."""
+        """Files unpacked once into `dest` for every held load (an AOTInductor package's wrapper
+        library: extracting its embedded weights takes each load seconds), or None where a load
+        needs none."""
         return None
 
     def held_weights(self, spec: ArtifactSpec, placement: Placement, keep, library=None) -> dict:
         """keep({name: tensor}) of every weight the model reads and never writes, called while
         those tensors are alive: `keep` copies them onto the placement's device, into one
-        allocation per dtype, and returns the copies (what the holder serves). `library`: what
-        `shared_library` unpacked, for the holder's own read of the weights."""
+        allocation per dtype, and returns the copies (what every held load reads). `library`: what
+        `shared_library` unpacked, for this read of the weights."""
         raise NotImplementedError(f"{self.name} artifacts do not share weights: {self.not_shared}")
 
     def compile(self, ep, inputs, path: str, options) -> dict:

@@ -39,7 +39,7 @@ class ExportedProgram(ArtifactKind):
         return LoadedModel(module, spec, placement.torch_device, "exported_program")
 
     def held_weights(self, spec, placement, keep, library=None):
-        return keep(read_only(self._program(spec)))  # copied from the host straight into the holder's allocation
+        return keep(read_only(self._program(spec)))  # copied from the host straight into the packed allocation
 
     @staticmethod
     def _program(spec):
@@ -70,7 +70,7 @@ def read_only(ep) -> dict:
 
 def adopt(ep, weights: dict) -> None:
     """The program's read-only tensors replaced by the held ones of the same names (a parameter
-    stays a parameter). Raises LoadError naming a tensor the holder lacks or holds with another
+    stays a parameter). Raises LoadError naming a tensor the shared copy lacks or holds with another
     shape or dtype."""
     for name, mine in read_only(ep).items():
         held = weights.get(name)
