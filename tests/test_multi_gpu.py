@@ -215,3 +215,18 @@ def test_a_package_that_fails_on_another_gpu_names_the_fix():
     assert "compiled on cuda:1 and checked on cuda:0" in hint and "--device-index 1" in hint
     assert ia.moved_hint(aoti, cuda("cuda", 0), cuda("cuda", 0)) == ""  # failed where it was built: no move
     assert ia.moved_hint(type("S", (), {"backend": "export"})(), cuda("cuda", 1), cuda("cuda", 0)) == ""
+
+
+def test_an_engine_confined_to_its_gpu_names_it_as_the_host_does(monkeypatch):
+    """The engine inherits its worker's CUDA_VISIBLE_DEVICES: its cuda:0 is named as the host names
+    it in its load line (what every worker's line repeats), and nothing changes where it sees every
+    GPU or runs on the CPU."""
+    from handlers.engine.artifact import _host_named
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert _host_named(Placement("cuda", 0)).where == "cuda:0 (host GPU 1)"
+    assert _host_named(Placement("cpu", None)).where == "cpu"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert _host_named(Placement("cuda", 1)).where == "cuda:1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _host_named(Placement("cuda", 0)).where == "cuda:0"

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from handlers.artifact.confine import VAR, visible_ids
 from handlers.artifact.decoder import of as decoder_of
 from handlers.artifact.kinds import kind_of
 from handlers.artifact.load import load_artifact
@@ -54,6 +55,7 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     config = parse_config(yaml_config)
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     spec, placement, notes = choose_variant(model_dir, gpu_id, config, verdict_root)
+    placement = _host_named(placement)
     for note in notes:
         logger.warning("%s", note)
     kind = kind_of(spec)
@@ -119,6 +121,16 @@ def _generating(runner, spec, placement, config, t0: float, what: str, note: str
                 + f"load {t1 - t0:.2f}s, warm-up, graphs and budget {time.perf_counter() - t1:.2f}s; {graphs}; "
                 f"CPU threads {torch.get_num_threads()}")
     return EngineModel(runner, spec, spec.variant_dir, placement.where, describe, config, budget)
+
+
+def _host_named(placement):
+    """`placement` naming its GPU as the host does where this engine sees one GPU alone: it inherits
+    its worker's confinement (CUDA_VISIBLE_DEVICES, handlers/artifact/confine.py), so its cuda:0 is
+    that entry, which every worker's load line and the log then show ("cuda:0 (host GPU 1)")."""
+    ids = visible_ids(os.environ.get(VAR))
+    if placement.kind != "cuda" or ids is None or len(ids) != 1:
+        return placement
+    return dataclasses.replace(placement, gpu=ids[0])
 
 
 class InsufficientGpuMemory(LoadError):
