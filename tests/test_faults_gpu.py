@@ -5,8 +5,8 @@ Every model runs in its GPU's engine (handler.engine auto, the one GPU path):
 - a CUDA out-of-memory on one request answers that request (507 OutOfMemory, the reason in the
   message) while the good requests of its batch and later ones are served by the same engine;
 - a sticky CUDA error (a device-side assert from an out-of-range embedding index, value checks
-  switched off) ends the engine: the requests at hand are answered 503 (retryable, the device
-  fault named), and a successor engine loads and serves;
+  switched off) ends the engine: the request whose step hit it is answered 500 naming the fault,
+  requests while the successor loads are refused (503), and the successor engine serves;
 - with the value contract (the default) the same ids are 400 and never reach the GPU: a
   BERT-style fp16 AOTI encoder under 16 clients of good traffic, an id past its vocabulary every
   2 s, loses no good request and restarts no engine.
@@ -111,7 +111,9 @@ def test_sticky_cuda_error_ends_the_engine_and_a_successor_serves(gpu_fault_serv
                                     "requests_until_recovered": len(statuses),
                                     "failed_until_recovered": sum(1 for s in statuses if s != 200),
                                     "recovered_s": round(recovered_s, 1), "engine_restarted": int(before != after)}
-    assert bad.status_code == 503 and "device fault" in bad.json()["message"], bad.text[:500]
+    # the request whose step hit the fault: 500 naming it (handlers/engine/device.py), the engine ends
+    assert bad.status_code == 500 and "the device failed a step" in bad.json()["message"], bad.text[:500]
+    assert "device-side assert" in bad.json()["message"], bad.text[:500]
     assert statuses and statuses[-1] == 200 and before != after, RESULTS["sticky_cuda_error"]
 
 
