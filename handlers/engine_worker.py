@@ -47,7 +47,22 @@ def wanted(context) -> Optional[HandlerConfig]:
     specs = [read_spec(d) for d in find_variants(context.system_properties["model_dir"])]
     # a GPU TorchServe assigned: gpu_id set, and device_type not cpu
     on_gpu = context.system_properties.get("gpu_id") is not None and config.device_type != "cpu"
+    if on_gpu and not any(s.device == "cuda" for s in specs):
+        # only programs exported on the CPU, which the CPU runs too: TorchServe counts GPUs from
+        # CUDA_VISIBLE_DEVICES alone where it is set, so its gpu_id does not mean there is one
+        on_gpu = host_has_gpu()
     return config if serves(config.engine, specs, on_gpu) else None
+
+
+def host_has_gpu() -> bool:
+    """Whether this process sees an NVIDIA GPU, asked of NVML (torch's count under
+    PYTORCH_NVML_BASED_CUDA_CHECK, honouring CUDA_VISIBLE_DEVICES), never of CUDA: a worker that
+    starts CUDA can no longer be confined to its GPU (handlers/artifact/confine.py). -1 (no NVML:
+    no NVIDIA driver here) or 0 is no GPU."""
+    try:
+        return torch.cuda._device_count_nvml() > 0
+    except Exception:  # noqa: BLE001  (a private torch function: any failure means unknown, so the CPU)
+        return False
 
 
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:

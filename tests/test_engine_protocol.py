@@ -194,3 +194,31 @@ def test_close_leaves_nothing_behind_even_with_views_alive():
     gc.collect()
     assert not memfd_mappings() and not memfd_fds()
     assert set(os.listdir("/dev/shm")) <= shm_before  # the arena never had a name there
+
+
+def test_an_engine_socket_under_a_deep_directory_binds_and_connects(tmp_path):
+    """A socket path longer than sun_path's 107 bytes (a TorchServe under a deep directory: the README
+    walk's clone) is bound and reached through its directory's descriptor; the file stays in place."""
+    import socket
+
+    from handlers.engine.protocol import UNIX_PATH_MAX, unix_address
+    from handlers.engine.serve import listen
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = str(deep / "82e78bc11cf1ab0c.sock")
+    assert len(path) > UNIX_PATH_MAX
+    server = listen(path)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with unix_address(path) as address:
+            client.connect(address)
+        conn, _ = server.accept()
+        client.sendall(b"hello")
+        assert conn.recv(5) == b"hello" and (deep / "82e78bc11cf1ab0c.sock").is_socket()
+        conn.close()
+    finally:
+        client.close()
+        server.close()
+    with unix_address("/tmp/short.sock") as address:
+        assert address == "/tmp/short.sock"

@@ -173,6 +173,7 @@ def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, 
         return SimpleNamespace(device=device, backend=backend or "aoti", decoder=decoder)
 
     monkeypatch.setattr(engine_worker, "read_spec", spec)
+    monkeypatch.setattr(engine_worker, "host_has_gpu", lambda: gpu_id is not None)  # NVML sees the GPU given
     monkeypatch.setattr(engine_worker, "decoder_of",
                         lambda spec: SimpleNamespace(slotted=spec.decoder == "slots") if spec.decoder else None)
     raw = {"handler": {"engine": engine} if engine else {}}
@@ -181,3 +182,23 @@ def test_which_workers_the_engine_serves(monkeypatch, tmp_path, engine, gpu_id, 
     context = SimpleNamespace(model_yaml_config=raw,
                               system_properties={"model_dir": str(tmp_path), "gpu_id": gpu_id})
     assert (engine_worker.wanted(context) is not None) == served
+
+
+def test_a_gpu_id_without_a_gpu_keeps_a_cpu_exported_program_in_its_workers(monkeypatch, tmp_path):
+    """TorchServe counts GPUs from CUDA_VISIBLE_DEVICES alone where it is set, and hands out gpu_id 0
+    on a host with none: a program exported on the CPU then stays in its workers on the CPU (NVML,
+    never CUDA, says whether a GPU is there); an archive built for CUDA still goes to the engine,
+    whose load says what the machine lacks."""
+    from types import SimpleNamespace
+    from handlers import engine_worker
+
+    def wanted(device, backend, nvml):
+        monkeypatch.setattr(engine_worker, "find_variants", lambda model_dir: ["v"])
+        monkeypatch.setattr(engine_worker, "read_spec", lambda d: SimpleNamespace(device=device, backend=backend))
+        monkeypatch.setattr(engine_worker.torch.cuda, "_device_count_nvml", lambda: nvml)
+        context = SimpleNamespace(model_yaml_config={}, system_properties={"model_dir": str(tmp_path), "gpu_id": 0})
+        return engine_worker.wanted(context) is not None
+
+    assert not wanted("cpu", "export", -1) and not wanted("cpu", "export", 0)  # no NVIDIA driver; no GPU
+    assert wanted("cpu", "export", 1)
+    assert wanted("cuda", "aoti", -1)

@@ -150,7 +150,11 @@ def test_the_worker_places_by_cuda_0_once_confined(monkeypatch):
     monkeypatch.setattr(confine, "cuda_built", lambda: True)
     monkeypatch.setattr(confine, "visible_gpus", lambda: 2)
     monkeypatch.setattr(confine, "driver_started", lambda: False)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # set, then removed through monkeypatch: its first record is the variable as it was, so what
+    # confine writes below is undone too (a CUDA_VISIBLE_DEVICES left in this process makes every
+    # TorchServe a later test starts count a GPU and hand out gpu_id 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     gpu_id, done = startup.confine_worker(1)
     assert (gpu_id, done.entry, os.environ["CUDA_VISIBLE_DEVICES"]) == (0, "1", "1")
     monkeypatch.setattr(confine, "driver_started", lambda: True)

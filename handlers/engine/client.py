@@ -307,7 +307,8 @@ class EngineClient(Client):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(connect_timeout)
-            sock.connect(path)
+            with p.unix_address(path) as address:
+                sock.connect(address)
             self.conn = p.Connection(sock)
             self.conn.send(p.Hello(name, os.getpid(), worker_bytes, engine_bytes), fds=(self.arena.fd,))
             self.ready = self._handshake(connect_timeout)

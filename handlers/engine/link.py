@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional
 
 from handlers import process
@@ -87,8 +88,14 @@ def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]
 
 
 def _ready_line(proc, log: str) -> dict:
+    t0 = time.monotonic()
     line = process.ready_line(proc, ENGINE_START_S)
     if line is None:
-        raise LoadError(f"the engine gave no ready line within {ENGINE_START_S:.0f}s (exit status "
-                        f"{proc.poll()}); its log: {log}")
+        try:  # killed by ready_line where it still ran: its status says which
+            status = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = None
+        raise LoadError(f"the engine gave no ready line: it ended after {time.monotonic() - t0:.1f}s with exit status "
+                        f"{status} (-9: still loading at the {ENGINE_START_S:.0f}s limit, and killed); its log, with "
+                        f"the cause: {log}")
     return line

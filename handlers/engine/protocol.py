@@ -54,6 +54,8 @@ is small; what matters more is that no tensor bytes are in it.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import struct
 import threading
@@ -252,6 +254,27 @@ class Decoder:
             at += HEADER.size + n
         del self._buf[:at]
         return out
+
+
+# sun_path holds 108 bytes on Linux, its terminating NUL included (unix(7)): a longer socket path
+# fails bind and connect with "AF_UNIX path too long"
+UNIX_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def unix_address(path: str):
+    """The address to bind or connect to for the socket file `path`, valid inside the block. A path
+    longer than sun_path holds (a TorchServe under a deep directory) is reached through an O_PATH
+    descriptor of its directory, /proc/self/fd/N/NAME, which Linux resolves through the descriptor:
+    the socket file stays where its directory's permissions guard it."""
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+        yield path
+        return
+    fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+    finally:
+        os.close(fd)
 
 
 class Connection:

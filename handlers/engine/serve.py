@@ -51,7 +51,8 @@ def listen(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # created 0600, never briefly wider
     try:
-        sock.bind(path)
+        with p.unix_address(path) as address:
+            sock.bind(address)
     finally:
         os.umask(old)
     sock.listen(64)
