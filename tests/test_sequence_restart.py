@@ -27,13 +27,53 @@ RESULTS = {"sequence_restart_s": {}, "sequence_cut_stream": {}}
 BACK_S = 15  # as test_slot_restart's: the sync form came back in 4.1-5.5 s on this CPU
 
 
-@pytest.fixture(scope="module")
-def seq_ts(serve, tmp_path_factory):
-    d = tmp_path_factory.mktemp("sequence_restart")
+@pytest.fixture(scope="module", params=["worker", "engine"])
+def seq_ts(serve, tmp_path_factory, request):
+    """The decoder run by its worker (on the CPU), and by the engine (engine: on, its lanes, as on a
+    GPU with an archive made without asyncCommunication: the worker streams in TorchServe's sync form)."""
+    d = tmp_path_factory.mktemp(f"sequence_restart_{request.param}")
     path = d / "lm.pt2"
     # a cache of 1024 positions: a stream long enough (a second or more here) to be killed mid-way
     torch.export.save(tiny_decoder.export(tiny_decoder.build(tiny_decoder.Config(max_seq_length=1024)), "torchchat"), path)
-    return served_with_fault_point(serve, d, build_mar(path, "lm", d / "store"), BACK_S)
+    opts = ("--handler-option", "engine=on", "--handler-option", "cache_copies=2") if request.param == "engine" else ()
+    mar = build_mar(path, "lm", d / "store", *opts)
+    if request.param == "engine":  # sync, as an archive of a program exported on the CPU is on a GPU
+        _sync(mar)
+    ts = served_with_fault_point(serve, d, mar, BACK_S)
+    ts.mode = request.param
+    return ts
+
+
+# Known gap (issue 64): a sync worker served by the engine streams through handlers/continuous.py,
+# whose streams the guardian does not end (installing it there was tried: the stream was still cut
+# with a connection reset). cs-archive gives asyncCommunication to a decoder it knows the engine
+# serves; a program exported on the CPU archived without --device-type gpu has none.
+ENGINE_SYNC_GAP = pytest.mark.xfail(strict=True, reason="a sync worker served by the engine: a killed worker's "
+                                                        "stream is cut without its error event")
+
+
+def mark_gap(request, ts) -> None:
+    if ts.mode == "engine":
+        request.node.add_marker(ENGINE_SYNC_GAP)
+
+
+def _sync(mar) -> None:
+    """`mar` rewritten without asyncCommunication (cs-archive gives it to a decoder served by the engine)."""
+    import shutil
+    import zipfile
+
+    import yaml
+
+    tmp = mar.with_suffix(".tmp")
+    with zipfile.ZipFile(mar) as z, zipfile.ZipFile(tmp, "w") as out:
+        for item in z.infolist():
+            data = z.read(item)
+            if item.filename == "model-config.yaml":
+                cfg = yaml.safe_load(data)
+                cfg.pop("asyncCommunication", None)
+                data = yaml.safe_dump(cfg).encode()
+            out.writestr(item, data)
+    shutil.move(tmp, mar)
 
 
 def stream(ts, body, outcomes, started=None) -> None:
@@ -58,7 +98,8 @@ def stream(ts, body, outcomes, started=None) -> None:
             started.set()
 
 
-def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(seq_ts):
+def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(seq_ts, request):
+    mark_gap(request, seq_ts)
     assert answered(seq_ts)[0] == 200
     pid = pid_of(seq_ts)
     long = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 1000, "ignore_eos": True}}
@@ -98,7 +139,8 @@ def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(s
     print(f"back {RESULTS['sequence_restart_s']['busy']:.1f}s after the kill")
 
 
-def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts):
+def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts, request):
+    mark_gap(request, seq_ts)
     cut_before_its_first_chunk(seq_ts)
 
 
@@ -109,5 +151,5 @@ def test_an_idle_worker_killed_comes_back_as_soon_as_without_a_guardian(seq_ts):
     pid = pid_of(seq_ts)
     os.kill(pid, signal.SIGKILL)
     took = back_within(seq_ts, pid, seq_ts.back_s)
-    RESULTS["sequence_restart_s"]["idle"] = round(took, 2)
+    RESULTS["sequence_restart_s"]["idle" if seq_ts.mode == "worker" else "idle_engine"] = round(took, 2)
     print(f"idle kill: back in {took:.1f}s")
