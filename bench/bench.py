@@ -458,8 +458,12 @@ def cuda_stages(run, case, cur, body, handle) -> dict:
 
     # For contrast: one body reused, long out of the CPU caches by the next call.
     stages["handle_reused_body"] = lambda: handle(body)
+    # handle() with the uploads in pieces where the handler's own runner uploads (not where its
+    # GPU's engine does: there staging_piece_mb is the engine's setting); the transfers alone always
+    own_uploads = hasattr(handler.worker.loaded.runner, "piece_bytes")
     for mib in run.args.pieces:
-        stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
+        if own_uploads:
+            stages[f"handle_pieces_{mib:g}MiB"] = with_pieces(mib)
         stages[f"xfer_pieces_{mib:g}MiB"] = xfer(mib)
     return stages
 

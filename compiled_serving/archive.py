@@ -10,7 +10,7 @@ nothing is pip-installed per model.
       [--input-range INPUT[COL]=LO:HI ...]  # a file is imported first (compiled_serving/import_artifact.py)
       [--pad auto|none]                # auto: declare the padding the import found safe
       [--workers N] [--batch-size N] [--max-batch-delay MS] [--device-type cpu|gpu]
-      [--gpu-memory-gib G] [--worker-overhead-mib M] [--gpu-memory-headroom F]  # CUDA worker count
+      [--gpu-memory-gib G] [--worker-overhead-mib M] [--gpu-memory-headroom F]  # the engine's GPU memory
       [--handler-option KEY=VALUE ...]
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from handlers.artifact.metadata import METADATA_FILE, read_spec, row_bytes, sha256_file
-from handlers.config import parse_config
+from handlers.config import RETIRED, parse_config
 from handlers.errors import LoadError
 from compiled_serving import worker_sizing
 from compiled_serving.weight_bytes import weight_bytes
@@ -138,7 +138,7 @@ def warned(text: str) -> tuple:
 @dataclass(frozen=True)
 class WorkerPlan:
     workers: int
-    worker_gpu_mb: Optional[float] = None  # a CUDA worker's need (handler.worker_gpu_mb), None: not sized
+    worker_gpu_mb: Optional[float] = None  # the engine's need (handler.worker_gpu_mb), None: not sized
     gpu_sizing: Optional[dict] = None  # model-config's gpuSizing record
 
 
@@ -404,6 +404,8 @@ def handler_options(items: list) -> dict:
         if "=" not in item:
             fail(f"--handler-option {item!r}: expected KEY=VALUE")
         k, v = item.split("=", 1)
+        if k in RETIRED:  # a worker would ignore it: say so now, and write nothing
+            fail(f"--handler-option {k}: retired, {RETIRED[k]}; leave it out")
         opts[k] = _yaml_value(v)
     return opts
 

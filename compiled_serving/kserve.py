@@ -452,7 +452,7 @@ def device_resources(args, mars, device):
     gpu_memory = gpu_memory_need(mars) if device == "gpu" else None
     if gpu_memory and args.no_gpu_memory_affinity:
         print(f"kserve: note: no node affinity on {GPU_MEMORY_LABEL}: each GPU must have {gpu_memory[0]} MiB "
-              f"for the archives' workers ({gpu_memory[1]})", file=sys.stderr)
+              f"for the archives' engines ({gpu_memory[1]})", file=sys.stderr)
         gpu_memory = None
     elif gpu_memory:
         print(f"kserve: gpu manifests require nodes labelled {GPU_MEMORY_LABEL} >= {gpu_memory[0]} MiB "

@@ -447,7 +447,7 @@ def become_worker(req: dict, fds: list, frontend: int, sources: dict | None = No
         os.close(fd)
     os.chdir(req["cwd"])
     # its parent is this zygote: what the handler takes for its frontend (handlers/process.py
-    # frontend_pid: the engine's and the weights holder's key, the guardian, the frontend watch)
+    # frontend_pid: the engine's key, the guardian, the frontend watch)
     os.environ[FRONTEND_ENV] = str(frontend)
     threading.Thread(target=_die_with, args=(req["launcher"],), name="prefork-launcher-watch", daemon=True).start()
     use_compiled(sources or {})

@@ -27,8 +27,8 @@ OVERHEAD_NO_GRAPHS_MIB = round(MEASURED_WORKER_NO_GRAPHS_MIB - MEASURED_WEIGHTS_
 # Where no GPU can be read: the 24 GB class clusters use for inference (NVIDIA L4, A10G). Such
 # cards give CUDA somewhat less than 24 GiB; the headroom below covers the difference.
 DEFAULT_GPU_GIB = 24.0
-# Memory kept free of the arithmetic: the allocator's fragmentation, a trial load's second
-# context while workers start (handlers/artifact/probe.py), whatever else shares the GPU.
+# Memory kept free of the arithmetic: the allocator's fragmentation, a load's moment of a second
+# copy (an AOTInductor package's constants before they are swapped), whatever else shares the GPU.
 DEFAULT_HEADROOM = 0.10
 # handler.engine (issue 64): the workers hold no GPU and each has one batch in flight, so more of
 # them keep the engine busier, up to a point: more workers split the same clients into smaller

@@ -57,12 +57,15 @@ def wanted(context) -> Optional[HandlerConfig]:
 def host_has_gpu() -> bool:
     """Whether this process sees an NVIDIA GPU, asked of NVML (torch's count under
     PYTORCH_NVML_BASED_CUDA_CHECK, honouring CUDA_VISIBLE_DEVICES), never of CUDA: a worker that
-    starts CUDA can no longer be confined to its GPU (handlers/artifact/confine.py). -1 (no NVML:
-    no NVIDIA driver here) or 0 is no GPU."""
+    starts CUDA can no longer be confined to its GPU (handlers/artifact/confine.py). Where NVML
+    cannot tell (-1: no libnvidia-ml, as in a container given the driver's compute capability
+    alone, or MIG entries torch does not count), the driver's control device says: it exists
+    wherever an NVIDIA driver serves this process."""
     try:
-        return torch.cuda._device_count_nvml() > 0
-    except Exception:  # noqa: BLE001  (a private torch function: any failure means unknown, so the CPU)
-        return False
+        count = torch.cuda._device_count_nvml()
+    except Exception:  # noqa: BLE001  (a private torch function: any failure means unknown)
+        count = -1
+    return count > 0 or (count < 0 and os.path.exists("/dev/nvidiactl"))
 
 
 def serves(setting: str, specs: list, on_gpu: bool) -> bool:

@@ -108,7 +108,6 @@ class StartPlan:
     spec: ArtifactSpec
     placement: Placement
     model_dir: str  # the archive's files (a decoder's tokenizer.json)
-    host_gpus: int = -1  # the GPUs the worker saw before it was confined to one (-1: unknown)
 
 
 def settings(context) -> tuple:
@@ -134,20 +133,22 @@ def plan(context) -> StartPlan:
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
     process.record("torch fp32 matmul precision", config.float32_matmul_precision)
     props = context.system_properties
-    gpu_id, confined = confine_worker(props.get("gpu_id"))
+    gpu_id, _ = confine_worker(props.get("gpu_id"))
     spec, placement, notes = choose_variant(props["model_dir"], gpu_id, config, scratch.shared_root())
-    if placement.kind != "cpu":  # engine_worker.wanted sends every archive a GPU runs to the engine
-        raise LoadError(f"{spec.backend}/{spec.device} was placed on {placement.where} in the worker itself, "
-                        "which runs models on the CPU only (the per-worker GPU path was retired, issue 64): "
-                        "a bug of handlers/engine_worker.py's choice. Fix: report it; meanwhile set "
-                        "handler.engine: on in model-config.yaml")
+    if placement.kind != "cpu":
+        # a worker runs models on the CPU only (the per-worker GPU path was retired, issue 64):
+        # engine_worker.wanted found no GPU here (NVML) where CUDA places one; the CPU, said why
+        logger.warning("%s/%s could go to %s, but this worker found no GPU before CUDA started (NVML, "
+                       "/dev/nvidiactl), so it runs the model itself on the CPU. Fix: handler.engine: on in "
+                       "model-config.yaml sends it to the GPU's engine", spec.backend, spec.device, placement.where)
+        spec, placement, notes = choose_variant(props["model_dir"], None, config, scratch.shared_root())
     require_checked(spec, kind_of(spec))  # a program that writes state between calls is never served as stateless
     for note in notes:
         logger.warning("%s", note)
     slow_imports = process.uncompiled_imports(torch)
     if slow_imports:
         logger.warning("slow worker starts: %s", slow_imports)
-    return StartPlan(config, spec, placement, props["model_dir"], confined.host_gpus)
+    return StartPlan(config, spec, placement, props["model_dir"])
 
 
 def confine_worker(gpu_id) -> tuple:

@@ -41,7 +41,7 @@ class Worker:
         handler.answer_load_failure: false."""
         # from here the start's steps are the handler's own: the process's age so far is its
         # interpreter and imports; "variant" covers the settings, the variant's choice and its
-        # integrity check, the GPU room's wait and the thread budget (startup.load)
+        # integrity check and the thread budget (startup.load)
         steps = startup.StartSteps()
         startup.enter_process()  # TorchServe's settings for this worker, its scratch directory
         startup.warn_retired(context)

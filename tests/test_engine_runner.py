@@ -202,3 +202,33 @@ def test_a_gpu_id_without_a_gpu_keeps_a_cpu_exported_program_in_its_workers(monk
     assert not wanted("cpu", "export", -1) and not wanted("cpu", "export", 0)  # no NVIDIA driver; no GPU
     assert wanted("cpu", "export", 1)
     assert wanted("cuda", "aoti", -1)
+
+
+def test_where_nvml_cannot_tell_the_drivers_control_device_says_whether_a_gpu_is_here(monkeypatch):
+    """host_has_gpu: NVML's count where it has one; -1 (no libnvidia-ml in a container given the
+    driver's compute capability alone, MIG entries) falls back on /dev/nvidiactl."""
+    from handlers import engine_worker
+
+    for nvml, ctl, want in ((2, False, True), (0, True, False), (-1, True, True), (-1, False, False)):
+        monkeypatch.setattr(engine_worker.torch.cuda, "_device_count_nvml", lambda n=nvml: n)
+        monkeypatch.setattr(engine_worker.os.path, "exists", lambda p, c=ctl: c and p == "/dev/nvidiactl")
+        assert engine_worker.host_has_gpu() is want, (nvml, ctl)
+
+
+def test_a_gpu_prefers_a_variant_it_places_on_the_gpu_to_an_earlier_cpu_one(monkeypatch, tmp_path):
+    """An archive of a package compiled for the CPU, listed first, and a program exported on the CPU:
+    on a GPU the program (relocated there) is chosen, not the package on the CPU."""
+    from types import SimpleNamespace
+
+    from handlers.artifact import variants
+    from handlers.artifact.device import Placement
+    from handlers.config import parse_config
+
+    specs = {"a": SimpleNamespace(name="cpu package"), "b": SimpleNamespace(name="program")}
+    monkeypatch.setattr(variants, "_variant_dirs", lambda model_dir, config: ["a", "b"])
+    monkeypatch.setattr(variants, "read_spec", lambda d: specs[d])
+    monkeypatch.setattr(variants, "open_variant", lambda d, root=None: specs[d])
+    where = {"cpu package": Placement("cpu", None), "program": Placement("cuda", 0)}
+    monkeypatch.setattr(variants, "assess", lambda spec, *a: (where[spec.name], [], []))
+    spec, placement, _ = variants.choose_variant(str(tmp_path), 0, parse_config({}))
+    assert spec.name == "program" and placement.kind == "cuda"

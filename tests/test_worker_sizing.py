@@ -272,3 +272,11 @@ def test_a_program_exported_on_the_cpu_is_sized_for_the_gpus_engine_only_with_de
     assert gpu.value.gpu_sizing is not None and "engine" in gpu.said[-1][1], gpu.said
     assert archive.gpu_variants([program], "gpu") == [program] and archive.gpu_variants([program], None) == []
     assert archive.gpu_variants([SimpleNamespace(device="cpu", backend="aoti")], "gpu") == []
+
+
+def test_cs_archive_refuses_a_retired_handler_option_and_says_why():
+    from compiled_serving import archive
+
+    with pytest.raises(archive.ArchiveError, match=r"--handler-option shared_weights: retired, the weights holder"):
+        archive.handler_options(["shared_weights=on"])
+    assert archive.handler_options(["max_json_mb=4"]) == {"max_json_mb": 4}

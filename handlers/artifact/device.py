@@ -126,15 +126,3 @@ def use_device(placement: Placement) -> None:
         import torch
 
         torch.cuda.set_device(placement.index)
-
-
-def gpu_identity(placement: Placement) -> str:
-    """The device's identity across processes, whatever each one's numbering (a worker confined
-    to its GPU calls it cuda:0, confine.py): a GPU's UUID where torch reports one, else its host
-    entry or index; "cpu" for the CPU."""
-    if placement.kind != "cuda":
-        return placement.kind
-    import torch
-
-    uuid = getattr(torch.cuda.get_device_properties(placement.index), "uuid", None)
-    return str(uuid) if uuid else f"index{placement.gpu if placement.gpu is not None else placement.index}"

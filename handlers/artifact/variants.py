@@ -77,8 +77,12 @@ def choose_variant(model_dir: str, gpu_id, config: HandlerConfig, verdict_root=N
         placement, fatal, warn = assess(spec, gpu_id, config.device_type, config.strict_versions)
         if fatal:
             refused[d] = _refusal(model_dir, d, spec, fatal)
-        ranked.append((bool(fatal), bool(warn), len(ranked), d))
-    ranked.sort()  # by artifact.json: exact fits, then warnings, then archive order; refused last
+        on_cpu = placement is None or placement.kind != "cuda"
+        ranked.append((bool(fatal), bool(warn), on_cpu, len(ranked), d))
+    # by artifact.json: exact fits, then warnings; on a GPU its placements first (a GPU's engine
+    # given a CPU package and a program it can relocate runs the program), then archive order;
+    # refused last
+    ranked.sort()
     best = None
     for *_, d in ranked:
         spec = open_variant(d, verdict_root)  # hashed and recognised: now its own files speak

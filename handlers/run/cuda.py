@@ -1,6 +1,6 @@
 """CUDA runner: the only code in the package that touches CUDA streams.
 
-One dedicated stream per worker. Every call: the stream first waits for the current stream
+One dedicated stream per runner (the engine's, on its GPU). Every call: the stream first waits for the current stream
 (weights were uploaded there); inputs are copied into pinned host buffers and go non-blocking
 into persistent device input buffers (optionally in pieces, each upload overlapping the host
 copy of the next); the model runs with our stream current; outputs are copied into pinned host
@@ -85,7 +85,7 @@ def cuda_wait(configured: str) -> str:
 
 class CudaRunner(Runner):
     def __init__(self, model, spec, device: torch.device, config):
-        """`config`: the worker's HandlerConfig (stream_priority, staging_piece_mb, cuda_sync
+        """`config`: the engine's HandlerConfig (stream_priority, staging_piece_mb, cuda_sync
         resolved to spin, block or hybrid, cuda_spin_us)."""
         super().__init__(model, spec)
         self.device = device
@@ -96,7 +96,7 @@ class CudaRunner(Runner):
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
         self.stream = worker_stream(device, config.stream_priority)
-        # The stream the weights were uploaded on: the worker thread's current stream, which
+        # The stream the weights were uploaded on: the loading thread's current stream, which
         # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
         self.producer = torch.cuda.current_stream(device)
         self.sync = config.cuda_sync

@@ -37,7 +37,7 @@ from handlers.faults import is_oom, is_sticky
 from handlers.run.capture import GraphMismatch, capture_graph, mismatch
 
 logger = logging.getLogger(__name__)
-# Graphs per worker at most: each costs a warm-up call, a capture and a verifying replay at load
+# Graphs per runner at most: each costs a warm-up call, a capture and a verifying replay at load
 # (batch buckets x length buckets grows fast with several named dimensions), and a worker's
 # start must stay well inside TorchServe's startup timeout.
 MAX_GRAPHS = 64
@@ -260,12 +260,11 @@ class GraphSet:
 
 
 class GraphBuilder:
-    """The captures of one worker, one (batch size, named-dimension sizes) pair per `step`, the
+    """The captures of one runner, one (batch size, named-dimension sizes) pair per `step`, the
     smallest calls first, sharing one pool until the graphs would hold more than `cap_bytes`;
     with `verify`, every kept bucket is checked against the plain call. A shape whose capture
-    raises runs plain calls (GraphSet.failed, in the load line). Steps run either all before the
-    worker is ready (`build`) or one at a time between batches (run/cuda.py capture_step), always on
-    the thread that serves requests, so a capture never overlaps a batch on the device."""
+    raises runs plain calls (GraphSet.failed, in the load line). `build` runs every step at load,
+    before the engine answers its first worker, so a capture never overlaps a batch on the device."""
 
     def __init__(self, target: Target, sizes: list, cap_bytes: int, verify: bool, lengths=({},)):
         self.target = target
@@ -274,7 +273,7 @@ class GraphBuilder:
         pairs = sorted(((rows, dict(n)) for rows in sizes for n in lengths),
                        key=lambda p: (p[0] * math.prod(p[1].values()), p[0]))
         if len(pairs) > MAX_GRAPHS:
-            logger.info("capturing the %d smallest of %d (batch, length) shapes (at most %d graphs per worker)",
+            logger.info("capturing the %d smallest of %d (batch, length) shapes (at most %d graphs per runner)",
                         MAX_GRAPHS, len(pairs), MAX_GRAPHS)
             pairs = pairs[:MAX_GRAPHS]
         self.pending = pairs  # what is left to capture, smallest first

@@ -1,7 +1,7 @@
 """The worker's exit after a sticky device fault, so TorchServe starts a fresh one (it restarts
 workers that die; handlers/faults.py says which faults are sticky). The exit waits until this
 batch's answers are sent and no next message has begun to arrive (frontend_frames.retrieve_msg
-asks at that moment, after the worker's work between batches)."""
+asks at that moment)."""
 from __future__ import annotations
 
 import logging

@@ -4,9 +4,8 @@ torch starts one intra-op thread per core in every process. TorchServe runs seve
 processes per model beside its Java frontend, so by default each worker spins up as many
 threads as the host has cores and every small CPU op of a request (tensor views, the copy into
 pinned staging, output slicing) waits on a barrier across all of them while the other workers'
-threads compete for the same cores. A CUDA worker does its heavy work on the GPU and needs one
-thread for the request path; a CPU worker gets an equal share of the cores its process may run
-on (the affinity mask, which containers and `taskset` narrow) less one left to TorchServe's
+threads compete for the same cores. A worker running the model on the CPU gets an equal share
+of the cores its process may run on (the affinity mask, which containers and `taskset` narrow) less one left to TorchServe's
 frontend, split between this model's workers.
 """
 from __future__ import annotations
