@@ -501,7 +501,10 @@ def test_variant_choice_looks_past_a_warning_and_stops_at_an_exact_fit(monkeypat
     monkeypatch.setattr(variants, "read_spec", lambda d: types.SimpleNamespace(d=d, refined=False))
     monkeypatch.setattr(variants, "open_variant",
                         lambda d, root=None: (opened.append(d), types.SimpleNamespace(d=d, refined=True))[1])
-    monkeypatch.setattr(variants, "assess", lambda spec, *a: ("cpu", [], facts[spec.d][spec.refined]))
+    from handlers.artifact.device import Placement
+
+    cpu = Placement("cpu", None)
+    monkeypatch.setattr(variants, "assess", lambda spec, *a: (cpu, [], facts[spec.d][spec.refined]))
     spec, _, warn = variants.choose_variant("/m", None, parse_config({}))
     assert spec.d == "c" and not warn and opened == ["c"]  # the exact fit by artifact.json, alone
     facts["c"] = (["old driver"], ["old driver"])
