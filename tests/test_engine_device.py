@@ -62,13 +62,15 @@ def graph_set() -> GraphSet:
 
 
 class Event:
-    """A CPU event done after `after` queries (a step stays in flight that long)."""
+    """A CPU event done after `after` queries from its record (a step stays in flight that long);
+    recorded again, it is not done again until as many queries later, as a CUDA event recorded
+    again is not complete until its new work is."""
 
     def __init__(self, after: int = 2):
-        self.left = after
+        self.after = self.left = after
 
     def record(self, stream):
-        pass
+        self.left = self.after
 
     def query(self):
         self.left -= 1
@@ -260,4 +262,73 @@ def test_late_launch_holds_jobs_until_the_step_on_the_device_is_due_or_a_step_is
         with c.wait(job_id, 5) as reply:
             got = PLAN.cut(dict(reply.outputs), PLAN.sizes(r))
             assert equal({k: v.clone() for k, v in got.items()}, alone(plain, r))
+    c.close()
+
+
+FIXED = ArtifactSpec("export", "m", "", "cpu", (TensorSpec("x", "float32", (None, 3)),),
+                     (TensorSpec("y", "float32", (None, 2)),), "dict", 1, 8, torch.__version__)
+
+
+class FixedReplay:
+    """A fixed-shape model's graph stand-in: y = x[:, :2] * 2 + 1, on the bucket's buffers."""
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs = inputs, outputs
+
+    def replay(self):
+        self.outputs["y"].copy_(self.inputs[0][:, :2] * 2 + 1)
+
+
+class Fills(torch.overrides.TorchFunctionMode):
+    """Counts fill_ calls (the device's fills of a graph's pad rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.Tensor.fill_
+        return func(*args, **(kwargs or {}))
+
+
+def test_pad_rows_of_a_fixed_shape_graph_hold_zeros_after_every_step_and_steady_steps_fill_none():
+    """Whatever rows the steps before wrote, a step leaves the rows of its graph past its own jobs'
+    holding the pad value (0), as the runner's padding would; steps of one size after the first
+    launch no fill, and a call of the runner's own makes the next step fill again."""
+    buckets = {}
+    for rows in (1, 2, 4, 8):
+        inputs = [torch.full((rows, 3), 7.0)]  # what a capture's example left: not the pad value
+        outputs = {"y": torch.zeros(rows, 2)}
+        buckets[(rows, shape_key(inputs))] = GraphBucket(rows, FixedReplay(inputs, outputs), inputs, outputs, (), 0.01)
+    graphs = GraphSet(buckets, 0)
+    plain = runner_for(LoadedModel(lambda x: {"y": x[:, :2] * 2 + 1}, FIXED, torch.device("cpu"), "t"), FIXED,
+                       torch.device("cpu"))
+    device = DeviceSteps(SimpleNamespace(graphs=graphs, pad=None, spec=FIXED, call_cost_ms=lambda r, s: 0.01),
+                         None, lambda **kw: Event(0))
+    eng = core.Engine(plain, device=device)
+    c = InProcessEngine(eng, "w")
+    eight = graphs.buckets[(8, ((3,),))].inputs[0]
+
+    def step(rows: int, fills_wanted=None) -> None:
+        x = torch.randn(rows, 3)
+        job = c.submit({"x": x})
+        with Fills() as fills:
+            assert eng.step() == 1
+        while eng.flights:
+            eng.step()
+        with c.wait(job, 5) as reply:
+            assert torch.equal(reply.outputs["y"], x[:, :2] * 2 + 1)
+        if rows > 4:  # the 8-row graph served it
+            assert torch.equal(eight[rows:], torch.zeros(8 - rows, 3)), (rows, eight)
+        assert fills_wanted is None or fills.n == fills_wanted, (rows, fills.n)
+
+    step(5, 1)  # unknown rows: filled
+    step(5, 0)
+    step(5, 0)  # steady: none
+    step(8, 0)  # no pad rows
+    step(6, 1)  # rows 6 and 7 held the 8-row step's inputs
+    step(7, 0)  # rows 7 on held zeros since the 6-row step
+    with torch.inference_mode():
+        eng.run([core.Job(c.session, 99, {"x": torch.randn(7, 3)}, 7)])
+    step(7, 1)  # the runner's call wrote the graphs' inputs: filled again
     c.close()

@@ -1,5 +1,6 @@
 """handlers/engine/protocol.py and handlers/engine/arena.py: every message round-trips through the framing, bad
 frames are typed errors, the arena's allocator, zero-copy views, a full arena (503), cleanup."""
+import itertools
 import gc
 import os
 import socket
@@ -51,6 +52,13 @@ def test_frames_split_anywhere_and_joined_decode_in_order():
     got = []
     for i in range(0, len(stream), 5):  # 5-byte pieces cut every header and body
         got += dec.feed(stream[i:i + 5])
+    assert got == EVERY
+    # pieces that end on a frame's end (read where they are), inside one, or hold several
+    ends = list(itertools.accumulate(len(enc.frame(m)) for m in EVERY))
+    cuts = sorted({0, len(stream), *ends[::3], *(e - 2 for e in ends[1::3]), *(e + 7 for e in ends[2::4])})
+    got = []
+    for a, b in zip(cuts, cuts[1:]):
+        got += dec.feed(stream[a:b])
     assert got == EVERY
 
 

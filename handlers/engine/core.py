@@ -92,6 +92,7 @@ class Engine:
         self.flights = collections.deque()  # launched steps (device.Flight), oldest first
         self.spec = None if generation is not None else runner.spec
         self.max_rows = max_rows or (self.spec.batch_max if self.spec is not None else 1)
+        self._names = sorted(self.spec.input_names) if self.spec is not None else []  # what an Infer must name
         self.name = name
         self.queue = collections.deque()
         self.cv = threading.Condition()
@@ -181,7 +182,7 @@ class Engine:
 
     def _job(self, session: Session, msg: p.Infer) -> Job:
         names = [r.name for r in msg.inputs]
-        if sorted(names) != sorted(self.spec.input_names):
+        if sorted(names) != self._names:
             raise RequestError(f"inputs {names} are not the model's {self.spec.input_names}")
         try:
             inputs = {r.name: session.arena.view(r) for r in msg.inputs}
@@ -330,6 +331,8 @@ class Engine:
         """One call for all the jobs; after a failure, one call per job (retry) so only the
         job that fails alone is answered Failed."""
         t0 = time.perf_counter()
+        if self.device is not None:
+            self.device.forget()  # the runner's call writes the graphs' inputs the steps pad
         try:
             # as a worker runs its model (handlers/pipeline.py): the warm-up made the runner's
             # buffers inference tensors, which only inference mode may write in place

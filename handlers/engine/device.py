@@ -22,8 +22,8 @@ that call the model on the graph's buffers.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -33,6 +33,7 @@ from handlers.errors import ServingError
 
 logger = logging.getLogger(__name__)
 DEPTH = 2  # steps in flight: one on the device, one launched behind it
+MAX_VIEWS = 8192  # row views of the graphs' tensors kept (_rows): a few MiB at most
 
 
 @dataclass(eq=False)
@@ -71,6 +72,12 @@ class DeviceSteps:
         self.stream = stream
         self.new_event = new_event or torch.cuda.Event
         self.registered = {}  # id(arena) -> base pointer, for cudaHostUnregister
+        self._events = []  # events of landed steps, recorded again by later ones (not with `timing`)
+        self._stream_thread = None  # the thread whose current stream was made `stream` (_use_stream)
+        # id(a graph's input) -> the first row from which it holds its pad value throughout, as the
+        # steps left it (unknown: the whole input); Engine.run's call writes the same inputs: forget()
+        self._pad_from = {}
+        self._views = {}  # (id(tensor), a, n) -> tensor[a:a + n] (_rows)
         # a benchmark's aid (handlers/engine/sampler.py): each step's events time the device, and
         # `busy_ms` sums how long it ran the steps (replays and copies), `replays` how many
         self.timing, self.busy_ms, self.replays, self._last = False, 0.0, 0, None
@@ -162,18 +169,19 @@ class DeviceSteps:
         flight = Flight([job for r in replays for job, _, _ in r.parts], {}, None, replays=len(replays),
                         device_ms=sum(getattr(r.bucket, "replay_ms", None) or 0.0 for r in replays))
         try:
-            with self._on_stream():
-                if self.timing:
-                    flight.start = self.new_event(enable_timing=True)
-                    flight.start.record(self.stream)
-                for r in replays:
-                    self._upload(r, flight.keep)
-                    r.bucket.graph.replay()
-                    for job, a, n in r.parts:
-                        flight.outs[job] = self._download(r.bucket, job, a, n, alloc, free, flight.keep)
-                flight.event = self.new_event(enable_timing=True) if self.timing else self.new_event()
-                flight.event.record(self.stream)
+            self._use_stream()
+            if self.timing:
+                flight.start = self.new_event(enable_timing=True)
+                flight.start.record(self.stream)
+            for r in replays:
+                self._upload(r, flight.keep)
+                r.bucket.graph.replay()
+                for job, a, n in r.parts:
+                    flight.outs[job] = self._download(r.bucket, job, a, n, alloc, free, flight.keep)
+            flight.event = self._event()
+            flight.event.record(self.stream)
         except BaseException:
+            self.forget()  # a fill may or may not have been queued
             if self.stream is not None:
                 self.stream.synchronize()
             for job, refs in flight.outs.items():
@@ -183,8 +191,9 @@ class DeviceSteps:
         return flight
 
     def landed(self, flight: Flight) -> None:
-        """Counts a finished step; with `timing`, the device's time on it: from its start, or from
-        the previous step's end where that was later (the stream ran them back to back)."""
+        """Counts a finished step (its event, passed, is recorded again by a later step); with
+        `timing`, the device's time on it: from its start, or from the previous step's end where
+        that was later (the stream ran them back to back)."""
         self.replays += flight.replays
         if self.timing and flight.start is not None:
             ms = flight.start.elapsed_time(flight.event)
@@ -192,22 +201,66 @@ class DeviceSteps:
                 ms = min(ms, self._last.elapsed_time(flight.event))
             self.busy_ms += ms
             self._last = flight.event
+        elif not self.timing:
+            self._events.append(flight.event)
 
-    def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    def forget(self) -> None:
+        """The graphs' inputs were written by another call (the runner's own): nothing is known
+        of their pad rows any more."""
+        self._pad_from.clear()
+
+    def _event(self):
+        """An event for a step's end: one a landed step passed (re-recording an event that has
+        completed is CUDA's documented reuse), else a new one."""
+        if self.timing:
+            return self.new_event(enable_timing=True)
+        return self._events.pop() if self._events else self.new_event()
+
+    def _use_stream(self) -> None:
+        """Makes `stream` the current stream of the launching thread, once (PyTorch's current
+        stream is per thread; the runner's own call on that thread enters and leaves its stream
+        with a context, which restores this one): a context per step cost the loop its enter and
+        exit each time."""
+        if self.stream is not None and self._stream_thread != threading.get_ident():
+            torch.cuda.set_stream(self.stream)
+            self._stream_thread = threading.get_ident()
 
     def _upload(self, r: Replay, keep: list) -> None:
         rows = sum(n for _, _, n in r.parts)
         for name, dev in zip(self.names, r.bucket.inputs):
             srcs = [job.inputs[name] for job, _, _ in r.parts]
-            if rows < dev.shape[0] or any(s.shape[1:] != dev.shape[1:] for s in srcs):
-                dev.fill_(self.pad.values.get(name, 0) if self.pad is not None else 0)
+            self._pad_rows(name, dev, rows, any(s.shape[1:] != dev.shape[1:] for s in srcs))
             for (job, a, n), src in zip(r.parts, srcs):
-                dst = dev[a:a + n]
+                dst = self._rows(dev, a, n)
                 if src.shape[1:] != dst.shape[1:]:  # a job padded on the device: its own lengths first
                     dst = dst[(slice(None),) + tuple(slice(0, k) for k in src.shape[1:])]
                 dst.copy_(src, non_blocking=True)
                 keep.append(src)
+
+    def _rows(self, t, a: int, n: int):
+        """t[a:a + n] of a graph's input or output, made once per (tensor, a, n) (a slice cost
+        the loop 4 us on an H200 host, two per job; the graphs' tensors live as long as the
+        engine, and so may views of them)."""
+        key = (id(t), a, n)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = t[a:a + n]
+        return view
+
+    def _pad_rows(self, name: str, dev, rows: int, padded: bool) -> None:
+        """Fills what the step's jobs do not write with the input's pad value, as the runner's
+        padding would: all of it where a job is padded on the device, else the rows from `rows`
+        on, of which those that held the pad value since an earlier step are left as they are
+        (a fill is one more launch per step: steady steps of one size launch none)."""
+        value = self.pad.values.get(name, 0) if self.pad is not None else 0
+        known = self._pad_from.get(id(dev), dev.shape[0] + 1)  # unknown: row 0 on may differ
+        if padded:
+            dev.fill_(value)
+        elif rows < min(known, dev.shape[0]):
+            dev[rows:known].fill_(value)
+        self._pad_from[id(dev)] = rows
 
     def _download(self, bucket, job, a: int, n: int, alloc: Callable, free: Callable, keep: list):
         """The job's rows of each output, cut to its own lengths, copied into new blocks of its
@@ -216,7 +269,7 @@ class DeviceSteps:
         refs = []
         try:
             for name, out in bucket.outputs.items():
-                o = out[a:a + n]
+                o = self._rows(out, a, n)
                 for oname, axis, dim in (self.pad.out_axes if self.pad is not None else ()):
                     if oname == name and o.shape[axis] != own[dim]:
                         o = o.narrow(axis, 0, own[dim])

@@ -236,23 +236,33 @@ class Decoder:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list:
-        self._buf += data
+        """The whole messages `data` completes; a partial frame's bytes wait for the next feed.
+        With nothing waiting, `data` is read where it is (most reads end on a frame's end)."""
+        if self._buf:
+            self._buf += data
+            buf = self._buf
+        else:
+            buf = data
+        view = memoryview(buf)
         out, at = [], 0
-        while len(self._buf) - at >= HEADER.size:
-            (n,) = HEADER.unpack_from(self._buf, at)
-            if n > MAX_FRAME:
-                raise ProtocolError(f"a frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-            if len(self._buf) - at - HEADER.size < n:
-                break
-            body = memoryview(self._buf)[at + HEADER.size:at + HEADER.size + n]
-            try:
-                out.append(self._dec.decode(body))
-            except msgspec.DecodeError as e:
-                raise ProtocolError(f"not a message of protocol {VERSION}: {e}") from None
-            finally:
-                body.release()
-            at += HEADER.size + n
-        del self._buf[:at]
+        try:
+            while len(buf) - at >= HEADER.size:
+                (n,) = HEADER.unpack_from(buf, at)
+                if n > MAX_FRAME:
+                    raise ProtocolError(f"a frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+                if len(buf) - at - HEADER.size < n:
+                    break
+                try:
+                    out.append(self._dec.decode(view[at + HEADER.size:at + HEADER.size + n]))
+                except msgspec.DecodeError as e:
+                    raise ProtocolError(f"not a message of protocol {VERSION}: {e}") from None
+                at += HEADER.size + n
+        finally:
+            view.release()  # a bytearray with an export cannot be resized
+        if buf is self._buf:
+            del self._buf[:at]
+        elif at < len(buf):
+            self._buf += buf[at:]
         return out
 
 

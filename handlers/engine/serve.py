@@ -38,6 +38,9 @@ from handlers.errors import ProtocolError
 
 logger = logging.getLogger("engine.serve")
 HELLO_TIMEOUT = 10.0  # seconds a connecting worker has to send its Hello
+# one read's buffer: a worker's messages are small (offsets), and recv allocates the whole buffer
+# before it trims it to what came (a MiB cost a fresh mapping each read)
+READ_BYTES = 65536
 
 
 def load_factory(spec: str):
@@ -147,7 +150,7 @@ class Loop:
 
     def _read(self, conn: p.Connection, session: Session) -> None:
         try:
-            msgs, eof = conn.read_available()
+            msgs, eof = conn.read_available(READ_BYTES)
             for msg in msgs:
                 self.engine.on_message(session, msg)
         except Exception as e:  # noqa: BLE001 - one worker's broken socket ends only its session
