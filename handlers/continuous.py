@@ -230,10 +230,20 @@ def serves(worker) -> bool:
 
 
 def handle_sync(worker, data: list, context) -> list:
-    """TorchServe's batch protocol: the batch's sequences run, and their answers return, together."""
+    """TorchServe's batch protocol: the batch's sequences run, and their answers return, together.
+    The guardian (its sync mode, handlers/torchserve/guardian.py ends_streams) is told the batch's
+    requests ended before TorchServe writes their last frames (ts/model_service_worker.py, after
+    this returns), as handlers/torchserve/exchange.py tells it: the sync frontend's
+    BatchAggregator.sendResponse raises IllegalStateException on a frame for a request it no longer
+    holds, and its WorkerThread then ends the stream under way with a whole new HTTP response
+    (RestJob.sendError), which cuts the client's connection."""
     cont: Continuous = worker.loaded.generation
-    clients = cont.submit(worker, data, [ts_headers.read(context, i) for i in range(len(data))], context, own_chunk=False)
-    return _reply(context, clients, [c.future.result() for c in clients])
+    try:
+        clients = cont.submit(worker, data, [ts_headers.read(context, i) for i in range(len(data))], context,
+                              own_chunk=False)
+        return _reply(context, clients, [c.future.result() for c in clients])
+    finally:
+        guardian.ended(tuple(context.request_ids.values()))
 
 
 async def handle_async(worker, data: list, context) -> list:

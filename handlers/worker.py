@@ -100,6 +100,7 @@ class Worker:
         if self.loaded.generation is not None:  # a decoder: the engine's batch, streamed from here
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
                                                           config.generation_metrics_s))
+            guardian.ends_streams()  # in the sync form, its streams end with an error event if it dies
             self.health.ready()
             engine_worker.log_loaded(self.loaded, steps, frontend_frames.install(config.buffered_reader))
             startup.emit_times(emit, steps)

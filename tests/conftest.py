@@ -431,6 +431,27 @@ def corrupt_inside_mar(mar, member="model.pt2"):
     os.replace(tmp, mar)
 
 
+def rewrite_model_config(mar, edit, out=None) -> Path:
+    """The archive `mar` with its model-config.yaml as `edit(cfg)` leaves the parsed dict (changed
+    in place), written to `out`, or over `mar` where none is given; returns the path written."""
+    import zipfile
+
+    import yaml
+
+    out = Path(out or mar)
+    tmp = out.with_name(out.name + ".tmp")
+    with zipfile.ZipFile(mar) as zin, zipfile.ZipFile(tmp, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            if item.filename == "model-config.yaml":
+                cfg = yaml.safe_load(data)
+                edit(cfg)
+                data = yaml.safe_dump(cfg).encode()
+            zout.writestr(item, data)
+    os.replace(tmp, out)
+    return out
+
+
 def rewrite_package_metadata(art, **changes):
     """Alter the AOTInductor metadata inside a .pt2 package, as a build for another target would."""
     import zipfile

@@ -416,6 +416,36 @@ def test_a_stream_that_fails_after_its_first_token_ends_with_the_error_object(pr
     assert again["token_ids"] == one_sequence_greedy(program, [5, 17, 33], 8)
 
 
+def test_a_sync_batch_tells_the_guardian_its_streams_ended(program, monkeypatch):
+    """TorchServe's sync worker through handlers/continuous.py (handle_sync: a decoder the engine
+    serves, its archive without asyncCommunication): the guardian is told a stream began before its
+    first chunk and that the batch ended before TorchServe writes its last frames. A request left
+    held would have the guardian write frames for a request the sync frontend no longer holds
+    when the worker dies (BatchAggregator.sendResponse's IllegalStateException), and the stream
+    then under way would be cut instead of ended with its error event."""
+    import os
+
+    from handlers import continuous
+    from handlers.torchserve import guardian, replies
+
+    worker, frames = continuous_worker(program, lambda real, *a: real(*a), monkeypatch)
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(guardian, "_pipe", write_end)
+    context = replies._Chunks(set())
+    context.request_ids, context.cl_socket = {0: "rid-1"}, object()
+    context.get_all_request_header = lambda idx: {"Content-Type": "application/json"}
+    body = json.dumps({"input_ids": [5, 17, 33], "parameters": {"max_tokens": 4}}).encode()
+    try:
+        (last,) = continuous.handle_sync(worker, [{"body": body}], context)
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        told = [json.loads(line) for line in pipe.read().splitlines()]
+    assert len(frames) == 4 and json.loads(last)["completion_tokens"] == 4, (frames, last)
+    assert [t[:2] for t in told] == [["S", "rid-1"], ["E", "rid-1"]], told
+    assert context.get_response_headers(0)[replies.STREAM_NEXT] == "false"
+
+
 class _Event:
     """torch.cuda.Event on the CPU: its record() and synchronize() logged with its buffer's index."""
 

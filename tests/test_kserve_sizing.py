@@ -9,7 +9,7 @@ import zipfile
 import jsonschema
 import pytest
 import yaml
-from conftest import PY, ROOT, build_mar, repin, cs_command
+from conftest import PY, ROOT, build_mar, repin, rewrite_model_config, cs_command
 from kserve_kit import crd_schema, unknown_fields
 
 from compiled_serving.kserve import GPU_MEMORY_LABEL, SIZING_ANNOTATION
@@ -93,15 +93,7 @@ def test_an_archive_sized_per_worker_before_the_engine_needs_its_engine_once_per
     """An archive made before the engine (gpuSizing without engine: its worker_gpu_mb was one
     worker's copy of the weights plus overhead) is served by the engine today: each GPU needs it
     once, not once per worker."""
-    old = tmp_path / "old.mar"
-    with zipfile.ZipFile(sized_mars[1]) as z, zipfile.ZipFile(old, "w") as out:
-        for item in z.infolist():
-            data = z.read(item)
-            if item.filename == "model-config.yaml":
-                cfg = yaml.safe_load(data)
-                cfg["gpuSizing"].pop("engine")
-                data = yaml.safe_dump(cfg).encode()
-            out.writestr(item, data)
+    old = rewrite_model_config(sized_mars[1], lambda cfg: cfg["gpuSizing"].pop("engine"), tmp_path / "old.mar")
     mb = _config(old)["handler"]["worker_gpu_mb"]
     _layout([old], tmp_path / "out", "--device", "gpu", "--protocol", "v1", "--gpus", "2")
     doc = yaml.safe_load((tmp_path / "out" / "manifests" / "sized-v1-gpu.yaml").read_text())

@@ -4,7 +4,9 @@ of its answer, not a connection closed mid-answer (issue 63 item 9: TorchServe 0
 a whole new HTTP response onto the chunked answer under way, which Netty refuses); queued
 requests are served by the worker TorchServe starts in its place, or refused with a 503; none
 hangs. The guardian (handlers/torchserve/guardian.py, mode "sync") writes the stream's last frames
-from its duplicate of the worker's connection, then lets go of it."""
+from its duplicate of the worker's connection, then lets go of it. The same holds where the
+engine serves the decoder and the worker streams in the sync form through handlers/continuous.py
+(handle_sync tells the guardian each batch's end, as handlers/torchserve/exchange.py does)."""
 import json
 import os
 import signal
@@ -14,7 +16,7 @@ import time
 import pytest
 import requests
 import torch
-from conftest import build_mar
+from conftest import build_mar, rewrite_model_config
 from test_slot_restart import (NO_HANG_S, answered, back_within, cut_before_its_first_chunk, pid_of,
                                served_with_fault_point)
 
@@ -22,8 +24,8 @@ from examples import tiny_decoder
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("results_file")]
 # with FAULT_RESULTS=PATH (tests/conftest.py results_file): seconds from the kill to a READY worker
-# that answers, and how the cut stream ended
-RESULTS = {"sequence_restart_s": {}, "sequence_cut_stream": {}}
+# that answers, and how the cut stream ended (the worker's; the engine-served worker's with _engine)
+RESULTS = {"sequence_restart_s": {}, "sequence_cut_stream": {}, "sequence_cut_stream_engine": {}}
 BACK_S = 15  # as test_slot_restart's: the sync form came back in 4.1-5.5 s on this CPU
 
 
@@ -37,43 +39,12 @@ def seq_ts(serve, tmp_path_factory, request):
     torch.export.save(tiny_decoder.export(tiny_decoder.build(tiny_decoder.Config(max_seq_length=1024)), "torchchat"), path)
     opts = ("--handler-option", "engine=on", "--handler-option", "cache_copies=2") if request.param == "engine" else ()
     mar = build_mar(path, "lm", d / "store", *opts)
-    if request.param == "engine":  # sync, as an archive of a program exported on the CPU is on a GPU
-        _sync(mar)
+    if request.param == "engine":  # sync, as an archive of a program exported on the CPU is on a GPU:
+        # without asyncCommunication (cs-archive gives it to a decoder it knows the engine serves)
+        rewrite_model_config(mar, lambda cfg: cfg.pop("asyncCommunication", None))
     ts = served_with_fault_point(serve, d, mar, BACK_S)
     ts.mode = request.param
     return ts
-
-
-# Known gap (issue 64): a sync worker served by the engine streams through handlers/continuous.py,
-# whose streams the guardian does not end (installing it there was tried: the stream was still cut
-# with a connection reset). cs-archive gives asyncCommunication to a decoder it knows the engine
-# serves; a program exported on the CPU archived without --device-type gpu has none.
-ENGINE_SYNC_GAP = pytest.mark.xfail(strict=True, reason="a sync worker served by the engine: a killed worker's "
-                                                        "stream is cut without its error event")
-
-
-def mark_gap(request, ts) -> None:
-    if ts.mode == "engine":
-        request.node.add_marker(ENGINE_SYNC_GAP)
-
-
-def _sync(mar) -> None:
-    """`mar` rewritten without asyncCommunication (cs-archive gives it to a decoder served by the engine)."""
-    import shutil
-    import zipfile
-
-    import yaml
-
-    tmp = mar.with_suffix(".tmp")
-    with zipfile.ZipFile(mar) as z, zipfile.ZipFile(tmp, "w") as out:
-        for item in z.infolist():
-            data = z.read(item)
-            if item.filename == "model-config.yaml":
-                cfg = yaml.safe_load(data)
-                cfg.pop("asyncCommunication", None)
-                data = yaml.safe_dump(cfg).encode()
-            out.writestr(item, data)
-    shutil.move(tmp, mar)
 
 
 def stream(ts, body, outcomes, started=None) -> None:
@@ -98,8 +69,7 @@ def stream(ts, body, outcomes, started=None) -> None:
             started.set()
 
 
-def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(seq_ts, request):
-    mark_gap(request, seq_ts)
+def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(seq_ts):
     assert answered(seq_ts)[0] == 200
     pid = pid_of(seq_ts)
     long = {"input_ids": [1, 2, 3], "parameters": {"max_tokens": 1000, "ignore_eos": True}}
@@ -132,15 +102,17 @@ def test_a_stream_under_way_ends_with_an_error_event_when_its_worker_is_killed(s
     # the old WorkerThread takes at most the one request after the stream's end (guardian_main.end_streams)
     assert sum(o[0] == 200 for o in queued) >= 1, queued
     back_within(seq_ts, pid, seq_ts.back_s)
-    RESULTS["sequence_restart_s"]["busy"] = round(time.time() - killed, 2)
-    RESULTS["sequence_cut_stream"] = {"status": status, "ended_whole": whole, "last_event_error": True,
-                                      "tokens_before_the_error": len(lines) - 1,
-                                      "queued_statuses": sorted(o[0] for o in queued)}
-    print(f"back {RESULTS['sequence_restart_s']['busy']:.1f}s after the kill")
+    suffix = "" if seq_ts.mode == "worker" else "_engine"
+    RESULTS["sequence_restart_s"]["busy" + suffix] = took_s = round(time.time() - killed, 2)
+    # the cut stream's own (the loop above reused status, lines and whole for the queued ones)
+    status, lines, whole, _took = cut[0]
+    RESULTS["sequence_cut_stream" + suffix] = {"status": status, "ended_whole": whole, "last_event_error": True,
+                                               "tokens_before_the_error": len(lines) - 1,
+                                               "queued_statuses": sorted(o[0] for o in queued)}
+    print(f"back {took_s:.1f}s after the kill")
 
 
-def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts, request):
-    mark_gap(request, seq_ts)
+def test_a_stream_cut_before_its_first_chunk_went_out_ends_with_an_error(seq_ts):
     cut_before_its_first_chunk(seq_ts)
 
 

@@ -100,12 +100,18 @@ _streams = False  # a sync worker whose answers stream (ends_streams): its guard
 
 
 def ends_streams() -> None:
-    """This sync worker streams answers (a one-sequence decoder, handlers/generating.py): its
-    guardian starts once TorchServe hands the service its connection (after the load's answer).
-    TorchServe restarts a sync worker itself, but ends a stream its dead worker had begun with a
-    whole new HTTP response (RestJob.sendError), which Netty refuses on a chunked answer already
-    under way: the client's connection closes mid-answer, with no error event. The guardian
-    writes the stream's error event and last frame first (death_frames), then lets go."""
+    """This sync worker streams answers (a one-sequence decoder, handlers/generating.py; or a decoder
+    the engine serves, streamed by handlers/continuous.py's handle_sync where the archive has no
+    asyncCommunication): its guardian starts once TorchServe hands the service its connection
+    (after the load's answer). TorchServe restarts a sync worker itself, but ends a stream its
+    dead worker had begun with a whole new HTTP response (RestJob.sendError), which Netty refuses
+    on a chunked answer already under way: the client's connection closes mid-answer, with no
+    error event. The guardian writes the stream's error event and last frame first
+    (death_frames), then lets go. It must be told each batch's requests `ended` before TorchServe
+    writes their last frames (handlers/torchserve/exchange.py, continuous.handle_sync): a frame
+    for a request the sync frontend no longer holds raises IllegalStateException in
+    BatchAggregator.sendResponse, and its WorkerThread then ends the stream under way with that
+    same RestJob.sendError."""
     global _streams
     _streams = True
 
