@@ -25,7 +25,7 @@ from quoted_figures import backed, json_numbers, quoted_numbers
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MAX_FILES = 99  # 27 sets of three, then (s76) engine_bert_..._s76 (engine_launch late beside eager), engine_restart_mlp_..._s76 (restarts with the compiled sources) lm_qwen15b_..._s76 (the cache allocated at load, sized to the GPU) and (s77) engine_bert_..._s77 (one client and 64 with the engine's spin beside per worker) and (s78) lanes_gpu_h200_s78.json (the one-sequence decoder's lanes on the GPU, a test's counts) and (s79) lanes8_llama05b_fp16_h200_s79 (the lanes' own limit in process, one lane run to run) and engine_faults_gpu_h200x2_s79 (the GPU faults through the engine, a test's counts): raise only with a set no newer run supersedes
+MAX_FILES = 105  # 27 sets of three, then (s76) engine_bert_..._s76 (engine_launch late beside eager), engine_restart_mlp_..._s76 (restarts with the compiled sources) lm_qwen15b_..._s76 (the cache allocated at load, sized to the GPU) and (s77) engine_bert_..._s77 (one client and 64 with the engine's spin beside per worker) and (s78) lanes_gpu_h200_s78.json (the one-sequence decoder's lanes on the GPU, a test's counts) and (s79) lanes8_llama05b_fp16_h200_s79 (the lanes' own limit in process, one lane run to run) and engine_faults_gpu_h200x2_s79 (the GPU faults through the engine, a test's counts) and (s80) engine_mlp_..._s80 and engine_r50_..._s80 (the engine loop's host cost cut; the s77 sets stay for their spin and per-worker variants, which s80 did not run): raise only with a set no newer run supersedes
 
 _FENCE = re.compile(r"(?ms)^```.*?^```")
 _SPAN = re.compile(r"`([^`]*)`")
