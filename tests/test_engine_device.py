@@ -166,33 +166,6 @@ def test_steps_from_several_workers_answer_each_request_as_the_runner_alone_woul
     assert len(results) == 24 and not eng.flights and not eng.queue
 
 
-def test_inputs_staged_on_the_upload_stream_answer_as_the_runner_alone_would(served):
-    """Every step staged (its inputs copied into the staging buffers first, as large inputs are on
-    a GPU: handlers/engine/uploads.py): each request's outputs equal the runner's own call, bit for
-    bit, across steps that alternate between the two buffers; below the threshold nothing stages."""
-    uploads = served.engine.device.uploads
-    runner = served.worker("w")
-    def run(r, batch) -> list:  # the outputs copied: a runner's outputs may view buffers its next call reuses
-        return [o if isinstance(o, ServingError) else {k: v.clone() for k, v in o.items()} for o in r.run(batch)]
-
-    small = requests(3, 4)
-    for req, out in zip(small, run(runner, small)):
-        assert equal(out, alone(served.plain, req))
-    assert uploads.staged == 0  # a few hundred bytes: straight from the arena
-    uploads.min_bytes = 0
-    other = served.worker("v")
-    results = {}
-    t = threading.Thread(target=lambda: results.setdefault("v", [run(other, requests(50 + b, 3)) for b in range(4)]))
-    t.start()
-    mine = [(requests(40 + b, 5), run(runner, requests(40 + b, 5))) for b in range(4)]
-    t.join(30)
-    for batch, outs in mine + list(zip([requests(50 + b, 3) for b in range(4)], results["v"])):
-        for req, out in zip(batch, outs):
-            assert not isinstance(out, ServingError), out
-            assert equal(out, alone(served.plain, req))
-    assert uploads.staged >= 4 and all(b is not None for b in uploads._buffers)  # both slots used
-
-
 def test_a_job_over_the_largest_graph_takes_the_runners_call_and_a_full_arena_fails_alone(served):
     runner = served.worker("w")
     big = requests(7, 1, max_rows=1)[0]

@@ -29,7 +29,6 @@ from typing import Callable, Optional
 
 import torch
 
-from handlers.engine.uploads import Uploads
 from handlers.errors import ServingError
 
 logger = logging.getLogger(__name__)
@@ -79,10 +78,6 @@ class DeviceSteps:
         # steps left it (unknown: the whole input); Engine.run's call writes the same inputs: forget()
         self._pad_from = {}
         self._views = {}  # (id(tensor), a, n) -> tensor[a:a + n] (_rows)
-        # a step's large inputs: uploaded on a stream of their own (handlers/engine/uploads.py)
-        first = next(iter(self.graphs.buckets.values()))
-        capacity = max(sum(t.numel() * t.element_size() for t in b.inputs) for b in self.graphs.buckets.values())
-        self.uploads = Uploads(first.inputs[0].device, stream, capacity, DEPTH, new_event)
         # a benchmark's aid (handlers/engine/sampler.py): each step's events time the device, and
         # `busy_ms` sums how long it ran the steps (replays and copies), `replays` how many
         self.timing, self.busy_ms, self.replays, self._last = False, 0.0, 0, None
@@ -117,7 +112,6 @@ class DeviceSteps:
         or into it), then unpins it."""
         ptr = self.registered.pop(id(arena), None)
         if ptr is not None:
-            self.uploads.synchronize()
             self.stream.synchronize()
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -179,20 +173,16 @@ class DeviceSteps:
             if self.timing:
                 flight.start = self.new_event(enable_timing=True)
                 flight.start.record(self.stream)
-            staged = self._stage(replays)
             for r in replays:
-                self._upload(r, flight.keep, staged)
+                self._upload(r, flight.keep)
                 r.bucket.graph.replay()
                 for job, a, n in r.parts:
                     flight.outs[job] = self._download(r.bucket, job, a, n, alloc, free, flight.keep)
-            if staged:
-                self.uploads.done()
             flight.event = self._event()
             flight.event.record(self.stream)
         except BaseException:
             self.forget()  # a fill may or may not have been queued
             if self.stream is not None:
-                self.uploads.synchronize()
                 self.stream.synchronize()
             for job, refs in flight.outs.items():
                 for ref in refs if isinstance(refs, tuple) else ():
@@ -235,13 +225,7 @@ class DeviceSteps:
             torch.cuda.set_stream(self.stream)
             self._stream_thread = threading.get_ident()
 
-    def _stage(self, replays: list) -> dict:
-        """The step's inputs on the upload stream where they are large enough (Uploads.wanted):
-        {id(arena view): its bytes on the device}; else nothing staged."""
-        srcs = [job.inputs[name] for r in replays for job, _, _ in r.parts for name in self.names]
-        return self.uploads.stage(srcs) if self.uploads.wanted(srcs) else {}
-
-    def _upload(self, r: Replay, keep: list, staged: dict) -> None:
+    def _upload(self, r: Replay, keep: list) -> None:
         rows = sum(n for _, _, n in r.parts)
         for name, dev in zip(self.names, r.bucket.inputs):
             srcs = [job.inputs[name] for job, _, _ in r.parts]
@@ -250,8 +234,8 @@ class DeviceSteps:
                 dst = self._rows(dev, a, n)
                 if src.shape[1:] != dst.shape[1:]:  # a job padded on the device: its own lengths first
                     dst = dst[(slice(None),) + tuple(slice(0, k) for k in src.shape[1:])]
-                dst.copy_(staged.get(id(src), src), non_blocking=True)
-                keep.append(src)  # until the step has passed: its upload reads the arena
+                dst.copy_(src, non_blocking=True)
+                keep.append(src)
 
     def _rows(self, t, a: int, n: int):
         """t[a:a + n] of a graph's input or output, made once per (tensor, a, n) (a slice cost
