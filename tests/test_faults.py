@@ -226,8 +226,8 @@ def test_kill_9_under_load_loses_only_the_batch_in_flight_and_leaks_nothing(faul
         while not stop.is_set():
             try:
                 outcomes.append(send_good(ts, i, timeout=120))
-            except requests.RequestException:
-                outcomes.append(("conn", False))
+            except requests.RequestException as e:  # no answer: the connection closed, or a hang's timeout
+                outcomes.append((f"conn {type(e).__name__}", False))
             i += 4
 
     threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
@@ -258,8 +258,11 @@ def test_kill_9_under_load_loses_only_the_batch_in_flight_and_leaks_nothing(faul
                          "stray_aotinductor_dirs": len(left["stray_aotinductor_dirs"]),
                          "live_aotinductor_dirs": left["live_aotinductor_dirs"]}
     assert RESULTS["kill_9"]["wrong_answers"] == 0
-    # each kill loses at most the requests in flight on the worker: one batch of 8
+    # each kill loses at most the requests in flight on the worker: one batch of 8, each answered
+    # (TorchServe's 507 "Worker died."), none left waiting for a request that never comes (the
+    # batch the frontend was gathering at the death: handlers/torchserve/guardian.py batched)
     assert len(failed) <= 8 * len(kills), RESULTS["kill_9"]
+    assert not [s for s in failed if str(s).startswith("conn")], RESULTS["kill_9"]
     assert not left["dead_worker_dirs"] and not left["stray_aotinductor_dirs"], left
 
 

@@ -67,9 +67,57 @@ def test_a_worker_whose_guardian_is_gone_serves_on(monkeypatch):
     read_end, write_end = os.pipe()
     os.close(read_end)  # the guardian's end, gone
     monkeypatch.setattr(guardian, "_pipe", write_end)
-    guardian.ended(("a", "b"))  # EPIPE (Python ignores SIGPIPE): caught
+    guardian.streaming("a", "data: {}\n\n", "text/event-stream")  # EPIPE (Python ignores SIGPIPE): caught
     assert guardian._pipe is None and not guardian.active()
-    guardian.streaming("c", "data: {}\n\n", "text/event-stream")  # and nothing more is told
+    guardian.ended(("a", "b"))  # and nothing more is told
+    guardian.streaming("c", "data: {}\n\n", "text/event-stream")
+
+
+def test_a_batch_of_which_the_guardian_holds_nothing_costs_no_write(monkeypatch):
+    """A stateless batch's end tells the guardian nothing (ended filters what it holds); a held
+    request's end tells it that request alone."""
+    import json
+    import os
+
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(guardian, "_pipe", write_end)
+    monkeypatch.setattr(guardian, "_holding", set())
+    guardian.ended(("x", "y"))
+    guardian.streaming("y", "data: {}\n\n", "text/event-stream")
+    guardian.ended(("x", "y"))
+    os.set_blocking(read_end, False)
+    records = [json.loads(line) for line in os.read(read_end, 1 << 16).decode().splitlines()]
+    assert [r[0] for r in records] == ["S", "E"] and records[1] == ["E", "y"] and not guardian._holding
+    os.close(read_end)
+    os.close(write_end)
+
+
+def test_a_dead_batched_worker_is_let_go_once_the_frontend_writes_its_batch_or_after_the_wait():
+    """The guardian's duplicate of a dead sync worker's connection is closed as soon as the
+    frontend writes the batch it was gathering (then the frontend answers that batch 507), else
+    after the wait; a worker of one request per batch is let go at once."""
+    import threading
+    import time
+
+    for wait_s, write_after, lo, hi in ((5.0, 0.05, 0.04, 1.0), (0.3, None, 0.3, 1.0), (0.0, None, 0.0, 0.1)):
+        front, dup = socket.socketpair()
+        if write_after is not None:
+            threading.Timer(write_after, lambda s=front: s.sendall(_frame(b"r1"))).start()
+        t0 = time.monotonic()
+        assert guardian_main.let_go_after_batch(dup, wait_s) == 0
+        took = time.monotonic() - t0
+        assert lo <= took < hi and dup.fileno() == -1, (wait_s, took)
+        front.close()
+
+
+def test_batched_and_its_wait_read_the_context():
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(system_properties={"batch_size": 8}, model_yaml_config={"maxBatchDelay": 50})
+    assert guardian.batched(ctx) and guardian.batch_wait_s(ctx) == pytest.approx(0.05 + guardian.BATCH_MARGIN_S)
+    assert not guardian.batched(SimpleNamespace(system_properties={"batch_size": 1}))
+    default = guardian.batch_wait_s(SimpleNamespace(model_yaml_config=None))  # TorchServe's 100 ms
+    assert default == pytest.approx(0.1 + guardian.BATCH_MARGIN_S)
 
 
 def test_a_batch_whose_predict_raises_outside_its_try_is_answered_500():

@@ -118,16 +118,51 @@ def ends_streams() -> None:
 
 def _patch_sync(service) -> None:
     """ts/service.py's Service.set_cl_socket (ts/model_service_worker.py handle_connection calls it
-    right after the load's answer) starts the guardian where the worker streams."""
+    right after the load's answer) starts the guardian where the worker streams or takes batches
+    of more than one request (batched)."""
     original = service.Service.set_cl_socket
 
     def set_cl_socket(self, cl_socket):
         original(self, cl_socket)
-        if _streams and _pipe is None:
+        if (_streams or batched(self.context)) and _pipe is None:
             start(cl_socket, self.context, "sync")
-            process.record("guardian", "started with the connection; ends this worker's streams if it dies")
+            process.record("guardian", "started with the connection; if this worker dies it ends its streams "
+                                       "and lets the frontend answer the batch it was gathering")
 
     service.Service.set_cl_socket = set_cl_socket
+
+
+def batched(context) -> bool:
+    """Whether TorchServe gathers batches of more than one request for this worker. Its sync
+    WorkerThread waits up to maxBatchDelay for a batch to fill after it took the first request
+    (BatchAggregator.getRequest); a worker that dies meanwhile interrupts that wait, and
+    WorkerThread.run's `finally` then answers only the batch before (its `req`), while the requests
+    taken stay in the aggregator unanswered until another request arrives: every client of an idle
+    model waited for its own timeout (tests/test_faults.py kill_9, 2026-11-30: 4 of 4 in flight).
+    The guardian holds the connection until that batch is written (guardian_main.let_go_after_batch),
+    so the WorkerThread answers it 507 "Worker died." as it answers any batch sent to a dead worker."""
+    props = getattr(context, "system_properties", None) or {}
+    try:
+        return int(props.get("batch_size") or 1) > 1
+    except (TypeError, ValueError):
+        return False
+
+
+def batch_wait_s(context) -> float:
+    """How long after a death the frontend may still write the batch it was gathering: the
+    archive's maxBatchDelay (TorchServe's default 100 ms where it names none), and a margin for
+    the frontend's own turn."""
+    cfg = getattr(context, "model_yaml_config", None) or {}
+    try:
+        delay_ms = float(cfg.get("maxBatchDelay", 100))
+    except (TypeError, ValueError):
+        delay_ms = 100.0
+    return max(delay_ms, 0.0) / 1000.0 + BATCH_MARGIN_S
+
+
+# beside maxBatchDelay: the frontend's WorkerThread writing what it gathered (a worker idle when it
+# dies is restarted this much later)
+BATCH_MARGIN_S = 0.05
 
 
 class _Frame(bytearray):
@@ -214,7 +249,8 @@ def start(sock, context, mode: str) -> None:
     (it brings the worker back) or "sync" (it only ends the streams; TorchServe restarts the worker)."""
     global _pipe
     manifest = getattr(context, "manifest", None) or {}
-    model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion")}
+    model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion"),
+             "batch_wait_s": batch_wait_s(context) if batched(context) else 0.0}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root}
     read_end, write_end = os.pipe()
@@ -315,8 +351,12 @@ def answered(rid: str, media_type: str) -> None:
     _hold(rid, end_frame(rid, media_type))
 
 
+_holding = set()  # the requests whose frames the guardian holds (told "S", not yet "E")
+
+
 def _hold(rid: str, frames: bytes) -> None:
     if _pipe is not None:
+        _holding.add(rid)
         _tell(["S", rid, base64.b64encode(frames).decode()])
 
 
@@ -326,8 +366,13 @@ def active() -> bool:
 
 
 def ended(rids) -> None:
-    if rids and _pipe is not None:
-        _tell(["E", *rids])
+    """Requests `rids` got their last frame: the guardian lets go of what it holds for them (a
+    batch of which it holds nothing, a stateless one, costs no write)."""
+    held = [rid for rid in rids if rid in _holding]
+    if held:
+        _holding.difference_update(held)
+        if _pipe is not None:
+            _tell(["E", *held])
 
 
 def death_frames(rid: str, first, media_type: str) -> bytes:

@@ -4,9 +4,11 @@ does). Standard library only: it starts in a fraction of a second and holds no m
     python -m handlers.torchserve.guardian_main SOCK_FD PIPE_FD FRONTEND_PID MODEL_JSON TEMPLATE_JSON MODE
 
 MODE "async": the death frames, then the worker replaced (scaled to 0 and back); "sync" (a
-one-sequence decoder's worker, which TorchServe restarts itself): the death frames of the streams
-under way, then the connection let go, at once where none was under way (the frontend sees the
-death only once every holder of the worker's end of the connection has closed it).
+worker TorchServe restarts itself: a one-sequence decoder's, or one given batches): the death
+frames of the streams under way, then the connection let go; where none was under way, once the
+frontend has written the batch it was gathering, or at once for a worker of one request per
+batch (the frontend sees the death only once every holder of the worker's end of the connection
+has closed it).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import base64
 import fcntl
 import json
 import os
+import select
 import socket
 import ssl
 import struct
@@ -229,15 +232,30 @@ def end_streams(sock: socket.socket, held: dict) -> int:
     return 0
 
 
+def let_go_after_batch(sock: socket.socket, wait_s: float) -> int:
+    """A sync worker died with no stream under way: the connection is let go once the frontend
+    writes to it (the batch its WorkerThread was gathering, or a stop's close), or after `wait_s`
+    (guardian.batch_wait_s; 0: at once). Let go while the WorkerThread waits for its batch to fill,
+    the death would interrupt that wait and leave the requests it took unanswered
+    (guardian.batched); let go after the write, the WorkerThread answers that batch 507."""
+    try:
+        if wait_s > 0:
+            readable, _, _ = select.select([sock], [], [], wait_s)
+            log(f"the worker died; {'a batch was written to it' if readable else 'no batch came'}: "
+                "the frontend answers it and restarts the worker")
+    finally:
+        sock.close()
+    return 0
+
+
 def main(argv: list) -> int:
     sock_fd, pipe_fd, frontend_pid, model = int(argv[1]), int(argv[2]), int(argv[3]), json.loads(argv[4])
     template = [base64.b64decode(part) for part in json.loads(argv[5])]
     sync = argv[6:7] == ["sync"]
     sock = socket.socket(fileno=sock_fd)
     held = read_records(pipe_fd)
-    if sync and not held:
-        sock.close()  # nothing of ours to end: the frontend's own handling of the death, now
-        return 0
+    if sync and not held:  # nothing of ours to end: the frontend's own handling of the death
+        return let_go_after_batch(sock, float(model.get("batch_wait_s") or 0.0))
     time.sleep(SETTLE_S)
     if not frontend_holds(sock):
         return 0  # a stop on purpose, or the frontend is gone
