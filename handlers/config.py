@@ -5,7 +5,7 @@ prints it; tests/test_config.py keeps the page equal to it).
 
 TorchServe hands the whole YAML to the worker as `context.model_yaml_config`; our options live
 under its `handler:` key, next to TorchServe's own keys, of which the handler reads `deviceType`,
-`deviceIds` and `maxWorkers`/`minWorkers` (declared here too, `torchserve=True`). Every unknown
+`deviceIds`, `maxBatchDelay` and `maxWorkers`/`minWorkers` (declared here too, `torchserve=True`). Every unknown
 key or wrong value fails the load with a message naming the key, what it takes and where to set
 it, so a typo never silently falls back to a default. Nothing else in the package reads
 model-config keys or supplies defaults of its own.
@@ -96,6 +96,10 @@ OPTIONS = (
            "assumed alone", low=1, key="maxWorkers,minWorkers"),
     Option("device_ids", tuple, (), "the GPUs TorchServe spreads the workers over; empty: every visible "
            "one", low=0, key="deviceIds"),
+    # 100: TorchServe 0.12's default where the archive names none (ModelConfig.maxBatchDelay)
+    Option("max_batch_delay_ms", float, 100.0, "how long TorchServe waits for a batch to fill; a batched "
+           "worker's guardian holds a dead worker's connection this long, plus 50 ms, for the batch being "
+           "gathered (handlers/torchserve/guardian.py)", low=0, key="maxBatchDelay"),
     # 0 = decided at load (handlers/torchserve/threads.py): an equal share of the usable cores on a
     # CPU worker (a GPU's engine: 1); the crash-safe probe child follows it.
     Option("cpu_threads", int, 0, "torch intra-op threads of a worker running the model on the CPU, or of "

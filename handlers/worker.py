@@ -71,6 +71,7 @@ class Worker:
 
     def _load(self, plan: startup.StartPlan, context, emit, steps: startup.StartSteps) -> None:
         """A worker that runs the model itself, on the CPU (handlers/startup.py)."""
+        guardian.gathers_batches(plan.config.max_batch_delay_ms)
         self.loaded = startup.load(plan, emit, steps)
         if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
@@ -96,6 +97,7 @@ class Worker:
     def _load_served(self, config, context, emit, steps: startup.StartSteps) -> None:
         """A worker served by the engine (handlers/engine_worker.py): connected, then ready, then
         requests through its whole path to the engine and back."""
+        guardian.gathers_batches(config.max_batch_delay_ms)
         self.loaded = engine_worker.load(context, config, emit, steps)
         if self.loaded.generation is not None:  # a decoder: the engine's batch, streamed from here
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),

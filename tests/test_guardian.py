@@ -110,46 +110,14 @@ def test_a_dead_batched_worker_is_let_go_once_the_frontend_writes_its_batch_or_a
         front.close()
 
 
-def test_batched_and_its_wait_read_the_context():
+def test_batched_reads_the_context_and_the_wait_the_archives_delay(monkeypatch):
     from types import SimpleNamespace
 
-    ctx = SimpleNamespace(system_properties={"batch_size": 8}, model_yaml_config={"maxBatchDelay": 50})
-    assert guardian.batched(ctx) and guardian.batch_wait_s(ctx) == pytest.approx(0.05 + guardian.BATCH_MARGIN_S)
+    from handlers.config import parse_config
+
+    assert guardian.batched(SimpleNamespace(system_properties={"batch_size": 8}))
     assert not guardian.batched(SimpleNamespace(system_properties={"batch_size": 1}))
-    default = guardian.batch_wait_s(SimpleNamespace(model_yaml_config=None))  # TorchServe's 100 ms
-    assert default == pytest.approx(0.1 + guardian.BATCH_MARGIN_S)
-
-
-def test_a_batch_whose_predict_raises_outside_its_try_is_answered_500():
-    """TorchServe 0.12's call_predict runs as a future nobody reads (AsyncService.fetch_batches):
-    a raise in predict before or after its own try (its copy.deepcopy of the service's context,
-    which a thread changing that context made raise) dropped the batch, its requests unanswered
-    for good. The patched call_predict answers each a whole 500 and its last frame."""
-    import asyncio
-    import types
-
-    class AsyncService:
-        def run(self):
-            pass
-
-        def send_responses(self):
-            pass
-
-        async def call_predict(self, batch):
-            raise RuntimeError("dictionary changed size during iteration")
-
-    fake = types.SimpleNamespace(AsyncService=AsyncService, create_predict_response=lambda *a, **k: b"",
-                                 retrieve_msg=lambda conn: (b"", None))
-    guardian._patch(fake)
-    service = AsyncService()
-
-    async def run():
-        service.out_queue = asyncio.Queue()
-        await service.call_predict([{"requestId": b"r1"}, {"requestId": b"r2"}])
-        return service.out_queue.get_nowait()
-    frame = asyncio.run(run())
-    assert frame.rids == ("r1", "r2")
-    assert bytes(frame) == bytes(guardian.unanswered(["r1", "r2"], RuntimeError(
-        "dictionary changed size during iteration")))
-    assert frame.count(struct.pack("!i", 500)) == 2 and b"could not start this request" in frame
-    assert frame.count(b"ts_stream_next") == 2  # each request's last frame: the frontend forgets it
+    monkeypatch.setattr(guardian, "_batch_delay_ms", guardian._batch_delay_ms)
+    assert guardian.batch_wait_s() == pytest.approx(0.1 + guardian.BATCH_MARGIN_S)  # TorchServe's default
+    guardian.gathers_batches(parse_config({"maxBatchDelay": 50}).max_batch_delay_ms)
+    assert guardian.batch_wait_s() == pytest.approx(0.05 + guardian.BATCH_MARGIN_S)

@@ -148,18 +148,19 @@ def batched(context) -> bool:
         return False
 
 
-def batch_wait_s(context) -> float:
-    """How long after a death the frontend may still write the batch it was gathering: the
-    archive's maxBatchDelay (TorchServe's default 100 ms where it names none), and a margin for
-    the frontend's own turn."""
-    cfg = getattr(context, "model_yaml_config", None) or {}
-    try:
-        delay_ms = float(cfg.get("maxBatchDelay", 100))
-    except (TypeError, ValueError):
-        delay_ms = 100.0
-    return max(delay_ms, 0.0) / 1000.0 + BATCH_MARGIN_S
+def gathers_batches(max_batch_delay_ms: float) -> None:
+    """The archive's maxBatchDelay (handlers/config.py max_batch_delay_ms), told at load: how long
+    after a death the frontend may still write the batch it was gathering, beside a margin for the
+    frontend's own turn (batch_wait_s)."""
+    global _batch_delay_ms
+    _batch_delay_ms = float(max_batch_delay_ms)
 
 
+def batch_wait_s() -> float:
+    return _batch_delay_ms / 1000.0 + BATCH_MARGIN_S
+
+
+_batch_delay_ms = 100.0  # TorchServe 0.12's default; the load tells the archive's (gathers_batches)
 # beside maxBatchDelay: the frontend's WorkerThread writing what it gathered (a worker idle when it
 # dies is restarted this much later)
 BATCH_MARGIN_S = 0.05
@@ -250,7 +251,7 @@ def start(sock, context, mode: str) -> None:
     global _pipe
     manifest = getattr(context, "manifest", None) or {}
     model = {"name": context.model_name, "version": (manifest.get("model") or {}).get("modelVersion"),
-             "batch_wait_s": batch_wait_s(context) if batched(context) else 0.0}
+             "batch_wait_s": batch_wait_s() if batched(context) else 0.0}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root}
     read_end, write_end = os.pipe()
