@@ -99,7 +99,8 @@ OPTIONS = (
     # 100: TorchServe 0.12's default where the archive names none (ModelConfig.maxBatchDelay)
     Option("max_batch_delay_ms", float, 100.0, "how long TorchServe waits for a batch to fill; a batched "
            "worker's guardian holds a dead worker's connection this long, plus 50 ms, for the batch being "
-           "gathered (handlers/torchserve/guardian.py)", low=0, key="maxBatchDelay"),
+           "gathered (handlers/torchserve/guardian.py); read from the archive's model-config only (set "
+           "it there when the registration sets another)", low=0, key="maxBatchDelay"),
     # 0 = decided at load (handlers/torchserve/threads.py): an equal share of the usable cores on a
     # CPU worker (a GPU's engine: 1); the crash-safe probe child follows it.
     Option("cpu_threads", int, 0, "torch intra-op threads of a worker running the model on the CPU, or of "

@@ -121,3 +121,36 @@ def test_batched_reads_the_context_and_the_wait_the_archives_delay(monkeypatch):
     assert guardian.batch_wait_s() == pytest.approx(0.1 + guardian.BATCH_MARGIN_S)  # TorchServe's default
     guardian.gathers_batches(parse_config({"maxBatchDelay": 50}).max_batch_delay_ms)
     assert guardian.batch_wait_s() == pytest.approx(0.05 + guardian.BATCH_MARGIN_S)
+
+
+def test_the_guardian_learns_whether_a_batch_was_in_the_workers_hands(monkeypatch):
+    """A sync worker's predict is bracketed by BUSY and IDLE records (a death while busy is let go
+    at once: the frontend waits for that batch's answer), which read_records reads back."""
+    import os
+    from types import SimpleNamespace
+
+    class Service:
+        def set_cl_socket(self, sock):
+            pass
+
+        def predict(self, batch):
+            if batch == "boom":
+                raise RuntimeError("boom")
+            return b"answer"
+
+    service = SimpleNamespace(Service=Service)
+    guardian._patch_sync(service)
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(guardian, "_pipe", write_end)
+    assert Service().predict("batch") == b"answer"
+    with pytest.raises(RuntimeError):
+        Service().predict("boom")
+    os.write(write_end, guardian.BUSY)  # a third batch, in the worker's hands when it died
+    monkeypatch.setattr(guardian, "_pipe", None)
+    os.close(write_end)
+    held, busy = guardian_main.read_records(read_end)
+    assert held == {} and busy
+    read_end, write_end = os.pipe()
+    os.write(write_end, guardian.BUSY + guardian.IDLE)
+    os.close(write_end)
+    assert guardian_main.read_records(read_end) == ({}, False)

@@ -34,6 +34,7 @@ from handlers.errors import ServingError
 logger = logging.getLogger(__name__)
 DEPTH = 2  # steps in flight: one on the device, one launched behind it
 MAX_VIEWS = 8192  # row views of the graphs' tensors kept (_rows): a few MiB at most
+_current = threading.local()  # per thread, the stream a DeviceSteps last made current there (_use_stream)
 
 
 @dataclass(eq=False)
@@ -73,7 +74,6 @@ class DeviceSteps:
         self.new_event = new_event or torch.cuda.Event
         self.registered = {}  # id(arena) -> base pointer, for cudaHostUnregister
         self._events = []  # events of landed steps, recorded again by later ones (not with `timing`)
-        self._stream_thread = None  # the thread whose current stream was made `stream` (_use_stream)
         # id(a graph's input) -> the first row from which it holds its pad value throughout, as the
         # steps left it (unknown: the whole input); Engine.run's call writes the same inputs: forget()
         self._pad_from = {}
@@ -217,13 +217,13 @@ class DeviceSteps:
         return self._events.pop() if self._events else self.new_event()
 
     def _use_stream(self) -> None:
-        """Makes `stream` the current stream of the launching thread, once (PyTorch's current
-        stream is per thread; the runner's own call on that thread enters and leaves its stream
-        with a context, which restores this one): a context per step cost the loop its enter and
-        exit each time."""
-        if self.stream is not None and self._stream_thread != threading.get_ident():
+        """Makes `stream` the current stream of the launching thread where another DeviceSteps did
+        not last (PyTorch's current stream is per thread; the runner's own call on that thread
+        enters and leaves its stream with a context, which restores this one): a context per step
+        cost the loop its enter and exit each time."""
+        if self.stream is not None and getattr(_current, "stream", None) is not self.stream:
             torch.cuda.set_stream(self.stream)
-            self._stream_thread = threading.get_ident()
+            _current.stream = self.stream
 
     def _upload(self, r: Replay, keep: list) -> None:
         rows = sum(n for _, _, n in r.parts)

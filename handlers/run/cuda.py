@@ -96,8 +96,9 @@ class CudaRunner(Runner):
         self._views = {}  # (run_rows, row shapes) -> [device input view per input]
         self._views_grows = -1
         self.stream = worker_stream(device, config.stream_priority)
-        # The stream the weights were uploaded on: the loading thread's current stream, which
-        # nothing in this process changes outside `with torch.cuda.stream(self.stream)`.
+        # The stream the weights were uploaded on: the loading thread's current stream at load
+        # (an engine's loop later makes its own stream current on that thread: waited for once
+        # before, handlers/engine/device.py for_runner).
         self.producer = torch.cuda.current_stream(device)
         self.sync = config.cuda_sync
         self.spin_s = config.cuda_spin_us / 1e6

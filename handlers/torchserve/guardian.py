@@ -1,6 +1,7 @@
 """The return of an async worker (model-config asyncCommunication: a slot decoder's continuous
-batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit; and
-the end of the streams of a sync worker that dies (a one-sequence decoder: ends_streams, below).
+batching, handlers/continuous.py) that dies: SIGKILL, the OOM killer, a sticky fault's exit; the
+end of the streams of a sync worker that dies (a one-sequence decoder: ends_streams, below); and
+the answer to the batch a sync worker's frontend was gathering when it died (batched, below).
 
 TorchServe 0.12 never brings such a worker back. Its frontend restarts a dead worker by running
 the same WorkerThread object again (WorkerThread.retry: `manager.submitTask(this)`), and
@@ -88,7 +89,8 @@ def install() -> str:
         return f"no guardian (TorchServe {__version__}; written against {', '.join(TESTED_VERSIONS)}x)"
     if not frontend_frames.async_worker():
         _patch_sync(service)
-        return "a guardian ends this worker's streams if it dies (started once it streams: ends_streams)"
+        return ("a guardian ends this worker's streams and answers the batch being gathered if it dies "
+                "(started with the connection where it streams or takes batches: ends_streams, batched)")
     from ts import async_service
 
     _patch(async_service)
@@ -97,6 +99,7 @@ def install() -> str:
 
 
 _streams = False  # a sync worker whose answers stream (ends_streams): its guardian starts with its connection
+# (as a batched one's does: batched)
 
 
 def ends_streams() -> None:
@@ -119,8 +122,20 @@ def ends_streams() -> None:
 def _patch_sync(service) -> None:
     """ts/service.py's Service.set_cl_socket (ts/model_service_worker.py handle_connection calls it
     right after the load's answer) starts the guardian where the worker streams or takes batches
-    of more than one request (batched)."""
-    original = service.Service.set_cl_socket
+    of more than one request (batched); Service.predict tells it when a batch is in the worker's
+    hands (a death then: the frontend waits for that batch's answer, and is let go at once)."""
+    original, original_predict = service.Service.set_cl_socket, service.Service.predict
+
+    def predict(self, batch):
+        if _pipe is None:
+            return original_predict(self, batch)
+        _write(BUSY)
+        try:
+            return original_predict(self, batch)
+        finally:
+            _write(IDLE)
+
+    service.Service.predict = predict
 
     def set_cl_socket(self, cl_socket):
         original(self, cl_socket)
@@ -140,7 +155,10 @@ def batched(context) -> bool:
     taken stay in the aggregator unanswered until another request arrives: every client of an idle
     model waited for its own timeout (tests/test_faults.py kill_9, 2026-11-30: 4 of 4 in flight).
     The guardian holds the connection until that batch is written (guardian_main.let_go_after_batch),
-    so the WorkerThread answers it 507 "Worker died." as it answers any batch sent to a dead worker."""
+    so the WorkerThread answers it 507 "Worker died." as it answers any batch sent to a dead worker;
+    a worker that died with a batch in its hands (predict: BUSY) is let go at once. Left open: a
+    batch whose first request arrives later than BATCH_MARGIN_S after an idle worker's death is
+    still being gathered when the guardian lets go; its requests wait for the next request."""
     props = getattr(context, "system_properties", None) or {}
     try:
         return int(props.get("batch_size") or 1) > 1
@@ -264,12 +282,19 @@ def start(sock, context, mode: str) -> None:
     _pipe = write_end
 
 
+BUSY, IDLE = b'["B"]\n', b'["I"]\n'  # a batch entered and left the worker's predict (guardian_main.read_records)
+
+
 def _tell(record: list) -> None:
+    _write((json.dumps(record) + "\n").encode())
+
+
+def _write(line: bytes) -> None:
     global _pipe
     if _pipe is None:
         return
     try:
-        os.write(_pipe, (json.dumps(record) + "\n").encode())  # one write under PIPE_BUF: whole
+        os.write(_pipe, line)  # one write under PIPE_BUF: whole
     except OSError as e:  # the guardian is gone (killed): the worker serves on without one
         logger.warning("the guardian is gone (%s): this worker's streams are no longer ended if it dies", e)
         os.close(_pipe)

@@ -43,9 +43,10 @@ def log(msg: str) -> None:
         pass
 
 
-def read_records(pipe_fd: int) -> dict:
-    """The death frames of the requests streaming when the pipe closed: {rid: frame}."""
-    held, rest = {}, b""
+def read_records(pipe_fd: int) -> tuple:
+    """({rid: death frame} of the requests streaming when the pipe closed, whether a batch was in
+    the worker's predict then)."""
+    held, rest, busy = {}, b"", False
     with os.fdopen(pipe_fd, "rb", buffering=0) as pipe:
         while chunk := pipe.read(65536):
             *lines, rest = (rest + chunk).split(b"\n")
@@ -53,10 +54,12 @@ def read_records(pipe_fd: int) -> dict:
                 op, *args = json.loads(line)
                 if op == "S":
                     held[args[0]] = base64.b64decode(args[1])
+                elif op in ("B", "I"):
+                    busy = op == "B"
                 else:
                     for rid in args:
                         held.pop(rid, None)
-    return held
+    return held, busy
 
 
 def frontend_holds(sock: socket.socket) -> bool:
@@ -240,9 +243,11 @@ def let_go_after_batch(sock: socket.socket, wait_s: float) -> int:
     (guardian.batched); let go after the write, the WorkerThread answers that batch 507."""
     try:
         if wait_s > 0:
-            readable, _, _ = select.select([sock], [], [], wait_s)
-            log(f"the worker died; {'a batch was written to it' if readable else 'no batch came'}: "
-                "the frontend answers it and restarts the worker")
+            poller = select.poll()  # not select(): a descriptor may be past FD_SETSIZE
+            poller.register(sock, select.POLLIN | select.POLLHUP)
+            written = bool(poller.poll(wait_s * 1000.0))
+            log("the worker died idle; " + ("a batch was written to it: the frontend answers it 507" if written
+                                             else f"no batch came within {wait_s:.2f} s") + " and restarts the worker")
     finally:
         sock.close()
     return 0
@@ -253,9 +258,10 @@ def main(argv: list) -> int:
     template = [base64.b64decode(part) for part in json.loads(argv[5])]
     sync = argv[6:7] == ["sync"]
     sock = socket.socket(fileno=sock_fd)
-    held = read_records(pipe_fd)
+    held, busy = read_records(pipe_fd)
     if sync and not held:  # nothing of ours to end: the frontend's own handling of the death
-        return let_go_after_batch(sock, float(model.get("batch_wait_s") or 0.0))
+        # busy: the frontend waits for the answer to the batch it sent, and answers it 507 at the close
+        return let_go_after_batch(sock, 0.0 if busy else float(model.get("batch_wait_s") or 0.0))
     time.sleep(SETTLE_S)
     if not frontend_holds(sock):
         return 0  # a stop on purpose, or the frontend is gone
