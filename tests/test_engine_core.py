@@ -2,6 +2,7 @@
 and the engine as a process (python -m handlers.engine.serve): SIGKILL of the engine mid-request, SIGKILL
 of a worker. Every wait has a deadline: a hang fails the test instead of holding the run."""
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -155,10 +156,16 @@ def engine_process(tmp_path):
                                 env={**ENV, "ENGINE_KIT_SLOW": str(slow), **(env or {})}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         procs.append(proc)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no socket"
-            time.sleep(0.05)
+        # its ready line, printed once it listens: the socket's file exists from bind, before the
+        # listen, and a connect in between is refused (seen under load in a fresh-clone CI)
+        deadline, out = time.monotonic() + 60, b""
+        while b'{"pid"' not in out:
+            left = deadline - time.monotonic()
+            assert left > 0, out.decode(errors="replace")
+            if select.select([proc.stdout], [], [], min(left, 0.5))[0]:
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                assert chunk or b'{"pid"' in out, f"the engine exited ({proc.wait()}): {out.decode(errors='replace')}"
+                out += chunk
         assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
         return proc, sock
 
