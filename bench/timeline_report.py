@@ -20,9 +20,13 @@ INTERVALS = (("idle: waiting for the frontend", "wait", "arrived"),
              ("read the message", "arrived", "read"),
              ("TorchServe before the entry", "read", "handle"),
              ("read, decode, admit", "handle", "decoded"),
-             # a worker runs no CUDA (the per-worker GPU path was retired, issue 64): on a GPU this
-             # is the engine's round trip (handlers/engine/runner.py), on the CPU the model's call
-             ("run the batch", "decoded", "ran"),
+             # a worker runs no CUDA (the per-worker GPU path was retired, issue 64): on a GPU the
+             # next three are the engine's round trip (handlers/engine/runner.py marks launched
+             # and synced); on the CPU, where the worker calls the model itself and marks neither
+             # (each takes the mark before it), the model's call is in the third
+             ("pad, into the arena, sent", "decoded", "launched"),
+             ("the engine's answers", "launched", "synced"),
+             ("split outputs (CPU: the model's call)", "synced", "ran"),
              ("encode", "ran", "encoded"),
              ("set replies on the context", "encoded", "replied"),
              ("TorchServe sends the reply", "replied", "next"))

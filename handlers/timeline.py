@@ -9,9 +9,10 @@ send the reply, read the next; ts/model_service_worker.py):
   read      the whole message is read (handlers/torchserve/frontend_frames.py)
   handle    the entry is called (read -> handle: TorchServe's Service.predict before it)
   decoded   every request read, decoded and admitted (handlers/pipeline.py)
-  launched  inputs copied to the device and the call or graph replay queued, outputs' copies
-            to the host queued behind it (handlers/run/cuda.py)
-  synced    the host has waited for the GPU to finish them
+  launched  a worker served by the engine: every job written into its arena and sent
+            (handlers/engine/runner.py); a CUDA runner's own call (handlers/run/cuda.py): inputs
+            copied to the device, the call queued, outputs' copies queued behind it
+  synced    every job answered by the engine; a CUDA runner: the host waited for the GPU
   ran       the outputs split per request (synced -> ran: unpadding, splitting)
   encoded   every answer encoded
   replied   the answers set on TorchServe's context (encoded -> replied; replied -> the next

@@ -53,7 +53,8 @@
 #                               (default none), ours_late (handler.engine_launch late) with ELATE=1, ours_nospin
 #                               (engine_spin_us and engine_wait_spin_us 0: the default before s77) with
 #                               ENOSPIN=1; 1, 64, 128 clients; wrk on cores of its
-#                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy);
+#                               own (LOAD=python: the Python clients); ESPY=RATE samples the workers (py-spy); ETIMELINE=1 records
+#                               our workers' batch cycles (bench_e2e --timeline);
 #                               EHANDLERS (default ours,echo: the variants are served only beside ours), ECLIENTS;
 #                               CS_ENGINE_SAMPLE=PATH: each engine's own account, added to the results file;
 #                               CS_ENGINE_PROFILE=START:COUNT beside it: torch's profiler table of that window of
@@ -247,7 +248,7 @@ for part in $PARTS; do
          $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" ${evariants[@]+"${evariants[@]}"} --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-4}" \
            --batch-size "$BATCH" --workers-per-gpu "${EWORKERS_OURS:-12}" --max-batch-delay "$DELAY" \
-           --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ;;
+           --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ${ETIMELINE:+--timeline} ;;
     engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our

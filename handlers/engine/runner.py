@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from handlers import timeline
 from handlers.batch import offsets
 from handlers.errors import EngineDead, EngineTimeout, ServingError
 from handlers.run.base import Runner
@@ -71,11 +72,15 @@ class EngineRunner(Runner):
         for i, r in enumerate(requests):
             groups.setdefault(tuple(tuple(t.shape[1:]) for t in r.values()), []).append(i)
         sent = [(idxs, self._submit(client, [requests[i] for i in idxs])) for idxs in groups.values()]
+        if timeline.ON:
+            timeline.mark("launched")  # every job in the arena and sent
         out = [None] * len(requests)
         for idxs, job in sent:
             answers = self._answers(client, job, [requests[i] for i in idxs], [rows[i] for i in idxs])
             for i, a in zip(idxs, answers):
                 out[i] = a
+        if timeline.ON:
+            timeline.mark("synced")  # every job answered
         if sizes is not None:
             out = [o if isinstance(o, ServingError) else self.pad.cut(o, s) for o, s in zip(out, sizes)]
         return out
