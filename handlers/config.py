@@ -166,7 +166,8 @@ OPTIONS = (
     # measured against the per-worker path.
     # The per-worker GPU path (`off`) was retired (issue 64 item 6): see RETIRED_VALUES.
     # As cs-archive sized the engine (compiled_serving/worker_sizing.py): checked by the engine before
-    # it loads (handlers/engine/artifact.py room) instead of failing out of memory part-way, and read
+    # it loads (handlers/engine/room.py, with the other engines loading on that GPU counted) instead
+    # of failing out of memory part-way, and read
     # by compiled_serving/kserve.py for the pod's GPU memory. The name is older than the engine.
     Option("worker_gpu_mb", float, 0.0, "GPU memory the model's engine needs on its GPU, MiB (cs-archive "
            "writes it); an engine with less free refuses to load; 0: no check", low=0),

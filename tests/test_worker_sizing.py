@@ -4,10 +4,12 @@ refusal to load where its GPU has less free than it needs (mem_get_info replaced
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -166,11 +168,11 @@ def test_archive_without_a_gpu_says_the_memory_was_assumed_and_refuses_what_cann
     assert re.search(r"the engine does not fit: GPU memory 24576 MiB \(assumed: no GPU here", r.stderr), r.stderr
 
 
-# -- the engine's refusal (handlers/engine/artifact.py room)
+# -- the engine's refusal and its GPU's ledger (handlers/engine/room.py)
 
 def _free(monkeypatch, *free_mib, total_mib=23034):
     """mem_get_info answering each of `free_mib` in turn (the last one from then on)."""
-    from handlers.engine import artifact
+    from handlers.engine import room
 
     seq = list(free_mib)
     calls = []
@@ -180,16 +182,23 @@ def _free(monkeypatch, *free_mib, total_mib=23034):
         return (seq.pop(0) if len(seq) > 1 else seq[0]) * 2**20, total_mib * 2**20
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", info)
-    monkeypatch.setattr(artifact.time, "sleep", lambda s: None)
+    monkeypatch.setattr(room.time, "sleep", lambda s: None)
     return calls
 
 
+def _room(need, placement, ledger=None, **kw):
+    from handlers.engine.room import reserved
+
+    with reserved(need, placement, ledger, gpu_uuid="GPU-test", **kw):
+        pass
+
+
 def test_an_engine_with_less_free_than_it_needs_refuses_with_the_numbers(monkeypatch):
-    from handlers.engine.artifact import InsufficientGpuMemory, room
+    from handlers.engine.room import InsufficientGpuMemory
 
     calls = _free(monkeypatch, 3000)
     with pytest.raises(InsufficientGpuMemory) as e:
-        room(5500, Placement("cuda", 1), wait_s=0.05)
+        _room(5500, Placement("cuda", 1), wait_s=0.05)
     err = e.value
     assert err.status == 503 and err.recurs and calls[0] == 1
     assert "engine needs 5500 MiB" in err.message and "cuda:1 has 3000 MiB free of 23034 MiB" in err.message
@@ -197,22 +206,69 @@ def test_an_engine_with_less_free_than_it_needs_refuses_with_the_numbers(monkeyp
 
 
 def test_an_engine_waits_out_another_load_then_loads(monkeypatch):
-    from handlers.engine.artifact import room
-
-    calls = _free(monkeypatch, 3000, 3000, 8000)  # another engine's load held memory for a moment
-    room(5500, Placement("cuda", 0), wait_s=5)
+    calls = _free(monkeypatch, 3000, 3000, 8000)  # another process held memory for a moment
+    _room(5500, Placement("cuda", 0), wait_s=5)
     assert len(calls) == 3
 
 
 def test_no_check_on_the_cpu_or_without_a_need(monkeypatch):
-    from handlers.engine.artifact import room
-
     calls = _free(monkeypatch, 0)
-    room(5500, Placement("cpu", None))
-    room(0, Placement("cuda", 0))
+    _room(5500, Placement("cpu", None))
+    _room(0, Placement("cuda", 0))
     assert calls == []
     with pytest.raises(ConfigError, match="worker_gpu_mb"):
         parse_config({"handler": {"worker_gpu_mb": -1}})
+
+
+@pytest.fixture
+def other_engine(tmp_path):
+    """Another engine of the same GPU in the middle of its load: a live process whose reservation
+    of 6000 MiB is in the GPU's ledger (as handlers/engine/room.py writes it)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(proc.pid): 6000}))
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_engines_loading_at_once_count_each_others_need(monkeypatch, tmp_path, other_engine):
+    """Both would pass a check of free memory alone (10000 free, 6000 and 5500 needed); the second
+    waits while the first loads, then, the first's memory allocated, refuses with the numbers."""
+    from handlers.engine import room
+
+    free = [10000]
+    checks = []
+
+    def memory():
+        checks.append(free[0])
+        if len(checks) == 3:  # the other engine's load ends: its memory is taken, its reservation gone
+            free[0] = 4000
+            other_engine.kill()
+            other_engine.wait()
+        return free[0], 23034.0
+
+    monkeypatch.setattr(room.time, "sleep", lambda s: None)
+    with pytest.raises(room.InsufficientGpuMemory) as e:
+        with room.reserved(5500, Placement("cuda", 0), str(tmp_path), wait_s=0.05, memory=memory, gpu_uuid="GPU-test"):
+            pytest.fail("loaded beside another engine's load that leaves it too little")
+    assert checks[:2] == [10000, 10000] and checks[-1] == 4000, checks
+    assert "has 4000 MiB free of 23034 MiB" in e.value.message
+    assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {}
+
+
+def test_an_engine_that_fits_beside_another_load_reserves_and_releases(tmp_path, other_engine):
+    from handlers.engine import room
+
+    ledger = tmp_path / "gpu-room-GPU-test.json"
+    with room.reserved(3000, Placement("cuda", 0), str(tmp_path), memory=lambda: (10000.0, 23034.0),
+                       gpu_uuid="GPU-test"):
+        assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000, str(os.getpid()): 3000}
+    assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000}
+    with pytest.raises(RuntimeError):  # a load that fails releases its reservation too
+        with room.reserved(3000, Placement("cuda", 0), str(tmp_path), memory=lambda: (10000.0, 23034.0),
+                           gpu_uuid="GPU-test"):
+            raise RuntimeError("the load failed")
+    assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000}
 
 
 def test_a_decoder_is_sized_as_the_engines_and_engine_off_is_refused_with_the_fix(monkeypatch):

@@ -25,7 +25,7 @@ from handlers.artifact.load import load_artifact
 from handlers.artifact.state import require_checked
 from handlers.artifact.variants import choose_variant
 from handlers.config import parse_config
-from handlers.errors import LoadError
+from handlers.engine import room
 from handlers.run import runner_for
 from handlers.run.padding import verify_padding
 from handlers.run.warm import warm
@@ -62,9 +62,17 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     require_checked(spec, kind)
     decoder = decoder_of(spec)
     _threads(placement.kind, config.cpu_threads)
-    room(config.worker_gpu_mb, placement)
-    if decoder is not None and not decoder.slotted:
-        return _lanes(spec, decoder, placement, config, t0)
+    # the GPU's room for the engine, reserved until its graphs are captured (handlers/engine/room.py)
+    ledger = os.path.join(verdict_root, "engines") if verdict_root else None
+    with room.reserved(config.worker_gpu_mb, placement, ledger):
+        if decoder is not None and not decoder.slotted:
+            return _lanes(spec, decoder, placement, config, t0)
+        return _stateless_or_slots(spec, kind, decoder, placement, config, t0)
+
+
+def _stateless_or_slots(spec, kind, decoder, placement, config, t0: float) -> EngineModel:
+    """The artifact loaded: a slot-form decoder's runner for generation, else the runner every
+    worker's requests go through, warmed up, its graphs captured."""
     model = load_artifact(spec, placement, config)
     if decoder is not None:
         return _slots(model, spec, decoder, placement, config, t0)
@@ -131,39 +139,6 @@ def _host_named(placement):
     if placement.kind != "cuda" or ids is None or len(ids) != 1:
         return placement
     return dataclasses.replace(placement, gpu=ids[0])
-
-
-class InsufficientGpuMemory(LoadError):
-    """Less GPU memory free than the engine needs. It recurs (the same archive on the same GPU): the
-    workers answer every request 503 with this message (handler.answer_load_failure)."""
-
-    status = 503
-    error_type = "InsufficientGpuMemory"
-
-
-ROOM_WAIT_S = 20.0  # another engine's load may hold memory for a moment (its trial copy, a capture)
-
-
-def room(need_mib: float, placement, wait_s: float = ROOM_WAIT_S) -> None:
-    """Before anything is loaded: the GPU has `need_mib` MiB free (handler.worker_gpu_mb, the engine's
-    need as cs-archive sized it; 0: not sized), read again for up to `wait_s` while it has not;
-    InsufficientGpuMemory with the numbers and the fixes otherwise. Nothing on the CPU."""
-    if need_mib <= 0 or placement.kind != "cuda":
-        return
-    deadline = time.monotonic() + wait_s
-    while True:
-        # cudaMemGetInfo: the device's free and total bytes, every process counted
-        free, total = (n / 2**20 for n in torch.cuda.mem_get_info(placement.index))
-        if free >= need_mib:
-            return
-        if time.monotonic() >= deadline:
-            raise InsufficientGpuMemory(
-                f"not enough GPU memory to load: this model's engine needs {need_mib:.0f} MiB (handler.worker_gpu_mb: "
-                f"its copy of the weights plus CUDA context, graphs and activations, as cs-archive sized it) but "
-                f"{placement.where} has {free:.0f} MiB free of {total:.0f} MiB (after {wait_s:.0f}s). Fix: stop the "
-                "other processes on that GPU (nvidia-smi lists them) or serve fewer models on it, or a GPU with more "
-                "memory (re-archive with its --gpu-memory-gib)")
-        time.sleep(0.5)
 
 
 def _threads(kind: str, configured: int) -> None:
