@@ -36,6 +36,12 @@ class OutOfDeviceMemory(ServingError):
     status = 507
     error_type = "OutOfMemory"
 
+    @classmethod
+    def for_request(cls, e: BaseException) -> "OutOfDeviceMemory":
+        """One request's answer where the model ran out of device memory on it: the device's own
+        words and the fix (the same from a worker's call and from the engine's)."""
+        return cls(f"out of device memory for this request ({plain_message(str(e))}); retry later or send fewer rows")
+
 
 class WorkerRestarting(ServingError):
     status = 503

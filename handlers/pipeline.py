@@ -195,6 +195,6 @@ def _one_failed(loaded: Loaded, e: Exception) -> ServingError:
         return client
     if faults.is_oom(e):
         logger.warning("out of device memory on one request: %s", e)
-        return faults.OutOfDeviceMemory(f"out of device memory for this request ({e}); retry later or send fewer rows")
+        return faults.OutOfDeviceMemory.for_request(e)
     logger.exception("inference failed")
     return ServingError(f"model execution failed: {type(e).__name__}: {e}")

@@ -81,6 +81,42 @@ def test_a_bad_request_in_a_batch_fails_alone_with_its_status(three):
     assert clients[1].arena.allocator.in_use() == 0
 
 
+class OutOfMemoryAt(kit.Recorder):
+    """Runs out of device memory on any call of more than `rows` rows, as a CUDA allocation
+    too large for the GPU raises (torch.OutOfMemoryError)."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.limit = rows
+
+    def forward(self, x, ids):
+        if x.shape[0] > self.limit:
+            self.calls.append(x.shape[0])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 GiB.")
+        return super().forward(x, ids)
+
+
+def test_out_of_device_memory_answers_that_request_507_with_the_fix_and_the_engine_serves_on():
+    model = OutOfMemoryAt(4)
+    engine = Engine(kit.runner(model))
+    clients = [InProcessEngine(engine, f"w{i}", 1 << 16, 1 << 16) for i in range(2)]
+    reqs = [kit.request(8, 0), kit.request(2, 1)]
+    ids = [c.submit(r) for c, r in zip(clients, reqs)]
+    engine.step()
+    assert model.calls == [10, 8, 2]  # the call of both, then one per job
+    with pytest.raises(errors.ServingError) as e:
+        clients[0].wait(ids[0], 5)
+    assert e.value.status == 507 and e.value.error_type == "OutOfMemory"
+    assert "out of device memory for this request (CUDA out of memory" in e.value.message
+    assert "send fewer rows" in e.value.message  # what the client can do about it
+    check(model, reqs[1], clients[1].wait(ids[1], 5).outputs)
+    later = clients[0].submit(kit.request(3, 2))
+    engine.step()
+    check(model, kit.request(3, 2), clients[0].wait(later, 5).outputs)
+    for c in clients:
+        c.close()
+
+
 def test_inputs_that_are_not_the_models_fail_before_any_call(three):
     model, engine, clients = three
     job_id = clients[0].submit({"x": torch.zeros(2, 4)})  # no ids

@@ -361,7 +361,7 @@ class Engine:
         if fault is not None:
             return fault
         if is_oom(e):
-            return OutOfDeviceMemory(f"the device ran out of memory for this request: {plain_message(str(e))}")
+            return OutOfDeviceMemory.for_request(e)
         return ServingError(f"the model failed on this request: {type(e).__name__}: {plain_message(str(e))}")
 
     def _answer(self, job: Job, out: dict) -> None:
