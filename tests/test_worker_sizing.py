@@ -224,7 +224,8 @@ def test_no_check_on_the_cpu_or_without_a_need(monkeypatch):
 def other_engine(tmp_path):
     """Another engine of the same GPU in the middle of its load: a live process whose reservation
     of 6000 MiB is in the GPU's ledger (as handlers/engine/room.py writes it)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # an engine as the ledger knows one: its command line runs handlers.engine.serve
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "handlers.engine.serve"])
     (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(proc.pid): 6000}))
     yield proc
     proc.kill()
@@ -254,6 +255,21 @@ def test_engines_loading_at_once_count_each_others_need(monkeypatch, tmp_path, o
     assert checks[:2] == [10000, 10000] and checks[-1] == 4000, checks
     assert "has 4000 MiB free of 23034 MiB" in e.value.message
     assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {}
+
+
+def test_a_reservation_of_an_engine_gone_or_of_a_pid_now_no_engines_is_dropped(tmp_path):
+    """An engine killed mid-load leaves its entry; its pid may since run another program."""
+    from handlers.engine import room
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # no engine
+    try:
+        (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(other.pid): 9000, "999999999": 9000}))
+        with room.reserved(5500, Placement("cuda", 0), str(tmp_path), wait_s=0.05,
+                           memory=lambda: (10000.0, 23034.0), gpu_uuid="GPU-test"):
+            assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {str(os.getpid()): 5500}
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_an_engine_that_fits_beside_another_load_reserves_and_releases(tmp_path, other_engine):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from handlers import process
+from handlers.engine.runner import is_engine
 from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def _reserve(need_mib: float, placement, ledger, wait_s: float, memory: Callable
 @contextmanager
 def _entries(ledger):
     """The ledger's live reservations {pid: MiB} under its lock, written back after the block;
-    those of processes that are gone (killed mid-load) dropped. No ledger, or none usable: {}."""
+    those of engines that are gone (killed mid-load) dropped. No ledger, or none usable: {}."""
     try:
         lock = open(ledger.with_suffix(".lock"), "a") if ledger is not None else None
     except OSError as e:  # the ledger refines the check: without it free memory alone counts
@@ -102,8 +103,7 @@ def _entries(ledger):
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         try:
-            entries = {pid: float(mib) for pid, mib in json.loads(ledger.read_text()).items()
-                       if process.alive(int(pid))}
+            entries = {pid: float(mib) for pid, mib in json.loads(ledger.read_text()).items() if _loading(int(pid))}
         except (OSError, ValueError, TypeError, AttributeError):  # none yet, or not ours: start afresh
             entries = {}
         yield entries
@@ -113,6 +113,13 @@ def _entries(ledger):
             os.replace(tmp, ledger)
         except OSError as e:
             logger.warning("GPU memory ledger %s not written (%s)", ledger, e)
+
+
+def _loading(pid: int) -> bool:
+    """Whether the engine that reserved under `pid` may still be loading: that pid is alive and
+    still an engine (one killed mid-load leaves its entry; a process that reused its number later
+    is no engine)."""
+    return pid == os.getpid() or (process.alive(pid) and is_engine(pid))
 
 
 def _shortfall(need_mib: float, free: float, total: float, placement, waited: float, others: float) -> str:
