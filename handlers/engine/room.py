@@ -74,8 +74,9 @@ def reserved(need_mib: float, placement, ledger_dir: Optional[str], wait_s: floa
 def _reserve(need_mib: float, placement, ledger, wait_s: float, memory: Callable[[], tuple]) -> None:
     started = time.monotonic()
     while True:
-        free, total = memory()  # cudaMemGetInfo: every process on the device counted
         with _entries(ledger) as entries:
+            # read under the lock: an engine that releases its reservation has allocated by then
+            free, total = memory()  # cudaMemGetInfo: every process on the device counted
             others = sum(mib for pid, mib in entries.items() if pid != str(os.getpid()))
             if free - others >= need_mib:
                 entries[str(os.getpid())] = need_mib
