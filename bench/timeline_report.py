@@ -22,11 +22,11 @@ INTERVALS = (("idle: waiting for the frontend", "wait", "arrived"),
              ("read, decode, admit", "handle", "decoded"),
              # a worker runs no CUDA (the per-worker GPU path was retired, issue 64): on a GPU the
              # next three are the engine's round trip (handlers/engine/runner.py marks launched
-             # and synced); on the CPU, where the worker calls the model itself and marks neither
-             # (each takes the mark before it), the model's call is in the third
+             # and synced); a worker calling the model itself (on the CPU, handler.engine not on)
+             # marks neither (each takes the mark before it), so its call is in the third
              ("pad, into the arena, sent", "decoded", "launched"),
              ("the engine's answers", "launched", "synced"),
-             ("split outputs (CPU: the model's call)", "synced", "ran"),
+             ("split outputs (a worker calling the model itself: its call)", "synced", "ran"),
              ("encode", "ran", "encoded"),
              ("set replies on the context", "encoded", "replied"),
              ("TorchServe sends the reply", "replied", "next"))

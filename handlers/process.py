@@ -116,18 +116,16 @@ def lock_within(fd: int, wait_s: float) -> bool:
             time.sleep(0.05)
 
 
-def ready_line(proc, wait_s: float):
-    """The JSON object a process started with stdout=PIPE prints as its first line within
-    `wait_s` seconds (a helper process's "ready" or "error"), or None: then the process is killed,
-    and the caller names what it started and where its log is."""
+def json_line(proc, wait_s: float):
+    """The next line the process prints on its stdout pipe within `wait_s` seconds, as the JSON
+    object it holds; None where none came (its end, the time up) or it is no JSON object."""
     import json
     import select
 
-    ready, _, _ = select.select([proc.stdout], [], [], wait_s)
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, wait_s))
     raw = proc.stdout.readline() if ready else b""
-    proc.stdout.close()
     try:
-        return json.loads(raw)
+        line = json.loads(raw)
     except ValueError:
-        proc.kill()
         return None
+    return line if isinstance(line, dict) else None

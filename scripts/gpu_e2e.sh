@@ -248,7 +248,7 @@ for part in $PARTS; do
          $PY -m bench.bench_e2e "${src[@]}" --handlers "${EHANDLERS:-ours,echo}" ${evariants[@]+"${evariants[@]}"} --rounds "${ROUNDS:-1}" \
            --out "$RESULTS/engine_${model}_fp16_$TAG" --gpus 1 --clients "${ECLIENTS:-1,64,128}" --seconds "${SECONDS_PER_POINT:-4}" \
            --batch-size "$BATCH" --workers-per-gpu "${EWORKERS_OURS:-12}" --max-batch-delay "$DELAY" \
-           --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} ${ETIMELINE:+--timeline} ;;
+           --load-generator "${LOAD:-native}" ${ESPY:+--spy "$ESPY"} $([ "${ETIMELINE:-0}" = 1 ] && echo --timeline) ;;
     engine_mem) $PY -m bench.bench_shared --artifact "$W/big" --modes "${EMODES:-engine}" --restarts 2 --seconds 5 \
            --out "$RESULTS/engine_memory_big_mlp_fp16_$TAG" ;;
     heavy_bert|heavy_r50|heavy_mlp) # heavy load (issue 48): wrk on cores of its own (LOADGEN), our

@@ -63,6 +63,6 @@ def test_the_report_splits_the_engines_round_trip_from_the_workers_own_steps(tmp
     ms = {k: v["mean_ms"] for k, v in rep["intervals"].items()}
     assert ms["pad, into the arena, sent"] == pytest.approx(0.1)  # (0.2 + 0) / 2
     assert ms["the engine's answers"] == pytest.approx(0.45)
-    assert ms["split outputs (CPU: the model's call)"] == pytest.approx((0.05 + 1.15) / 2)
+    assert ms["split outputs (a worker calling the model itself: its call)"] == pytest.approx((0.05 + 1.15) / 2)
     assert ms["read, decode, admit"] == pytest.approx(0.3)
     assert sum(ms.values()) == pytest.approx(10.0)  # the intervals cover the whole cycle

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import zipfile
 
 import pytest
@@ -224,9 +225,12 @@ def test_no_check_on_the_cpu_or_without_a_need(monkeypatch):
 def other_engine(tmp_path):
     """Another engine of the same GPU in the middle of its load: a live process whose reservation
     of 6000 MiB is in the GPU's ledger (as handlers/engine/room.py writes it)."""
+    from handlers.engine import room
+
     # an engine as the ledger knows one: its command line runs handlers.engine.serve
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "handlers.engine.serve"])
-    (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(proc.pid): 6000}))
+    time.sleep(0.05)  # its /proc entry
+    (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(proc.pid): [6000, room._start_time(proc.pid)]}))
     yield proc
     proc.kill()
     proc.wait()
@@ -258,18 +262,25 @@ def test_engines_loading_at_once_count_each_others_need(monkeypatch, tmp_path, o
 
 
 def test_a_reservation_of_an_engine_gone_or_of_a_pid_now_no_engines_is_dropped(tmp_path):
-    """An engine killed mid-load leaves its entry; its pid may since run another program."""
+    """An engine killed mid-load leaves its entry; its pid may since run another program, or another engine."""
     from handlers.engine import room
 
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # no engine
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    other, engine = subprocess.Popen(sleep), subprocess.Popen(sleep + ["handlers.engine.serve"])  # no engine, an engine
     try:
-        (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps({str(other.pid): 9000, "999999999": 9000}))
+        time.sleep(0.05)  # their /proc entries
+        entries = {str(other.pid): [9000, room._start_time(other.pid)], "999999999": [9000, 1],
+                   # an engine now, but not the process that reserved under its number (another start)
+                   str(engine.pid): [9000, room._start_time(engine.pid) - 1]}
+        (tmp_path / "gpu-room-GPU-test.json").write_text(json.dumps(entries))
         with room.reserved(5500, Placement("cuda", 0), str(tmp_path), wait_s=0.05,
                            memory=lambda: (10000.0, 23034.0), gpu_uuid="GPU-test"):
-            assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {str(os.getpid()): 5500}
+            assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {
+                str(os.getpid()): [5500, room._start_time(os.getpid())]}
     finally:
-        other.kill()
-        other.wait()
+        for p in (other, engine):
+            p.kill()
+            p.wait()
 
 
 def test_an_engine_that_fits_beside_another_load_reserves_and_releases(tmp_path, other_engine):
@@ -278,13 +289,14 @@ def test_an_engine_that_fits_beside_another_load_reserves_and_releases(tmp_path,
     ledger = tmp_path / "gpu-room-GPU-test.json"
     with room.reserved(3000, Placement("cuda", 0), str(tmp_path), memory=lambda: (10000.0, 23034.0),
                        gpu_uuid="GPU-test"):
-        assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000, str(os.getpid()): 3000}
-    assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000}
+        assert json.loads(ledger.read_text()) == {str(other_engine.pid): [6000, room._start_time(other_engine.pid)],
+                                                  str(os.getpid()): [3000, room._start_time(os.getpid())]}
+    assert json.loads(ledger.read_text()) == {str(other_engine.pid): [6000, room._start_time(other_engine.pid)]}
     with pytest.raises(RuntimeError):  # a load that fails releases its reservation too
         with room.reserved(3000, Placement("cuda", 0), str(tmp_path), memory=lambda: (10000.0, 23034.0),
                            gpu_uuid="GPU-test"):
             raise RuntimeError("the load failed")
-    assert json.loads(ledger.read_text()) == {str(other_engine.pid): 6000}
+    assert json.loads(ledger.read_text()) == {str(other_engine.pid): [6000, room._start_time(other_engine.pid)]}
 
 
 def test_a_decoder_is_sized_as_the_engines_and_engine_off_is_refused_with_the_fix(monkeypatch):
@@ -352,3 +364,58 @@ def test_cs_archive_refuses_a_retired_handler_option_and_says_why():
     with pytest.raises(archive.ArchiveError, match=r"--handler-option shared_weights: retired, the weights holder"):
         archive.handler_options(["shared_weights=on"])
     assert archive.handler_options(["max_json_mb=4"]) == {"max_json_mb": 4}
+
+
+def test_an_engine_that_waits_for_room_says_so_and_when_it_has_it(monkeypatch, tmp_path, other_engine):
+    """The engine's notices (printed before its ready line by handlers/engine/serve.py): one when
+    it starts waiting for another engine's load, one when it has room, with the seconds waited."""
+    from handlers.engine import room
+
+    told, checks = [], []
+
+    def memory():
+        checks.append(1)
+        if len(checks) == 3:  # the other engine's load ends: its reservation gone, room enough left
+            other_engine.kill()
+            other_engine.wait()
+        return 10000.0, 23034.0
+
+    monkeypatch.setattr(room.time, "sleep", lambda s: None)
+    with room.reserved(5500, Placement("cuda", 0), str(tmp_path), memory=memory, gpu_uuid="GPU-test",
+                       notice=told.append) as waited:
+        assert waited >= 0
+    assert [list(t) for t in told] == [["waiting_for_room"], ["room_after_s"]], told
+    assert "6000 MiB of it reserved by other engines still loading, 5500 MiB needed" in told[0]["waiting_for_room"]
+
+
+def _engine_script(tmp_path, lines: list) -> list:
+    """A stand-in engine: prints each (seconds to wait first, JSON object) of `lines` on stdout."""
+    script = tmp_path / "engine.py"
+    script.write_text("import json, sys, time\n" + "".join(
+        f"time.sleep({wait}); print(json.dumps({obj!r}), flush=True)\n" for wait, obj in lines)
+        + "time.sleep(30)\n")
+    return [sys.executable, str(script)]
+
+
+def test_the_worker_waits_longer_for_an_engine_that_waits_for_gpu_room(monkeypatch, tmp_path):
+    from handlers.engine import link, room
+    from handlers.errors import LoadError
+
+    monkeypatch.setattr(link, "ENGINE_START_S", 0.5)
+    monkeypatch.setattr(room, "MAX_WAIT_S", 1.0)
+    waits = _engine_script(tmp_path, [(0, {"waiting_for_room": "cuda:0: 4000 MiB free"}), (0.8, {"room_after_s": 0.8}),
+                                      (0.3, {"pid": 4242})])
+    proc = subprocess.Popen(waits, stdout=subprocess.PIPE)
+    assert link._ready_line(proc, "LOG") == {"pid": 4242}  # 1.1 s after its start, past ENGINE_START_S
+    proc.kill()
+    proc.wait()
+    silent = _engine_script(tmp_path, [(0, {"waiting_for_room": "cuda:0: 4000 MiB free"})])
+    proc = subprocess.Popen(silent, stdout=subprocess.PIPE)
+    t0 = time.monotonic()
+    with pytest.raises(LoadError, match="it waited for GPU room first") as e:
+        link._ready_line(proc, "LOG")
+    assert 1.4 < time.monotonic() - t0 < 5 and proc.poll() is not None, e.value  # MAX_WAIT_S + ENGINE_START_S, then killed
+    slow = _engine_script(tmp_path, [(1.0, {"pid": 1})])  # no notice: ENGINE_START_S is its limit
+    proc = subprocess.Popen(slow, stdout=subprocess.PIPE)
+    with pytest.raises(LoadError, match="still loading at the 0s limit"):
+        link._ready_line(proc, "LOG")

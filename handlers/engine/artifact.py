@@ -47,10 +47,11 @@ class EngineModel:
     budget: Optional[tuple] = None  # a decoder's (Budget, its note): the engine generates
 
 
-def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> EngineModel:
+def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None, notice=None) -> EngineModel:
     """The archive in `model_dir` loaded for this process's device (`gpu_id`: 0 for the one GPU
     a confined engine sees, None for the CPU), warmed up, graphs captured; LoadError naming the
-    cause and its fix otherwise (the workers fail their load with it)."""
+    cause and its fix otherwise (the workers fail their load with it). `notice`: told when the
+    load waits for other engines' loads on its GPU (handlers/engine/room.py reserved)."""
     t0 = time.perf_counter()
     config = parse_config(yaml_config)
     torch.set_float32_matmul_precision(config.float32_matmul_precision)
@@ -64,7 +65,8 @@ def load(model_dir: str, yaml_config: dict, gpu_id, verdict_root=None) -> Engine
     _threads(placement.kind, config.cpu_threads)
     # the GPU's room for the engine, reserved until its graphs are captured (handlers/engine/room.py)
     ledger = os.path.join(verdict_root, "engines") if verdict_root else None
-    with room.reserved(config.worker_gpu_mb, placement, ledger):
+    with room.reserved(config.worker_gpu_mb, placement, ledger, notice=notice) as waited:
+        t0 += waited  # the load line's load time is the load's own (the room's log line says the wait)
         if decoder is not None and not decoder.slotted:
             return _lanes(spec, decoder, placement, config, t0)
         return _stateless_or_slots(spec, kind, decoder, placement, config, t0)

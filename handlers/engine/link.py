@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,10 +23,15 @@ import time
 from typing import Optional
 
 from handlers import process
+from handlers.engine import room
 from handlers.engine.client import EngineClient
 from handlers.errors import EngineUnavailable, LoadError, ProtocolError
 
+logger = logging.getLogger(__name__)
 ENGINE_START_S = 600.0  # an engine's load, warm-up and CUDA graph captures at most
+# a sibling worker starting the engine holds the lock while it waits for the ready line: the
+# engine's start, after a wait for GPU room (room.MAX_WAIT_S) at most
+LOCK_WAIT_S = ENGINE_START_S + room.MAX_WAIT_S + 30
 IDLE_EXIT_S = 15.0  # longer than TorchServe's restart of a killed worker (about a second) plus its start
 ENGINE_DIR_PREFIX = "cs-engine-"
 
@@ -52,8 +58,8 @@ def connect(root: str, model_dir: str, yaml_config, gpu: Optional[str], gpu_id: 
     p = paths(root, model_dir, yaml_config, gpu)
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        if not process.lock_within(fd, ENGINE_START_S + 30):
-            raise LoadError(f"waited {ENGINE_START_S + 30:.0f}s for the engine's lock {p['lock']}, which a sibling "
+        if not process.lock_within(fd, LOCK_WAIT_S):
+            raise LoadError(f"waited {LOCK_WAIT_S:.0f}s for the engine's lock {p['lock']}, which a sibling "
                             f"worker keeps while it starts the engine; the engine's log: {p['log']}")
         with contextlib.suppress(OSError, EngineUnavailable, ProtocolError):
             return EngineClient(p["sock"], name)
@@ -88,14 +94,29 @@ def start(p: dict, root: str, model_dir: str, yaml_config, gpu_id: Optional[int]
 
 
 def _ready_line(proc, log: str) -> dict:
+    """The engine's ready (or error) line, within ENGINE_START_S of its start, or of its room on the
+    GPU where it says first that it waits for other engines' loads there (handlers/engine/room.py:
+    it refuses by itself after room.MAX_WAIT_S); LoadError where none comes (the engine killed)."""
     t0 = time.monotonic()
-    line = process.ready_line(proc, ENGINE_START_S)
+    deadline, waited = t0 + ENGINE_START_S, ""
+    while True:
+        line = process.json_line(proc, deadline - time.monotonic())
+        if line is not None and "waiting_for_room" in line:
+            waited = f"; it waited for GPU room first ({line['waiting_for_room']})"
+            logger.info("the engine waits for other engines' loads on its GPU: %s", line["waiting_for_room"])
+            deadline = time.monotonic() + room.MAX_WAIT_S + ENGINE_START_S
+        elif line is not None and "room_after_s" in line:
+            deadline = time.monotonic() + ENGINE_START_S  # its own load starts now
+        else:
+            break
+    proc.stdout.close()
     if line is None:
-        try:  # killed by ready_line where it still ran: its status says which
+        proc.kill()
+        try:  # its status says which: killed here where it still ran
             status = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             status = None
         raise LoadError(f"the engine gave no ready line: it ended after {time.monotonic() - t0:.1f}s with exit status "
-                        f"{status} (-9: still loading at the {ENGINE_START_S:.0f}s limit, and killed); its log, with "
-                        f"the cause: {log}")
+                        f"{status} (-9: still loading at the {ENGINE_START_S:.0f}s limit, and killed){waited}; its "
+                        f"log, with the cause: {log}")
     return line

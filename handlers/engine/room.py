@@ -20,7 +20,7 @@ of another TMPDIR, keep another ledger: only free memory counts between them.
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
 import logging
 import os
@@ -35,8 +35,11 @@ from handlers.errors import LoadError
 
 logger = logging.getLogger(__name__)
 WAIT_S = 20.0  # another process may hold memory for a moment (a load's trial copy, a capture)
-MAX_WAIT_S = 600.0  # another engine that never finishes its load (link.ENGINE_START_S) does not hold this one forever
+# another engine that never finishes its load (it may take link.ENGINE_START_S) does not hold this one
+# forever; a worker waits this much longer for an engine that says it waits (link._ready_line)
+MAX_WAIT_S = 600.0
 POLL_S = 0.5
+LOCK_S = 60.0  # the ledger's lock is held for a read, CUDA's free memory and a write
 
 
 class InsufficientGpuMemory(LoadError):
@@ -50,61 +53,83 @@ class InsufficientGpuMemory(LoadError):
 
 @contextmanager
 def reserved(need_mib: float, placement, ledger_dir: Optional[str], wait_s: float = WAIT_S,
-             memory: Optional[Callable[[], tuple]] = None, gpu_uuid: Optional[str] = None):
+             memory: Optional[Callable[[], tuple]] = None, gpu_uuid: Optional[str] = None,
+             notice: Optional[Callable[[dict], None]] = None):
     """The GPU's room for `need_mib` MiB reserved for the block (the engine's load), released
-    however it ends; InsufficientGpuMemory where the GPU lacks it (the module's docstring: when).
+    however it ends, the block given the seconds it waited for it; InsufficientGpuMemory where the GPU lacks it (the module's docstring: when).
     Nothing on the CPU or where `need_mib` is 0. `ledger_dir` None: other engines' reservations are
     not counted. `memory` (free, total) MiB and `gpu_uuid`: the device's own, read through CUDA
-    where not given (tests give both)."""
+    where not given (tests give both). `notice` is told {"waiting_for_room": why} when the engine
+    starts waiting for other engines' loads and {"room_after_s": seconds} when it then has room
+    (handlers/engine/serve.py prints them for the worker, which waits for the engine that long more:
+    handlers/engine/link.py)."""
     if need_mib <= 0 or placement.kind != "cuda":
-        yield
+        yield 0.0
         return
     memory = memory or (lambda: tuple(n / 2**20 for n in _cuda().mem_get_info(placement.index)))
     ledger = None
     if ledger_dir:
         ledger = Path(ledger_dir) / f"gpu-room-{gpu_uuid or _gpu_uuid(placement)}.json"
-    _reserve(need_mib, placement, ledger, wait_s, memory)
+        with contextlib.suppress(OSError):  # link.paths makes it for the engine's socket; a ledger not usable is said below
+            os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
+    waited = _reserve(need_mib, placement, ledger, wait_s, memory, notice or (lambda event: None))
     try:
-        yield
+        yield waited
     finally:
         with _entries(ledger) as entries:
             entries.pop(str(os.getpid()), None)
 
 
-def _reserve(need_mib: float, placement, ledger, wait_s: float, memory: Callable[[], tuple]) -> None:
-    started = time.monotonic()
+def _reserve(need_mib: float, placement, ledger, wait_s: float, memory: Callable[[], tuple], notice) -> float:
+    """Reserves the room, waiting as the module's docstring says; returns the seconds it waited."""
+    started, told = time.monotonic(), False
     while True:
         with _entries(ledger) as entries:
             # read under the lock: an engine that releases its reservation has allocated by then
             free, total = memory()  # cudaMemGetInfo: every process on the device counted
-            others = sum(mib for pid, mib in entries.items() if pid != str(os.getpid()))
+            others = sum(mib for pid, (mib, _) in entries.items() if pid != str(os.getpid()))
             if free - others >= need_mib:
-                entries[str(os.getpid())] = need_mib
+                entries[str(os.getpid())] = (need_mib, _start_time(os.getpid()))
                 break
         waited = time.monotonic() - started
         if waited >= MAX_WAIT_S or (waited >= wait_s and not others):
             raise InsufficientGpuMemory(_shortfall(need_mib, free, total, placement, waited, others))
+        if others and not told:
+            told = True
+            notice({"waiting_for_room": f"{placement.where}: {free:.0f} MiB free, {others:.0f} MiB of it reserved by "
+                                        f"other engines still loading, {need_mib:.0f} MiB needed"})
         time.sleep(POLL_S)
+    waited = time.monotonic() - started
+    if told:
+        notice({"room_after_s": round(waited, 1)})
     logger.info("GPU memory: this engine needs %.0f MiB (handler.worker_gpu_mb); %s has %.0f MiB free of %.0f MiB, "
-                "%.0f MiB of it reserved by other engines still loading", need_mib, placement.where, free, total, others)
+                "%.0f MiB of it reserved by other engines still loading; waited %.1f s", need_mib, placement.where,
+                free, total, others, waited)
+    return waited
 
 
 @contextmanager
 def _entries(ledger):
-    """The ledger's live reservations {pid: MiB} under its lock, written back after the block;
-    those of engines that are gone (killed mid-load) dropped. No ledger, or none usable: {}."""
+    """The ledger's live reservations {pid: (MiB, the process's start time)} under its lock, written
+    back after the block; those of engines that are gone (killed mid-load) dropped. No ledger, or
+    none usable (its lock kept past LOCK_S by a process stuck holding it): {}."""
     try:
         lock = open(ledger.with_suffix(".lock"), "a") if ledger is not None else None
     except OSError as e:  # the ledger refines the check: without it free memory alone counts
         logger.warning("GPU memory ledger %s not usable (%s): other engines' reservations not counted", ledger, e)
         lock = None
+    if lock is not None and not process.lock_within(lock.fileno(), LOCK_S):  # released when the file is closed
+        logger.warning("GPU memory ledger %s kept locked over %.0f s: other engines' reservations not counted",
+                       ledger, LOCK_S)
+        lock.close()
+        lock = None
     if lock is None:
         yield {}
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
         try:
-            entries = {pid: float(mib) for pid, mib in json.loads(ledger.read_text()).items() if _loading(int(pid))}
+            entries = {pid: (float(mib), start) for pid, (mib, start) in json.loads(ledger.read_text()).items()
+                       if _loading(int(pid), start)}
         except (OSError, ValueError, TypeError, AttributeError):  # none yet, or not ours: start afresh
             entries = {}
         yield entries
@@ -116,11 +141,21 @@ def _entries(ledger):
             logger.warning("GPU memory ledger %s not written (%s)", ledger, e)
 
 
-def _loading(pid: int) -> bool:
-    """Whether the engine that reserved under `pid` may still be loading: that pid is alive and
-    still an engine (one killed mid-load leaves its entry; a process that reused its number later
-    is no engine)."""
-    return pid == os.getpid() or (process.alive(pid) and is_engine(pid))
+def _loading(pid: int, start) -> bool:
+    """Whether the engine that reserved under `pid` may still be loading: that pid is alive, still
+    an engine, and the same process (its start time; an engine killed mid-load leaves its entry,
+    and a later process, an engine too, may take its number)."""
+    return pid == os.getpid() or (process.alive(pid) and is_engine(pid) and _start_time(pid) == start)
+
+
+def _start_time(pid: int):
+    """The process's start time in clock ticks after boot (/proc/PID/stat field 22; the fields
+    after the command's closing parenthesis, which may itself hold spaces), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _shortfall(need_mib: float, free: float, total: float, placement, waited: float, others: float) -> str:

@@ -201,7 +201,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     what.add_argument("--factory", help="MODULE:FUNCTION returning the runner")
     ap.add_argument("--config-json", default="null", help="the archive's model-config.yaml as JSON (--model-dir)")
     ap.add_argument("--gpu-id", type=int, default=None, help="the GPU this process places on (--model-dir)")
-    ap.add_argument("--verdict-root", default=None, help="where digest checks are kept (--model-dir)")
+    ap.add_argument("--verdict-root", default=None,
+                    help="the workers' private shared directory (--model-dir): digest checks, and the GPU-room "
+                         "ledger in its engines/ (handlers/engine/room.py)")
     ap.add_argument("--max-rows", type=int, default=None, help="rows per call at most (default: the spec's batch_max)")
     ap.add_argument("--frontend", type=int, default=0, help="exit once this pid is gone (0: not watched)")
     ap.add_argument("--idle-exit-s", type=float, default=0.0, help="exit after this long with no worker (0: never)")
@@ -217,7 +219,10 @@ def build(args) -> tuple:
         return Engine(load_factory(args.factory)(), args.max_rows, args.name), "", "", args.spin_us / 1e6
     from handlers.engine import artifact
 
-    model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root)
+    # a wait for other engines' loads on the GPU is told on stdout before the ready line: the
+    # worker that started this engine waits that much longer for it (handlers/engine/link.py)
+    model = artifact.load(args.model_dir, json.loads(args.config_json), args.gpu_id, args.verdict_root,
+                          notice=lambda event: print(json.dumps(event), flush=True))
     if model.budget is not None:  # a decoder (slots or lanes): the engine generates
         from handlers.engine.generation import Generation
 
