@@ -56,10 +56,10 @@ def reserved(need_mib: float, placement, ledger_dir: Optional[str], wait_s: floa
              memory: Optional[Callable[[], tuple]] = None, gpu_uuid: Optional[str] = None,
              notice: Optional[Callable[[dict], None]] = None):
     """The GPU's room for `need_mib` MiB reserved for the block (the engine's load), released
-    however it ends, the block given the seconds it waited for it; InsufficientGpuMemory where the GPU lacks it (the module's docstring: when).
-    Nothing on the CPU or where `need_mib` is 0. `ledger_dir` None: other engines' reservations are
-    not counted. `memory` (free, total) MiB and `gpu_uuid`: the device's own, read through CUDA
-    where not given (tests give both). `notice` is told {"waiting_for_room": why} when the engine
+    however it ends, the block given the seconds it waited for it; InsufficientGpuMemory where the
+    GPU lacks it (the module's docstring: when). Nothing on the CPU or where `need_mib` is 0.
+    `ledger_dir` None: other engines' reservations are not counted. `memory` (free, total) MiB and
+    `gpu_uuid`: the device's own, read through CUDA where not given (tests give both). `notice` is told {"waiting_for_room": why} when the engine
     starts waiting for other engines' loads and {"room_after_s": seconds} when it then has room
     (handlers/engine/serve.py prints them for the worker, which waits for the engine that long more:
     handlers/engine/link.py)."""
@@ -70,7 +70,7 @@ def reserved(need_mib: float, placement, ledger_dir: Optional[str], wait_s: floa
     ledger = None
     if ledger_dir:
         ledger = Path(ledger_dir) / f"gpu-room-{gpu_uuid or _gpu_uuid(placement)}.json"
-        with contextlib.suppress(OSError):  # link.paths makes it for the engine's socket; a ledger not usable is said below
+        with contextlib.suppress(OSError):  # link.paths made it for the socket; an unusable ledger is logged
             os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
     waited = _reserve(need_mib, placement, ledger, wait_s, memory, notice or (lambda event: None))
     try:
