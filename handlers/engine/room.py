@@ -59,10 +59,10 @@ def reserved(need_mib: float, placement, ledger_dir: Optional[str], wait_s: floa
     however it ends, the block given the seconds it waited for it; InsufficientGpuMemory where the
     GPU lacks it (the module's docstring: when). Nothing on the CPU or where `need_mib` is 0.
     `ledger_dir` None: other engines' reservations are not counted. `memory` (free, total) MiB and
-    `gpu_uuid`: the device's own, read through CUDA where not given (tests give both). `notice` is told {"waiting_for_room": why} when the engine
-    starts waiting for other engines' loads and {"room_after_s": seconds} when it then has room
-    (handlers/engine/serve.py prints them for the worker, which waits for the engine that long more:
-    handlers/engine/link.py)."""
+    `gpu_uuid`: the device's own, read through CUDA where not given (tests give both). `notice` is
+    told {"waiting_for_room": why} when the engine starts waiting for other engines' loads and
+    {"room_after_s": seconds} when it then has room (handlers/engine/serve.py prints them for the
+    worker, which waits for the engine that long more: handlers/engine/link.py)."""
     if need_mib <= 0 or placement.kind != "cuda":
         yield 0.0
         return
