@@ -35,14 +35,29 @@ def _ephemeral_low() -> int:
         return 0
 
 
+def _port_range(low: int) -> tuple:
+    """[first, end) of the ports free_port draws from: 10000 up to the ephemeral range, or, in a
+    pytest-xdist worker (PYTEST_XDIST_WORKER gwN), the N-th of 16 equal parts of it (wrapping), so
+    two test processes never hand out the same port: both could find it free before either server
+    binds it (a fresh-clone CI run, 2026-11-30: TorchServe's gRPC bind, "Address already in use")."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit()):
+        return 10000, low
+    part = (low - 10000) // 16
+    first = 10000 + (int(worker[2:]) % 16) * part
+    return first, first + part
+
+
 def free_port() -> int:
     """A loopback port free now, chosen below the kernel's ephemeral range where there is one:
     a port of that range, released before the server binds it, can meanwhile become an outgoing
     connection's source port (TorchServe then failed with "Address already in use"), while ports
-    below it are only ever taken by an explicit bind. Never the same port twice in a process."""
+    below it are only ever taken by an explicit bind. Never the same port twice in a process, nor
+    in two test processes of one run (_port_range)."""
     low = _ephemeral_low()
+    first, end = _port_range(low)
     for _ in range(200 if low > 11000 else 0):
-        port = random.randrange(10000, low)
+        port = random.randrange(first, end)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:

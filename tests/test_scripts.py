@@ -214,3 +214,21 @@ def test_the_picked_compiler_reaches_an_inductor_config_imported_before_it(monke
         assert os.environ["CXX"] == "c++"
     finally:
         inductor.cpp.cxx = saved
+
+
+def test_test_processes_of_one_run_draw_ports_from_their_own_parts(monkeypatch):
+    """compiled_serving/local_server.py free_port: two pytest-xdist workers could each find one
+    port free before either server binds it; each worker draws from a part of its own."""
+    from compiled_serving import local_server
+
+    monkeypatch.setattr(local_server, "_ephemeral_low", lambda: 32768)
+    ranges = {}
+    for worker in ("gw0", "gw1", "gw15", "gw16"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        ranges[worker] = local_server._port_range(32768)
+        port = local_server.free_port()
+        assert ranges[worker][0] <= port < ranges[worker][1], (worker, port)
+    assert ranges["gw0"][1] <= ranges["gw1"][0] and ranges["gw15"][1] <= 32768
+    assert ranges["gw16"] == ranges["gw0"]  # past 16 workers the parts are shared again
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert local_server._port_range(32768) == (10000, 32768)
