@@ -48,13 +48,12 @@ class Worker:
         emit, answer_failure = metric_sink(context), True  # a config that failed to parse: answer
         try:
             engine_config = engine_worker.wanted(context)
-            plan = None if engine_config is not None else startup.plan(context)
-            config = engine_config if plan is None else plan.config
-            answer_failure = config.answer_load_failure
-            guardian.gathers_batches(config.max_batch_delay_ms)
-            if plan is None:  # the model runs in the engine of this worker's GPU
-                self._load_served(config, context, emit, steps)
+            if engine_config is not None:  # the model runs in the engine of this worker's GPU
+                answer_failure = engine_config.answer_load_failure
+                self._load_served(engine_config, context, emit, steps)
             else:
+                plan = startup.plan(context)
+                answer_failure = plan.config.answer_load_failure
                 self._load(plan, context, emit, steps)
         except Exception as e:  # noqa: BLE001  (every cause, named: startup.load_failure)
             err = startup.load_failure(e)
@@ -72,6 +71,7 @@ class Worker:
 
     def _load(self, plan: startup.StartPlan, context, emit, steps: startup.StartSteps) -> None:
         """A worker that runs the model itself, on the CPU (handlers/startup.py)."""
+        guardian.gathers_batches(plan.config.max_batch_delay_ms)
         self.loaded = startup.load(plan, emit, steps)
         if self.loaded.generation is not None:  # a decoder: no batches, no request-path warm-up
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),
@@ -97,6 +97,7 @@ class Worker:
     def _load_served(self, config, context, emit, steps: startup.StartSteps) -> None:
         """A worker served by the engine (handlers/engine_worker.py): connected, then ready, then
         requests through its whole path to the engine and back."""
+        guardian.gathers_batches(config.max_batch_delay_ms)
         self.loaded = engine_worker.load(context, config, emit, steps)
         if self.loaded.generation is not None:  # a decoder: the engine's batch, streamed from here
             self.loaded.generation.use(metrics.for_worker(generation_sink(context, self.name),

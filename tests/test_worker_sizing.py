@@ -261,13 +261,14 @@ def test_engines_loading_at_once_count_each_others_need(monkeypatch, tmp_path, o
     assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {}
 
 
-def test_a_reservation_of_an_engine_gone_or_of_a_pid_now_no_engines_is_dropped(tmp_path, other_engine):
+def test_a_reservation_of_an_engine_gone_or_of_a_pid_now_no_engines_is_dropped(tmp_path):
     """An engine killed mid-load leaves its entry; its pid may since run another program, or another engine."""
     from handlers.engine import room
 
-    other, engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), other_engine  # no engine
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    other, engine = subprocess.Popen(sleep), subprocess.Popen(sleep + ["handlers.engine.serve"])  # no engine, an engine
     try:
-        time.sleep(0.05)  # its /proc entry
+        time.sleep(0.05)  # their /proc entries
         entries = {str(other.pid): [9000, room._start_time(other.pid)], "999999999": [9000, 1],
                    # an engine now, but not the process that reserved under its number (another start)
                    str(engine.pid): [9000, room._start_time(engine.pid) - 1]}
@@ -277,8 +278,9 @@ def test_a_reservation_of_an_engine_gone_or_of_a_pid_now_no_engines_is_dropped(t
             assert json.loads((tmp_path / "gpu-room-GPU-test.json").read_text()) == {
                 str(os.getpid()): [5500, room._start_time(os.getpid())]}
     finally:
-        other.kill()
-        other.wait()
+        for p in (other, engine):
+            p.kill()
+            p.wait()
 
 
 def test_an_engine_that_fits_beside_another_load_reserves_and_releases(tmp_path, other_engine):
